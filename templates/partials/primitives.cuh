@@ -1,0 +1,59 @@
+// ---------------------------------------------------------------------------
+// fagen device-function layer.
+// Every CUDA built-in that is not plain C++ arithmetic (barriers, warp
+// collectives, atomics, intrinsics, dynamic shared memory) is reached through
+// the fa_* functions below. The device branch is what NVRTC compiles; the host
+// branch (FAGEN_EMULATOR) is what the CPU emulator compiles, on top of the
+// emulator's shim (fagen/emulator/shim.h), which supplies threadIdx/blockIdx,
+// __syncthreads, __shfl_xor_sync, atomicAdd as fiber-aware host functions.
+// Kernel bodies use only these, so both paths compile the same kernel text.
+// ---------------------------------------------------------------------------
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef FAGEN_EMULATOR
+#define FA_DEVICE __device__ __forceinline__
+// Base of the block's dynamic shared memory (the whole smem layout lives here).
+FA_DEVICE unsigned char* fa_smem() {
+    extern __shared__ __align__(16) unsigned char fa_dynamic_smem[];
+    return fa_dynamic_smem;
+}
+FA_DEVICE void fa_sync() { __syncthreads(); }
+FA_DEVICE float fa_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+FA_DEVICE float fa_warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
+FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) { return __umulhi(a, b); }
+#else  // FAGEN_EMULATOR: host implementations over the emulator shim
+#define FA_DEVICE static inline
+FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
+FA_DEVICE void fa_sync() { __syncthreads(); }
+FA_DEVICE float fa_warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+FA_DEVICE float fa_warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
+FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
+}
+#endif
+
+// dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
+FA_DEVICE float fa_to_float(float x) { return x; }
+FA_DEVICE float fa_to_float(__half x) { return __half2float(x); }
+FA_DEVICE float fa_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> FA_DEVICE T fa_from_float(float x);
+template <> FA_DEVICE float fa_from_float<float>(float x) { return x; }
+template <> FA_DEVICE __half fa_from_float<__half>(float x) { return __float2half_rn(x); }
+template <> FA_DEVICE __nv_bfloat16 fa_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
