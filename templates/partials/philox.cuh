@@ -1,0 +1,38 @@
+// ---------------------------------------------------------------------------
+// Dropout keep-mask: counter-based Philox4x32-10 (Salmon et al., SC'11).
+// Algorithm 4 line 1 ("set RNG state to R") is the pair (seed, offset); the
+// mask of element (b, h, row, col) is a pure function of those values, so it
+// does not depend on tiles, thread mapping or kernel (forward == backward):
+//   key     = (seed_lo, seed_hi ^ offset_hi)
+//   counter = (col >> 2, row, b * H + h, offset_lo)
+//   r       = Philox4x32-10(counter, key)[col & 3]
+//   keep   <=> r >= drop_threshold, drop_threshold = floor(p * 2^32)
+// The numpy twin is fagen/philox.py.
+// ---------------------------------------------------------------------------
+struct FaU32x4 { unsigned int x, y, z, w; };
+
+FA_DEVICE FaU32x4 fa_philox4x32_10(FaU32x4 c, unsigned int k0, unsigned int k1) {
+    const unsigned int M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+    const unsigned int W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const unsigned int hi0 = fa_umulhi(M0, c.x), lo0 = M0 * c.x;
+        const unsigned int hi1 = fa_umulhi(M1, c.z), lo1 = M1 * c.z;
+        c = FaU32x4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+        k0 += W0;
+        k1 += W1;
+    }
+    return c;
+}
+
+// True when element (bh, row, col) survives dropout (Algorithm 4 line 14).
+FA_DEVICE bool fa_dropout_keep(unsigned long long seed, unsigned long long offset,
+                               unsigned int bh, unsigned int row, unsigned int col,
+                               unsigned int drop_threshold) {
+    const FaU32x4 r = fa_philox4x32_10(
+        FaU32x4{col >> 2, row, bh, (unsigned int)(offset & 0xffffffffull)},
+        (unsigned int)(seed & 0xffffffffull),
+        (unsigned int)(seed >> 32) ^ (unsigned int)(offset >> 32));
+    const unsigned int w = (col & 3u) == 0u ? r.x : (col & 3u) == 1u ? r.y : (col & 3u) == 2u ? r.z : r.w;
+    return w >= drop_threshold;
+}
