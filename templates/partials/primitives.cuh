@@ -31,6 +31,7 @@ FA_DEVICE float fa_warp_max(float x) {
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) { return __umulhi(a, b); }
+FA_DEVICE float fa_neg_inf() { return __int_as_float(0xff800000u); }
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
 #define FA_DEVICE static inline
 FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
@@ -47,6 +48,7 @@ FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
 }
+FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 #endif
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).

@@ -1,0 +1,75 @@
+"""Thin NVRTC access: locate the pip-wheel NVRTC and CUDA headers, compile to a cubin.
+
+Uses cuda-pathfinder (a CuPy dependency) to find libnvrtc and the header
+directory, and CuPy's low-level NVRTC binding, which needs no GPU.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc():
+    import cuda.pathfinder as pathfinder
+
+    pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+@functools.lru_cache(maxsize=1)
+def include_dir() -> Path:
+    """Directory holding cuda_fp16.h / cuda_bf16.h (the nvidia-cuda-runtime wheel)."""
+    import cuda.pathfinder as pathfinder
+
+    return Path(pathfinder.find_nvidia_header_directory("cudart"))
+
+
+@functools.lru_cache(maxsize=1)
+def version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())  # type: ignore[return-value]
+
+
+#: Headers the rendered source includes (directly or through cuda_fp16/bf16.h).
+_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp")
+
+
+@functools.lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """sha256 of the CUDA headers the kernels include, so a header update is a cache miss."""
+    h = hashlib.sha256()
+    for name in _HEADERS:
+        p = include_dir() / name
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.exists() else b"<missing>")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class NvrtcResult:
+    ok: bool
+    cubin: bytes
+    log: str
+
+
+def compile_cubin(source: str, filename: str, options: list[str]) -> NvrtcResult:
+    nv = _nvrtc()
+    prog = nv.createProgram(source, filename, [], [])
+    try:
+        try:
+            nv.compileProgram(prog, [*options, f"-I{include_dir()}"])
+            ok = True
+        except nv.NVRTCError:
+            ok = False
+        log = nv.getProgramLog(prog)
+        if isinstance(log, bytes):
+            log = log.decode(errors="replace")
+        log = log.replace("\x00", "")
+        cubin = nv.getCUBIN(prog) if ok else b""
+        return NvrtcResult(ok, bytes(cubin), log)
+    finally:
+        nv.destroyProgram(prog)

@@ -1,0 +1,50 @@
+"""The one settings object. Every environment variable fagen reads is here."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import platformdirs
+
+_ENV = {
+    "cache_dir": "FAGEN_CACHE_DIR",  # where cubins, emulator builds and tuning live
+    "autotune_lookup": "FAGEN_AUTOTUNE_LOOKUP",  # "0" turns tuned-choice lookups off
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path
+    autotune_lookup: bool = True
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        env = os.environ.get(_ENV["cache_dir"])
+        cache = Path(env) if env else Path(platformdirs.user_cache_dir("fagen"))
+        lookup = os.environ.get(_ENV["autotune_lookup"], "1").strip().lower() not in ("0", "false", "off", "no")
+        return cls(cache_dir=cache, autotune_lookup=lookup)
+
+
+_current: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """Current settings (read from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = Settings.from_env()
+    return _current
+
+
+def configure(**changes: object) -> Settings:
+    """Override settings in-process, e.g. ``configure(autotune_lookup=False)``."""
+    global _current
+    _current = replace(get_settings(), **changes)  # type: ignore[arg-type]
+    return _current
+
+
+def reset() -> None:
+    """Forget overrides; the environment is read again on next use."""
+    global _current
+    _current = None

@@ -1,0 +1,247 @@
+"""KernelSpec: the single source of truth for one specialised kernel module.
+
+Compile-time flags live here as fields; everything else (the paper's tile,
+the feasible tile, the smem layout, the procedural name) is derived from the
+fields and never stored twice. Runtime values (batch, heads, seqlens, scale,
+dropout p, seed/offset, strides) are kernel arguments, not fields.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from .families import family_names, get_family
+from .layout import SmemLayout
+
+Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
+DType = Literal["float16", "bfloat16", "float32"]
+Direction = Literal["bwd", "fwd"]
+
+#: Maximum opt-in dynamic shared memory per block (bytes), CUDA C Programming
+#: Guide, "Technical Specifications per Compute Capability" (8.0: 163 KB,
+#: 8.6/8.9: 99 KB, 9.0: 227 KB). See docs/architecture.md.
+ARCH_SMEM_OPTIN: dict[str, int] = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+#: Shared memory per SM (bytes) and resident limits, for occupancy estimates.
+ARCH_SMEM_PER_SM: dict[str, int] = {"sm_80": 167936, "sm_86": 102400, "sm_89": 102400, "sm_90": 233472}
+ARCH_MAX_THREADS_PER_SM: dict[str, int] = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90": 2048}
+ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
+REGS_PER_SM = 65536
+DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+NUM_WARPS_CHOICES = (1, 2, 4, 8)
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_MULTIPLE = 8, 256, 8
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_r: int
+    block_c: int
+
+
+def _field_error(field: str, kind: str, message: str, value: Any) -> ValidationError:
+    return ValidationError.from_exception_data(
+        "KernelSpec",
+        [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)],
+    )
+
+
+class KernelSpec(BaseModel):
+    """One specialised FlashAttention kernel module (compile-time choices only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    direction: Direction = Field("bwd", description="bwd: Algorithm 4 backward; fwd: forward with online softmax")
+    head_dim: int = Field(..., description="d: multiple of 8 in 8..256")
+    dtype: DType = "float16"
+    causal: bool = False
+    key_padding: bool = False
+    dropout: bool = False
+    arch: Arch = "sm_90"
+    sram_bytes: int = Field(None, validate_default=True, description="M in bytes; default: the arch's opt-in max")  # type: ignore[assignment]
+    block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
+    block_c: int | None = Field(None, description="override of B_c (rows of K/V per tile)")
+    num_warps: int = 4
+    impl: str = "simt"
+
+    # ----------------------------------------------------------------- fields
+    @field_validator("head_dim")
+    @classmethod
+    def _check_head_dim(cls, v: int) -> int:
+        if not (HEAD_DIM_MIN <= v <= HEAD_DIM_MAX) or v % HEAD_DIM_MULTIPLE:
+            raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_MULTIPLE} in {HEAD_DIM_MIN}..{HEAD_DIM_MAX}, got {v}")
+        return v
+
+    @field_validator("sram_bytes", mode="before")
+    @classmethod
+    def _default_sram(cls, v: Any, info: Any) -> Any:
+        if v is None:
+            arch = info.data.get("arch")
+            return ARCH_SMEM_OPTIN.get(arch, 0) if arch else v
+        return v
+
+    @field_validator("sram_bytes")
+    @classmethod
+    def _check_sram(cls, v: int, info: Any) -> int:
+        arch = info.data.get("arch")
+        limit = ARCH_SMEM_OPTIN.get(arch) if arch else None
+        if v <= 0:
+            raise ValueError(f"sram_bytes must be positive, got {v}")
+        if limit is not None and v > limit:
+            raise ValueError(f"sram_bytes={v} exceeds the {arch} opt-in shared memory limit of {limit} bytes per block")
+        return v
+
+    @field_validator("num_warps")
+    @classmethod
+    def _check_warps(cls, v: int) -> int:
+        if v not in NUM_WARPS_CHOICES:
+            raise ValueError(f"num_warps must be one of {NUM_WARPS_CHOICES}, got {v}")
+        return v
+
+    @field_validator("impl")
+    @classmethod
+    def _check_impl(cls, v: str) -> str:
+        if v not in family_names():
+            raise ValueError(f"impl must be one of {family_names()}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_feasible(self) -> "KernelSpec":
+        fam = get_family(self.impl)
+        why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch)
+        if why:
+            raise _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
+        for field in ("block_r", "block_c"):
+            v = getattr(self, field)
+            limit = fam.max_block_r if field == "block_r" else fam.max_block_c
+            if v is not None and (v < fam.tile_multiple or v % fam.tile_multiple or v > limit):
+                raise _field_error(
+                    field, "tile",
+                    f"{field}={v} must be a multiple of {fam.tile_multiple} in {fam.tile_multiple}..{limit} ({self.impl} template limit)",
+                    v,
+                )
+        try:
+            _resolve_tile(self._tile_key())
+        except _Infeasible as e:
+            raise _field_error(e.field, "smem", str(e), getattr(self, e.field)) from None
+        return self
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def ctype(self) -> str:
+        return DTYPE_CTYPE[self.dtype]
+
+    @property
+    def sram_elems(self) -> int:
+        """M counted in elements of dtype (Algorithm 4 line 2)."""
+        return self.sram_bytes // self.itemsize
+
+    @property
+    def paper_block_c(self) -> int:
+        """Algorithm 4 line 2: B_c = ceil(M / 4d)."""
+        return math.ceil(self.sram_elems / (4 * self.head_dim))
+
+    @property
+    def paper_block_r(self) -> int:
+        """Algorithm 4 line 2: B_r = min(ceil(M / 4d), d)."""
+        return min(self.paper_block_c, self.head_dim)
+
+    @property
+    def tile(self) -> Tile:
+        """The feasible tile (override, or the paper's point made feasible)."""
+        return _resolve_tile(self._tile_key())
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_layout(self) -> SmemLayout:
+        t = self.tile
+        return get_family(self.impl).smem_layout(self.direction, self.head_dim, self.itemsize, t.block_r, t.block_c)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem_layout.total_bytes
+
+    @property
+    def name(self) -> str:
+        """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90."""
+        flags = [f for f in ("causal", "key_padding", "dropout") if getattr(self, f)]
+        flag_part = "".join(f"_{f.replace('key_padding', 'kpad')}" for f in flags)
+        t = self.tile
+        m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
+        return (
+            f"fa_{self.direction}_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}{flag_part}"
+            f"_br{t.block_r}_bc{t.block_c}_w{self.num_warps}_{self.impl}_{self.arch.replace('_', '')}{m}"
+        )
+
+    @property
+    def cache_key(self) -> str:
+        """Stable digest of the spec's canonical JSON (the compile cache also hashes the source)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
+
+    def replace(self, **changes: Any) -> "KernelSpec":
+        """A new, re-validated spec with some fields changed."""
+        return KernelSpec(**{**self.model_dump(), **changes})
+
+    def without_tiles(self) -> dict[str, Any]:
+        """The spec's fields minus the tuning knobs (tile, warps, family)."""
+        return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl"})
+
+    def _tile_key(self) -> tuple:
+        return (self.impl, self.direction, self.head_dim, self.itemsize, self.sram_bytes, self.block_r, self.block_c)
+
+
+class _Infeasible(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve_tile(key: tuple) -> Tile:
+    """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
+    impl, direction, d, itemsize, sram, br_over, bc_over = key
+    fam = get_family(impl)
+    q = fam.tile_multiple
+
+    def footprint(br: int, bc: int) -> int:
+        return fam.smem_layout(direction, d, itemsize, br, bc).total_bytes
+
+    if br_over is not None and bc_over is not None:
+        need = footprint(br_over, bc_over)
+        if need > sram:
+            field = "block_c" if bc_over >= br_over else "block_r"
+            raise _Infeasible(field, f"tile block_r={br_over} x block_c={bc_over} needs {need} bytes of shared memory, more than sram_bytes={sram}")
+        return Tile(br_over, bc_over)
+    m_elems = sram // itemsize
+    paper_c = math.ceil(m_elems / (4 * d))
+    paper_r = min(paper_c, d)
+    br = br_over if br_over is not None else min(max(q, paper_r // q * q), fam.max_block_r)
+    bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), fam.max_block_c)
+    while footprint(br, bc) > sram:
+        # shrink the free dimension that is larger (B_c first on ties), one quantum at a time
+        can_c = bc_over is None and bc > q
+        can_r = br_over is None and br > q
+        if can_c and (bc >= br or not can_r):
+            bc -= q
+        elif can_r:
+            br -= q
+        else:
+            field = "block_r" if br_over is not None else "block_c"
+            raise _Infeasible(
+                field,
+                f"no tile fits sram_bytes={sram}: the smallest ({br}x{bc}) needs {footprint(br, bc)} bytes of shared memory",
+            )
+    return Tile(br, bc)
