@@ -33,15 +33,17 @@ FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) { return __umulhi(a, b); }
 FA_DEVICE float fa_neg_inf() { return __int_as_float(0xff800000u); }
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
-#define FA_DEVICE static inline
+#define FA_DEVICE inline  // not static: explicit specialisations take no storage class
 FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
-FA_DEVICE void fa_sync() { __syncthreads(); }
-FA_DEVICE float fa_warp_sum(float x) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+// FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
+// the kernel line that reached the barrier (shim.h).
+FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
 }
-FA_DEVICE float fa_warp_max(float x) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+FA_DEVICE float fa_warp_max(float x, FAGEN_EMU_SITE) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS));
     return x;
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }

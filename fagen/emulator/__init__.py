@@ -1,0 +1,40 @@
+"""CPU emulator for fagen's CUDA kernels.
+
+The same rendered CUDA source NVRTC compiles is compiled by g++ on top of a
+shim (``shim.h``) and a fiber runtime (``runtime.h``): every CUDA thread of a
+block is a user-level fiber, barriers and warp collectives are cooperative
+switch points, blocks run one after another. See docs/emulator.md.
+
+    mod = build(source, [KernelSig("k", (("float*", "out"), ("int", "n")))])
+    mod.launch("k", grid=(4, 1, 1), block=(128, 1, 1), smem_bytes=0, args=[out.data_ptr(), n])
+"""
+from __future__ import annotations
+
+from .build import build, clear_memo
+from .errors import (
+    EmulatorBuildError,
+    EmulatorDeadlockError,
+    EmulatorError,
+    EmulatorKernelError,
+    EmulatorLaunchError,
+    EmulatorMemoryError,
+)
+from .module import EmuModule
+from .signature import KernelSig
+
+
+def run_sanitized(source, kernels, name, grid, block, smem_bytes, args, *, cache_dir=None, timeout=600.0):
+    """Builds ``source`` with AddressSanitizer and runs one bounds-checked launch.
+
+    Pointer arguments are numpy arrays (copied in and back out); returns the
+    output buffers by parameter name. See :meth:`EmuModule.run_sanitized`.
+    """
+    module = build(source, kernels, sanitize=True, cache_dir=cache_dir)
+    return module.run_sanitized(name, grid, block, smem_bytes, args, timeout=timeout)
+
+
+__all__ = [
+    "build", "clear_memo", "run_sanitized", "EmuModule", "KernelSig",
+    "EmulatorError", "EmulatorBuildError", "EmulatorLaunchError", "EmulatorDeadlockError",
+    "EmulatorKernelError", "EmulatorMemoryError",
+]

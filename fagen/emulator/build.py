@@ -1,0 +1,230 @@
+"""Compiling kernel sources for the CPU emulator, with an on-disk cache.
+
+The translation unit is ``runtime.h`` + ``shim.h`` + ``#define FAGEN_EMULATOR 1``
++ the rendered kernel source (under ``#line 1 "<stem>.cu"``, so reported lines
+are lines of the source) + one generated launch wrapper per kernel. g++ turns
+it into a shared object cached as ``<cache>/<stem>.so``, where ``stem`` is a
+prefix of the sha256 over everything that determines the binary. Next to it:
+``<stem>.so.sha256`` (a truncated or corrupt .so is rebuilt, never loaded),
+``<stem>.cpp`` (the whole TU) and ``<stem>.cu`` (the kernel source), which is
+what gdb shows when stepping through kernel code.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import EmulatorBuildError
+from .module import EmuModule
+from .signature import KernelSig, SigLike, as_sig, normalize_ctype
+
+_memo: dict[tuple[str, str], EmuModule] = {}
+_memo_lock = threading.Lock()
+
+
+def _default_cache_dir() -> Path:
+    """``$FAGEN_CACHE_DIR/emu`` or the platform user cache ``fagen/emu``."""
+    root = os.environ.get("FAGEN_CACHE_DIR")
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("fagen")
+    return Path(root) / "emu"
+
+
+@functools.cache
+def _support_text() -> tuple[str, str]:
+    """(runtime.h, shim.h) as shipped in the package."""
+    pkg = resources.files(__package__)
+    return pkg.joinpath("runtime.h").read_text(), pkg.joinpath("shim.h").read_text()
+
+
+@functools.cache
+def cuda_include_dir() -> str:
+    """Directory holding cuda_fp16.h / cuda_bf16.h (compiled in host mode)."""
+    env = os.environ.get("FAGEN_EMU_CUDA_INCLUDE")
+    if env:
+        return env
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+    except Exception as exc:  # noqa: BLE001 - any failure means "not found"
+        raise EmulatorBuildError(f"cannot locate the CUDA headers: {exc}") from exc
+    if not found:
+        raise EmulatorBuildError("cannot locate the CUDA headers (cuda.pathfinder found no cudart headers)")
+    return str(found)
+
+
+@functools.cache
+def compiler() -> tuple[str, str]:
+    """(path to g++, its identity string for the cache key)."""
+    cxx = shutil.which(os.environ.get("FAGEN_EMU_CXX", "g++"))
+    if cxx is None:
+        raise EmulatorBuildError("g++ not found (set FAGEN_EMU_CXX to a C++17 compiler)")
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
+    return cxx, f"{cxx}|{out.splitlines()[0] if out else ''}|{machine.strip()}"
+
+
+@functools.cache
+def _header_digest(include_dir: str) -> str:
+    h = hashlib.sha256()
+    for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "vector_types.h"):
+        p = Path(include_dir) / name
+        h.update(p.read_bytes() if p.exists() else b"-")
+    return h.hexdigest()
+
+
+def compile_flags(*, sanitize: bool, debug: bool) -> list[str]:
+    """g++ flags (the include dir is added separately)."""
+    flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
+             "-Wno-unknown-pragmas"]
+    if sanitize:
+        flags += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+    elif debug:
+        flags += ["-O0", "-g"]
+    else:
+        flags += ["-O2"]
+    return flags
+
+
+def render_wrappers(kernels: Sequence[KernelSig]) -> str:
+    """One ``fagen_launch_<name>`` per kernel, unpacking ``void** args`` like
+    cuLaunchKernel's kernelParams (``args[i]`` points at parameter i's value)."""
+    out = ["// ---- generated launch wrappers"]
+    for k in kernels:
+        unpack = ", ".join(
+            f"*reinterpret_cast<{normalize_ctype(t)}*>(args[{i}])" for i, (t, _) in enumerate(k.params)
+        )
+        out.append(
+            f"static void fagen_body_{k.name}(void* a) {{\n"
+            f"    void** args = static_cast<void**>(a);\n"
+            f"    (void)args;\n"
+            f"    {k.name}({unpack});\n"
+            f"}}\n"
+            f'extern "C" __attribute__((visibility("default"))) int fagen_launch_{k.name}(\n'
+            f"        unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,\n"
+            f"        size_t smem, void** args, char* errbuf, size_t errlen) {{\n"
+            f'    return fagen_emu::launch("{k.name}", gx, gy, gz, bx, by, bz, smem, &fagen_body_{k.name},\n'
+            f"                             args, errbuf, errlen);\n"
+            f"}}"
+        )
+    return "\n".join(out) + "\n"
+
+
+def translation_unit(source: str, wrappers: str, stem: str) -> str:
+    runtime, shim = _support_text()
+    return (
+        f"{runtime}\n{shim}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
+        f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
+    )
+
+
+def build(
+    source: str,
+    kernels: Sequence[KernelSig | SigLike],
+    *,
+    sanitize: bool = False,
+    debug: bool = False,
+    cache_dir: Path | str | None = None,
+) -> EmuModule:
+    """Compiles ``source`` for the emulator (or fetches it from the cache).
+
+    ``kernels`` lists the ``extern "C" __global__`` functions to expose.
+    ``sanitize`` builds with AddressSanitizer (launch it with
+    :meth:`EmuModule.run_sanitized`); ``debug`` builds ``-O0 -g`` for gdb.
+    Raises :class:`EmulatorBuildError` with g++'s log when compilation fails.
+    """
+    sigs = tuple(as_sig(k) for k in kernels)
+    names = [k.name for k in sigs]
+    if len(set(names)) != len(names):
+        raise EmulatorBuildError(f"duplicate kernel names in {names}")
+    wrappers = render_wrappers(sigs)
+    cxx, cxx_id = compiler()
+    include = cuda_include_dir()
+    flags = compile_flags(sanitize=sanitize, debug=debug)
+    runtime, shim = _support_text()
+    key = hashlib.sha256(
+        json.dumps([runtime, shim, source, wrappers, cxx_id, flags, include, _header_digest(include)]).encode()
+    ).hexdigest()
+    stem = key[:24]
+    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    memo_key = (str(root.absolute()), stem)
+    with _memo_lock:
+        hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+    so = root / f"{stem}.so"
+    if not _is_valid(so):
+        root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(root / f"{stem}.lock")):
+            if not _is_valid(so):  # another process may have built it meanwhile
+                _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
+    module = EmuModule(so, sigs, sanitized=sanitize)
+    with _memo_lock:
+        return _memo.setdefault(memo_key, module)
+
+
+def clear_memo() -> None:
+    """Forgets the in-process memo (the disk cache stays)."""
+    with _memo_lock:
+        _memo.clear()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_valid(so: Path) -> bool:
+    check = so.with_name(so.name + ".sha256")
+    try:
+        return check.read_text().strip() == _sha256_file(so)
+    except OSError:
+        return False
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
+    _write_atomic(root / f"{stem}.cu", source.encode())
+    _write_atomic(root / f"{stem}.cpp", tu.encode())
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{stem}.", suffix=".so")
+    os.close(fd)
+    try:
+        # Relative source name + cwd=root: debug info points gdb at root.
+        proc = subprocess.run([cxx, *flags, f"{stem}.cpp", "-o", tmp], cwd=root, capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            raise EmulatorBuildError(
+                f"g++ failed to compile the emulator module ({root / f'{stem}.cpp'}; kernel source lines are "
+                f"reported as {stem}.cu:LINE)", proc.stderr + proc.stdout)
+        digest = _sha256_file(Path(tmp))
+        os.replace(tmp, root / f"{stem}.so")
+        _write_atomic(root / f"{stem}.so.sha256", digest.encode())
+    finally:
+        Path(tmp).unlink(missing_ok=True)

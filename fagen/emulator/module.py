@@ -1,0 +1,167 @@
+"""A compiled emulator module and its launches."""
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import (
+    EmulatorDeadlockError,
+    EmulatorError,
+    EmulatorKernelError,
+    EmulatorLaunchError,
+)
+from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value
+
+# Status codes returned by fagen_launch_* (FAGEN_EMU_* in runtime.h).
+STATUS_OK, STATUS_DEADLOCK, STATUS_KERNEL_ERROR, STATUS_BAD_LAUNCH = 0, 1, 2, 3
+_ERRLEN = 8192
+
+Dim3 = tuple[int, int, int]
+Args = Sequence[Any] | Mapping[str, Any]
+
+
+def dim3(value: int | Sequence[int], what: str) -> Dim3:
+    """``4`` or ``(4,)`` or ``(4, 2)`` -> ``(4, 1, 1)`` / ``(4, 2, 1)``."""
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
+        raise EmulatorLaunchError(f"{what}: expected 1 to 3 positive ints, got {value!r}")
+    return (dims + (1, 1))[:3]  # type: ignore[return-value]
+
+
+def ordered_args(sig: KernelSig, args: Args) -> list[Any]:
+    """Arguments in signature order, from a sequence or a name -> value mapping."""
+    names = [n for _, n in sig.params]
+    if isinstance(args, Mapping):
+        missing = [n for n in names if n not in args]
+        extra = [n for n in args if n not in names]
+        if missing or extra:
+            raise EmulatorLaunchError(f"kernel '{sig.name}': missing arguments {missing}, unknown {extra}")
+        return [args[n] for n in names]
+    args = list(args)
+    if len(args) != len(names):
+        raise EmulatorLaunchError(f"kernel '{sig.name}' takes {len(names)} arguments ({', '.join(names)}), "
+                                  f"got {len(args)}")
+    return args
+
+
+def raise_for_status(status: int, message: str, kernel: str, block: Dim3 | None) -> None:
+    """Turns a launch status code into the matching exception."""
+    if status == STATUS_OK:
+        return
+    if status == STATUS_DEADLOCK:
+        raise EmulatorDeadlockError(message, kernel, block)
+    if status == STATUS_KERNEL_ERROR:
+        raise EmulatorKernelError(message, kernel, block)
+    if status == STATUS_BAD_LAUNCH:
+        raise EmulatorLaunchError(message)
+    raise EmulatorError(f"kernel '{kernel}': unknown emulator status {status}: {message}")
+
+
+class EmuModule:
+    """Kernels compiled for the CPU emulator (made by :func:`fagen.emulator.build`)."""
+
+    def __init__(self, path: Path, kernels: Sequence[KernelSig], *, sanitized: bool) -> None:
+        self.path = Path(path)
+        self.sanitized = sanitized
+        self.kernels: dict[str, KernelSig] = {k.name: k for k in kernels}
+        self._codes = {k.name: [code_of(t) for t, _ in k.params] for k in kernels}
+        self._lib: ctypes.CDLL | None = None
+        self._fns: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        if not sanitized:
+            self._load()
+
+    def __repr__(self) -> str:
+        return f"EmuModule({str(self.path)!r}, kernels={list(self.kernels)}, sanitized={self.sanitized})"
+
+    @property
+    def source_path(self) -> Path:
+        """The kernel source as compiled (lines in error messages refer to it)."""
+        return self.path.with_suffix(".cu")
+
+    def sig(self, name: str) -> KernelSig:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise EmulatorLaunchError(f"no kernel '{name}' in this module (have {list(self.kernels)})") from None
+
+    def _load(self) -> ctypes.CDLL:
+        with self._lock:
+            if self._lib is None:
+                if self.sanitized and not _asan_loaded():
+                    raise EmulatorError(
+                        "this module is built with AddressSanitizer, which is not loaded in this process; "
+                        "launch it with run_sanitized() (a child process with libasan preloaded)")
+                self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
+                last = self._lib.fagen_emu_last_block
+                last.argtypes, last.restype = [ctypes.POINTER(ctypes.c_uint)], None
+            return self._lib
+
+    def _fn(self, name: str) -> Any:
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = getattr(self._load(), f"fagen_launch_{name}")
+            fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                                                 ctypes.c_char_p, ctypes.c_size_t]
+            fn.restype = ctypes.c_int
+            self._fns[name] = fn
+        return fn
+
+    def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], smem_bytes: int,
+               args: Args) -> None:
+        """Runs kernel ``name`` over ``grid`` x ``block`` threads, to completion.
+
+        ``args`` in signature order (or by parameter name): pointers as
+        addresses (ints; torch tensors / numpy arrays are accepted and their
+        data pointer used), scalars as Python numbers. Raises
+        :class:`EmulatorDeadlockError`, :class:`EmulatorKernelError` or
+        :class:`EmulatorLaunchError`. The GIL is released while it runs.
+        """
+        sig = self.sig(name)
+        g, b = dim3(grid, "grid"), dim3(block, "block")
+        if not isinstance(smem_bytes, int) or smem_bytes < 0:
+            raise EmulatorLaunchError(f"smem_bytes: expected an int >= 0, got {smem_bytes!r}")
+        holders: list[Any] = []
+        for (ctype, pname), code, value in zip(sig.params, self._codes[name], ordered_args(sig, args)):
+            what = f"kernel '{name}' argument '{pname}' ({ctype})"
+            if code == "P":
+                holders.append(ctypes.c_void_p(pointer_value(value, what)))
+            else:
+                holders.append(ctypes_scalar(code)(scalar_value(code, value, what)))
+        argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
+        err = ctypes.create_string_buffer(_ERRLEN)
+        status = self._fn(name)(*g, *b, smem_bytes, argv, err, _ERRLEN)
+        if status != STATUS_OK:
+            where = (ctypes.c_uint * 3)()
+            self._lib.fagen_emu_last_block(where)  # type: ignore[union-attr]
+            raise_for_status(status, err.value.decode(errors="replace"), name, tuple(where))  # type: ignore[arg-type]
+
+    def run_sanitized(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], smem_bytes: int,
+                      args: Args, *, timeout: float | None = 600.0) -> dict[str, Any]:
+        """Runs one launch bounds-checked, in a child process with AddressSanitizer.
+
+        Pointer arguments are numpy arrays (or ``None``): each is copied into
+        its own exact-size malloc in the child, so any access past its end
+        hits a redzone and raises :class:`EmulatorMemoryError` with the ASan
+        report. After the launch the buffers are copied back into the given
+        arrays (when writable) and also returned, by parameter name.
+        Needs a module built with ``sanitize=True``.
+        """
+        from .sanitize import run_in_child
+
+        if not self.sanitized:
+            raise EmulatorError("run_sanitized needs a module built with build(..., sanitize=True)")
+        sig = self.sig(name)
+        return run_in_child(self.path, sig, self._codes[name], dim3(grid, "grid"), dim3(block, "block"),
+                            smem_bytes, ordered_args(sig, args), timeout=timeout)
+
+
+def _asan_loaded() -> bool:
+    try:
+        ctypes.CDLL(None).__asan_init  # noqa: B018 - probing for the symbol
+        return True
+    except AttributeError:
+        return False

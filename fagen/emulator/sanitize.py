@@ -1,0 +1,95 @@
+"""Bounds-checked launches: an AddressSanitizer build run in a child process.
+
+An ASan-instrumented .so cannot be loaded into a plain Python (the ASan
+runtime must be the first library in the process), so the launch runs in
+``python _child.py`` started with ``LD_PRELOAD=libasan.so``. Buffers travel
+as .npy files; the child copies each into its own exact-size ``malloc`` so an
+overflow lands in a redzone. The child imports only numpy and ctypes.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .build import compiler
+from .errors import EmulatorError, EmulatorMemoryError
+from .module import Dim3, raise_for_status
+from .signature import KernelSig, scalar_value
+
+_ASAN_EXITCODE = 66
+_CHILD = Path(__file__).with_name("_child.py")
+
+
+@functools.cache
+def asan_runtime() -> str:
+    """Path of g++'s libasan.so."""
+    cxx, _ = compiler()
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True,
+                         check=False).stdout.strip()
+    if not out or not os.path.isabs(out) or not os.path.exists(out):
+        raise EmulatorError("libasan.so not found (g++ -print-file-name=libasan.so); install libasan")
+    return out
+
+
+def _asan_report(stderr: str) -> str:
+    start = stderr.find("=================================================================")
+    return stderr[start:] if start >= 0 else stderr
+
+
+def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, block: Dim3, smem_bytes: int,
+                 args: Sequence[Any], *, timeout: float | None) -> dict[str, Any]:
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="fagen-asan-") as tmp:
+        job_args: list[dict[str, Any]] = []
+        arrays: dict[int, Any] = {}
+        for i, ((ctype, pname), code, value) in enumerate(zip(sig.params, codes, args)):
+            what = f"kernel '{sig.name}' argument '{pname}' ({ctype})"
+            if code != "P":
+                job_args.append({"code": code, "value": scalar_value(code, value, what)})
+            elif value is None:
+                job_args.append({"code": "P", "file": None})
+            elif isinstance(value, np.ndarray):
+                np.save(os.path.join(tmp, f"in{i}.npy"), np.ascontiguousarray(value), allow_pickle=False)
+                job_args.append({"code": "P", "file": f"in{i}.npy", "out": f"out{i}.npy"})
+                arrays[i] = value
+            else:
+                raise EmulatorError(f"{what}: run_sanitized takes numpy arrays (or None) for pointers, "
+                                    f"got {type(value).__name__}")
+        job = {"so": str(so), "kernel": sig.name, "grid": grid, "block": block, "smem": smem_bytes,
+               "args": job_args}
+        Path(tmp, "job.json").write_text(json.dumps(job))
+        env = dict(os.environ)
+        env["LD_PRELOAD"] = " ".join(filter(None, [asan_runtime(), env.get("LD_PRELOAD")]))
+        env["ASAN_OPTIONS"] = (f"detect_leaks=0:verify_asan_link_order=0:halt_on_error=1:"
+                               f"exitcode={_ASAN_EXITCODE}:" + env.get("ASAN_OPTIONS", ""))
+        try:
+            proc = subprocess.run([sys.executable, str(_CHILD), tmp], env=env, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise EmulatorError(f"sanitized launch of '{sig.name}' timed out after {timeout} s") from exc
+        if "ERROR: AddressSanitizer" in proc.stderr or proc.returncode == _ASAN_EXITCODE:
+            raise EmulatorMemoryError(
+                f"AddressSanitizer: invalid memory access in kernel '{sig.name}' (grid {grid}, block {block})",
+                _asan_report(proc.stderr))
+        result_path = Path(tmp, "result.json")
+        if proc.returncode != 0 or not result_path.exists():
+            raise EmulatorError(f"sanitized launch of '{sig.name}' failed (exit {proc.returncode}):\n"
+                                f"{proc.stderr}{proc.stdout}")
+        result = json.loads(result_path.read_text())
+        block_idx = tuple(result["block"]) if result["status"] else None
+        raise_for_status(result["status"], result["message"], sig.name, block_idx)  # type: ignore[arg-type]
+        outputs: dict[str, Any] = {}
+        for i, value in arrays.items():
+            out = np.load(os.path.join(tmp, f"out{i}.npy"), allow_pickle=False)
+            if value.flags.writeable:
+                value[...] = out.reshape(value.shape)
+            outputs[sig.params[i][1]] = out
+        return outputs
