@@ -10,7 +10,7 @@ switch points, blocks run one after another. See docs/emulator.md.
 """
 from __future__ import annotations
 
-from .build import build, clear_memo
+from .builder import build, clear_memo
 from .errors import (
     EmulatorBuildError,
     EmulatorDeadlockError,

@@ -27,7 +27,7 @@ def main(folder: str) -> None:
                                          ctypes.c_size_t]
     fn.restype = ctypes.c_int
     holders, buffers = [], []
-    for a in job["args"]:
+    for index, a in enumerate(job["args"]):
         if a["code"] != "P":
             holders.append(_SCALARS[a["code"]](a["value"]))
         elif a["file"] is None:
@@ -36,14 +36,17 @@ def main(folder: str) -> None:
             arr = np.load(os.path.join(folder, a["file"]), allow_pickle=False)
             ptr = libc.malloc(arr.nbytes)  # exact size: the redzone starts right after it
             ctypes.memmove(ptr, arr.ctypes.data, arr.nbytes)
-            buffers.append((ptr, arr, a["out"]))
+            buffers.append((ptr, arr, a["out"], index))
             holders.append(ctypes.c_void_p(ptr))
+    # Where each buffer lives, so the parent can name the one an ASan report hits.
+    with open(os.path.join(folder, "buffers.json"), "w") as f:
+        json.dump([{"arg": a, "addr": ptr, "nbytes": arr.nbytes} for ptr, arr, _, a in buffers], f)
     argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
     err = ctypes.create_string_buffer(_ERRLEN)
     status = fn(*job["grid"], *job["block"], job["smem"], argv, err, _ERRLEN)
     where = (ctypes.c_uint * 3)()
     lib.fagen_emu_last_block(where)
-    for ptr, arr, out in buffers:
+    for ptr, arr, out, _ in buffers:
         ctypes.memmove(arr.ctypes.data, ptr, arr.nbytes)
         np.save(os.path.join(folder, out), arr, allow_pickle=False)
         libc.free(ptr)

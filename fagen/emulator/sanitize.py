@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .build import compiler
+from .builder import compiler
 from .errors import EmulatorError, EmulatorMemoryError
 from .module import Dim3, raise_for_status
 from .signature import KernelSig, scalar_value
@@ -38,9 +39,28 @@ def asan_runtime() -> str:
     return out
 
 
+_REGION = re.compile(r"(\d+) bytes (to the right of|to the left of|inside of) (\d+)-byte region \[(0x[0-9a-f]+),")
+
+
 def _asan_report(stderr: str) -> str:
     start = stderr.find("=================================================================")
     return stderr[start:] if start >= 0 else stderr
+
+
+def _blame(report: str, folder: str, sig: KernelSig) -> str:
+    """Names the kernel argument whose buffer the faulting address is next to."""
+    m = _REGION.search(report)
+    try:
+        buffers = json.loads(Path(folder, "buffers.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if m is None:
+        return ""
+    for b in buffers:
+        if b["addr"] == int(m.group(4), 16):
+            return (f"; the access is {m.group(1)} bytes {m.group(2)} argument "
+                    f"'{sig.params[b['arg']][1]}' ({b['nbytes']} bytes)")
+    return f"; the access is {m.group(1)} bytes {m.group(2)} a {m.group(3)}-byte region (not an argument buffer)"
 
 
 def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, block: Dim3, smem_bytes: int,
@@ -76,9 +96,10 @@ def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, blo
         except subprocess.TimeoutExpired as exc:
             raise EmulatorError(f"sanitized launch of '{sig.name}' timed out after {timeout} s") from exc
         if "ERROR: AddressSanitizer" in proc.stderr or proc.returncode == _ASAN_EXITCODE:
+            report = _asan_report(proc.stderr)
             raise EmulatorMemoryError(
-                f"AddressSanitizer: invalid memory access in kernel '{sig.name}' (grid {grid}, block {block})",
-                _asan_report(proc.stderr))
+                f"AddressSanitizer: invalid memory access in kernel '{sig.name}' (grid {grid}, block {block})"
+                f"{_blame(report, tmp, sig)}", report)
         result_path = Path(tmp, "result.json")
         if proc.returncode != 0 or not result_path.exists():
             raise EmulatorError(f"sanitized launch of '{sig.name}' failed (exit {proc.returncode}):\n"
