@@ -4,7 +4,7 @@ from __future__ import annotations
 from ._version import __version__
 from .compiler import CompiledModule, KernelResources, compile
 from .errors import CompileError, FagenError, InputError, InputTypeError, SpecError
-from .render import Rendered, render
+from .renderer import Rendered, render
 from .spec import KernelSpec
 
 __all__ = [

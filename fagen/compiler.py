@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import cache, nvrtc
 from ._version import __version__
 from .errors import CompileError
-from .render import Rendered, render
+from .renderer import Rendered, render
 from .spec import KernelSpec
 
 

@@ -39,6 +39,12 @@ NUM_WARPS_CHOICES = (1, 2, 4, 8)
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_MULTIPLE = 8, 256, 8
 
 
+def paper_tile(sram_bytes: int, itemsize: int, head_dim: int) -> tuple[int, int]:
+    """Algorithm 4 line 2 with M in elements: (B_r, B_c) = (min(ceil(M/4d), d), ceil(M/4d))."""
+    block_c = math.ceil((sram_bytes // itemsize) / (4 * head_dim))
+    return min(block_c, head_dim), block_c
+
+
 @dataclass(frozen=True)
 class Tile:
     block_r: int
@@ -149,12 +155,12 @@ class KernelSpec(BaseModel):
     @property
     def paper_block_c(self) -> int:
         """Algorithm 4 line 2: B_c = ceil(M / 4d)."""
-        return math.ceil(self.sram_elems / (4 * self.head_dim))
+        return paper_tile(self.sram_bytes, self.itemsize, self.head_dim)[1]
 
     @property
     def paper_block_r(self) -> int:
         """Algorithm 4 line 2: B_r = min(ceil(M / 4d), d)."""
-        return min(self.paper_block_c, self.head_dim)
+        return paper_tile(self.sram_bytes, self.itemsize, self.head_dim)[0]
 
     @property
     def tile(self) -> Tile:
@@ -173,6 +179,12 @@ class KernelSpec(BaseModel):
     @property
     def smem_bytes(self) -> int:
         return self.smem_layout.total_bytes
+
+    @property
+    def min_blocks_per_sm(self) -> int:
+        """Blocks per SM that the smem footprint allows (1 KB reserved per block); the
+        second __launch_bounds__ argument, so ptxas budgets registers for the real occupancy."""
+        return max(1, ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024))
 
     @property
     def name(self) -> str:
@@ -225,9 +237,7 @@ def _resolve_tile(key: tuple) -> Tile:
             field = "block_c" if bc_over >= br_over else "block_r"
             raise _Infeasible(field, f"tile block_r={br_over} x block_c={bc_over} needs {need} bytes of shared memory, more than sram_bytes={sram}")
         return Tile(br_over, bc_over)
-    m_elems = sram // itemsize
-    paper_c = math.ceil(m_elems / (4 * d))
-    paper_r = min(paper_c, d)
+    paper_r, paper_c = paper_tile(sram, itemsize, d)
     br = br_over if br_over is not None else min(max(q, paper_r // q * q), fam.max_block_r)
     bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), fam.max_block_c)
     while footprint(br, bc) > sram:

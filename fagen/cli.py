@@ -1,0 +1,192 @@
+"""The ``fagen`` command line: inspect, generate, compile, autotune.
+
+Errors are one line on stderr naming the option, exit code 2, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from .errors import FagenError, InputError, InputTypeError
+
+#: KernelSpec field -> CLI option (the spec options every command takes).
+SPEC_OPTIONS = {
+    "direction": "--direction", "head_dim": "--head-dim", "dtype": "--dtype", "causal": "--causal",
+    "key_padding": "--key-padding", "dropout": "--dropout", "arch": "--arch", "sram_bytes": "--sram-bytes",
+    "block_r": "--block-r", "block_c": "--block-c", "num_warps": "--num-warps", "impl": "--impl",
+}
+
+
+class UsageError(Exception):
+    """A bad option: printed as one line, exit code 2."""
+
+    def __init__(self, option: str, reason: str) -> None:
+        super().__init__(f"{option}: {reason}" if option else reason)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
+        raise UsageError("" if self.prog == "fagen" else self.prog.removeprefix("fagen "), message)
+
+
+def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = True) -> None:
+    g = p.add_argument_group("spec options")
+    g.add_argument("--direction", choices=("bwd", "fwd"), default="bwd", help="bwd (Algorithm 4) or fwd")
+    g.add_argument("--head-dim", type=int, required=head_dim_required, help="d: multiple of 8 in 8..256")
+    g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    g.add_argument("--causal", action="store_true", help="compile the causal mask in")
+    g.add_argument("--key-padding", action="store_true", help="compile the key-padding mask in")
+    g.add_argument("--dropout", action="store_true", help="compile dropout in")
+    g.add_argument("--arch", choices=("sm_80", "sm_86", "sm_89", "sm_90"), default="sm_90")
+    g.add_argument("--sram-bytes", type=int, default=None, help="M in bytes (default: the arch's opt-in max)")
+    g.add_argument("--block-r", type=int, default=None, help="override B_r")
+    g.add_argument("--block-c", type=int, default=None, help="override B_c")
+    g.add_argument("--num-warps", type=int, default=4)
+    g.add_argument("--impl", default="simt", help="kernel family")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from .spec import KernelSpec
+
+    fields = {f: getattr(args, f) for f in SPEC_OPTIONS}
+    if fields["head_dim"] is None:
+        raise UsageError("--head-dim", "required")
+    if fields["sram_bytes"] is None:
+        del fields["sram_bytes"]
+    try:
+        return KernelSpec(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "head_dim"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise UsageError(SPEC_OPTIONS.get(field, field), msg) from None
+
+
+def _print_table(rows: list[tuple[str, Any]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+# --------------------------------------------------------------------------- commands
+def inspect_dict(spec) -> dict[str, Any]:
+    from .renderer import kernel_infos
+
+    t = spec.tile
+    return {
+        "name": spec.name, "direction": spec.direction, "head_dim": spec.head_dim, "dtype": spec.dtype,
+        "causal": spec.causal, "key_padding": spec.key_padding, "dropout": spec.dropout, "arch": spec.arch,
+        "impl": spec.impl, "sram_bytes": spec.sram_bytes, "paper_block_r": spec.paper_block_r,
+        "paper_block_c": spec.paper_block_c, "block_r": t.block_r, "block_c": t.block_c,
+        "num_warps": spec.num_warps, "num_threads": spec.num_threads, "smem_bytes": spec.smem_bytes,
+        "smem_breakdown": spec.smem_layout.breakdown(),
+        "kernels": [{"kernel": k.name, "block": list(k.block), "smem_bytes": k.smem_bytes,
+                     "grid": f"(ceil(seqlen_{k.role.grid_seq} / {k.rows_per_block}), batch, heads)"}
+                    for k in kernel_infos(spec)],
+        "cache_key": spec.cache_key,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect_dict(spec_from_args(args))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    rows = [(k, v) for k, v in info.items() if k not in ("smem_breakdown", "kernels")]
+    rows += [(f"smem[{n}]", f"{b} B") for n, b in info["smem_breakdown"].items()]
+    rows += [(f"kernel[{i}]", f"{k['kernel']} grid={k['grid']} block={k['block']}") for i, k in enumerate(info["kernels"])]
+    _print_table(rows)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import generate, standard_matrix
+
+    if args.out is None:
+        raise UsageError("--out", "required")
+    if args.all:
+        specs = standard_matrix()
+        changed = generate(specs, Path(args.out), prune=True)
+    else:
+        specs = [spec_from_args(args)]
+        changed = generate(specs, Path(args.out))
+    print(f"{len(specs)} spec(s), {len(changed)} file(s) written to {args.out}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compiler import compile as compile_spec
+
+    mod = compile_spec(spec_from_args(args))
+    rows = [{
+        "kernel": r.kernel, "arch": mod.spec.arch, "registers": r.registers, "spill_bytes": r.spill_bytes,
+        "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
+        "smem_bytes": r.smem_bytes, "static_smem_bytes": r.static_smem_bytes,
+        "dynamic_smem_bytes": r.dynamic_smem_bytes, "compile_seconds": round(mod.compile_seconds, 4),
+        "ptxas_seconds": round(r.ptxas_ms / 1000.0, 4), "cached": mod.cached,
+    } for r in mod.resources]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{mod.spec.name}  ({'cached' if mod.cached else f'compiled in {mod.compile_seconds:.2f}s'}, options: {' '.join(mod.options)})")
+    for r in rows:
+        print(f"  {r['kernel']}: {r['registers']} regs, {r['spill_bytes']} B spills, {r['smem_bytes']} B smem")
+    return 0
+
+
+def cmd_autotune(args: argparse.Namespace) -> int:
+    from .autotune.cli import run
+
+    return run(args, spec_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("inspect", help="derived tile, smem layout and names of a spec")
+    _add_spec_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("generate", help="emit CUDA sources (one spec, or --all for the standard matrix)")
+    _add_spec_options(p, head_dim_required=False)
+    p.add_argument("--all", action="store_true", help="the standard matrix (plus manifest.json)")
+    p.add_argument("--out", type=str, default=None, help="output directory")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("compile", help="NVRTC-compile a spec and report registers/spills/smem")
+    _add_spec_options(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("autotune", help="rank (and on a GPU, time) tiles for a problem")
+    _add_spec_options(p)
+    try:
+        from .autotune.cli import add_arguments
+    except ImportError:  # pragma: no cover
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(p)
+    p.set_defaults(func=cmd_autotune)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"fagen: error: {e}", file=sys.stderr)
+        return 2
+    except (InputError, InputTypeError) as e:
+        print(f"fagen: error: {e}", file=sys.stderr)
+        return 2
+    except FagenError as e:
+        print(f"fagen: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import fagen.settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache dir for the whole run, shared by xdist workers (builds are file-locked)."""
+    if os.environ.get("FAGEN_TEST_CACHE_DIR"):
+        root = Path(os.environ["FAGEN_TEST_CACHE_DIR"])
+    else:
+        base = tmp_path_factory.getbasetemp()
+        root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fagen-cache"
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ["FAGEN_CACHE_DIR"] = str(root)
+    fagen.settings.reset()
+    return root
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private, empty cache dir for tests that count hits and misses."""
+    from fagen.compiler import clear_memo
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    fagen.settings.reset()
+    clear_memo()
+    yield tmp_path / "cache"
+    fagen.settings.reset()
+    clear_memo()
