@@ -379,6 +379,20 @@ def test_philox_known_answers(mod) -> None:
         assert list(got) == _philox_ref(c, k)
 
 
+def test_ucontext_fallback(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The portable context switch (used off x86-64) runs the same kernels."""
+    m = build(SOURCE, SIGS, extra_flags=["-DFAGEN_EMU_UCONTEXT"], cache_dir=tmp_path_factory.getbasetemp() / "emu-uc")
+    n, rounds = 64, 5
+    out = np.zeros(2 * n, np.int32)
+    m.launch("ring", 2, n, n * 4, [out, rounds])
+    expect = np.arange(n)
+    for r in range(rounds):
+        expect = np.roll(expect * 3 + r, -1)
+    np.testing.assert_array_equal(out, np.tile(expect, 2))
+    with pytest.raises(EmulatorDeadlockError):
+        m.launch("half_warp", 1, 64, 0, [np.zeros(64, np.float32)])
+
+
 # ------------------------------------------------------------ sanitizer
 OOB_SOURCE = PRIMITIVES + r"""
 extern "C" __global__ void scale(const float* x, float* y, int n, float a) {

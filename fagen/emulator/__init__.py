@@ -10,6 +10,10 @@ switch points, blocks run one after another. See docs/emulator.md.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 from .builder import build, clear_memo
 from .errors import (
     EmulatorBuildError,
@@ -19,11 +23,13 @@ from .errors import (
     EmulatorLaunchError,
     EmulatorMemoryError,
 )
-from .module import EmuModule
-from .signature import KernelSig
+from .module import Args, EmuModule
+from .signature import KernelSig, SigLike
 
 
-def run_sanitized(source, kernels, name, grid, block, smem_bytes, args, *, cache_dir=None, timeout=600.0):
+def run_sanitized(source: str, kernels: Sequence[KernelSig | SigLike], name: str, grid: int | Sequence[int],
+                  block: int | Sequence[int], smem_bytes: int, args: Args, *,
+                  cache_dir: Path | str | None = None, timeout: float | None = 600.0) -> dict[str, Any]:
     """Builds ``source`` with AddressSanitizer and runs one bounds-checked launch.
 
     Pointer arguments are numpy arrays (copied in and back out); returns the

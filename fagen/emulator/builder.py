@@ -138,6 +138,7 @@ def build(
     *,
     sanitize: bool = False,
     debug: bool = False,
+    extra_flags: Sequence[str] = (),
     cache_dir: Path | str | None = None,
 ) -> EmuModule:
     """Compiles ``source`` for the emulator (or fetches it from the cache).
@@ -145,6 +146,8 @@ def build(
     ``kernels`` lists the ``extern "C" __global__`` functions to expose.
     ``sanitize`` builds with AddressSanitizer (launch it with
     :meth:`EmuModule.run_sanitized`); ``debug`` builds ``-O0 -g`` for gdb.
+    ``extra_flags`` go to g++ as well (e.g. ``-DFAGEN_EMU_STACK_BYTES=1048576``,
+    ``-DFAGEN_EMU_UCONTEXT``); they are part of the cache key.
     Raises :class:`EmulatorBuildError` with g++'s log when compilation fails.
     """
     sigs = tuple(as_sig(k) for k in kernels)
@@ -154,7 +157,7 @@ def build(
     wrappers = render_wrappers(sigs)
     cxx, cxx_id = compiler()
     include = cuda_include_dir()
-    flags = compile_flags(sanitize=sanitize, debug=debug)
+    flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
     runtime, shim = _support_text()
     key = hashlib.sha256(
         json.dumps([runtime, shim, source, wrappers, cxx_id, flags, include, _header_digest(include)]).encode()

@@ -532,6 +532,7 @@ inline bool ensure_capacity(unsigned nthreads) {
     g.stack_base = static_cast<char*>(p);
     g.stack_stride = stride;
     g.stack_count = nthreads;
+    g.stacks_dirty = true;  // fresh mapping: make sure ASan's shadow says "unpoisoned"
     for (unsigned i = 0; i < nthreads; ++i) {
         // Guard page at the low end of every stack: an overflow faults.
         mprotect(g.stack_base + i * stride, page, PROT_NONE);
@@ -628,6 +629,7 @@ inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, uns
         g.smem = nullptr;
         free(smem_buf);
     }
+    fflush(stdout);  // kernel printf output appears before Python's next print
     if (errbuf && errlen) snprintf(errbuf, errlen, "%s", g.msg);
     return status;
 }
