@@ -1,0 +1,48 @@
+"""Every spec of the standard matrix plus float32, emulated on CPU, against the float64 reference."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from numerics import Case, check
+
+HEAD_DIMS = (32, 64, 96, 128)
+DTYPES = ("float16", "bfloat16", "float32")
+#: (causal, padding, dropout_p): the standard matrix's variants
+VARIANTS = ((False, False, 0.0), (True, False, 0.0), (True, True, 0.17))
+#: (batch, heads, seqlen_q, seqlen_k): odd lengths, Nq != Nk both ways
+SHAPES = ((1, 1, 1, 1), (2, 2, 17, 17), (1, 2, 100, 37), (2, 1, 37, 100), (1, 1, 257, 257), (2, 2, 64, 129))
+
+
+def _matrix() -> list[Case]:
+    cases = []
+    shapes = itertools.cycle(SHAPES)
+    for d in HEAD_DIMS:
+        for dtype in DTYPES:
+            for causal, pad, p in VARIANTS:
+                b, h, nq, nk = next(shapes)
+                cases.append(Case(b, h, nq, nk, d, dtype, causal, pad, p, seed=d))
+    return cases
+
+
+@pytest.mark.parametrize("case", _matrix(), ids=str)
+def test_matrix(case: Case) -> None:
+    check(case)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}".format(*s))
+@pytest.mark.parametrize("causal,pad,p", VARIANTS, ids=["plain", "causal", "causal-pad-dropout"])
+def test_every_shape_d64_fp16(shape: tuple, causal: bool, pad: bool, p: float) -> None:
+    check(Case(*shape, 64, "float16", causal, pad, p, seed=7))
+
+
+@pytest.mark.parametrize("d", [8, 16, 40, 80, 160, 256])
+def test_other_head_dims(d: int) -> None:
+    check(Case(2, 1, 33, 47, d, "bfloat16", causal=True, padding=True, dropout_p=0.1, seed=d))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_only_and_dropout_only(causal: bool) -> None:
+    check(Case(2, 2, 40, 40, 32, "float16", causal=causal, padding=True))
+    check(Case(2, 2, 40, 50, 32, "float32", causal=causal, dropout_p=0.5, seed=3))
