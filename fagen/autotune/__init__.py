@@ -6,14 +6,14 @@ See docs/autotune.md.
 """
 from __future__ import annotations
 
-from .candidates import Candidate, candidates, enumerate_candidates
+from .candidates import Candidate, build_candidates, enumerate_candidates
 from .model import DeviceModel, Prediction, Problem, device_model, predict, rank, score
 from .store import lookup, record, tuned_or_default
 from .timing import CudaTimer, Timer
 from .tuner import TuneResult, gpu_check_rows, spearman, tune
 
 __all__ = [
-    "Candidate", "candidates", "enumerate_candidates",
+    "Candidate", "build_candidates", "enumerate_candidates",
     "DeviceModel", "Prediction", "Problem", "device_model", "predict", "rank", "score",
     "lookup", "record", "tuned_or_default",
     "CudaTimer", "Timer",

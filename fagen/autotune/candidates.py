@@ -216,7 +216,7 @@ def compile_candidates(cands: Iterable[Candidate], *, workers: int | None = None
     return out
 
 
-def candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
+def build_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
                workers: int | None = None, progress: bool | None = None) -> list[Candidate]:
     """Enumerate, prune by smem, compile the survivors and prune by the compile report."""
     return compile_candidates(enumerate_candidates(spec, sizes=sizes, warps=warps),

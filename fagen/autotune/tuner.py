@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import InputError
 from ..spec import KernelSpec
 from . import store
-from .candidates import WARPS, Candidate, candidates as build_candidates
+from .candidates import WARPS, Candidate, build_candidates
 from .model import DeviceModel, Problem, device_model, nominal_flops, rank, score
 from .timing import CudaTimer, DeviceInfo, Timer, cuda_available, current_device
 
@@ -128,7 +128,8 @@ Shape = tuple[int, int, int, int, str, bool]  # (batch, heads, seqlen, head_dim,
 
 
 def gpu_check_rows(shapes: Sequence[Shape], top: int = 4, *, timer: Timer | None = None,
-                   device: DeviceInfo | None = None, direction: str = "bwd") -> list[dict[str, Any]]:
+                   device: DeviceInfo | None = None, direction: str = "bwd",
+                   sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS) -> list[dict[str, Any]]:
     """Model ranking vs measured timing of the top ``top`` candidates (plus the default) per shape.
 
     Each row: the spec, the timed candidates with predicted_ms, measured_ms, rank_predicted and
@@ -146,7 +147,7 @@ def gpu_check_rows(shapes: Sequence[Shape], top: int = 4, *, timer: Timer | None
         spec = KernelSpec(direction=direction, head_dim=head_dim, dtype=dtype, causal=causal,  # type: ignore[arg-type]
                           arch=device.arch)  # type: ignore[arg-type]
         res = tune(spec, batch=batch, heads=heads, seqlen=seqlen, dry_run=False, top=top, timer=timer,
-                   device=device, persist=False, progress=False)
+                   device=device, persist=False, progress=False, sizes=sizes, warps=warps)
         timed = [c for c in res.candidates if c.measured_ms is not None]
         finite = [c for c in timed if math.isfinite(c.measured_ms)]  # type: ignore[arg-type]
         rp = _ranks([c.predicted_ms for c in timed])  # type: ignore[misc]
