@@ -17,7 +17,8 @@ _ERRLEN = 8192
 
 
 def main(folder: str) -> None:
-    job = json.load(open(os.path.join(folder, "job.json")))
+    with open(os.path.join(folder, "job.json")) as f:
+        job = json.load(f)
     libc = ctypes.CDLL(None)
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
