@@ -170,7 +170,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     Args:
         q: [B, Nq, H, d]; k, v: [B, Nk, H, d]; float16, bfloat16 or float32, CPU or CUDA,
-            d a multiple of 8 in 16..256 (see :mod:`fagen.spec`). Any batch/seq/head strides.
+            head_dim d a multiple of 8 in 8..256. Any batch/seq/head strides.
         dropout_p: probability of dropping an attention weight (apply it only in training).
         softmax_scale: defaults to ``1 / sqrt(d)``.
         causal: bottom-right aligned mask (query i sees key j iff ``j <= i + Nk - Nq``), as

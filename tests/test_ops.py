@@ -1,0 +1,368 @@
+"""The autograd op layer (fagen.ops) on CPU tensors, through the emulator.
+
+Numerics use flash-attn's criterion per output and gradient:
+``max|ours - ref64| <= 2 * max|torch_same_dtype - ref64| + atol``, with ref64 the
+float64 reference and torch_same_dtype plain PyTorch attention in the input dtype.
+Shapes are small and the specs few (each is one g++ build, shared by the tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fagen.functional as F
+from fagen import reference as R
+from fagen.errors import InputError, InputTypeError
+from fagen.ops import draw_rng_state, flash_attn_func, scaled_dot_product_attention, sdpa_key_padding_mask
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+ATOL = {"float16": 2e-4, "bfloat16": 2e-3, "float32": 2e-6}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    head_dim: int
+    causal: bool = False
+    padding: bool = False
+    dropout_p: float = 0.0
+    seqlen_q: int = 37
+    seqlen_k: int = 70
+    batch: int = 2
+    heads: int = 2
+
+    def __str__(self) -> str:
+        flags = [f for f, on in (("causal", self.causal), ("pad", self.padding)) if on]
+        drop = [f"p{self.dropout_p}"] if self.dropout_p else []
+        return "-".join([self.dtype, f"d{self.head_dim}", f"q{self.seqlen_q}k{self.seqlen_k}", *flags, *drop])
+
+
+# Each case is one fwd and one bwd spec; the other tests reuse these specs.
+CASES = [
+    Case("float16", 32),
+    Case("bfloat16", 64, causal=True, seqlen_q=70, seqlen_k=37),  # bottom-right: first rows see no key
+    Case("float32", 16, padding=True),
+    Case("float32", 32, causal=True, padding=True, dropout_p=0.2, seqlen_q=45, seqlen_k=45),
+    Case("float16", 32, causal=True, padding=True, dropout_p=0.17, seqlen_q=64, seqlen_k=64),
+    Case("bfloat16", 16, dropout_p=0.3, seqlen_q=1, seqlen_k=33),
+]
+
+
+def make_inputs(case: Case, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[case.dtype]
+    q = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=g).to(dt)
+    k = torch.randn(case.batch, case.seqlen_k, case.heads, case.head_dim, generator=g).to(dt)
+    v = torch.randn(case.batch, case.seqlen_k, case.heads, case.head_dim, generator=g).to(dt)
+    do = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=g).to(dt)
+    mask = None
+    if case.padding:
+        mask = torch.rand(case.batch, case.seqlen_k, generator=g) > 0.3
+        mask[0] = False  # batch 0: no key takes part -> zero rows and zero gradients
+    return q, k, v, do, mask
+
+
+def leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def run_flash(case: Case, q, k, v, do, mask, rng_seed: int = 0):
+    """flash_attn_func + autograd after torch.manual_seed(rng_seed): (out, dq, dk, dv)."""
+    ql, kl, vl = leaves(q, k, v)
+    torch.manual_seed(rng_seed)
+    out = flash_attn_func(ql, kl, vl, dropout_p=case.dropout_p, causal=case.causal, key_padding_mask=mask)
+    out.backward(do)
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# --------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_autograd_matches_float64_reference(case: Case) -> None:
+    q, k, v, do, mask = make_inputs(case)
+    torch.manual_seed(11)
+    rng_state = draw_rng_state() if case.dropout_p else torch.zeros(2, dtype=torch.int64)
+    seed, offset = (int(x) for x in rng_state)
+    out, dq, dk, dv = run_flash(case, q, k, v, do, mask, rng_seed=11)
+    keep = None
+    if case.dropout_p:
+        keep = F.dropout_keep_mask(case.batch, case.heads, case.seqlen_q, case.seqlen_k, case.dropout_p,
+                                   seed=seed, offset=offset)
+    kw = dict(causal=case.causal, key_padding_mask=mask, keep_mask=keep, dropout_p=case.dropout_p)
+
+    o64, lse64 = R.attention_forward_ref(q, k, v, **kw)
+    grads64 = R.attention_backward_ref(do, q, k, v, o64, lse64, **kw)
+    qt, kt, vt = leaves(q, k, v)
+    out_pt = R.attention_ref_torch(qt, kt, vt, **kw)
+    out_pt.backward(do)
+    grads_pt = (qt.grad, kt.grad, vt.grad)
+
+    atol = ATOL[case.dtype]
+    for name, ours, pt, ref in [("out", out, out_pt.detach(), o64),
+                                *zip(("dq", "dk", "dv"), (dq, dk, dv), grads_pt, grads64)]:
+        assert ours.dtype == q.dtype and ours.shape == ref.shape, name
+        assert not torch.isnan(ours).any(), f"{case}: NaN in {name}"
+        bound = 2 * max_err(pt, ref) + atol
+        assert max_err(ours, ref) <= bound, f"{case}: {name} error {max_err(ours, ref):.3g} > {bound:.3g}"
+
+
+def test_dropout_is_reproducible_from_torch_manual_seed() -> None:
+    case = CASES[3]
+    q, k, v, do, mask = make_inputs(case)
+    first = run_flash(case, q, k, v, do, mask, rng_seed=5)
+    again = run_flash(case, q, k, v, do, mask, rng_seed=5)
+    other = run_flash(case, q, k, v, do, mask, rng_seed=6)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    for a, b in zip(first, other):
+        assert not torch.equal(a, b)
+
+
+def test_each_call_draws_a_fresh_dropout_key() -> None:
+    case = CASES[3]
+    q, k, v, _, mask = make_inputs(case)
+    torch.manual_seed(0)
+    a = flash_attn_func(q, k, v, dropout_p=0.2, causal=True, key_padding_mask=mask)
+    b = flash_attn_func(q, k, v, dropout_p=0.2, causal=True, key_padding_mask=mask)
+    assert not torch.equal(a, b)
+
+
+def test_no_dropout_leaves_the_generator_alone() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    before = torch.get_rng_state()
+    flash_attn_func(q, k, v)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_raw_op_returns_the_drawn_rng_state() -> None:
+    q, k, v, _, mask = make_inputs(CASES[3])
+    torch.manual_seed(3)
+    expected = draw_rng_state()
+    torch.manual_seed(3)
+    o, lse, rng_state = torch.ops.fagen.fwd(q, k, v, mask, 0.2, None, True)
+    assert torch.equal(rng_state, expected)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 2, 45)
+    seed, offset = (int(x) for x in rng_state)
+    o_functional, _ = F.attention_forward(q, k, v, causal=True, key_padding_mask=mask, dropout_p=0.2,
+                                          seed=seed, offset=offset)
+    assert torch.equal(o, o_functional)
+
+
+# --------------------------------------------------------------------------- autograd plumbing
+def test_saves_no_quadratic_tensor() -> None:
+    """Autograd keeps q, k, v, o, lse, rng_state (and the mask): nothing of size Nq x Nk."""
+    case = CASES[4]
+    q, k, v, do, mask = make_inputs(case)
+    ql, kl, vl = leaves(q, k, v)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = flash_attn_func(ql, kl, vl, dropout_p=0.17, causal=True, key_padding_mask=mask)
+    out.backward(do)
+    B, N, H, d = q.shape
+    assert sorted(saved) == sorted([(B, N, H, d)] * 4 + [(B, H, N), (2,), (B, N)])
+
+
+def test_non_contiguous_inputs_match_contiguous() -> None:
+    case = CASES[0]
+    q, k, v, do, _ = make_inputs(case)
+    ref = run_flash(case, q, k, v, do, None)
+    # [B, H, N, d] storage viewed as [B, N, H, d]; and a head dim with stride != 1
+    q_bhnd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k_strided = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert q_bhnd.stride(-1) == 1 and not q_bhnd.is_contiguous() and k_strided.stride(-1) != 1
+    got = run_flash(case, q_bhnd, k_strided, v, do.transpose(1, 2).contiguous().transpose(1, 2), None)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_gradient_of_an_expanded_upstream_grad() -> None:
+    """out.sum().backward() hands the op a stride-0 grad; the backward copes."""
+    case = CASES[0]
+    q, k, v, _, _ = make_inputs(case)
+    ql, kl, vl = leaves(q, k, v)
+    flash_attn_func(ql, kl, vl).sum().backward()
+    ones = torch.ones(q.shape, dtype=q.dtype)
+    ref = run_flash(case, q, k, v, ones, None)
+    assert torch.equal(ql.grad, ref[1]) and torch.equal(vl.grad, ref[3])
+
+
+def test_opcheck_custom_ops() -> None:
+    case = CASES[2]
+    q, k, v, do, mask = make_inputs(case)
+    ql, kl, vl = leaves(q, k, v)
+    torch.library.opcheck(torch.ops.fagen.fwd.default, (ql, kl, vl, mask, 0.0, None, False))
+    o, lse, rng_state = torch.ops.fagen.fwd(q, k, v, mask, 0.0, None, False)
+    torch.library.opcheck(torch.ops.fagen.bwd.default, (do, q, k, v, o, lse, mask, 0.0, None, False, rng_state))
+
+
+# --------------------------------------------------------------------------- SDPA layout
+def test_sdpa_equals_flash_layout_with_mask_causal_and_dropout() -> None:
+    case = CASES[4]
+    q, k, v, do, mask = make_inputs(case)
+    flash = run_flash(case, q, k, v, do, mask, rng_seed=9)
+    qs, ks, vs = leaves(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    torch.manual_seed(9)
+    out = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None, None, :], dropout_p=0.17, is_causal=True)
+    out.backward(do.transpose(1, 2))
+    assert out.shape == qs.shape
+    for a, b in zip(flash, (out, qs.grad, ks.grad, vs.grad)):
+        assert torch.equal(a, b.transpose(1, 2))
+
+
+def test_sdpa_matches_torch_without_dropout() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    qs, ks, vs = (t.transpose(1, 2).float() for t in (q, k, v))
+    ours = scaled_dot_product_attention(*(t.to(torch.float16) for t in (qs, ks, vs)), scale=0.3)
+    theirs = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=0.3)
+    assert max_err(ours, theirs) < 2e-3
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 70), (1, 1, 1, 70), (70,), (1, 70), (2, 1, 1, 1), (1, 1, 70)])
+def test_attn_mask_broadcastable_shapes_are_key_padding(shape: tuple[int, ...]) -> None:
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(1)) > 0.5
+    got = sdpa_key_padding_mask(mask, 2, 70)
+    assert got.shape == (2, 70)
+    assert torch.equal(got, torch.broadcast_to(mask, (2, 1, 1, 70))[:, 0, 0, :])
+
+
+def test_attn_mask_runs_like_key_padding_mask() -> None:
+    q, k, v, _, _ = make_inputs(CASES[2])
+    mask = torch.arange(70) % 3 != 0
+    got = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    want = flash_attn_func(q, k, v, key_padding_mask=mask.expand(2, 70))
+    assert torch.equal(got.transpose(1, 2), want)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 37, 70), (2, 2, 1, 70), (3, 1, 1, 70), (2, 1, 1, 69), (1, 2, 1, 1, 70)])
+def test_attn_mask_other_shapes_rejected(shape: tuple[int, ...]) -> None:
+    with pytest.raises(InputError) as err:
+        sdpa_key_padding_mask(torch.ones(shape, dtype=torch.bool), 2, 70)
+    assert err.value.argument == "attn_mask"
+
+
+def test_float_attn_mask_rejected() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    with pytest.raises(InputTypeError) as err:
+        scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     attn_mask=torch.zeros(2, 1, 1, 70))
+    assert err.value.argument == "attn_mask"
+
+
+def test_sdpa_is_causal_with_unequal_lengths_rejected() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    with pytest.raises(InputError) as err:
+        scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    assert err.value.argument == "is_causal" and "top-left" in str(err.value)
+
+
+def test_sdpa_rejects_gqa_and_3d() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    with pytest.raises(InputError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with pytest.raises(InputError, match="query"):
+        scaled_dot_product_attention(q[0], k, v)
+
+
+# --------------------------------------------------------------------------- argument errors
+@pytest.mark.parametrize("kwargs, error, argument", [
+    ({"dropout_p": 1.0}, InputError, "dropout_p"),
+    ({"dropout_p": True}, InputTypeError, "dropout_p"),
+    ({"softmax_scale": float("nan")}, InputError, "softmax_scale"),
+    ({"causal": 1}, InputTypeError, "causal"),
+    ({"key_padding_mask": [True] * 70}, InputTypeError, "key_padding_mask"),
+])
+def test_flash_attn_func_scalar_errors(kwargs: dict, error: type, argument: str) -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    with pytest.raises(error) as err:
+        flash_attn_func(q, k, v, **kwargs)
+    assert err.value.argument == argument
+
+
+def test_tensor_errors_name_the_argument() -> None:
+    q, k, v, _, _ = make_inputs(CASES[0])
+    with pytest.raises(InputTypeError) as err:
+        flash_attn_func(q.numpy(), k, v)
+    assert err.value.argument == "q"
+    with pytest.raises(InputTypeError) as err:  # raised inside fagen::fwd, by the functional checks
+        flash_attn_func(q, k.float(), v)
+    assert err.value.argument == "k"
+    with pytest.raises(InputError) as err:
+        flash_attn_func(q, k, v, key_padding_mask=torch.ones(2, 69, dtype=torch.bool))
+    assert err.value.argument == "key_padding_mask"
+
+
+# --------------------------------------------------------------------------- torch.compile
+class AttentionBlock(torch.nn.Module):
+    """One self-attention layer: qkv projection, fagen attention, output projection."""
+
+    def __init__(self, dim: int = 64, heads: int = 2, dropout_p: float = 0.2) -> None:
+        super().__init__()
+        self.heads, self.dropout_p = heads, dropout_p
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).unbind(2)
+        o = flash_attn_func(q, k, v, dropout_p=self.dropout_p, causal=True, key_padding_mask=key_padding_mask)
+        return self.proj(o.reshape(B, N, D))
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    torch.manual_seed(seed)
+    y = model(x, mask)
+    y.square().sum().backward()
+    return [y.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _compile_inputs() -> tuple[AttentionBlock, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    x = torch.randn(2, 45, 64)  # float32, d = 32: the specs of CASES[3]
+    mask = torch.ones(2, 45, dtype=torch.bool)
+    mask[1, 30:] = False
+    return model, x, mask
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_matches_eager(backend: str) -> None:
+    torch._dynamo.reset()
+    model, x, mask = _compile_inputs()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    got = _step(compiled, x, mask, seed=1)
+    want = _step(model, x, mask, seed=1)
+    tol = 0.0 if backend == "aot_eager" else 1e-4
+    for a, b in zip(got, want):
+        assert max_err(a, b) <= tol * max(1.0, b.abs().max().item())
+    other = _step(compiled, x, mask, seed=2)  # the compiled graph draws a fresh dropout key
+    assert not torch.equal(other[0], got[0])
+
+
+# --------------------------------------------------------------------------- GPU argument packing
+def test_cuda_argument_packing_covers_the_abi() -> None:
+    """Every parameter type of every kernel role maps to a fixed-width numpy scalar (CPU-checkable)."""
+    import numpy as np
+
+    from fagen.abi import ROLES
+    from fagen.runtime.gpu import to_cuda_arg
+
+    widths = {"int": 4, "unsigned int": 4, "float": 4, "long long": 8, "unsigned long long": 8}
+    for roles in ROLES.values():
+        for role in roles:
+            for ctype, name in role.params:
+                arg = to_cuda_arg(ctype.replace("T*", "float*"), 2**63 + 5 if ctype.endswith("*") else 3)
+                assert isinstance(arg, np.generic), (role.name, name)
+                assert arg.nbytes == (8 if ctype.endswith("*") else widths[ctype]), (role.name, name)
+    assert int(to_cuda_arg("const float*", 2**63 + 5)) == 2**63 + 5
+    assert int(to_cuda_arg("unsigned long long", 2**64 - 1)) == 2**64 - 1
