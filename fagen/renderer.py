@@ -120,6 +120,7 @@ def render(spec: KernelSpec) -> Rendered:
         "T": spec.ctype,
         "tile": spec.tile,
         "layout": spec.smem_layout,
+        "strides": fam.strides(spec.head_dim, spec.itemsize, spec.tile.block_c),
         "kernels": {k.role.name: k for k in kernels},
     }
     parts = [_env().get_template(name).render(**ctx) for name in fam.templates(spec.direction)]

@@ -32,6 +32,7 @@ ARCH_SMEM_PER_SM: dict[str, int] = {"sm_80": 167936, "sm_86": 102400, "sm_89": 1
 ARCH_MAX_THREADS_PER_SM: dict[str, int] = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90": 2048}
 ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
 REGS_PER_SM = 65536
+MIN_REGS_PER_THREAD = 128
 DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -182,9 +183,13 @@ class KernelSpec(BaseModel):
 
     @property
     def min_blocks_per_sm(self) -> int:
-        """Blocks per SM that the smem footprint allows (1 KB reserved per block); the
-        second __launch_bounds__ argument, so ptxas budgets registers for the real occupancy."""
-        return max(1, ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024))
+        """Second __launch_bounds__ argument: the blocks per SM the smem footprint allows
+        (1 KB reserved per block), capped so each thread keeps a budget of at least
+        MIN_REGS_PER_THREAD registers -- ptxas then neither aims for an occupancy smem
+        forbids nor spills to reach one."""
+        by_smem = ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024)
+        by_regs = REGS_PER_SM // (self.num_threads * MIN_REGS_PER_THREAD)
+        return max(1, min(by_smem, by_regs))
 
     @property
     def name(self) -> str:

@@ -23,6 +23,9 @@ class Family(Protocol):
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int) -> SmemLayout:
         """Exact dynamic-smem layout of the kernel that uses the most shared memory."""
 
+    def strides(self, head_dim: int, itemsize: int, block_c: int) -> dict[str, int]:
+        """Named smem row strides (elements) the layout uses, emitted as constexprs."""
+
     def templates(self, direction: str) -> tuple[str, ...]:
         """Template files (under templates/) rendered, in order, for this direction."""
 

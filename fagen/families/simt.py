@@ -19,19 +19,27 @@ class SimtFamily:
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         return None  # every head_dim / dtype / arch the spec admits
 
+    def strides(self, head_dim: int, itemsize: int, block_c: int) -> dict[str, int]:
+        """Padded smem row strides (elements): a row of a dtype tile is an odd number of 32-bit
+        words and a row of the P/S tile an odd number of floats, so a warp reading one column
+        across consecutive rows touches 32 different banks."""
+        return {"LD": head_dim + 4 // itemsize, "P_LD": block_c + 1}
+
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int) -> SmemLayout:
         d, br, bc = head_dim, block_r, block_c
+        st = self.strides(head_dim, itemsize, block_c)
+        ld, p_ld = st["LD"], st["P_LD"]
         if direction == "bwd":
             # Algorithm 4: K_j, V_j and the dK~_j, dV~_j accumulators stay on chip
             # for the whole inner loop; Q_i, dO_i, lse_i, D_i and P_ij/dS_ij per step.
             return place([
-                ("k", "T", bc * d, itemsize),
-                ("v", "T", bc * d, itemsize),
+                ("k", "T", bc * ld, itemsize),
+                ("v", "T", bc * ld, itemsize),
                 ("dk", "float", bc * d, F32),
                 ("dv", "float", bc * d, F32),
-                ("q", "T", br * d, itemsize),
-                ("do_", "T", br * d, itemsize),
-                ("p", "float", br * bc, F32),
+                ("q", "T", br * ld, itemsize),
+                ("do_", "T", br * ld, itemsize),
+                ("p", "float", br * p_ld, F32),
                 ("lse", "float", br, F32),
                 ("delta", "float", br, F32),
             ])
@@ -39,11 +47,11 @@ class SimtFamily:
             # Forward (online softmax): Q_i and the O_i accumulator stay on chip,
             # K_j, V_j and S_ij/P_ij per step, row stats m_i, l_i and the rescale factor.
             return place([
-                ("q", "T", br * d, itemsize),
+                ("q", "T", br * ld, itemsize),
                 ("o", "float", br * d, F32),
-                ("k", "T", bc * d, itemsize),
-                ("v", "T", bc * d, itemsize),
-                ("s", "float", br * bc, F32),
+                ("k", "T", bc * ld, itemsize),
+                ("v", "T", bc * ld, itemsize),
+                ("s", "float", br * p_ld, F32),
                 ("m", "float", br, F32),
                 ("l", "float", br, F32),
                 ("alpha", "float", br, F32),
