@@ -1,0 +1,576 @@
+"""One prepared GPU check: the GPU tests, then fagen vs torch SDPA, within a time budget.
+
+    python benchmarks/gpu_check.py OUTDIR [--quick] [--skip-tests] [--budget-s 450] [--iters 5]
+
+Writes ``OUTDIR/gpu_check.json`` (everything) and ``OUTDIR/gpu_check.txt`` (a
+readable summary), plus ``OUTDIR/gpu_tests.log`` (pytest's output).
+
+1. Preflight: the packages fagen needs at run time (torch, cupy, jinja2, pydantic,
+   numpy, cuda-pathfinder, filelock, platformdirs; pytest for the tests), a CUDA
+   device, NVRTC. No GPU: the JSON says so and the exit status is 0. Missing
+   packages: the JSON and stderr name them (with the pip command) and the exit
+   status is 2.
+2. ``pytest tests/test_gpu.py -m gpu`` in a subprocess (its summary line is kept),
+   sharing fagen's cubin cache with the benchmark.
+3. Benchmark rows: forward and backward time and TFLOP/s of fagen and of torch's
+   SDPA backends (math, flash, efficient, cuDNN; each "n/a" when unavailable, math
+   skipped at N = 16k), for d in {64, 128}, fp16/bf16, causal or not, N in
+   {1k, 4k, 16k} with B * N = 16k tokens and H = 16. CUDA events, warm-up, median.
+   FLOPs: forward 4 B H Nq Nk d, backward 2.5x that, both halved when causal.
+   Rows that would overrun the budget are skipped with a note.
+4. ``fagen.autotune.gpu_check_rows`` for one or two shapes, when it exists and time is left.
+
+Exit status: 0 when everything that ran passed (or there is no GPU), 1 when a test
+failed or the benchmark hit a CUDA error, 2 for missing packages.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's fagen, installed or not
+
+#: import name -> pip distribution, for what fagen needs on a GPU.
+REQUIRED = {
+    "torch": "torch", "cupy": "cupy-cuda12x (or cupy-cuda13x)", "jinja2": "jinja2", "pydantic": "pydantic",
+    "numpy": "numpy", "cuda.pathfinder": "cuda-pathfinder", "filelock": "filelock", "platformdirs": "platformdirs",
+}
+TEST_REQUIRED = {"pytest": "pytest"}
+
+PROVIDERS = ("fagen", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+TOKENS = 16 * 1024
+HEADS = 16
+FINAL_RESERVE_S = 15.0  # writing the outputs
+AUTOTUNE_RESERVE_S = 75.0
+AUTOTUNE_MIN_S = 45.0
+
+
+# --------------------------------------------------------------------------- arguments
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("outdir", type=Path, help="directory for gpu_check.json, gpu_check.txt and gpu_tests.log")
+    ap.add_argument("--quick", action="store_true", help="fewer benchmark rows and iterations")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (s)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (median)")
+    args = ap.parse_args(argv)
+    if args.budget_s <= 0:
+        ap.error("--budget-s must be positive")
+    if args.iters is not None and args.iters < 1:
+        ap.error("--iters must be at least 1")
+    if args.iters is None:
+        args.iters = 3 if args.quick else 5
+    return args
+
+
+# --------------------------------------------------------------------------- clock
+class Deadline:
+    """Seconds left of a budget; ``clock`` is injectable for tests."""
+
+    def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.start = clock()
+        self.end = self.start + budget_s
+
+    def left(self) -> float:
+        return self.end - self._clock()
+
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
+
+# --------------------------------------------------------------------------- preflight
+def missing_packages(names: dict[str, str]) -> dict[str, str]:
+    """Import name -> pip name of those not importable."""
+    missing = {}
+    for mod, pip_name in names.items():
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):  # a parent package is missing
+            found = False
+        if not found:
+            missing[mod] = pip_name
+    return missing
+
+
+def install_hint(missing: dict[str, str]) -> str:
+    return "pip install " + " ".join(sorted(set(missing.values())))
+
+
+def environment() -> dict[str, Any]:
+    """Versions and the device, as far as they can be read."""
+    env: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
+    for mod in ("torch", "cupy", "numpy", "pydantic", "jinja2"):
+        try:
+            env[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception:  # noqa: BLE001 - a broken install reads as absent
+            env[mod] = None
+    try:
+        import torch
+
+        env["torch_cuda"] = torch.version.cuda
+        env["cuda_available"] = bool(torch.cuda.is_available())
+        if env["cuda_available"]:
+            props = torch.cuda.get_device_properties(0)
+            env["device"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                             "sm_count": props.multi_processor_count,
+                             "memory_gib": round(props.total_memory / 2**30, 1),
+                             "count": torch.cuda.device_count()}
+    except ImportError:
+        env["cuda_available"] = False
+    return env
+
+
+def cupy_info() -> dict[str, Any]:
+    """CuPy's view of the driver and runtime (a CUDA 12 driver cannot run cupy-cuda13x)."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return {"driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion(), "devices": rt.getDeviceCount()}
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def detect_arch() -> str:
+    """fagen's arch for device 0 (raises SpecError for a GPU fagen does not target)."""
+    import torch
+
+    from fagen.runtime.gpu import device_arch
+
+    return device_arch(torch.device("cuda", 0))
+
+
+def nvrtc_info() -> dict[str, Any]:
+    try:
+        from fagen import nvrtc
+
+        return {"version": list(nvrtc.version()), "include_dir": str(nvrtc.include_dir())}
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# --------------------------------------------------------------------------- tests
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def parse_pytest_summary(output: str) -> dict[str, Any]:
+    """Counts from pytest's final summary line ("3 passed, 1 skipped in 2.1s")."""
+    lines = [ln.strip("= ").strip() for ln in output.strip().splitlines() if re.search(r"\bin [\d.]+s\b", ln)]
+    line = lines[-1] if lines else ""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    for n, what in _SUMMARY.findall(line):
+        key = {"error": "errors", "errors": "errors"}.get(what, what)
+        if key in counts:
+            counts[key] = int(n)
+    return {"summary": line or "(no pytest summary line)", **counts}
+
+
+def run_tests(outdir: Path, timeout_s: float, cache_dir: str | None) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "test_gpu.py"), "-m", "gpu", "-q", "-rs",
+           "-p", "no:cacheprovider"]
+    env = dict(os.environ)
+    if cache_dir:
+        env["FAGEN_TEST_CACHE_DIR"] = cache_dir  # share cubins with the benchmark
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+        output, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        output += f"\n[gpu_check] pytest stopped after {timeout_s:.0f}s (budget)\n"
+        rc = None
+    (outdir / "gpu_tests.log").write_text(output)
+    result = {"command": " ".join(cmd), "returncode": rc, "seconds": round(time.monotonic() - t0, 1),
+              "log": "gpu_tests.log", **parse_pytest_summary(output)}
+    result["ok"] = rc == 0 or (rc == 5 and result["failed"] == 0)  # 5: nothing collected/selected
+    if rc is None:
+        result["summary"] = f"timed out after {timeout_s:.0f}s; " + result["summary"]
+    return result
+
+
+# --------------------------------------------------------------------------- benchmark plan
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return (f"B{self.batch} H{self.heads} N{self.seqlen} d{self.head_dim} {self.dtype}"
+                f"{' causal' if self.causal else ''}")
+
+
+def fwd_flops(s: Shape) -> float:
+    """4 B H Nq Nk d (two matmuls of 2 flops per multiply-add), halved when causal."""
+    f = 4.0 * s.batch * s.heads * s.seqlen * s.seqlen * s.head_dim
+    return f / 2 if s.causal else f
+
+
+def bwd_flops(s: Shape) -> float:
+    """2.5x the forward (five matmuls instead of two)."""
+    return 2.5 * fwd_flops(s)
+
+
+def plan(quick: bool) -> list[Shape]:
+    """Rows in the order they run: shorter sequences first, so a tight budget drops the longest."""
+    seqlens = (1024, 4096) if quick else (1024, 4096, 16384)
+    dims = (64, 128)
+    dtypes = ("float16",) if quick else ("float16", "bfloat16")
+    return [Shape(TOKENS // n, HEADS, n, d, dt, causal)
+            for n in seqlens for d in dims for dt in dtypes for causal in (False, True)]
+
+
+# --------------------------------------------------------------------------- measurements
+@dataclass
+class Measurement:
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Row:
+    shape: Shape
+    results: dict[str, Measurement] = field(default_factory=dict)
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"shape": asdict(self.shape), "label": self.shape.label, "note": self.note,
+                               "fwd_gflop": fwd_flops(self.shape) / 1e9, "bwd_gflop": bwd_flops(self.shape) / 1e9}
+        out["results"] = {name: {**asdict(m), "fwd_tflops": tflops(fwd_flops(self.shape), m.fwd_ms),
+                                 "bwd_tflops": tflops(bwd_flops(self.shape), m.bwd_ms)}
+                          for name, m in self.results.items()}
+        return out
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 or not math.isfinite(ms) else flops / (ms * 1e-3) / 1e12
+
+
+#: provider -> (shape -> Measurement); raising means "n/a" with the error as the note.
+Provider = Callable[[Shape], Measurement]
+
+
+class CudaContextLost(RuntimeError):
+    """A sticky CUDA error: nothing more can run in this process."""
+
+
+def run_benchmark(shapes: Sequence[Shape], providers: dict[str, Provider], deadline: Deadline, *,
+                  stop_at_left_s: float, health_check: Callable[[], None] = lambda: None) -> list[Row]:
+    """Measure every shape with every provider while the budget allows.
+
+    A row is skipped (with a note) when its estimated cost -- the last measured
+    row's time scaled by FLOPs -- would run past ``stop_at_left_s`` seconds before the
+    deadline. A provider's exception is an "n/a" note; ``health_check`` raising
+    :class:`CudaContextLost` skips everything after.
+    """
+    rows: list[Row] = []
+    sec_per_flop = 0.0
+    fatal = ""
+    for shape in shapes:
+        row = Row(shape)
+        rows.append(row)
+        estimate = sec_per_flop * fwd_flops(shape)
+        if fatal:
+            row.note = f"skipped: {fatal}"
+            continue
+        if deadline.left() - estimate < stop_at_left_s:
+            row.note = f"skipped: time budget (about {estimate:.0f}s needed, {deadline.left() - stop_at_left_s:.0f}s left)"
+            continue
+        t0 = deadline.elapsed()
+        for name, provider in providers.items():
+            try:
+                row.results[name] = provider(shape)
+            except Exception as e:  # noqa: BLE001 - every failure is data
+                row.results[name] = Measurement(note=f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                try:
+                    health_check()
+                except CudaContextLost as lost:
+                    fatal = f"CUDA context lost ({lost})"
+                    break
+        sec_per_flop = (deadline.elapsed() - t0) / fwd_flops(shape)
+    return rows
+
+
+def cuda_timer(fn: Callable[[], Any], *, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events, after ``warmup`` runs)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _inputs(shape: Shape, layout: str) -> tuple[Any, Any, Any, Any]:
+    """q, k, v (requiring grad) and do; layout "bnhd" (fagen) or "bhnd" (SDPA), contiguous."""
+    import torch
+
+    dims = ((shape.batch, shape.seqlen, shape.heads, shape.head_dim) if layout == "bnhd"
+            else (shape.batch, shape.heads, shape.seqlen, shape.head_dim))
+    dt = getattr(torch, shape.dtype)
+    q, k, v, do = (torch.randn(dims, device="cuda", dtype=dt) for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def _measure(forward: Callable[[], Any], inputs: tuple[Any, ...], warmup: int, iters: int) -> Measurement:
+    """Forward alone, then backward through autograd (``torch.autograd.grad``: no accumulation)."""
+    import torch
+
+    q, k, v, do = inputs
+    fwd_ms = cuda_timer(lambda: forward(), warmup=warmup, iters=iters)
+    out = forward()
+    bwd_ms = cuda_timer(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                        warmup=warmup, iters=iters)
+    return Measurement(fwd_ms, bwd_ms)
+
+
+def fagen_provider(warmup: int, iters: int) -> Provider:
+    def run(shape: Shape) -> Measurement:
+        from fagen.ops import flash_attn_func
+
+        inputs = _inputs(shape, "bnhd")
+        q, k, v, _ = inputs
+        return _measure(lambda: flash_attn_func(q, k, v, causal=shape.causal), inputs, warmup, iters)
+
+    return run
+
+
+def sdpa_provider(backend_name: str, warmup: int, iters: int, *, max_seqlen: int | None = None) -> Provider:
+    def run(shape: Shape) -> Measurement:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if max_seqlen is not None and shape.seqlen > max_seqlen:
+            return Measurement(note=f"skipped at N > {max_seqlen} (N x N memory and time)")
+        backend = getattr(SDPBackend, backend_name)
+        inputs = _inputs(shape, "bhnd")
+        q, k, v, _ = inputs
+
+        def forward() -> Any:
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+        try:
+            return _measure(forward, inputs, warmup, iters)
+        finally:
+            del inputs, q, k, v
+            torch.cuda.empty_cache()
+
+    return run
+
+
+def providers(warmup: int, iters: int) -> dict[str, Provider]:
+    return {
+        "fagen": fagen_provider(warmup, iters),
+        "sdpa_math": sdpa_provider("MATH", warmup, iters, max_seqlen=4096),
+        "sdpa_flash": sdpa_provider("FLASH_ATTENTION", warmup, iters),
+        "sdpa_efficient": sdpa_provider("EFFICIENT_ATTENTION", warmup, iters),
+        "sdpa_cudnn": sdpa_provider("CUDNN_ATTENTION", warmup, iters),
+    }
+
+
+def cuda_health_check() -> None:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        raise CudaContextLost(str(e).splitlines()[0]) from e
+
+
+# --------------------------------------------------------------------------- compile ahead
+def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
+    """The forward and backward specs the rows run (one per d, dtype, causal)."""
+    from fagen.spec import KernelSpec
+
+    specs = {}
+    for s in shapes:
+        for direction in ("fwd", "bwd"):
+            spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch)
+            specs[spec.name] = spec
+    return list(specs.values())
+
+
+def precompile(specs: Sequence[Any], deadline: Deadline, stop_at_left_s: float) -> dict[str, Any]:
+    """NVRTC for every spec up front (about a second each), so timing never includes a compile."""
+    from fagen import compile as compile_spec
+
+    seconds: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for spec in specs:
+        if deadline.left() < stop_at_left_s:
+            failed[spec.name] = "skipped: time budget"
+            continue
+        t0 = time.monotonic()
+        try:
+            compile_spec(spec)
+        except Exception as e:  # noqa: BLE001 - the row will show the same error as n/a
+            failed[spec.name] = f"{type(e).__name__}: {str(e)[:300]}"
+        seconds[spec.name] = round(time.monotonic() - t0, 2)
+    return {"specs": len(specs), "failed": failed, "seconds": seconds}
+
+
+# --------------------------------------------------------------------------- autotune
+def run_autotune(shapes: Sequence[Shape], deadline: Deadline) -> dict[str, Any]:
+    try:
+        from fagen.autotune import gpu_check_rows
+    except (ImportError, AttributeError) as e:
+        return {"status": "unavailable", "note": f"autotune: unavailable ({type(e).__name__}: {e})"}
+    rows, notes = [], []
+    for s in shapes:
+        if deadline.left() < AUTOTUNE_MIN_S:
+            notes.append(f"{s.label}: skipped (time budget)")
+            continue
+        try:
+            rows += gpu_check_rows(shapes=[(s.batch, s.heads, s.seqlen, s.head_dim, s.dtype, s.causal)], top=4)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{s.label}: {type(e).__name__}: {str(e)[:200]}")
+    return {"status": "ran" if rows else "no rows", "rows": rows, "notes": notes}
+
+
+# --------------------------------------------------------------------------- outputs
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary_text(result: dict[str, Any]) -> str:
+    lines = [f"fagen GPU check: {result['status']}", f"  {result.get('reason', '')}".rstrip()]
+    env = result.get("environment", {})
+    dev = env.get("device")
+    lines.append(f"device: {dev['name']} (cc {dev['capability']}, {dev['sm_count']} SMs)" if dev else "device: none")
+    lines.append(f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), cupy {env.get('cupy')}, "
+                 f"python {env.get('python')}")
+    if result.get("missing_packages"):
+        lines.append(f"missing packages: {', '.join(result['missing_packages'])} -> {result.get('install_hint')}")
+    tests = result.get("tests")
+    if tests:
+        lines.append(f"tests: {tests.get('summary')} (exit {tests.get('returncode')}, log {tests.get('log')})")
+    rows = result.get("benchmark", {}).get("rows", [])
+    if rows:
+        lines += ["", "benchmark (median ms / TFLOP/s; fwd FLOPs 4BHN^2d, bwd 2.5x, causal halved)",
+                  f"{'shape':<36} {'provider':<15} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9}  note"]
+        for row in rows:
+            if row["note"]:
+                lines.append(f"{row['label']:<36} {'-':<15} {'':>9} {'':>9} {'':>9} {'':>9}  {row['note']}")
+            for name, m in row["results"].items():
+                lines.append(f"{row['label']:<36} {name:<15} {_fmt(m['fwd_ms'], '9.3f')} {_fmt(m['fwd_tflops'], '9.2f')} "
+                             f"{_fmt(m['bwd_ms'], '9.3f')} {_fmt(m['bwd_tflops'], '9.2f')}  {m['note']}")
+    auto = result.get("autotune")
+    if auto:
+        lines.append("")
+        lines.append(f"autotune: {auto.get('status')} {auto.get('note', '')}".rstrip())
+        for r in auto.get("rows", []):
+            lines.append(f"  {r.get('spec')}: spearman {r.get('spearman')}, default {r.get('default_ms')} ms, "
+                         f"best measured {(r.get('best_measured') or {}).get('label', '?')}")
+        lines += [f"  {n}" for n in auto.get("notes", [])]
+    lines.append(f"\nelapsed {result.get('elapsed_s', 0):.0f}s of a {result.get('budget_s', 0):.0f}s budget")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(outdir: Path, result: dict[str, Any]) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (outdir / "gpu_check.txt").write_text(summary_text(result))
+
+
+# --------------------------------------------------------------------------- main
+def _benchmark(args: argparse.Namespace, deadline: Deadline, shapes: list[Shape], arch: str) -> dict[str, Any]:
+    compile_report = precompile(bench_specs(shapes, arch), deadline, AUTOTUNE_RESERVE_S + FINAL_RESERVE_S)
+    warmup = 1 if args.quick else 2
+    rows = run_benchmark(shapes, providers(warmup, args.iters), deadline,
+                         stop_at_left_s=AUTOTUNE_RESERVE_S + FINAL_RESERVE_S, health_check=cuda_health_check)
+    return {"warmup": warmup, "iters": args.iters, "precompile": compile_report,
+            "rows": [r.as_dict() for r in rows]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = Deadline(args.budget_s)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"status": "ok", "budget_s": args.budget_s, "quick": args.quick}
+    missing = missing_packages({**REQUIRED, **({} if args.skip_tests else TEST_REQUIRED)})
+    result["environment"] = environment()
+    if missing:
+        result.update(status="missing_packages", missing_packages=sorted(missing), install_hint=install_hint(missing),
+                      reason=f"missing Python packages: {', '.join(sorted(missing))}; {install_hint(missing)}")
+    elif not result["environment"].get("cuda_available"):
+        result.update(status="no_gpu", reason="no CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
+    else:
+        _gpu_check(args, deadline, result)
+    return _finish(args, deadline, result)
+
+
+def _gpu_check(args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]) -> None:
+    """Tests, benchmark and autotune rows on the GPU; fills ``result``."""
+    result["cupy"] = cupy_info()
+    result["nvrtc"] = nvrtc_info()
+    try:
+        arch = detect_arch()
+    except Exception as e:  # noqa: BLE001
+        result.update(status="failed", reason=f"no fagen target arch for this GPU: {e}")
+        return
+    result["arch"] = arch
+    if args.skip_tests:
+        result["tests"] = {"summary": "skipped (--skip-tests)", "returncode": None, "ok": True}
+    else:
+        test_budget = max(60.0, deadline.left() * (0.35 if args.quick else 0.45))
+        result["tests"] = run_tests(args.outdir, test_budget, os.environ.get("FAGEN_CACHE_DIR") or _cache_dir())
+    result["benchmark"] = _benchmark(args, deadline, plan(args.quick), arch)
+    at_shapes = [Shape(1, HEADS, 4096, 64, "float16", False)]
+    if not args.quick:
+        at_shapes.append(Shape(1, HEADS, 4096, 128, "bfloat16", True))
+    result["autotune"] = run_autotune(at_shapes, Deadline(max(deadline.left() - FINAL_RESERVE_S, 0.0)))
+    lost = any("CUDA context lost" in r["note"] for r in result["benchmark"]["rows"])
+    if not result["tests"].get("ok", False):
+        result.update(status="failed", reason="GPU tests failed (see gpu_tests.log)")
+    elif lost:
+        result.update(status="failed", reason="CUDA context lost in the benchmark")
+
+
+def _cache_dir() -> str:
+    from fagen.settings import get_settings
+
+    return str(get_settings().cache_dir)
+
+
+def _finish(args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]) -> int:
+    result["elapsed_s"] = round(deadline.elapsed(), 1)
+    write_outputs(args.outdir, result)
+    print(summary_text(result), end="")
+    print(f"[gpu_check] wrote {args.outdir / 'gpu_check.json'} and {args.outdir / 'gpu_check.txt'}")
+    if result["status"] == "missing_packages":
+        print(f"[gpu_check] {result['reason']}", file=sys.stderr)
+        return 2
+    return 1 if result["status"] == "failed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The CPU-side parts of benchmarks/gpu_check.py: arguments, plan, budget, outputs, no-GPU run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _load()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --------------------------------------------------------------------------- arguments
+def test_parse_args_defaults_and_flags(tmp_path: Path) -> None:
+    a = gc.parse_args([str(tmp_path)])
+    assert (a.outdir, a.quick, a.skip_tests, a.budget_s, a.iters) == (tmp_path, False, False, 450.0, 5)
+    b = gc.parse_args([str(tmp_path), "--quick", "--skip-tests", "--budget-s", "100"])
+    assert (b.quick, b.skip_tests, b.budget_s, b.iters) == (True, True, 100.0, 3)
+
+
+@pytest.mark.parametrize("argv", [[], ["out", "--budget-s", "0"], ["out", "--iters", "0"], ["out", "--bogus"]])
+def test_parse_args_rejects(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        gc.parse_args(argv)
+    assert e.value.code == 2
+
+
+# --------------------------------------------------------------------------- plan and FLOPs
+def test_flop_formulas() -> None:
+    s = gc.Shape(2, 16, 1024, 64, "float16", False)
+    assert gc.fwd_flops(s) == 4 * 2 * 16 * 1024 * 1024 * 64
+    assert gc.bwd_flops(s) == 2.5 * gc.fwd_flops(s)
+    causal = gc.Shape(2, 16, 1024, 64, "float16", True)
+    assert gc.fwd_flops(causal) == gc.fwd_flops(s) / 2 and gc.bwd_flops(causal) == gc.bwd_flops(s) / 2
+    assert gc.tflops(4e12, 1000.0) == pytest.approx(4.0)
+    assert gc.tflops(1.0, None) is None and gc.tflops(1.0, 0.0) is None
+
+
+def test_plan_covers_the_matrix_with_16k_tokens() -> None:
+    full = gc.plan(quick=False)
+    assert len(full) == 3 * 2 * 2 * 2
+    assert {(s.seqlen, s.head_dim, s.dtype, s.causal) for s in full} == {
+        (n, d, dt, c) for n in (1024, 4096, 16384) for d in (64, 128) for dt in ("float16", "bfloat16")
+        for c in (False, True)}
+    assert all(s.batch * s.seqlen == 16 * 1024 and s.heads == 16 for s in full)
+    assert [s.seqlen for s in full] == sorted(s.seqlen for s in full)  # longest last: dropped first
+    quick = gc.plan(quick=True)
+    assert set(quick) < set(full) and max(s.seqlen for s in quick) == 4096
+
+
+def test_bench_specs_one_per_direction_and_kind() -> None:
+    specs = gc.bench_specs(gc.plan(quick=False), "sm_90")
+    assert len(specs) == 2 * 2 * 2 * 2 == len({s.name for s in specs})
+    assert {s.direction for s in specs} == {"fwd", "bwd"} and {s.arch for s in specs} == {"sm_90"}
+
+
+# --------------------------------------------------------------------------- benchmark loop
+def test_run_benchmark_records_errors_as_na_and_respects_the_budget() -> None:
+    clock = FakeClock()
+    deadline = gc.Deadline(60.0, clock)
+    shapes = [gc.Shape(16, 16, 1024, 64, "float16", False), gc.Shape(4, 16, 4096, 64, "float16", False),
+              gc.Shape(1, 16, 16384, 64, "float16", False)]
+    calls: list[tuple[str, int]] = []
+
+    def fake(name: str, seconds_per_1k: float):
+        def run(shape):
+            calls.append((name, shape.seqlen))
+            clock.now += seconds_per_1k * shape.seqlen / 1024  # B * N fixed: time grows like the FLOPs
+            if name == "broken":
+                raise RuntimeError("no kernel for this input\nsecond line")
+            return gc.Measurement(fwd_ms=1.0, bwd_ms=2.5)
+        return run
+
+    # row 1 takes 4 s; row 2 (4x the FLOPs) is estimated at 16 s and fits (56 s left); row 3 is
+    # estimated at 64 s with 40 s left: skipped
+    rows = gc.run_benchmark(shapes, {"ok": fake("ok", 3.0), "broken": fake("broken", 1.0)}, deadline,
+                            stop_at_left_s=10.0)
+    assert [r.note for r in rows[:2]] == ["", ""]
+    assert rows[2].note.startswith("skipped: time budget") and rows[2].results == {}
+    assert rows[0].results["broken"].note == "n/a: RuntimeError: no kernel for this input"
+    assert rows[0].results["ok"].fwd_ms == 1.0
+    assert (("ok", 16384) not in calls) and len(calls) == 4
+
+
+def test_run_benchmark_stops_after_a_lost_context() -> None:
+    deadline = gc.Deadline(1e6)
+    shapes = gc.plan(quick=True)[:3]
+
+    def boom(shape):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    def lost() -> None:
+        raise gc.CudaContextLost("illegal memory access")
+
+    rows = gc.run_benchmark(shapes, {"a": boom, "b": boom}, deadline, stop_at_left_s=0.0, health_check=lost)
+    assert list(rows[0].results) == ["a"]  # "b" never ran
+    assert all(r.note.startswith("skipped: CUDA context lost") for r in rows[1:])
+
+
+# --------------------------------------------------------------------------- outputs
+def test_parse_pytest_summary() -> None:
+    out = "....s.F\n=========== 1 failed, 5 passed, 1 skipped, 2 warnings in 12.34s ===========\n"
+    got = gc.parse_pytest_summary(out)
+    assert (got["passed"], got["failed"], got["skipped"], got["errors"]) == (5, 1, 1, 0)
+    assert got["summary"] == "1 failed, 5 passed, 1 skipped, 2 warnings in 12.34s"
+    assert gc.parse_pytest_summary("14 skipped in 3.3s")["skipped"] == 14
+    assert gc.parse_pytest_summary("1 error in 0.5s")["errors"] == 1
+    assert gc.parse_pytest_summary("Traceback ...")["summary"] == "(no pytest summary line)"
+
+
+def test_write_outputs_json_and_text(tmp_path: Path) -> None:
+    shape = gc.Shape(4, 16, 4096, 128, "bfloat16", True)
+    row = gc.Row(shape, {"fagen": gc.Measurement(10.0, 30.0), "sdpa_cudnn": gc.Measurement(note="n/a: nope")})
+    result = {"status": "ok", "budget_s": 450.0, "elapsed_s": 123.0,
+              "environment": {"torch": "2.x", "device": {"name": "H200", "capability": "9.0", "sm_count": 132}},
+              "tests": {"summary": "14 passed in 50s", "returncode": 0, "log": "gpu_tests.log"},
+              "benchmark": {"rows": [row.as_dict(), gc.Row(shape, note="skipped: time budget").as_dict()]},
+              "autotune": {"status": "unavailable", "note": "autotune: unavailable (ImportError: x)"}}
+    gc.write_outputs(tmp_path / "out", result)
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    fagen = data["benchmark"]["rows"][0]["results"]["fagen"]
+    assert fagen["fwd_tflops"] == pytest.approx(gc.fwd_flops(shape) / 10e-3 / 1e12)
+    assert data["benchmark"]["rows"][0]["results"]["sdpa_cudnn"]["fwd_tflops"] is None
+    text = (tmp_path / "out" / "gpu_check.txt").read_text()
+    assert "H200" in text and "14 passed" in text and "n/a: nope" in text and "skipped: time budget" in text
+    assert "autotune: unavailable" in text
+
+
+def test_missing_packages_named_with_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "filelock" else real(n, *a))
+    missing = gc.missing_packages(gc.REQUIRED)
+    assert missing == {"filelock": "filelock"} and gc.install_hint(missing) == "pip install filelock"
+    assert gc.missing_packages({"no_such_pkg.sub": "x"}) == {"no_such_pkg.sub": "x"}
+
+
+def test_autotune_unavailable_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fagen.autotune", None)  # import fails
+    got = gc.run_autotune([gc.Shape(1, 16, 4096, 64, "float16", False)], gc.Deadline(100))
+    assert got["status"] == "unavailable" and got["note"].startswith("autotune: unavailable")
+
+
+# --------------------------------------------------------------------------- whole script
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_script_without_gpu_exits_0_and_says_so(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "o"), "--quick"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert data["status"] == "no_gpu" and "no CUDA GPU" in data["reason"]
+    assert "no_gpu" in (tmp_path / "o" / "gpu_check.txt").read_text()
+
+
+def test_script_reports_missing_packages_with_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gc, "REQUIRED", {**gc.REQUIRED, "definitely_not_installed_pkg": "dnip"})
+    assert gc.main([str(tmp_path / "o"), "--skip-tests"]) == 2
+    data = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert data["status"] == "missing_packages" and data["install_hint"] == "pip install dnip"
+
+
+def test_gpu_path_end_to_end_with_fake_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU branch of main() on the CPU: real NVRTC precompile and pytest run, fake timings."""
+    env = {**gc.environment(), "cuda_available": True,
+           "device": {"name": "FakeGPU", "capability": "9.0", "sm_count": 132, "memory_gib": 1.0, "count": 1}}
+    monkeypatch.setattr(gc, "environment", lambda: env)
+    monkeypatch.setattr(gc, "detect_arch", lambda: "sm_90")
+    monkeypatch.setattr(gc, "cuda_health_check", lambda: None)
+    monkeypatch.setattr(gc, "providers", lambda warmup, iters: {"fagen": lambda s: gc.Measurement(2.0, 5.0)})
+    rc = gc.main([str(tmp_path / "o"), "--quick"])
+    data = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert rc == 0, data
+    assert data["tests"]["ok"] and data["tests"]["skipped"] > 0  # every GPU test skips here
+    assert data["benchmark"]["precompile"]["failed"] == {}  # the bench specs compile for sm_90
+    assert len(data["benchmark"]["rows"]) == len(gc.plan(quick=True))
+    assert data["autotune"]["notes"]  # gpu_check_rows needs a real GPU: recorded, not raised
+    assert (tmp_path / "o" / "gpu_tests.log").read_text().strip()
