@@ -21,12 +21,23 @@ def _nvrtc():
     return nvrtc
 
 
-@functools.lru_cache(maxsize=1)
 def include_dir() -> Path:
-    """Directory holding cuda_fp16.h / cuda_bf16.h (the nvidia-cuda-runtime wheel)."""
+    """Directory holding cuda_fp16.h / cuda_bf16.h: the settings' override, else the
+    nvidia-cuda-runtime wheel's (found by cuda-pathfinder). Used by NVRTC and the emulator."""
+    from .settings import get_settings
+
+    override = get_settings().cuda_include
+    return override if override is not None else _wheel_include_dir()
+
+
+@functools.lru_cache(maxsize=1)
+def _wheel_include_dir() -> Path:
     import cuda.pathfinder as pathfinder
 
-    return Path(pathfinder.find_nvidia_header_directory("cudart"))
+    found = pathfinder.find_nvidia_header_directory("cudart")
+    if not found:
+        raise FileNotFoundError("cuda-pathfinder found no CUDA runtime headers (install nvidia-cuda-runtime)")
+    return Path(found)
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,8 @@ import platformdirs
 _ENV = {
     "cache_dir": "FAGEN_CACHE_DIR",  # where cubins, emulator builds and tuning live
     "autotune_lookup": "FAGEN_AUTOTUNE_LOOKUP",  # "0" turns tuned-choice lookups off
+    "cxx": "FAGEN_CXX",  # host C++17 compiler of the emulator (default g++)
+    "cuda_include": "FAGEN_CUDA_INCLUDE",  # directory with cuda_fp16.h (default: the pip wheel's)
 }
 
 
@@ -17,13 +19,17 @@ _ENV = {
 class Settings:
     cache_dir: Path
     autotune_lookup: bool = True
+    cxx: str = "g++"
+    cuda_include: Path | None = None
 
     @classmethod
     def from_env(cls) -> "Settings":
         env = os.environ.get(_ENV["cache_dir"])
         cache = Path(env) if env else Path(platformdirs.user_cache_dir("fagen"))
         lookup = os.environ.get(_ENV["autotune_lookup"], "1").strip().lower() not in ("0", "false", "off", "no")
-        return cls(cache_dir=cache, autotune_lookup=lookup)
+        inc = os.environ.get(_ENV["cuda_include"])
+        return cls(cache_dir=cache, autotune_lookup=lookup, cxx=os.environ.get(_ENV["cxx"]) or "g++",
+                   cuda_include=Path(inc) if inc else None)
 
 
 _current: Settings | None = None

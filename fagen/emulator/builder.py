@@ -34,13 +34,10 @@ _memo_lock = threading.Lock()
 
 
 def _default_cache_dir() -> Path:
-    """``$FAGEN_CACHE_DIR/emu`` or the platform user cache ``fagen/emu``."""
-    root = os.environ.get("FAGEN_CACHE_DIR")
-    if not root:
-        import platformdirs
+    """``<settings.cache_dir>/emu``."""
+    from ..cache import cache_root
 
-        root = platformdirs.user_cache_dir("fagen")
-    return Path(root) / "emu"
+    return cache_root("emu")
 
 
 @functools.cache
@@ -52,27 +49,23 @@ def _support_text() -> tuple[str, str]:
 
 @functools.cache
 def cuda_include_dir() -> str:
-    """Directory holding cuda_fp16.h / cuda_bf16.h (compiled in host mode)."""
-    env = os.environ.get("FAGEN_EMU_CUDA_INCLUDE")
-    if env:
-        return env
-    try:
-        import cuda.pathfinder as pathfinder
+    """Directory holding cuda_fp16.h / cuda_bf16.h (compiled in host mode): the same one NVRTC uses."""
+    from ..nvrtc import include_dir
 
-        found = pathfinder.find_nvidia_header_directory("cudart")
+    try:
+        return str(include_dir())
     except Exception as exc:  # noqa: BLE001 - any failure means "not found"
         raise EmulatorBuildError(f"cannot locate the CUDA headers: {exc}") from exc
-    if not found:
-        raise EmulatorBuildError("cannot locate the CUDA headers (cuda.pathfinder found no cudart headers)")
-    return str(found)
 
 
 @functools.cache
 def compiler() -> tuple[str, str]:
     """(path to g++, its identity string for the cache key)."""
-    cxx = shutil.which(os.environ.get("FAGEN_EMU_CXX", "g++"))
+    from ..settings import get_settings
+
+    cxx = shutil.which(get_settings().cxx)
     if cxx is None:
-        raise EmulatorBuildError("g++ not found (set FAGEN_EMU_CXX to a C++17 compiler)")
+        raise EmulatorBuildError(f"{get_settings().cxx} not found (set FAGEN_CXX to a C++17 compiler)")
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
     return cxx, f"{cxx}|{out.splitlines()[0] if out else ''}|{machine.strip()}"
