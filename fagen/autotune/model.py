@@ -8,7 +8,8 @@ bytes       HBM traffic of the paper's IO analysis (Theorem 2 / 5), counted per
 flops       the FLOPs of the visited tiles (masked elements inside a visited
             tile still cost);
 wavefronts  shared-memory load wavefronts of the family's inner products,
-            bank conflicts included (per-family cost function);
+            bank conflicts included (per-family cost function; SIMT: the
+            4x4 register-tiled block_gemm of templates/partials/common.cuh);
 instrs      issued warp instructions of those inner loops;
 h           latency hiding at the achieved occupancy, per term: min(1, warps per
             SM / 16) for HBM, FP32 and issue; min(1, warps per SM x wavefronts
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..abi import ROLES
+from ..families import get_family
 from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM,
                     KernelSpec)
 from .candidates import Candidate
@@ -219,26 +221,58 @@ def lds_wavefronts(addrs: list[int]) -> int:
     return max((len(v) for v in words.values()), default=0)
 
 
-def _matmul_step(elems: int, inner: int, a: _Addr, b: _Addr, cvts: int) -> PairCost:
-    """``for e in tid..elems step threads: for x in 0..inner: acc = fma(A[e,x], B[e,x], acc)``."""
-    lanes = list(range(min(32, elems)))
-    per_iter = lds_wavefronts([a(e) for e in lanes]) + lds_wavefronts([b(e) for e in lanes])
-    warp_steps = math.ceil(elems / 32) * inner
-    return PairCost(warp_steps * per_iter, warp_steps * (1 + 2 + cvts + 1), warp_steps)  # fma, 2 lds, cvts, loop
+#: Register tile of one thread in the SIMT ``block_gemm`` (templates/partials/common.cuh):
+#: TM x TN accumulators, TM loads of A and TN loads of B per k step.
+GEMM_TM, GEMM_TN = 4, 4
+
+
+def _block_gemm(m: int, n: int, k: int, a: Callable[[int, int], int], b: Callable[[int, int], int],
+                cvt_a: bool, cvt_b: bool) -> PairCost:
+    """``block_gemm<M, N, K>``: thread t owns rows m0 + i*RM and columns n0 + j*RN (RM = M/TM,
+    RN = N/TN, m0 = t / RN, n0 = t % RN) and loads TM A values and TN B values per k step.
+    ``a(row, kk)`` / ``b(col, kk)`` give the byte address of the operand in shared memory."""
+    rm, rn = max(1, m // GEMM_TM), max(1, n // GEMM_TN)
+    threads = rm * rn
+    lanes = range(min(32, threads))
+    wf = 0
+    for i in range(GEMM_TM):
+        wf += lds_wavefronts([a(t // rn + i * rm, 0) for t in lanes])
+    for j in range(GEMM_TN):
+        wf += lds_wavefronts([b(t % rn + j * rn, 0) for t in lanes])
+    steps = math.ceil(threads / 32) * k
+    instr = GEMM_TM * GEMM_TN + GEMM_TM + GEMM_TN + GEMM_TM * cvt_a + GEMM_TN * cvt_b + 2  # fma, lds, cvt, loop
+    return PairCost(steps * wf, steps * instr, steps)
+
+
+def _simt_strides(spec: KernelSpec, bc: int) -> tuple[int, int]:
+    """Row strides (elements) of the dtype tiles and of the P/S tile, from the family when it pads."""
+    fam = get_family(spec.impl)
+    strides = getattr(fam, "strides", None)
+    if strides is None:
+        return spec.head_dim, bc
+    st = strides(spec.head_dim, spec.itemsize, bc)
+    return int(st["LD"]), int(st["P_LD"])
 
 
 def simt_pair_cost(spec: KernelSpec, br: int, bc: int) -> PairCost:
-    """The SIMT templates' inner products (templates/simt/*.cu.j2): both operands from shared memory."""
+    """The SIMT templates' five (backward) or two (forward) block_gemm calls per tile pair."""
     d, t, f = spec.head_dim, spec.itemsize, 4
-    cvt2 = 0 if spec.dtype == "float32" else 2
-    cvt1 = 0 if spec.dtype == "float32" else 1
-    qk = _matmul_step(br * bc, d, lambda e: (e // bc) * d * t, lambda e: (e % bc) * d * t, cvt2)  # S, dP
+    ld, p_ld = _simt_strides(spec, bc)
+    cvt = spec.dtype != "float32"
+
+    def tile(row: int, col: int) -> int:  # Q, K, V, dO: [rows][LD] of T
+        return (row * ld + col) * t
+
+    def p_rc(r: int, c: int) -> int:  # P / dS / S: [B_r][P_LD] of float
+        return (r * p_ld + c) * f
+
+    qk = _block_gemm(br, bc, d, tile, tile, cvt, cvt)  # S = Q K^T and dP = dO V^T
     if spec.direction == "bwd":
-        p_by_cx = _matmul_step(bc * d, br, lambda e: (e // d) * f, lambda e: (e % d) * t, cvt1)  # dV, dK
-        p_by_rx = _matmul_step(br * d, bc, lambda e: (e // d) * bc * f, lambda e: (e % d) * t, cvt1)  # dQ
-        steps = [qk, p_by_cx, qk, p_by_rx, p_by_cx]
+        dv_dk = _block_gemm(bc, d, br, lambda c, r: p_rc(r, c), lambda x, r: tile(r, x), False, cvt)  # dV, dK
+        dq = _block_gemm(br, d, bc, p_rc, lambda x, c: tile(c, x), False, cvt)  # dQ
+        steps = [qk, dv_dk, qk, dq, dv_dk]
     else:
-        pv = _matmul_step(br * d, bc, lambda e: (e // d) * bc * f, lambda e: (e % d) * t, cvt1)
+        pv = _block_gemm(br, d, bc, p_rc, lambda x, c: tile(c, x), False, cvt)  # O += P V
         steps = [qk, pv]
     return PairCost(sum(c.lds_wavefronts for c in steps), sum(c.warp_instructions for c in steps),
                     sum(c.warp_iterations for c in steps))
@@ -303,7 +337,7 @@ def score(cands: list[Candidate], p: Problem, dev: DeviceModel) -> list[Candidat
     for c in cands:
         if c.status == "ok" and c.spec is not None and c.registers is not None:
             pred = predict(c.spec, p, c.registers, dev)
-            c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=pred.ms)
+            c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=round(pred.ms, 6))
         out.append(c)
     return out
 
@@ -313,6 +347,6 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
     rejected ones by key. Deterministic: the order depends on nothing but the candidates."""
     ok = [c for c in cands if c.status == "ok" and c.predicted_ms is not None]
     rest = [c for c in cands if not (c.status == "ok" and c.predicted_ms is not None)]
-    ok.sort(key=lambda c: (round(c.predicted_ms, 9), -(c.occupancy or 0.0), c.key))  # type: ignore[arg-type]
+    ok.sort(key=lambda c: (c.predicted_ms, -(c.occupancy or 0.0), c.key))  # type: ignore[arg-type]
     rest.sort(key=lambda c: c.key)
     return ok + rest
