@@ -46,3 +46,20 @@ def test_other_head_dims(d: int) -> None:
 def test_padding_only_and_dropout_only(causal: bool) -> None:
     check(Case(2, 2, 40, 40, 32, "float16", causal=causal, padding=True))
     check(Case(2, 2, 40, 50, 32, "float32", causal=causal, dropout_p=0.5, seed=3))
+
+
+@pytest.mark.parametrize("B,Nq,Nk", [(0, 5, 5), (2, 0, 5), (2, 5, 0)])
+def test_empty_dimensions(B: int, Nq: int, Nk: int) -> None:
+    import torch
+
+    import fagen.functional as F
+
+    q = torch.randn(B, Nq, 2, 32)
+    k = torch.randn(B, Nk, 2, 32)
+    v = torch.randn(B, Nk, 2, 32)
+    o, lse = F.attention_forward(q, k, v, causal=True)
+    assert o.shape == q.shape and lse.shape == (B, 2, Nq)
+    assert (o == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = F.attention_backward(torch.randn_like(q), q, k, v, o, lse, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not dq.any() and not dk.any() and not dv.any()
