@@ -70,7 +70,7 @@ def test_gpu_autograd_matches_float64_reference(case: Case) -> None:
         assert max_err(a, r) <= bound, f"{case}: {name} error {max_err(a, r):.3g} > {bound:.3g}"
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("FAGEN_EMU_CXX", "g++")) is None, reason="the CPU emulator needs g++")
+@pytest.mark.skipif(shutil.which(os.environ.get("FAGEN_CXX", "g++")) is None, reason="the CPU emulator needs g++")
 def test_gpu_agrees_with_cpu_emulator() -> None:
     """Same kernel text on both backends: same shapes and dtypes, values equal up to rounding order."""
     case = GPU_CASES[4]
