@@ -7,7 +7,6 @@ import math
 import multiprocessing
 import random
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..spec import KernelSpec
-from .timing import arch_for_capability, cuda_available, current_device
+from .timing import cuda_available, current_device
 from .tuner import TuneResult, tune
 
 
@@ -121,4 +121,4 @@ def _print_table(result: TuneResult) -> None:
                       + (" -- recorded" if result.timed else ""), markup=False, highlight=False)
 
 
-__all__ = ["add_arguments", "run", "arch_for_capability"]
+__all__ = ["add_arguments", "run"]
