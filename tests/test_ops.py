@@ -7,7 +7,9 @@ Shapes are small and the specs few (each is one g++ build, shared by the tests).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,3 +368,72 @@ def test_cuda_argument_packing_covers_the_abi() -> None:
                 assert arg.nbytes == (8 if ctype.endswith("*") else widths[ctype]), (role.name, name)
     assert int(to_cuda_arg("const float*", 2**63 + 5)) == 2**63 + 5
     assert int(to_cuda_arg("unsigned long long", 2**64 - 1)) == 2**64 - 1
+
+
+def test_gpu_launcher_wiring_with_a_fake_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fagen.runtime.gpu against a recording stand-in for CuPy: per-device load of the cached cubin,
+    smem opt-in above 48 KiB, the tensors' device and torch's stream, numpy-typed arguments."""
+    import contextlib
+    import types
+
+    import numpy as np
+
+    import fagen
+    from fagen.runtime import gpu
+    from fagen.spec import KernelSpec
+
+    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90")
+    fagen.compile(spec)  # NVRTC (through the real CuPy bindings) before CuPy is replaced
+    log: list[tuple] = []
+
+    class Kernel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __setattr__(self, key: str, value: object) -> None:
+            if key == "max_dynamic_shared_size_bytes":
+                log.append(("smem_optin", self.name, value))
+            object.__setattr__(self, key, value)
+
+        def __call__(self, grid, block, args, *, shared_mem=0):
+            log.append(("launch", self.name, grid, block, args, shared_mem))
+
+    class RawModule:
+        def __init__(self, *, path: str) -> None:
+            log.append(("load", path))
+
+        def get_function(self, name: str) -> Kernel:
+            return Kernel(name)
+
+    @contextlib.contextmanager
+    def device(index: int):
+        log.append(("device", index))
+        yield
+
+    @contextlib.contextmanager
+    def stream_ctx(s):
+        log.append(("stream", s.__cuda_stream__()[1]))
+        yield
+
+    fake_stream_cls = types.SimpleNamespace(from_external=stream_ctx)
+    runtime = types.SimpleNamespace(pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=1))
+    fake = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(
+        Device=device, Stream=fake_stream_cls, runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    torch_stream = types.SimpleNamespace(cuda_stream=0xABC, __cuda_stream__=lambda: (0, 0xABC))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: torch_stream)
+
+    mod = gpu.GpuModule(spec)
+    kern = mod.compiled.rendered.kernel("main")
+    args = {name: (0x1000 if ctype.endswith("*") else 2) for ctype, name in kern.params}
+    mod.launch(kern, (3, 2, 1), args)
+    mod.launch(kern, (3, 2, 1), args)
+
+    loads = [e for e in log if e[0] == "load"]
+    assert len(loads) == 1 and Path(loads[0][1]).read_bytes() == mod.compiled.cubin  # once per device
+    assert ("smem_optin", kern.name, kern.smem_bytes) in log and kern.smem_bytes > 48 * 1024
+    assert log.count(("device", 1)) == 2 and log.count(("stream", 0xABC)) == 2
+    launch = [e for e in log if e[0] == "launch"][0]
+    assert launch[1:4] == (kern.name, (3, 2, 1), kern.block) and launch[5] == kern.smem_bytes
+    assert [type(a) for a in launch[4]] == [
+        np.uint64 if t.endswith("*") else gpu._SCALARS[t] for t, _ in kern.params]
