@@ -7,7 +7,9 @@ the NVRTC cubin through CuPy, CPU tensors run the same source in the emulator.
 """
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +17,13 @@ import torch
 
 from .errors import InputError, InputTypeError
 from .philox import drop_threshold, keep_mask
+from .renderer import render
 from .runtime import get_module
 from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, KernelSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _U64 = 2**64
+_GRID_YZ_MAX = 65535
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ def _check_tensor(name: str, t: Any) -> torch.Tensor:
     return t
 
 
-def _check_qkv(q: Any, k: Any, v: Any) -> Problem:
+def validate_qkv(q: Any, k: Any, v: Any) -> Problem:
+    """Check q, k, v (types, dtypes, shapes, devices, head dim, strides); the runtime shape."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
         if t.dim() != 4:
@@ -71,6 +76,8 @@ def _check_qkv(q: Any, k: Any, v: Any) -> Problem:
             raise InputError(name, "a contiguous last dimension (stride 1)", f"stride {t.stride(-1)}")
     if q.device.type not in ("cpu", "cuda"):
         raise InputError("q", "a CPU or CUDA tensor", q.device)
+    if B > _GRID_YZ_MAX or H > _GRID_YZ_MAX:  # batch and heads are grid y and z
+        raise InputError("q", f"batch and heads at most {_GRID_YZ_MAX} (CUDA grid y/z limit)", f"{B} x {H}")
     return Problem(B, H, Nq, k.shape[1], d, _DTYPES[q.dtype], q.device)
 
 
@@ -98,7 +105,8 @@ def _check_lse(lse: Any, p: Problem) -> torch.Tensor:
     return lse.contiguous()
 
 
-def _check_mask(mask: Any, p: Problem) -> torch.Tensor | None:
+def validate_key_padding_mask(mask: Any, p: Problem) -> torch.Tensor | None:
+    """None, or a contiguous bool [B, Nk] mask on q's device."""
     if mask is None:
         return None
     _check_tensor("key_padding_mask", mask)
@@ -112,14 +120,14 @@ def _check_mask(mask: Any, p: Problem) -> torch.Tensor | None:
 
 
 def _check_scalars(dropout_p: Any, softmax_scale: Any, seed: Any, offset: Any, head_dim: int) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= float(dropout_p) < 1.0):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (0.0 <= float(dropout_p) < 1.0):
         raise InputError("dropout_p", "a float in [0, 1)", dropout_p)
     for name, val in (("seed", seed), ("offset", offset)):
-        if isinstance(val, bool) or not isinstance(val, int) or not (0 <= val < _U64):
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not (0 <= int(val) < _U64):
             raise InputError(name, "an integer in [0, 2**64)", val)
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
         raise InputError("softmax_scale", "a finite float or None", softmax_scale)
     return float(softmax_scale)
 
@@ -133,10 +141,16 @@ def default_arch(device: torch.device) -> str:
     return "sm_90"  # the emulator runs any arch; tiles follow sm_90's M
 
 
+@functools.lru_cache(maxsize=512)
+def _default_spec(direction: str, head_dim: int, dtype: str, causal: bool, key_padding: bool, dropout: bool,
+                  arch: str) -> KernelSpec:
+    return KernelSpec(direction=direction, head_dim=head_dim, dtype=dtype, causal=causal,
+                      key_padding=key_padding, dropout=dropout, arch=arch)
+
+
 def spec_for(direction: str, p: Problem, *, causal: bool, key_padding: bool, dropout: bool) -> KernelSpec:
     """The spec of the inputs: default tiles, or a tuned choice when one is recorded."""
-    spec = KernelSpec(direction=direction, head_dim=p.head_dim, dtype=p.dtype, causal=causal,
-                      key_padding=key_padding, dropout=dropout, arch=default_arch(p.device))
+    spec = _default_spec(direction, p.head_dim, p.dtype, causal, key_padding, dropout, default_arch(p.device))
     try:
         from .autotune import tuned_or_default
     except ImportError:  # pragma: no cover - autotuner not installed
@@ -167,57 +181,56 @@ def _check_spec(spec: KernelSpec, direction: str, p: Problem, causal: bool, mask
 
 
 # --------------------------------------------------------------------------- forward
-def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                softmax_scale: float | None = None, seed: int = 0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward with an explicit spec (used by the ops and the autotuner)."""
-    p = _check_qkv(q, k, v)
-    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
-    mask = _check_mask(key_padding_mask, p)
-    _check_spec(spec, "fwd", p, spec.causal, mask, float(dropout_p))
+def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None, dropout_p: float, scale: float, seed: int,
+                    offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_spec(spec, "fwd", p, spec.causal, mask, dropout_p)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     if p.empty:
         return o, lse
     if p.seqlen_k == 0:
-        o.zero_()
-        lse.fill_(-math.inf)
-        return o, lse
-    mod = get_module(spec, p.device.type)
-    kern = mod_kernel(spec, "main")
+        return o.zero_(), lse.fill_(-math.inf)
+    kern = render(spec).kernel("main")
     args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": mask.data_ptr() if mask is not None else 0,
             "o": o.data_ptr(), "lse": lse.data_ptr(), "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k,
             "scale": scale, **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
-            **_dropout_args(float(dropout_p), seed, offset)}
-    mod.launch(kern, kern.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), args)
+            **_dropout_args(dropout_p, seed, offset)}
+    get_module(spec, p.device.type).launch(kern, kern.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), args)
     return o, lse
+
+
+def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                softmax_scale: float | None = None, seed: int = 0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward with an explicit spec (used by the autotuner and for experiments with tiles)."""
+    p = validate_qkv(q, k, v)
+    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
+    mask = validate_key_padding_mask(key_padding_mask, p)
+    return _launch_forward(spec, p, q, k, v, mask, float(dropout_p), scale, int(seed), int(offset))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                       softmax_scale: float | None = None, seed: int = 0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: returns (o [B, Nq, H, d], lse float32 [B, H, Nq])."""
-    p = _check_qkv(q, k, v)
-    _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
-    mask = _check_mask(key_padding_mask, p)
+    p = validate_qkv(q, k, v)
+    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
+    mask = validate_key_padding_mask(key_padding_mask, p)
     spec = spec_for("fwd", p, causal=bool(causal), key_padding=mask is not None, dropout=float(dropout_p) > 0)
-    return run_forward(spec, q, k, v, key_padding_mask=mask, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                       seed=seed, offset=offset)
+    return _launch_forward(spec, p, q, k, v, mask, float(dropout_p), scale, int(seed), int(offset))
 
 
 # --------------------------------------------------------------------------- backward
-def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None,
-                 dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int = 0,
-                 offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Algorithm 4 with an explicit spec: preprocess (D, dQ = 0), main, postprocess."""
-    p = _check_qkv(q, k, v)
+def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
+                     dropout_p: float, scale: float, seed: int,
+                     offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Algorithm 4: preprocess (D, dQ accumulator = 0), main, postprocess (dQ -> dtype)."""
     _check_like("o", o, q)
     _check_like("do", do, q)
     lse = _check_lse(lse, p)
-    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
-    mask = _check_mask(key_padding_mask, p)
-    _check_spec(spec, "bwd", p, spec.causal, mask, float(dropout_p))
+    _check_spec(spec, "bwd", p, spec.causal, mask, dropout_p)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -225,7 +238,6 @@ def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.T
         return dq.zero_(), dk, dv
     delta = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
-    mod = get_module(spec, p.device.type)
     args = {
         "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),
         "lse": lse.data_ptr(), "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(),
@@ -234,12 +246,25 @@ def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.T
         "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "scale": scale,
         **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o), **_strides("do", do),
         **_strides("dq", dq), **_strides("dk", dk), **_strides("dv", dv),
-        **_dropout_args(float(dropout_p), seed, offset),
+        **_dropout_args(dropout_p, seed, offset),
     }
+    mod = get_module(spec, p.device.type)
+    rendered = render(spec)
     for role in ("pre", "main", "post"):
-        kern = mod_kernel(spec, role)
+        kern = rendered.kernel(role)
         mod.launch(kern, kern.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), args)
     return dq, dk, dv
+
+
+def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None,
+                 dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int = 0,
+                 offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward with an explicit spec (used by the autotuner and for experiments with tiles)."""
+    p = validate_qkv(q, k, v)
+    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
+    mask = validate_key_padding_mask(key_padding_mask, p)
+    return _launch_backward(spec, p, do, q, k, v, o, lse, mask, float(dropout_p), scale, int(seed), int(offset))
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -247,21 +272,14 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        dropout_p: float = 0.0, softmax_scale: float | None = None, seed: int = 0,
                        offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention backward (Algorithm 4): returns (dq, dk, dv) in the input dtype and layout."""
-    p = _check_qkv(q, k, v)
-    _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
-    mask = _check_mask(key_padding_mask, p)
+    p = validate_qkv(q, k, v)
+    scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
+    mask = validate_key_padding_mask(key_padding_mask, p)
     spec = spec_for("bwd", p, causal=bool(causal), key_padding=mask is not None, dropout=float(dropout_p) > 0)
-    return run_backward(spec, do, q, k, v, o, lse, key_padding_mask=mask, dropout_p=dropout_p,
-                        softmax_scale=softmax_scale, seed=seed, offset=offset)
+    return _launch_backward(spec, p, do, q, k, v, o, lse, mask, float(dropout_p), scale, int(seed), int(offset))
 
 
 def dropout_keep_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, *,
                       seed: int = 0, offset: int = 0) -> torch.Tensor:
     """The keep-mask the kernels apply, bool [B, H, Nq, Nk] (True = kept)."""
     return torch.from_numpy(keep_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed=seed, offset=offset))
-
-
-def mod_kernel(spec: KernelSpec, role: str):
-    from .renderer import render
-
-    return render(spec).kernel(role)

@@ -62,8 +62,8 @@ def _custom_op_kwargs(*tags: torch.Tag) -> dict[str, Any]:
 
 def _check_qkv_meta(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> None:
     """Shape/dtype/device validation shared by the real and fake implementations."""
-    p = F._check_qkv(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v))
-    F._check_mask(key_padding_mask, p)
+    p = F.validate_qkv(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v))
+    F.validate_key_padding_mask(key_padding_mask, p)
 
 
 # --------------------------------------------------------------------------- fagen::fwd

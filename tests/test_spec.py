@@ -58,11 +58,13 @@ def test_feasible_tile_invariants(direction: str, d: int, dtype: str, arch: str)
 def test_smem_layout_counts_every_buffer() -> None:
     s = KernelSpec(head_dim=64, dtype="float16", block_r=64, block_c=128)
     b = s.smem_layout.breakdown()
-    assert b["k"] == b["v"] == 128 * 64 * 2
+    ld, p_ld = 64 + 2, 128 + 1  # rows padded to an odd number of 32-bit words (bank conflicts)
+    assert b["k"] == b["v"] == 128 * ld * 2
     assert b["dk"] == b["dv"] == 128 * 64 * 4
-    assert b["q"] == b["do_"] == 64 * 64 * 2
-    assert b["p"] == 64 * 128 * 4
-    assert s.smem_bytes == 147968
+    assert b["q"] == b["do_"] == 64 * ld * 2
+    assert b["p"] == 64 * p_ld * 4
+    assert b["lse"] == b["delta"] == 64 * 4
+    assert s.smem_bytes == sum(b.values()) == 149760
 
 
 def test_overrides_and_name() -> None:
