@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -314,19 +313,9 @@ def run_benchmark(shapes: Sequence[Shape], providers: dict[str, Provider], deadl
 
 def cuda_timer(fn: Callable[[], Any], *, warmup: int, iters: int) -> float:
     """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events, after ``warmup`` runs)."""
-    import torch
+    from fagen.autotune.timing import measure  # the autotuner's timer: one way to time on GPU
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return measure(fn, warmup=warmup, reps=iters)
 
 
 def _inputs(shape: Shape, layout: str) -> tuple[Any, Any, Any, Any]:

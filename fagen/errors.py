@@ -16,28 +16,24 @@ class SpecError(FagenError, ValueError):
     """This spec cannot be implemented (the message says why)."""
 
 
-class InputError(FagenError, ValueError):
+class _ArgumentError(FagenError):
+    """Names the argument, what was expected and (optionally) what came."""
+
+    def __init__(self, argument: str, expected: str, got: object = None) -> None:
+        self.argument = argument
+        self.expected = expected
+        msg = f"{argument}: expected {expected}"
+        if got is not None:
+            msg += f", got {got}"
+        super().__init__(msg)
+
+
+class InputError(_ArgumentError, ValueError):
     """A user-supplied argument has a bad value."""
 
-    def __init__(self, argument: str, expected: str, got: object = None) -> None:
-        self.argument = argument
-        self.expected = expected
-        msg = f"{argument}: expected {expected}"
-        if got is not None:
-            msg += f", got {got}"
-        super().__init__(msg)
 
-
-class InputTypeError(FagenError, TypeError):
+class InputTypeError(_ArgumentError, TypeError):
     """A user-supplied argument has a bad type (dtype, device, Python type)."""
-
-    def __init__(self, argument: str, expected: str, got: object = None) -> None:
-        self.argument = argument
-        self.expected = expected
-        msg = f"{argument}: expected {expected}"
-        if got is not None:
-            msg += f", got {got}"
-        super().__init__(msg)
 
 
 class CompileError(FagenError, RuntimeError):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import fagen
 from fagen import CompileError, KernelSpec
 from fagen.compiler import clear_memo, compile as compile_spec, parse_ptxas
 from fagen.renderer import render

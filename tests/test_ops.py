@@ -19,8 +19,7 @@ from fagen import reference as R
 from fagen.errors import InputError, InputTypeError
 from fagen.ops import draw_rng_state, flash_attn_func, scaled_dot_product_attention, sdpa_key_padding_mask
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-ATOL = {"float16": 2e-4, "bfloat16": 2e-3, "float32": 2e-6}
+from numerics import ATOL, DTYPES
 
 
 @dataclass(frozen=True)
