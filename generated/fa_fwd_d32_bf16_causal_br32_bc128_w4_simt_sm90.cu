@@ -302,6 +302,7 @@ extern "C" __global__ void __launch_bounds__(fa::NUM_THREADS, fa::MIN_BLOCKS_PER
     load_tile<BLOCK_R>(s.q, q + b * stride_q_b + h * stride_q_h, i0, seqlen_q, stride_q_s);
     for (int e = tid; e < BLOCK_R * HEAD_DIM; e += NUM_THREADS) s.o[e] = 0.f;
     for (int r = tid; r < BLOCK_R; r += NUM_THREADS) { s.m[r] = NEG_INF; s.l[r] = 0.f; }
+    fa_sync();  // m_i, l_i are read by other threads below, even when no K/V block is visible
 
     // Causal: keys after the last row's diagonal are never visible to this block.
     int col_end = seqlen_k;
