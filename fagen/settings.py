@@ -12,7 +12,9 @@ _ENV = {
     "autotune_lookup": "FAGEN_AUTOTUNE_LOOKUP",  # "0" turns tuned-choice lookups off
     "cxx": "FAGEN_CXX",  # host C++17 compiler of the emulator (default g++)
     "cuda_include": "FAGEN_CUDA_INCLUDE",  # directory with cuda_fp16.h (default: the pip wheel's)
+    "emu_schedule": "FAGEN_EMU_SCHEDULE",  # "forward" or "reverse": the emulator's thread order
 }
+EMU_SCHEDULES = ("forward", "reverse")
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,11 @@ class Settings:
     autotune_lookup: bool = True
     cxx: str = "g++"
     cuda_include: Path | None = None
+    emu_schedule: str = "forward"
+
+    def __post_init__(self) -> None:
+        if self.emu_schedule not in EMU_SCHEDULES:
+            raise ValueError(f"{_ENV['emu_schedule']}: expected one of {EMU_SCHEDULES}, got {self.emu_schedule!r}")
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -29,7 +36,8 @@ class Settings:
         lookup = os.environ.get(_ENV["autotune_lookup"], "1").strip().lower() not in ("0", "false", "off", "no")
         inc = os.environ.get(_ENV["cuda_include"])
         return cls(cache_dir=cache, autotune_lookup=lookup, cxx=os.environ.get(_ENV["cxx"]) or "g++",
-                   cuda_include=Path(inc) if inc else None)
+                   cuda_include=Path(inc) if inc else None,
+                   emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward")
 
 
 _current: Settings | None = None

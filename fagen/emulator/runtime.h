@@ -45,6 +45,16 @@
 #define FAGEN_EMU_HIDDEN __attribute__((visibility("hidden")))
 
 // Usable stack per fiber (a PROT_NONE guard page sits below each one).
+// Schedule order: threads (and warp lanes) are run in ascending index order, or
+// descending with -DFAGEN_EMU_REVERSE_SCHEDULE. A race between two threads inside
+// one barrier interval (one reads what another writes, or both write) is usually
+// resolved differently by the two orders, so comparing their results finds it.
+#if defined(FAGEN_EMU_REVERSE_SCHEDULE)
+#define FAGEN_EMU_ORDER(i, n) ((n) - 1u - (i))
+#else
+#define FAGEN_EMU_ORDER(i, n) (i)
+#endif
+
 #ifndef FAGEN_EMU_STACK_BYTES
 #define FAGEN_EMU_STACK_BYTES (256u * 1024u)
 #endif
@@ -357,7 +367,8 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file,
     self->wait = kAtBlockBarrier;
     if (++g.bar_arrived == g.nthreads) {
         g.bar_arrived = 0;
-        for (unsigned i = 0; i < g.nthreads; ++i) {
+        for (unsigned k = 0; k < g.nthreads; ++k) {
+            const unsigned i = FAGEN_EMU_ORDER(k, g.nthreads);
             g.fibers[i].wait = kRunnable;
             push(i);
         }
@@ -405,7 +416,8 @@ inline void complete_collective(Warp& w, Fiber* lanes) {
         }
     }
     w.arrived = 0;
-    for (unsigned l = 0; l < 32; ++l) {
+    for (unsigned k = 0; k < 32; ++k) {
+        const unsigned l = FAGEN_EMU_ORDER(k, 32u);
         if (!(arrived >> l & 1u)) continue;
         lanes[l].wait = kRunnable;
         push(lanes[l].index);
@@ -557,7 +569,7 @@ FAGEN_EMU_NO_ASAN int run_block() {
         // frames of 256 fibers do not all map to the same L1 sets.
         const size_t color = (i % 64) * 64;
         context_init(&f.ctx, f.stack, FAGEN_EMU_STACK_BYTES - color, &fiber_main, &f);
-        g.queue[i] = i;
+        g.queue[i] = FAGEN_EMU_ORDER(i, g.nthreads);
     }
     g.stacks_dirty = false;
     for (unsigned w = 0; w < g.nwarps; ++w) {
