@@ -81,3 +81,26 @@ def test_bitwise_deterministic() -> None:
         runs.append((o, lse, *F.attention_backward(do, q, k, v, o, lse, **kw)))
     for a, b in zip(*runs):
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_arbitrary_strides() -> None:
+    """q/k/v from a packed qkv tensor, o and do from wider buffers, batch-strided views: same results."""
+    import torch
+
+    import fagen.functional as F
+
+    torch.manual_seed(3)
+    B, N, H, d = 2, 29, 3, 32
+    qkv = torch.randn(B, N, 3, H, d + 8, dtype=torch.float16)[..., :d]  # head stride d+8, seq stride 3H(d+8)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn(B, H, N, d, dtype=torch.float16).transpose(1, 2)  # [B, N, H, d] with seq stride d
+    kw = dict(causal=True)
+    o, lse = F.attention_forward(q, k, v, **kw)
+    o_wide = torch.zeros(B, N, H, 2 * d, dtype=torch.float16)[..., :d].copy_(o)
+    dq, dk, dv = F.attention_backward(do, q, k, v, o_wide, lse, **kw)
+    c = [t.contiguous() for t in (q, k, v, do)]
+    o_c, lse_c = F.attention_forward(*c[:3], **kw)
+    ref = F.attention_backward(c[3], *c[:3], o_c, lse_c, **kw)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+    for a, b in zip((dq, dk, dv), ref):
+        assert torch.equal(a, b)
