@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from numerics import Case, check
+from numerics import Case, check, make_inputs
 
 HEAD_DIMS = (32, 64, 96, 128)
 DTYPES = ("float16", "bfloat16", "float32")
@@ -104,3 +104,28 @@ def test_arbitrary_strides() -> None:
     assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
     for a, b in zip((dq, dk, dv), ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block_r,block_c,num_warps", [(16, 16, 1), (32, 64, 2), (128, 16, 8), (48, 80, 4), (16, 128, 8)])
+def test_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int) -> None:
+    """Every tile / warp count the autotuner may pick computes the same attention."""
+    import torch
+
+    import fagen.functional as F
+    from fagen import KernelSpec
+    from fagen import reference as R
+
+    case = Case(2, 2, 70, 53, 64, "float32", causal=True, padding=True, dropout_p=0.25, seed=12)
+    q, k, v, do, mask = make_inputs(case)
+    flags = dict(head_dim=64, dtype="float32", causal=True, key_padding=True, dropout=True,
+                 block_r=block_r, block_c=block_c, num_warps=num_warps)
+    kw = dict(key_padding_mask=mask, dropout_p=0.25, seed=12, offset=1)
+    o, lse = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **kw)
+    dq, dk, dv = F.run_backward(KernelSpec(**flags), do, q, k, v, o, lse, **kw)
+    keep = F.dropout_keep_mask(2, 2, 70, 53, 0.25, seed=12, offset=1)
+    rkw = dict(causal=True, key_padding_mask=mask, keep_mask=keep, dropout_p=0.25)
+    o64, lse64 = R.attention_forward_ref(q, k, v, **rkw)
+    grads64 = R.attention_backward_ref(do, q, k, v, o64, lse64, **rkw)
+    torch.testing.assert_close(o.double(), o64, rtol=1e-4, atol=1e-5)
+    for g, g64 in zip((dq, dk, dv), grads64):
+        torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-4)
