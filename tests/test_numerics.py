@@ -71,8 +71,6 @@ def test_bitwise_deterministic() -> None:
 
     import fagen.functional as F
 
-    from numerics import make_inputs
-
     q, k, v, do, mask = make_inputs(Case(2, 2, 45, 61, 32, "bfloat16", True, True, 0.2))
     kw = dict(causal=True, key_padding_mask=mask, dropout_p=0.2, seed=9)
     runs = []
