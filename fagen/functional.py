@@ -167,13 +167,12 @@ def _dropout_args(dropout_p: float, seed: int, offset: int) -> dict[str, Any]:
             "rp_keep": 1.0 / (1.0 - dropout_p)}
 
 
-def _check_spec(spec: KernelSpec, direction: str, p: Problem, causal: bool, mask: torch.Tensor | None, dropout_p: float) -> None:
+def _check_spec(spec: KernelSpec, direction: str, p: Problem, mask: torch.Tensor | None, dropout_p: float) -> None:
+    """An explicit spec must match the tensors (causal comes from the spec itself)."""
     if spec.direction != direction:
         raise InputError("spec", f"a {direction} spec", spec.direction)
     if spec.head_dim != p.head_dim or spec.dtype != p.dtype:
         raise InputError("spec", f"head_dim={p.head_dim}, dtype={p.dtype} (from the tensors)", f"{spec.head_dim}, {spec.dtype}")
-    if spec.causal != causal:
-        raise InputError("spec", f"causal={causal}", spec.causal)
     if (mask is not None) != spec.key_padding:
         raise InputError("key_padding_mask", "a mask exactly when spec.key_padding is set", mask is not None)
     if dropout_p > 0 and not spec.dropout:
@@ -184,7 +183,7 @@ def _check_spec(spec: KernelSpec, direction: str, p: Problem, causal: bool, mask
 def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, dropout_p: float, scale: float, seed: int,
                     offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_spec(spec, "fwd", p, spec.causal, mask, dropout_p)
+    _check_spec(spec, "fwd", p, mask, dropout_p)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     if p.empty:
@@ -230,7 +229,7 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
     _check_like("o", o, q)
     _check_like("do", do, q)
     lse = _check_lse(lse, p)
-    _check_spec(spec, "bwd", p, spec.causal, mask, dropout_p)
+    _check_spec(spec, "bwd", p, mask, dropout_p)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)

@@ -91,3 +91,19 @@ def test_keep_mask_rejects() -> None:
         F.dropout_keep_mask(1, 1, 4, 4, 1.5)
     with pytest.raises(ValueError, match="seed"):
         F.dropout_keep_mask(1, 1, 4, 4, 0.5, seed=-3)
+
+
+def test_explicit_spec_must_match_the_tensors() -> None:
+    from fagen import KernelSpec
+
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="spec"):
+        F.run_forward(KernelSpec(direction="bwd", head_dim=32), q, k, v)
+    with pytest.raises(InputError, match="spec"):
+        F.run_forward(KernelSpec(direction="fwd", head_dim=64), q, k, v)
+    with pytest.raises(InputError, match="spec"):
+        F.run_forward(KernelSpec(direction="fwd", head_dim=32, dtype="bfloat16"), q, k, v)
+    with pytest.raises(InputError, match="key_padding_mask"):
+        F.run_forward(KernelSpec(direction="fwd", head_dim=32, key_padding=True), q, k, v)
+    with pytest.raises(InputError, match="dropout_p"):
+        F.run_forward(KernelSpec(direction="fwd", head_dim=32), q, k, v, dropout_p=0.1)
