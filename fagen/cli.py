@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from ._version import __version__
 from .errors import FagenError, InputError, InputTypeError
 
 #: KernelSpec field -> CLI option (the spec options every command takes).
@@ -147,6 +148,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.")
+    parser.add_argument("--version", action="version", version=f"fagen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("inspect", help="derived tile, smem layout and names of a spec")
     _add_spec_options(p)

@@ -34,6 +34,15 @@ def test_inspect_table(capsys: pytest.CaptureFixture) -> None:
     assert "paper_block_c" in out and "smem[k]" in out and "fa_bwd_d128_fp16_causal_dropout" in out
 
 
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    import fagen
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fagen {fagen.__version__}"
+
+
 def test_compile_json_then_cached(tmp_path: Path) -> None:
     env = {"FAGEN_CACHE_DIR": str(tmp_path)}
     args = ["compile", "--head-dim", "64", "--dtype", "float16", "--causal", "--dropout", "--arch", "sm_90", "--json"]
@@ -76,6 +85,9 @@ def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         (["inspect"], "--head-dim"),
         (["compile", "--head-dim", "64", "--bogus"], "--bogus"),
         (["generate", "--all"], "--out"),
+        ([], "command"),
+        (["autotune", "--head-dim", "64", "--heads", "2", "--seqlen", "128"], "--batch"),
+        (["autotune", "--head-dim", "64", "--batch", "0", "--heads", "2", "--seqlen", "128", "--dry-run"], "--batch"),
     ],
 )
 def test_errors_are_one_line_exit_2(args: list[str], option: str) -> None:
