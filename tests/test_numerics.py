@@ -127,3 +127,23 @@ def test_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int) ->
     torch.testing.assert_close(o.double(), o64, rtol=1e-4, atol=1e-5)
     for g, g64 in zip((dq, dk, dv), grads64):
         torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-4)
+
+
+def _random_cases(n: int, seed: int = 2026) -> list[Case]:
+    """A seeded sweep over the whole spec space: any head dim, any dtype, any flags, odd shapes."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        d = 8 * rng.randint(1, 32)
+        nq, nk = rng.choice([1, 2, 15, 31, 63, 97, 130, 211]), rng.choice([1, 3, 16, 47, 64, 129, 200])
+        cases.append(Case(rng.randint(1, 2), rng.randint(1, 3), nq, nk, d, rng.choice(DTYPES),
+                          causal=rng.random() < 0.5, padding=rng.random() < 0.5,
+                          dropout_p=rng.choice([0.0, 0.0, 0.1, 0.45]), seed=rng.randrange(2**40)))
+    return cases
+
+
+@pytest.mark.parametrize("case", _random_cases(24), ids=str)
+def test_random_sweep(case: Case) -> None:
+    check(case)
