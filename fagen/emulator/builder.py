@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -23,8 +22,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from filelock import FileLock
-
+from .. import cache
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
@@ -152,9 +150,7 @@ def build(
     include = cuda_include_dir()
     flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
     runtime, shim = _support_text()
-    key = hashlib.sha256(
-        json.dumps([runtime, shim, source, wrappers, cxx_id, flags, include, _header_digest(include)]).encode()
-    ).hexdigest()
+    key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, _header_digest(include))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     memo_key = (str(root.absolute()), stem)
@@ -165,7 +161,7 @@ def build(
     so = root / f"{stem}.so"
     if not _is_valid(so):
         root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(root / f"{stem}.lock")):
+        with cache.locked(so):
             if not _is_valid(so):  # another process may have built it meanwhile
                 _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
     module = EmuModule(so, sigs, sanitized=sanitize)
@@ -195,20 +191,9 @@ def _is_valid(so: Path) -> bool:
         return False
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
-    _write_atomic(root / f"{stem}.cu", source.encode())
-    _write_atomic(root / f"{stem}.cpp", tu.encode())
+    cache.atomic_write(root / f"{stem}.cu", source.encode())
+    cache.atomic_write(root / f"{stem}.cpp", tu.encode())
     fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{stem}.", suffix=".so")
     os.close(fd)
     try:
@@ -221,6 +206,6 @@ def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem:
                 f"reported as {stem}.cu:LINE)", proc.stderr + proc.stdout)
         digest = _sha256_file(Path(tmp))
         os.replace(tmp, root / f"{stem}.so")
-        _write_atomic(root / f"{stem}.so.sha256", digest.encode())
+        cache.atomic_write(root / f"{stem}.so.sha256", digest.encode())
     finally:
         Path(tmp).unlink(missing_ok=True)
