@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import cache, nvrtc
 from ._version import __version__
@@ -128,14 +128,8 @@ def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's v
         cached=cached, key=key,
     )
     with _memo_lock:
-        _memo[memo_key] = _as_cached(mod)
+        _memo[memo_key] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
     return mod
-
-
-def _as_cached(mod: CompiledModule) -> CompiledModule:
-    from dataclasses import replace
-
-    return replace(mod, cached=True)
 
 
 def clear_memo() -> None:

@@ -46,15 +46,20 @@ def version() -> tuple[int, int]:
 
 
 #: Headers the rendered source includes (directly or through cuda_fp16/bf16.h).
-_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp")
+_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "vector_types.h")
 
 
-@functools.lru_cache(maxsize=1)
-def headers_digest() -> str:
-    """sha256 of the CUDA headers the kernels include, so a header update is a cache miss."""
+def headers_digest(directory: Path | None = None) -> str:
+    """sha256 of the CUDA headers the kernels include (NVRTC and the emulator), so a header
+    update is a cache miss for both."""
+    return _headers_digest(str(directory if directory is not None else include_dir()))
+
+
+@functools.lru_cache(maxsize=8)
+def _headers_digest(directory: str) -> str:
     h = hashlib.sha256()
     for name in _HEADERS:
-        p = include_dir() / name
+        p = Path(directory) / name
         h.update(name.encode())
         h.update(p.read_bytes() if p.exists() else b"<missing>")
     return h.hexdigest()

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import cache
+from ..nvrtc import headers_digest
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
@@ -67,15 +68,6 @@ def compiler() -> tuple[str, str]:
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
     return cxx, f"{cxx}|{out.splitlines()[0] if out else ''}|{machine.strip()}"
-
-
-@functools.cache
-def _header_digest(include_dir: str) -> str:
-    h = hashlib.sha256()
-    for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "vector_types.h"):
-        p = Path(include_dir) / name
-        h.update(p.read_bytes() if p.exists() else b"-")
-    return h.hexdigest()
 
 
 def compile_flags(*, sanitize: bool, debug: bool) -> list[str]:
@@ -150,7 +142,7 @@ def build(
     include = cuda_include_dir()
     flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
     runtime, shim = _support_text()
-    key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, _header_digest(include))
+    key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     memo_key = (str(root.absolute()), stem)
