@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from ..nvrtc import headers_digest
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
+from .toolchain import compiler, cuda_include_dir
 
 _memo: dict[tuple[str, str], EmuModule] = {}
 _memo_lock = threading.Lock()
@@ -44,30 +44,6 @@ def _support_text() -> tuple[str, str]:
     """(runtime.h, shim.h) as shipped in the package."""
     pkg = resources.files(__package__)
     return pkg.joinpath("runtime.h").read_text(), pkg.joinpath("shim.h").read_text()
-
-
-@functools.cache
-def cuda_include_dir() -> str:
-    """Directory holding cuda_fp16.h / cuda_bf16.h (compiled in host mode): the same one NVRTC uses."""
-    from ..nvrtc import include_dir
-
-    try:
-        return str(include_dir())
-    except Exception as exc:  # noqa: BLE001 - any failure means "not found"
-        raise EmulatorBuildError(f"cannot locate the CUDA headers: {exc}") from exc
-
-
-@functools.cache
-def compiler() -> tuple[str, str]:
-    """(path to g++, its identity string for the cache key)."""
-    from ..settings import get_settings
-
-    cxx = shutil.which(get_settings().cxx)
-    if cxx is None:
-        raise EmulatorBuildError(f"{get_settings().cxx} not found (set FAGEN_CXX to a C++17 compiler)")
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
-    return cxx, f"{cxx}|{out.splitlines()[0] if out else ''}|{machine.strip()}"
 
 
 def compile_flags(*, sanitize: bool, debug: bool) -> list[str]:

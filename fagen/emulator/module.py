@@ -7,19 +7,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import (
-    EmulatorDeadlockError,
-    EmulatorError,
-    EmulatorKernelError,
-    EmulatorLaunchError,
-)
+from .errors import EmulatorError, EmulatorLaunchError
+from .sanitize import run_in_child
 from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value
+from .status import STATUS_OK, Dim3, raise_for_status
 
-# Status codes returned by fagen_launch_* (FAGEN_EMU_* in runtime.h).
-STATUS_OK, STATUS_DEADLOCK, STATUS_KERNEL_ERROR, STATUS_BAD_LAUNCH = 0, 1, 2, 3
 _ERRLEN = 8192
 
-Dim3 = tuple[int, int, int]
 Args = Sequence[Any] | Mapping[str, Any]
 
 
@@ -45,19 +39,6 @@ def ordered_args(sig: KernelSig, args: Args) -> list[Any]:
         raise EmulatorLaunchError(f"kernel '{sig.name}' takes {len(names)} arguments ({', '.join(names)}), "
                                   f"got {len(args)}")
     return args
-
-
-def raise_for_status(status: int, message: str, kernel: str, block: Dim3 | None) -> None:
-    """Turns a launch status code into the matching exception."""
-    if status == STATUS_OK:
-        return
-    if status == STATUS_DEADLOCK:
-        raise EmulatorDeadlockError(message, kernel, block)
-    if status == STATUS_KERNEL_ERROR:
-        raise EmulatorKernelError(message, kernel, block)
-    if status == STATUS_BAD_LAUNCH:
-        raise EmulatorLaunchError(message)
-    raise EmulatorError(f"kernel '{kernel}': unknown emulator status {status}: {message}")
 
 
 class EmuModule:
@@ -150,8 +131,6 @@ class EmuModule:
         arrays (when writable) and also returned, by parameter name.
         Needs a module built with ``sanitize=True``.
         """
-        from .sanitize import run_in_child
-
         if not self.sanitized:
             raise EmulatorError("run_sanitized needs a module built with build(..., sanitize=True)")
         sig = self.sig(name)

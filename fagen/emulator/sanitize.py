@@ -8,7 +8,6 @@ overflow lands in a redzone. The child imports only numpy and ctypes.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -19,24 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .builder import compiler
 from .errors import EmulatorError, EmulatorMemoryError
-from .module import Dim3, raise_for_status
 from .signature import KernelSig, scalar_value
+from .status import Dim3, raise_for_status
+from .toolchain import asan_runtime
 
 _ASAN_EXITCODE = 66
 _CHILD = Path(__file__).with_name("_child.py")
-
-
-@functools.cache
-def asan_runtime() -> str:
-    """Path of g++'s libasan.so."""
-    cxx, _ = compiler()
-    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True,
-                         check=False).stdout.strip()
-    if not out or not os.path.isabs(out) or not os.path.exists(out):
-        raise EmulatorError("libasan.so not found (g++ -print-file-name=libasan.so); install libasan")
-    return out
 
 
 _REGION = re.compile(r"(\d+) bytes (to the right of|to the left of|inside of) (\d+)-byte region \[(0x[0-9a-f]+),")

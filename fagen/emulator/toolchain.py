@@ -1,0 +1,48 @@
+"""The host toolchain of the emulator: g++, the CUDA headers, libasan.
+
+Found once per process and shared by the builder (compiles) and the
+sanitized launcher (preloads libasan). Imports nothing else of the emulator.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+
+from .errors import EmulatorBuildError, EmulatorError
+
+
+@functools.cache
+def cuda_include_dir() -> str:
+    """Directory holding cuda_fp16.h / cuda_bf16.h (compiled in host mode): the same one NVRTC uses."""
+    from ..nvrtc import include_dir
+
+    try:
+        return str(include_dir())
+    except Exception as exc:  # noqa: BLE001 - any failure means "not found"
+        raise EmulatorBuildError(f"cannot locate the CUDA headers: {exc}") from exc
+
+
+@functools.cache
+def compiler() -> tuple[str, str]:
+    """(path to g++, its identity string for the cache key)."""
+    from ..settings import get_settings
+
+    cxx = shutil.which(get_settings().cxx)
+    if cxx is None:
+        raise EmulatorBuildError(f"{get_settings().cxx} not found (set FAGEN_CXX to a C++17 compiler)")
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False).stdout
+    return cxx, f"{cxx}|{out.splitlines()[0] if out else ''}|{machine.strip()}"
+
+
+@functools.cache
+def asan_runtime() -> str:
+    """Path of g++'s libasan.so."""
+    cxx, _ = compiler()
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True,
+                         check=False).stdout.strip()
+    if not out or not os.path.isabs(out) or not os.path.exists(out):
+        raise EmulatorError("libasan.so not found (g++ -print-file-name=libasan.so); install libasan")
+    return out
