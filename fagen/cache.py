@@ -95,14 +95,18 @@ def locked(path: Path, timeout: float = 600.0) -> Iterator[None]:
         yield
 
 
-def get_or_build(path: Path, build: Callable[[], tuple[dict, bytes]]) -> tuple[dict, bytes, bool]:
-    """Load ``path`` or build it under its lock (double-checked). Returns (meta, payload, cached)."""
+def get_or_build(path: Path, build: Callable[[], tuple[dict, bytes]],
+                 valid: Callable[[dict, bytes], bool] | None = None) -> tuple[dict, bytes, bool]:
+    """Load ``path`` or build it under its lock (double-checked). Returns (meta, payload, cached).
+
+    ``valid(meta, payload)`` can reject an intact but unusable entry (e.g. one written by an
+    older, buggy build): it is rebuilt and replaced like a corrupt one."""
     hit = read_entry(path)
-    if hit is not None:
+    if hit is not None and (valid is None or valid(*hit)):
         return (*hit, True)
     with locked(path):
         hit = read_entry(path)
-        if hit is not None:
+        if hit is not None and (valid is None or valid(*hit)):
             return (*hit, True)
         meta, payload = build()
         atomic_write(path, encode(meta, payload))

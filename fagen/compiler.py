@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from . import cache, nvrtc
+from . import cache, elf, nvrtc
 from ._version import __version__
 from .errors import CompileError
 from .renderer import Rendered, render
@@ -97,8 +97,23 @@ _memo_lock = threading.Lock()
 
 
 def cache_key(rendered: Rendered, options: list[str]) -> str:
-    return cache.digest(rendered.source, repr(nvrtc.version()), rendered.spec.arch, "\0".join(options),
+    """sha256 of everything that determines the cubin: source, options, fagen version,
+    the NVRTC release and build, and the CUDA headers the source can include."""
+    return cache.digest(rendered.source, nvrtc.toolchain_id(), rendered.spec.arch, "\0".join(options),
                         __version__, nvrtc.headers_digest())
+
+
+def _usable(arch: str):
+    """Entry check: the stored cubin is complete (as long as NVRTC said) and for ``arch``."""
+    def valid(meta: dict, cubin: bytes) -> bool:
+        if meta.get("cubin_size") != len(cubin):
+            return False
+        try:
+            elf.check_cubin(cubin, arch)
+        except elf.ElfError:
+            return False
+        return True
+    return valid
 
 
 def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's verb
@@ -115,13 +130,14 @@ def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's v
 
     def build() -> tuple[dict, bytes]:
         t0 = time.perf_counter()
-        res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options)
+        res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options, spec.arch)
         secs = time.perf_counter() - t0
         if not res.ok:
             raise CompileError(spec.name, res.log)
-        return {"log": res.log, "options": options, "compile_seconds": secs, "spec": spec.name}, res.cubin
+        return {"log": res.log, "options": options, "compile_seconds": secs, "spec": spec.name,
+                "cubin_size": len(res.cubin)}, res.cubin
 
-    meta, cubin, cached = cache.get_or_build(cache.cache_root("cubin") / f"{key}.bin", build)
+    meta, cubin, cached = cache.get_or_build(cache.cache_root("cubin") / f"{key}.bin", build, _usable(spec.arch))
     mod = CompiledModule(
         spec=spec, rendered=rendered, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
         resources=parse_ptxas(meta["log"], dyn), compile_seconds=float(meta["compile_seconds"]),
