@@ -1,9 +1,15 @@
-"""The standard matrix and generated/: emitted sources, written only if different."""
+"""The standard matrix and generated/: emitted sources, written only if different.
+
+``manifest.json`` in the output directory lists the files ``generate`` owns
+there (spec JSON -> file). Other files in the directory are never touched:
+pruning removes only files the previous manifest listed and the new one does not.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from .errors import InputError
 from .renderer import render
 from .spec import KernelSpec
 
@@ -12,6 +18,7 @@ STANDARD_DTYPES = ("float16", "bfloat16")
 #: (causal, key_padding, dropout)
 STANDARD_VARIANTS = ((False, False, False), (True, False, False), (True, True, True))
 STANDARD_ARCH = "sm_90"
+MANIFEST = "manifest.json"
 
 
 def standard_matrix() -> list[KernelSpec]:
@@ -36,21 +43,64 @@ def write_if_different(path: Path, text: str) -> bool:
     return True
 
 
+def _manifest_text(entries: list[dict]) -> str:
+    return json.dumps(entries, indent=2, sort_keys=True) + "\n"
+
+
 def expected_files(specs: list[KernelSpec]) -> dict[str, str]:
     """File name -> content for ``specs`` plus manifest.json (spec JSON -> file)."""
     files = {f"{s.name}.cu": render(s).source for s in specs}
-    manifest = [{"spec": s.model_dump(), "file": f"{s.name}.cu"} for s in specs]
-    files["manifest.json"] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    files[MANIFEST] = _manifest_text([{"spec": s.model_dump(), "file": f"{s.name}.cu"} for s in specs])
     return files
 
 
+def read_manifest(out: Path) -> list[dict]:
+    """Entries of ``out``'s manifest.json ([] when there is none).
+
+    Raises :class:`InputError` when the file exists but is not a manifest this
+    module wrote (so it is neither trusted for pruning nor overwritten).
+    """
+    path = out / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    try:
+        entries = json.loads(text)
+    except ValueError:
+        entries = None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("file"), str) for e in entries):
+        raise InputError("out", f"a directory whose {MANIFEST} was written by fagen generate",
+                         f"{path} (not a fagen manifest; move it away or choose another directory)")
+    return entries
+
+
+def _owned(entry: dict) -> str | None:
+    """The file an entry names, if it is a plain ``*.cu`` name inside the directory."""
+    name = entry["file"]
+    return name if name.endswith(".cu") and Path(name).name == name and name not in (".", "..") else None
+
+
 def generate(specs: list[KernelSpec], out: Path, *, prune: bool = False) -> list[Path]:
-    """Emit ``specs`` into ``out``; returns the files that changed. ``prune`` removes stale .cu files."""
+    """Emit ``specs`` into ``out``; returns the files that changed (written or removed).
+
+    Without ``prune`` the manifest keeps the entries of earlier runs and adds
+    these specs. With ``prune`` (``fagen generate --all``) the manifest becomes
+    exactly ``specs``, and the files the previous manifest listed that are no
+    longer produced are removed; files it never listed are left alone.
+    """
+    previous = read_manifest(out)
     files = expected_files(specs)
+    if not prune:
+        kept = [e for e in previous if e["file"] not in files]
+        if kept:
+            files[MANIFEST] = _manifest_text(kept + json.loads(files[MANIFEST]))
     changed = [out / n for n, text in files.items() if write_if_different(out / n, text)]
     if prune:
-        for p in out.glob("*.cu"):
-            if p.name not in files:
-                p.unlink()
-                changed.append(p)
+        for name in sorted({n for e in previous if (n := _owned(e)) is not None} - files.keys()):
+            path = out / name
+            if path.is_file():
+                path.unlink()
+                changed.append(path)
     return changed

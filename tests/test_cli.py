@@ -64,10 +64,12 @@ def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert main(["generate", "--all", "--out", str(tmp_path / "all")]) == 0
     manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
     assert len(manifest) == 48
+    (tmp_path / "all" / "hand_written.cu").write_text("// not fagen's\n")  # --all must leave it alone
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "all").iterdir()}
     assert main(["generate", "--all", "--out", str(tmp_path / "all")]) == 0
     assert "0 file(s) written" in capsys.readouterr().out.splitlines()[-1]
     assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "all").iterdir()}
+    assert (tmp_path / "all" / "hand_written.cu").read_text() == "// not fagen's\n"
 
 
 @pytest.mark.parametrize(
