@@ -3,17 +3,28 @@
 The spec/render/compile layer imports no torch; the torch-facing API
 (``attention_forward`` ..., ``flash_attn_func`` ...) is loaded on first use, so
 ``fagen inspect`` and ``fagen compile`` start fast.
+
+Long work (an NVRTC compile, an emulator build) is reported on the ``logging``
+logger ``"fagen"`` at INFO; the library only adds a ``NullHandler``, so it is
+silent until the application enables it, e.g.
+``logging.basicConfig(level=logging.INFO)``.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import importlib as _importlib
+import logging as _logging
+from types import ModuleType as _ModuleType
+from typing import Any as _Any
 
 from ._version import __version__
 from .compiler import CompiledModule, KernelResources, compile
 from .errors import CompileError, FagenError, InputError, InputTypeError, SpecError
 from .renderer import Rendered, render
 from .spec import KernelSpec
+
+# Library logging is silent unless the application configures it (the CLI logs INFO to stderr):
+# logger "fagen" says one line per NVRTC compile and per emulator build.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 _LAZY = {
     "attention_forward": "functional", "attention_backward": "functional", "dropout_keep_mask": "functional",
@@ -27,14 +38,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fagen' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (``__all__``) and the subpackages, nothing this module imported for itself."""
+    modules = {n for n, v in globals().items() if isinstance(v, _ModuleType) and not n.startswith("_")}
+    return sorted(set(__all__) | modules)
