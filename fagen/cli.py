@@ -121,15 +121,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from . import sass
     from .compiler import compile as compile_spec
 
     mod = compile_spec(spec_from_args(args))
+    mix = sass.instruction_mix(mod.cubin) if args.json else None  # None without nvdisasm
     rows = [{
         "kernel": r.kernel, "arch": mod.spec.arch, "registers": r.registers, "spill_bytes": r.spill_bytes,
         "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
         "smem_bytes": r.smem_bytes, "static_smem_bytes": r.static_smem_bytes,
         "dynamic_smem_bytes": r.dynamic_smem_bytes, "compile_seconds": round(mod.compile_seconds, 4),
         "ptxas_seconds": round(r.ptxas_ms / 1000.0, 4), "cached": mod.cached,
+        **({"sass": mix.get(r.kernel, {})} if mix is not None else {}),
     } for r in mod.resources]
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from fagen import cache, elf, nvrtc
+from fagen import cache, cli, elf, nvrtc, sass
 from fagen.compiler import cache_key, clear_memo, compile as compile_spec, options_for
+from fagen.generate import standard_matrix
 from fagen.renderer import render
 from fagen.spec import KernelSpec
 
@@ -88,3 +91,81 @@ def test_meta_records_cubin_size(fresh_cache: Path) -> None:
     (entry,) = (fresh_cache / "cubin").glob("*.bin")
     meta, payload = cache.read_entry(entry)
     assert json.loads(json.dumps(meta))["cubin_size"] == len(payload)
+
+
+# --------------------------------------------------------------------------- SASS (nvdisasm)
+needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None,
+                                    reason="nvdisasm not installed (pip install -e '.[test]')")
+
+
+@needs_nvdisasm
+def test_nvdisasm_disassembles_every_kernel_of_the_standard_matrix() -> None:
+    specs = standard_matrix()
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # NVRTC and nvdisasm drop the GIL
+        mods = list(pool.map(compile_spec, specs))
+        mixes = list(pool.map(lambda m: sass.instruction_mix(m.cubin), mods))
+    for mod, mix in zip(mods, mixes):
+        names = {k.name for k in mod.rendered.kernels}
+        assert set(mix) == names, mod.spec.name
+        for name in names:
+            assert sum(mix[name].values()) > 10 and mix[name].get("EXIT", 0) >= 1, name
+
+
+@needs_nvdisasm
+def test_nvdisasm_rejects_a_short_cubin() -> None:
+    with pytest.raises(sass.SassError, match="invalid ELF"):
+        sass.disassemble(compile_spec(SPEC).cubin[:-1])
+
+
+@needs_nvdisasm
+def test_simt_backward_is_ffma_without_local_memory() -> None:
+    spec = KernelSpec(head_dim=64, dtype="float16", causal=True, arch="sm_90", impl="simt")
+    mod = compile_spec(spec)
+    main = mod.rendered.kernel("main").name
+    mix = sass.instruction_mix(mod.cubin)[main]
+    assert mix.get("FFMA", 0) > 0
+    assert mix.get("HMMA", 0) == 0
+    assert mix.get("LDL", 0) == 0 and mix.get("STL", 0) == 0
+    loop = sass.loop_mix(mod.cubin)[main]
+    assert 0 < loop["FFMA"] <= mix["FFMA"] and sum(loop.values()) < sum(mix.values())
+
+
+_TEXT = """\
+//--------------------- .text.k_main --------------------------
+\t.section\t.text.k_main,"ax",@progbits
+k_main:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/               @!P0 LDSM.16.M88.4 R8, [R2] ;
+        /*0030*/                   FFMA R0, R1, R2, R0 ;
+        /*0040*/               @P1 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+
+
+def test_parse_and_mix_of_a_listing() -> None:
+    (name, instrs), = sass.parse(_TEXT).items()
+    assert name == "k_main"
+    assert [i.opcode for i in instrs] == ["LDC", "HMMA", "LDSM", "FFMA", "BRA", "EXIT"]
+    assert instrs[2].predicate == "@!P0" and instrs[1].mnemonic == "HMMA.16816.F32"
+    assert sass.mix_of(instrs)["HMMA"] == 1
+    assert sass._loops(_TEXT) == {"k_main": (0x10, 0x40)}
+
+
+def test_no_disassembler_gives_none(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sass, "nvdisasm_path", lambda: None)
+    sass._analysis.cache_clear()
+    cubin = compile_spec(SPEC).cubin
+    assert sass.instruction_mix(cubin) is None and sass.loop_mix(cubin) is None and sass.disassemble(cubin) is None
+    assert cli.main(["compile", "--head-dim", "64", "--causal", "--json"]) == 0
+    assert all("sass" not in row for row in json.loads(capsys.readouterr().out))
+    sass._analysis.cache_clear()
+
+
+@needs_nvdisasm
+def test_compile_json_reports_sass(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["compile", "--head-dim", "64", "--causal", "--impl", "simt", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    main = next(r for r in rows if r["kernel"].endswith("_main"))
+    assert main["sass"]["FFMA"] > 0 and "registers" in main and "smem_bytes" in main

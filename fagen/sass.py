@@ -1,0 +1,220 @@
+"""SASS of a cubin through ``nvdisasm``: per-kernel instruction mix, with no GPU.
+
+``nvdisasm`` comes from the ``nvidia-cuda-nvdisasm`` wheel (the ``test`` extra) or a
+CUDA toolkit; it is found with cuda-pathfinder, then on ``PATH``. Every function
+here returns ``None`` when no disassembler is installed, so callers can treat
+SASS as optional evidence.
+
+The mix maps an opcode -- the mnemonic before its first dot, ``HMMA`` for
+``HMMA.16816.F32`` -- to how many times it appears in a kernel's code:
+
+>>> from fagen import KernelSpec, compile, sass
+>>> mix = sass.instruction_mix(compile(KernelSpec(head_dim=32)).cubin)
+>>> mix is None or all(isinstance(n, int) for k in mix.values() for n in k.values())
+True
+
+Results are memoised per cubin (in process, and on disk under the cache dir's
+``sass/`` keyed by the cubin's sha256 and the disassembler's identity).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FagenError
+
+__all__ = ["SassError", "Instruction", "nvdisasm_path", "disassemble", "parse", "instruction_mix",
+           "loop_mix", "kernel_sass"]
+
+
+class SassError(FagenError, RuntimeError):
+    """``nvdisasm`` is installed but rejected the cubin (message carries its stderr)."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    predicate: str  # "" or e.g. "@!P0"
+    mnemonic: str  # full, e.g. "HMMA.16816.F32"
+    operands: str
+
+    @property
+    def opcode(self) -> str:
+        return self.mnemonic.split(".", 1)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def nvdisasm_path() -> Path | None:
+    """The ``nvdisasm`` executable, or None when none is installed."""
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_binary_utility("nvdisasm")
+    except (ImportError, AttributeError, RuntimeError):  # older pathfinder or no CUDA layout
+        found = None
+    found = found or shutil.which("nvdisasm")
+    return Path(found) if found else None
+
+
+def _tool_id(tool: Path) -> str:
+    st = tool.stat()
+    return f"{tool}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """``nvdisasm -c`` output (code sections only), or None without a disassembler."""
+    tool = nvdisasm_path()
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="fagen-sass-") as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        res = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SassError(f"nvdisasm rejected the cubin ({len(cubin)} bytes): {res.stderr.strip() or res.returncode}")
+    return res.stdout
+
+
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.([A-Za-z_$][\w$]*)")
+_INSTR = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/\s+(@!?U?P[T\d]\s+)?([A-Z][A-Z0-9_]*(?:\.[\w.]+)?)\s*([^;]*);")
+_TARGET = re.compile(r"`\(([.\w$]+)\)")
+_LABEL = re.compile(r"^([.\w$]+):\s*$")
+
+
+def parse(text: str) -> dict[str, list[Instruction]]:
+    """kernel name -> its instructions, in address order, from ``nvdisasm`` output."""
+    out: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for line in text.splitlines():
+        m = _SECTION.match(line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        if current is None:
+            continue
+        m = _INSTR.match(line)
+        if m:
+            current.append(Instruction(int(m.group(1), 16), (m.group(2) or "").strip(), m.group(3),
+                                       m.group(4).strip()))
+    return out
+
+
+def _labels(text: str) -> dict[str, dict[str, int]]:
+    """kernel -> label -> address of the instruction that follows it."""
+    out: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    pending: list[str] = []
+    for line in text.splitlines():
+        m = _SECTION.match(line)
+        if m:
+            current = out.setdefault(m.group(1), {})
+            pending = []
+            continue
+        if current is None:
+            continue
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            for name in pending:
+                current[name] = int(m.group(1), 16)
+            pending = []
+    return out
+
+
+def mix_of(instructions: list[Instruction]) -> dict[str, int]:
+    """opcode -> count, most frequent first."""
+    return dict(Counter(i.opcode for i in instructions).most_common())
+
+
+def kernel_sass(cubin: bytes) -> dict[str, list[Instruction]] | None:
+    """Parsed instructions of every kernel (None without a disassembler)."""
+    text = disassemble(cubin)
+    return None if text is None else parse(text)
+
+
+def _loops(text: str) -> dict[str, tuple[int, int] | None]:
+    """kernel -> (start, end) addresses of its largest loop: the widest span closed by a
+    backward branch (the main loop over tiles, with any loops nested in it)."""
+    labels = _labels(text)
+    out: dict[str, tuple[int, int] | None] = {}
+    for name, instrs in parse(text).items():
+        best: tuple[int, int] | None = None
+        for ins in instrs:
+            if ins.opcode not in ("BRA", "JMP"):
+                continue
+            t = _TARGET.search(ins.operands)
+            start = labels.get(name, {}).get(t.group(1)) if t else None
+            if start is not None and start <= ins.address and (best is None or ins.address - start > best[1] - best[0]):
+                best = (start, ins.address)
+        out[name] = best
+    return out
+
+
+def _disk_path(cubin: bytes, tool: Path) -> Path | None:
+    try:
+        from .cache import cache_root, digest
+
+        return cache_root("sass") / f"{digest(hashlib.sha256(cubin).digest(), _tool_id(tool))}.json"
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _analysis(cubin: bytes) -> dict | None:
+    tool = nvdisasm_path()
+    if tool is None:
+        return None
+    path = _disk_path(cubin, tool)
+    if path is not None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    text = disassemble(cubin)
+    if text is None:  # pragma: no cover - the tool vanished in between
+        return None
+    kernels = parse(text)
+    loops = _loops(text)
+    result = {"mix": {k: mix_of(v) for k, v in kernels.items()}, "loop": {}}
+    for k, span in loops.items():
+        if span is not None:
+            result["loop"][k] = mix_of([i for i in kernels[k] if span[0] <= i.address <= span[1]])
+    if path is not None:
+        try:
+            from .cache import atomic_write
+
+            atomic_write(path, json.dumps(result, sort_keys=True).encode())
+        except OSError:
+            pass
+    return result
+
+
+def instruction_mix(cubin: bytes) -> dict[str, dict[str, int]] | None:
+    """kernel name -> {opcode: count} over the whole kernel; None without ``nvdisasm``.
+
+    Raises :class:`SassError` when the disassembler rejects the cubin."""
+    a = _analysis(bytes(cubin))
+    return None if a is None else {k: dict(v) for k, v in a["mix"].items()}
+
+
+def loop_mix(cubin: bytes) -> dict[str, dict[str, int]] | None:
+    """kernel name -> {opcode: count} of its largest loop (the main loop over tiles, nested
+    loops included; kernels without a loop are absent); None without ``nvdisasm``."""
+    a = _analysis(bytes(cubin))
+    return None if a is None else {k: dict(v) for k, v in a["loop"].items()}
+
+
+def clear_memo() -> None:
+    _analysis.cache_clear()
+    nvdisasm_path.cache_clear()
