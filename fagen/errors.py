@@ -3,9 +3,17 @@
 * :class:`SpecError` -- a spec that cannot be implemented, and why.
 * :class:`InputError` / :class:`InputTypeError` -- bad user input, naming the
   argument and what was expected (they are ``ValueError`` / ``TypeError``).
+* :class:`CacheDirError` -- an unusable cache directory (an ``InputError``
+  naming ``FAGEN_CACHE_DIR``).
 * :class:`CompileError` -- NVRTC rejected a rendered kernel; carries the log.
+
+:func:`check_dropout_p` is the one validator of a dropout probability (ops,
+functional, philox and reference all call it).
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 
 class FagenError(Exception):
@@ -36,6 +44,16 @@ class InputTypeError(_ArgumentError, TypeError):
     """A user-supplied argument has a bad type (dtype, device, Python type)."""
 
 
+class CacheDirError(InputError):
+    """The cache directory cannot be created or written. ``argument`` is
+    ``FAGEN_CACHE_DIR`` (or ``cache_dir`` when passed to a call); ``path`` is
+    the directory. Raised instead of falling back to an in-memory cache."""
+
+    def __init__(self, path: object, reason: str, argument: str = "FAGEN_CACHE_DIR") -> None:
+        self.path = path
+        super().__init__(argument, "a writable directory for fagen's cache", f"{path} ({reason})")
+
+
 class CompileError(FagenError, RuntimeError):
     """NVRTC failed to compile a rendered kernel."""
 
@@ -43,3 +61,17 @@ class CompileError(FagenError, RuntimeError):
         self.spec_name = spec_name
         self.log = log
         super().__init__(f"NVRTC failed to compile {spec_name}:\n{log}")
+
+
+def check_dropout_p(dropout_p: object, argument: str = "dropout_p") -> float:
+    """``dropout_p`` as a float in ``[0, 1)``, or :class:`InputError` naming ``argument``.
+
+    A bool, a non-real (``"0.1"``, None), NaN, a negative value or a value >= 1
+    are all rejected the same way: an ``InputError`` (a ``ValueError``).
+    """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise InputError(argument, "a float in [0, 1)", repr(dropout_p))
+    p = float(dropout_p)
+    if math.isnan(p) or not 0.0 <= p < 1.0:
+        raise InputError(argument, "a float in [0, 1)", p)
+    return p

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_dropout_p
 from .philox import drop_threshold, keep_mask
 from .renderer import render
 from .runtime import get_module
@@ -120,8 +120,7 @@ def validate_key_padding_mask(mask: Any, p: Problem) -> torch.Tensor | None:
 
 
 def _check_scalars(dropout_p: Any, softmax_scale: Any, seed: Any, offset: Any, head_dim: int) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (0.0 <= float(dropout_p) < 1.0):
-        raise InputError("dropout_p", "a float in [0, 1)", dropout_p)
+    check_dropout_p(dropout_p)
     for name, val in (("seed", seed), ("offset", offset)):
         if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not (0 <= int(val) < _U64):
             raise InputError(name, "an integer in [0, 2**64)", val)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from . import functional as F
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_dropout_p
 
 __all__ = ["flash_attn_func", "scaled_dot_product_attention", "draw_rng_state"]
 
@@ -133,14 +133,6 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------- scalar validation
-def _check_dropout_p(dropout_p: Any) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise InputTypeError("dropout_p", "a float in [0, 1)", type(dropout_p).__name__)
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise InputError("dropout_p", "a float in [0, 1)", dropout_p)
-    return float(dropout_p)
-
-
 def _check_scale(name: str, scale: Any) -> Optional[float]:
     if scale is None:
         return None
@@ -184,7 +176,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     _check_tensors(q=q, k=k, v=v)
     if key_padding_mask is not None:
         _check_tensors(key_padding_mask=key_padding_mask)
-    o, _lse, _rng_state = _fwd(q, k, v, key_padding_mask, _check_dropout_p(dropout_p),
+    o, _lse, _rng_state = _fwd(q, k, v, key_padding_mask, check_dropout_p(dropout_p),
                                _check_scale("softmax_scale", softmax_scale), _check_bool("causal", causal))
     return o
 

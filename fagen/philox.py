@@ -19,6 +19,8 @@ import numbers
 
 import numpy as np
 
+from .errors import check_dropout_p
+
 __all__ = ["drop_threshold", "philox4x32_10", "keep_mask", "PHILOX_ROUNDS"]
 
 PHILOX_ROUNDS = 10
@@ -40,15 +42,6 @@ def _check_uint(name: str, value: object, limit: int) -> int:
     return v
 
 
-def _check_dropout_p(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    p = float(dropout_p)
-    if not (0.0 <= p < 1.0):  # also rejects NaN
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return p
-
-
 def drop_threshold(p: float) -> int:
     """Return the uint32 drop threshold ``floor(p * 2**32)`` for dropout probability ``p``.
 
@@ -57,9 +50,9 @@ def drop_threshold(p: float) -> int:
     shared by the reference and the kernel launchers.
 
     Raises:
-        ValueError: if ``p`` is not a real number in ``[0, 1)``.
+        fagen.InputError (a ValueError): if ``p`` is not a real number in ``[0, 1)``.
     """
-    p = _check_dropout_p(p)
+    p = check_dropout_p(p)
     t = math.floor(p * 4294967296.0)  # exact: p * 2**32 is a scaling by a power of two
     return min(t, _MASK32)
 
@@ -134,7 +127,7 @@ def keep_mask(
     B, H, Nq, Nk = (int(v) for v in sizes.values())
     if B * H > 1 << 32 or Nq > 1 << 32 or Nk > 1 << 34:
         raise ValueError("batch*nheads, seqlen_q and seqlen_k/4 must fit in 32 bits")
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     seed = _check_uint("seed", seed, _U64_LIMIT)
     offset = _check_uint("offset", offset, _U64_LIMIT)
     threshold = drop_threshold(p)

@@ -32,6 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .errors import check_dropout_p
+
 __all__ = [
     "mask_matrix",
     "attention_forward_ref",
@@ -71,15 +73,6 @@ def _as_bool_tensor(
     return x.to(device)
 
 
-def _check_dropout_p(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    return p
-
-
 def _check_scale(softmax_scale: Optional[float], d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -113,7 +106,7 @@ def _dropout_scale(
     keep_mask: Optional[ArrayLike], dropout_p: float, shape: tuple[int, ...], device: torch.device
 ) -> Optional[torch.Tensor]:
     """Return ``Z / (1 - p)`` as float64 ``[B, H, Nq, Nk]``, or None when there is no dropout."""
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     if keep_mask is None:
         if p > 0.0:
             raise ValueError("keep_mask is required when dropout_p > 0")
@@ -285,7 +278,7 @@ def attention_ref_torch(
     Nk = k.shape[1]
     scale = _check_scale(softmax_scale, d)
     dev = q.device
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     if keep_mask is None and p > 0.0:
         raise ValueError("keep_mask is required when dropout_p > 0")
     if upcast:

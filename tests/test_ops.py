@@ -277,7 +277,7 @@ def test_sdpa_rejects_gqa_and_3d() -> None:
 # --------------------------------------------------------------------------- argument errors
 @pytest.mark.parametrize("kwargs, error, argument", [
     ({"dropout_p": 1.0}, InputError, "dropout_p"),
-    ({"dropout_p": True}, InputTypeError, "dropout_p"),
+    ({"dropout_p": True}, InputError, "dropout_p"),  # one validator, one error type (fagen.errors)
     ({"softmax_scale": float("nan")}, InputError, "softmax_scale"),
     ({"causal": 1}, InputTypeError, "causal"),
     ({"key_padding_mask": [True] * 70}, InputTypeError, "key_padding_mask"),

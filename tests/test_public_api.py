@@ -33,3 +33,56 @@ def test_library_logging_is_silent_by_default() -> None:
 def test_unknown_attribute_is_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         fagen.no_such_name  # noqa: B018
+
+
+# --------------------------------------------------------------------------- dropout_p: one validator
+BAD_DROPOUT_P = [True, "0.1", None, -0.1, 1.0, 1.5, float("nan"), float("inf")]
+
+
+def _entry_points():
+    import torch
+
+    from fagen import functional, ops, philox, reference
+
+    q = torch.zeros(1, 4, 1, 8)
+    return {
+        "ops.flash_attn_func": lambda p: ops.flash_attn_func(q, q, q, dropout_p=p),
+        "functional.attention_forward": lambda p: functional.attention_forward(q, q, q, dropout_p=p),
+        "philox.drop_threshold": lambda p: philox.drop_threshold(p),
+        "philox.keep_mask": lambda p: philox.keep_mask(1, 1, 4, 4, p),
+        "reference.attention_forward_ref": lambda p: reference.attention_forward_ref(q, q, q, dropout_p=p),
+    }
+
+
+@pytest.mark.parametrize("bad", BAD_DROPOUT_P, ids=repr)
+def test_dropout_p_one_validator_one_error_type(bad: object) -> None:
+    from fagen.errors import InputError, check_dropout_p
+
+    with pytest.raises(InputError) as ref:
+        check_dropout_p(bad)
+    assert ref.value.argument == "dropout_p" and isinstance(ref.value, ValueError)
+    for where, call in _entry_points().items():
+        with pytest.raises(InputError) as err:
+            call(bad)
+        assert str(err.value) == str(ref.value), where
+
+
+def test_dropout_p_validator_defined_once() -> None:
+    """No module re-implements the check: every one imports fagen.errors.check_dropout_p."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(fagen.__file__).parent
+    defs = []
+    for path in pkg.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and "dropout_p" in node.name:
+                defs.append(f"{path.relative_to(pkg)}:{node.name}")
+    assert defs == ["errors.py:check_dropout_p"]
+
+
+def test_check_dropout_p_accepts_the_range() -> None:
+    from fagen.errors import check_dropout_p
+
+    assert check_dropout_p(0) == 0.0 and check_dropout_p(0.25) == 0.25
+    assert check_dropout_p(1 - 2**-30) < 1.0
