@@ -99,3 +99,13 @@ def test_errors_are_one_line_exit_2(args: list[str], option: str) -> None:
     assert len(lines) == 1, res.stderr
     assert option in lines[0]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("cache_dir", ["/etc/passwd/x", "/dev/null"])
+def test_unusable_cache_dir_is_one_line_exit_2(cache_dir: str) -> None:
+    res = run_cli("compile", "--head-dim", "64", env={"FAGEN_CACHE_DIR": cache_dir})
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert lines[0].startswith(f"fagen: error: FAGEN_CACHE_DIR: expected a writable directory for fagen's cache, "
+                               f"got {cache_dir} (")

@@ -15,7 +15,6 @@ import functools
 import hashlib
 import os
 import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from importlib import resources
@@ -128,7 +127,7 @@ def build(
         return hit
     so = root / f"{stem}.so"
     if not _is_valid(so):
-        root.mkdir(parents=True, exist_ok=True)
+        cache.make_dir(root)
         with cache.locked(so):
             if not _is_valid(so):  # another process may have built it meanwhile
                 _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
@@ -160,10 +159,10 @@ def _is_valid(so: Path) -> bool:
 
 
 def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
+    cache.remove_stale_temps(root)  # e.g. the .so of a build that was killed
     cache.atomic_write(root / f"{stem}.cu", source.encode())
     cache.atomic_write(root / f"{stem}.cpp", tu.encode())
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{stem}.", suffix=".so")
-    os.close(fd)
+    tmp = cache.temp_path(root / f"{stem}.so")  # g++ creates it: mode 0o777 minus the umask
     try:
         # Relative source name + cwd=root: debug info points gdb at root.
         proc = subprocess.run([cxx, *flags, f"{stem}.cpp", "-o", tmp], cwd=root, capture_output=True, text=True,
@@ -172,8 +171,8 @@ def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem:
             raise EmulatorBuildError(
                 f"g++ failed to compile the emulator module ({root / f'{stem}.cpp'}; kernel source lines are "
                 f"reported as {stem}.cu:LINE)", proc.stderr + proc.stdout)
-        digest = _sha256_file(Path(tmp))
+        digest = _sha256_file(tmp)
         os.replace(tmp, root / f"{stem}.so")
         cache.atomic_write(root / f"{stem}.so.sha256", digest.encode())
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
