@@ -165,7 +165,8 @@ inline void context_switch(Context* from, Context* to) { swapcontext(&from->uc, 
 enum Wait : uint8_t { kRunnable, kAtBlockBarrier, kAtWarpCollective, kExited };
 
 enum Collective : uint8_t {
-    kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncwarp
+    kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncwarp,
+    kExchange  // general per-lane payload exchange (warp_exchange)
 };
 
 inline const char* collective_name(Collective k) {
@@ -178,9 +179,14 @@ inline const char* collective_name(Collective k) {
         case kAny: return "__any_sync";
         case kAll: return "__all_sync";
         case kSyncwarp: return "__syncwarp";
+        case kExchange: return "warp exchange";
     }
     return "?";
 }
+
+// The completing lane of a warp_exchange runs this over every lane's payload:
+// payloads[l] is what lane l passed (nullptr for a lane not in `arrived`).
+typedef void (*ExchangeFn)(void* const* payloads, unsigned arrived);
 
 struct Fiber {
     Context ctx;
@@ -190,6 +196,7 @@ struct Fiber {
     uint64_t value;      // collective input (shuffle payload / predicate)
     int arg;             // shuffle lane, delta or xor mask
     uint64_t result;     // collective output
+    void* payload;       // warp_exchange: this lane's in/out payload
     char* stack;
 };
 
@@ -201,11 +208,14 @@ struct Warp {
     int width;
     const char* file;
     int line;
+    const char* name;    // what the diagnostics call the pending collective
+    ExchangeFn fn;       // kExchange: the operation (lanes must agree on it)
 };
 
 struct State {
     Fiber* cur;                    // the running fiber (threadIdx comes from it)
     uint3 block_idx;
+    uint64_t block_serial;         // counts blocks run, so per-thread state can tell a new block
     dim3 block_dim, grid_dim;
     unsigned char* smem;
     size_t smem_bytes;
@@ -395,6 +405,60 @@ inline unsigned shuffle_source(Collective kind, unsigned lane, int b, int width)
     return in_range ? unsigned(j) : lane;
 }
 
+// Records the running lane's arrival at a warp collective after checking it
+// agrees with the lanes already waiting (kind, mask, width, exchange
+// operation); returns true when it is the last lane the collective waits for.
+inline bool arrive(Warp& w, Collective kind, unsigned mask, int width, ExchangeFn fn, const char* name,
+                   const char* file, int line) {
+    Fiber* self = g.cur;
+    const unsigned lane = self->index & 31u;
+    if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+        begin_message("invalid warp collective");
+        append_thread(self);
+        appendf(" called %s at %s:%d with width %d (must be a power of two <= 32)", name, file, line, width);
+        abort_block(FAGEN_EMU_KERNEL_ERROR);
+    }
+    if (!(mask >> lane & 1u)) {
+        begin_message("invalid warp collective");
+        append_thread(self);
+        appendf(" (lane %u) called %s at %s:%d with mask 0x%08x, which does not name its own lane", lane, name,
+                file, line, mask);
+        abort_block(FAGEN_EMU_KERNEL_ERROR);
+    }
+    if (w.arrived == 0) {
+        w.kind = kind;
+        w.mask = mask;
+        w.width = width;
+        w.file = file;
+        w.line = line;
+        w.name = name;
+        w.fn = fn;
+    } else if (kind != w.kind || mask != w.mask || width != w.width || fn != w.fn) {
+        begin_message("divergent warp collective");
+        append_thread(self);
+        appendf(" (lane %u) called %s (mask 0x%08x) at %s:%d while lanes ", lane, name, mask, file, line);
+        append_ranges(32, [&](unsigned l) { return (w.arrived >> l & 1u) != 0; });
+        appendf(" of warp %u wait at %s (mask 0x%08x) at %s:%d", self->index >> 5, w.name, w.mask, w.file,
+                w.line);
+        abort_block(FAGEN_EMU_DEADLOCK);
+    }
+    self->wait = kAtWarpCollective;
+    w.arrived |= 1u << lane;
+    return w.arrived == (w.mask & w.exists);
+}
+
+// Makes the lanes of a completed collective runnable again (in schedule order).
+inline void release_lanes(Warp& w, Fiber* lanes) {
+    const unsigned arrived = w.arrived;
+    w.arrived = 0;
+    for (unsigned k = 0; k < 32; ++k) {
+        const unsigned l = FAGEN_EMU_ORDER(k, 32u);
+        if (!(arrived >> l & 1u)) continue;
+        lanes[l].wait = kRunnable;
+        push(lanes[l].index);
+    }
+}
+
 inline void complete_collective(Warp& w, Fiber* lanes) {
     const unsigned arrived = w.arrived;
     unsigned ballot = 0;
@@ -415,13 +479,7 @@ inline void complete_collective(Warp& w, Fiber* lanes) {
             }
         }
     }
-    w.arrived = 0;
-    for (unsigned k = 0; k < 32; ++k) {
-        const unsigned l = FAGEN_EMU_ORDER(k, 32u);
-        if (!(arrived >> l & 1u)) continue;
-        lanes[l].wait = kRunnable;
-        push(lanes[l].index);
-    }
+    release_lanes(w, lanes);
 }
 
 FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective kind, unsigned mask,
@@ -430,43 +488,33 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective 
     Fiber* self = g.cur;
     const unsigned lane = self->index & 31u;
     Warp& w = g.warps[self->index >> 5];
-    if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
-        begin_message("invalid warp collective");
-        append_thread(self);
-        appendf(" called %s at %s:%d with width %d (must be a power of two <= 32)",
-                collective_name(kind), file, line, width);
-        abort_block(FAGEN_EMU_KERNEL_ERROR);
-    }
-    if (!(mask >> lane & 1u)) {
-        begin_message("invalid warp collective");
-        append_thread(self);
-        appendf(" (lane %u) called %s at %s:%d with mask 0x%08x, which does not name its own lane",
-                lane, collective_name(kind), file, line, mask);
-        abort_block(FAGEN_EMU_KERNEL_ERROR);
-    }
-    if (w.arrived == 0) {
-        w.kind = kind;
-        w.mask = mask;
-        w.width = width;
-        w.file = file;
-        w.line = line;
-    } else if (kind != w.kind || mask != w.mask || width != w.width) {
-        begin_message("divergent warp collective");
-        append_thread(self);
-        appendf(" (lane %u) called %s (mask 0x%08x) at %s:%d while lanes ", lane, collective_name(kind),
-                mask, file, line);
-        append_ranges(32, [&](unsigned l) { return (w.arrived >> l & 1u) != 0; });
-        appendf(" of warp %u wait at %s (mask 0x%08x) at %s:%d", self->index >> 5,
-                collective_name(w.kind), w.mask, w.file, w.line);
-        abort_block(FAGEN_EMU_DEADLOCK);
-    }
     self->value = value;
     self->arg = arg;
-    self->wait = kAtWarpCollective;
-    w.arrived |= 1u << lane;
-    if (w.arrived == (w.mask & w.exists)) complete_collective(w, self - lane);
+    if (arrive(w, kind, mask, width, nullptr, collective_name(kind), file, line))
+        complete_collective(w, self - lane);
     schedule(false);
     return self->result;
+}
+
+// General warp collective: every lane in `mask` passes a pointer to its own
+// in/out payload; the last lane to arrive runs fn over all 32 lanes' payloads
+// (nullptr for lanes outside the collective), then every lane resumes. The
+// payloads live on the lanes' own stacks, which stay valid while they wait.
+// `name` (e.g. "fa_mma_m16n8k16") is what divergence / deadlock reports say.
+FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, void* payload, ExchangeFn fn,
+                                                              const char* name, const char* file, int line) {
+    Fiber* self = g.cur;
+    const unsigned lane = self->index & 31u;
+    Warp& w = g.warps[self->index >> 5];
+    self->payload = payload;
+    if (arrive(w, kExchange, mask, 32, fn, name, file, line)) {
+        Fiber* lanes = self - lane;
+        void* payloads[32];
+        for (unsigned l = 0; l < 32; ++l) payloads[l] = (w.arrived >> l & 1u) ? lanes[l].payload : nullptr;
+        fn(payloads, w.arrived);
+        release_lanes(w, lanes);
+    }
+    schedule(false);
 }
 
 [[noreturn]] FAGEN_EMU_NO_ASAN inline void thread_exit() {
@@ -513,8 +561,7 @@ void describe_deadlock() {
         if (w.arrived == 0) continue;
         appendf("warp %u: lanes ", wi);
         append_ranges(32, [&](unsigned l) { return (w.arrived >> l & 1u) != 0; });
-        appendf(" wait at %s (mask 0x%08x) at %s:%d, lanes ", collective_name(w.kind), w.mask, w.file,
-                w.line);
+        appendf(" wait at %s (mask 0x%08x) at %s:%d, lanes ", w.name, w.mask, w.file, w.line);
         const unsigned missing = w.mask & w.exists & ~w.arrived;
         append_ranges(32, [&](unsigned l) { return (missing >> l & 1u) != 0; });
         appendf(" never arrive; ");
@@ -524,32 +571,77 @@ void describe_deadlock() {
     appendf("]");
 }
 
+// ------------------------------------------------------------ fiber stacks
+// A fiber stack is FAGEN_EMU_STACK_BYTES above a PROT_NONE guard page: two
+// memory mappings per thread. Modules loaded into one process never unload, so
+// they do not keep stacks of their own: the Python side lends every launch the
+// stacks of a process-wide pool (fagen/emulator/stacks.py) through
+// fagen_emu_use_stacks, and the mapping count stays bounded whatever the
+// number of modules. A module launched without lent stacks (the sanitizer's
+// child process) maps and keeps its own.
+struct Stacks {
+    char* base;
+    size_t count;
+};
+inline Stacks own_stacks{nullptr, 0};   // mapped by this module (nothing lent)
+inline Stacks lent_stacks{nullptr, 0};  // fagen_emu_use_stacks; valid for the next launch
+
+inline size_t stack_stride() {
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    return ((FAGEN_EMU_STACK_BYTES + page - 1) / page) * page + page;
+}
+
+// `count` stacks, each with its guard page at the low end (an overflow faults).
+inline char* map_stacks(size_t count) {
+    const size_t page = size_t(sysconf(_SC_PAGESIZE)), stride = stack_stride();
+    void* p = mmap(nullptr, stride * count, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    char* base = static_cast<char*>(p);
+    for (size_t i = 0; i < count; ++i) mprotect(base + i * stride, page, PROT_NONE);
+    return base;
+}
+
+extern "C" __attribute__((visibility("default"))) size_t fagen_emu_stack_stride() { return stack_stride(); }
+extern "C" __attribute__((visibility("default"))) char* fagen_emu_map_stacks(size_t count) {
+    return map_stacks(count);
+}
+extern "C" __attribute__((visibility("default"))) void fagen_emu_unmap_stacks(char* base, size_t count) {
+    munmap(base, count * stack_stride());
+}
+// Lends `count` stacks (from fagen_emu_map_stacks of a module with the same
+// stride) to the following launches; (nullptr, 0) takes them back.
+extern "C" __attribute__((visibility("default"))) void fagen_emu_use_stacks(char* base, size_t count) {
+    lent_stacks = Stacks{base, count};
+}
+
 // ------------------------------------------------------------------ driver
 inline bool ensure_capacity(unsigned nthreads) {
-    if (g.stack_count >= nthreads) return true;
-    const size_t page = size_t(sysconf(_SC_PAGESIZE));
-    const size_t stride = ((FAGEN_EMU_STACK_BYTES + page - 1) / page) * page + page;
-    if (g.stack_base) munmap(g.stack_base, g.stack_count * g.stack_stride);
-    free(g.fibers);
-    free(g.warps);
-    free(g.queue);
-    g.stack_base = nullptr;
-    g.stack_count = 0;
-    void* p = mmap(nullptr, stride * nthreads, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
-    g.fibers = static_cast<Fiber*>(calloc(nthreads, sizeof(Fiber)));
-    g.warps = static_cast<Warp*>(calloc((nthreads + 31) / 32, sizeof(Warp)));
-    g.queue = static_cast<unsigned*>(calloc(nthreads, sizeof(unsigned)));
-    if (p == MAP_FAILED || !g.fibers || !g.warps || !g.queue) return false;
-    g.stack_base = static_cast<char*>(p);
-    g.stack_stride = stride;
-    g.stack_count = nthreads;
-    g.stacks_dirty = true;  // fresh mapping: make sure ASan's shadow says "unpoisoned"
-    for (unsigned i = 0; i < nthreads; ++i) {
-        // Guard page at the low end of every stack: an overflow faults.
-        mprotect(g.stack_base + i * stride, page, PROT_NONE);
+    Stacks use = lent_stacks;
+    if (use.base == nullptr) {
+        if (own_stacks.count < nthreads) {
+            if (own_stacks.base) munmap(own_stacks.base, own_stacks.count * stack_stride());
+            char* base = map_stacks(nthreads);
+            own_stacks = Stacks{base, base ? size_t(nthreads) : 0};
+        }
+        use = own_stacks;
     }
-    return true;
+    if (use.base == nullptr || use.count < nthreads) return false;
+    // Other memory than last launch: make sure ASan's shadow says "unpoisoned".
+    if (use.base != g.stack_base) g.stacks_dirty = true;
+    g.stack_base = use.base;
+    g.stack_stride = stack_stride();
+    g.stack_count = use.count;
+    if (g.capacity < nthreads) {
+        free(g.fibers);
+        free(g.warps);
+        free(g.queue);
+        g.fibers = static_cast<Fiber*>(calloc(nthreads, sizeof(Fiber)));
+        g.warps = static_cast<Warp*>(calloc((nthreads + 31) / 32, sizeof(Warp)));
+        g.queue = static_cast<unsigned*>(calloc(nthreads, sizeof(unsigned)));
+        g.capacity = g.fibers && g.warps && g.queue ? nthreads : 0;
+    }
+    return g.capacity >= nthreads;
 }
 
 FAGEN_EMU_NO_ASAN int run_block() {
@@ -572,6 +664,7 @@ FAGEN_EMU_NO_ASAN int run_block() {
         g.queue[i] = FAGEN_EMU_ORDER(i, g.nthreads);
     }
     g.stacks_dirty = false;
+    ++g.block_serial;
     for (unsigned w = 0; w < g.nwarps; ++w) {
         const unsigned n = g.nthreads - w * 32;
         g.warps[w] = Warp{n >= 32 ? ~0u : (1u << n) - 1u, 0, kSyncwarp, 0, 32, nullptr, 0};

@@ -213,3 +213,236 @@ static inline float min(float a, float b) { return fminf(a, b); }
 static inline float max(float a, float b) { return fmaxf(a, b); }
 static inline double min(double a, double b) { return fmin(a, b); }
 static inline double max(double a, double b) { return fmax(a, b); }
+
+// ------------------------------------------------ tensor-core primitives
+// Host halves of templates/partials/mma.cuh. mma.sync and ldmatrix are warp
+// collectives over warp_exchange: every lane deposits pointers to its
+// registers, the last lane to arrive computes the whole warp's result with the
+// PTX ISA's fragment layouts and writes every lane's destination registers.
+// cp.async is emulated adversarially (see cp_async_16 below).
+namespace fagen_emu {
+
+inline float f16_bits_to_float(unsigned h) {
+    const unsigned sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    unsigned bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);  // inf / NaN (payload kept)
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else {
+        // zero or subnormal: man * 2^-24 is exact in float
+        const float v = float(man) * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+inline float bf16_bits_to_float(unsigned h) {
+    const unsigned bits = (h & 0xffffu) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+template <bool BF16>
+inline float mma_elem(unsigned reg, unsigned half) {
+    const unsigned h = half ? reg >> 16 : reg & 0xffffu;  // element order: low half first
+    return BF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+}
+
+[[noreturn]] inline void need_full_warp(const char* what, unsigned arrived) {
+    fail("%s needs all 32 lanes of the warp, but lanes 0x%08x are absent (partial warp)", what, ~arrived);
+}
+
+struct MmaLane {
+    float* d;
+    const unsigned* a;
+    const unsigned* b;
+};
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, with the
+// layouts of PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point
+// type" (groupID g = lane >> 2, threadID_in_group t = lane % 4):
+//   A (16x16): a[r] holds A[g + 8*(r&1)][2t + 8*(r>>1) + {0,1}]
+//   B (16x8):  b[r] holds B[2t + 8r + {0,1}][g]
+//   C/D (16x8): d[i] is D[g + 8*(i>>1)][2t + (i&1)]
+// Products of f16/bf16 values are exact in float; each D element is the sum of
+// C and its 16 products in double, rounded to float once. The GPU adds in
+// fp32 in a hardware-specific order, so results agree to fp32 accumulation
+// error, not bit for bit.
+template <bool BF16>
+void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
+    if (arrived != 0xffffffffu) need_full_warp("fa_mma_m16n8k16", arrived);
+    float A[16][16], Bt[8][16];  // Bt[n][k] = B[k][n]
+    double C[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        const MmaLane& p = *static_cast<const MmaLane*>(payloads[lane]);
+        const unsigned g = lane >> 2, t = lane & 3u;
+        for (unsigned r = 0; r < 4; ++r) {
+            const unsigned row = g + 8 * (r & 1u), col = 2 * t + 8 * (r >> 1);
+            A[row][col] = mma_elem<BF16>(p.a[r], 0);
+            A[row][col + 1] = mma_elem<BF16>(p.a[r], 1);
+        }
+        for (unsigned r = 0; r < 2; ++r) {
+            const unsigned k = 2 * t + 8 * r;
+            Bt[g][k] = mma_elem<BF16>(p.b[r], 0);
+            Bt[g][k + 1] = mma_elem<BF16>(p.b[r], 1);
+        }
+        for (unsigned i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1u)] = p.d[i];
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        const MmaLane& p = *static_cast<const MmaLane*>(payloads[lane]);
+        const unsigned g = lane >> 2, t = lane & 3u;
+        for (unsigned i = 0; i < 4; ++i) {
+            const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1u);
+            double acc = C[row][col];
+            for (unsigned k = 0; k < 16; ++k) acc += double(A[row][k] * Bt[col][k]);  // exact products
+            p.d[i] = float(acc);
+        }
+    }
+}
+
+template <bool BF16>
+inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const char* file, int line) {
+    MmaLane lane{d, a, b};
+    warp_exchange(0xffffffffu, &lane, &mma_m16n8k16_complete<BF16>,
+                  BF16 ? "fa_mma_m16n8k16<__nv_bfloat16>" : "fa_mma_m16n8k16<__half>", file, line);
+}
+
+struct LdmatrixLane {
+    unsigned* r;
+    const void* row;
+};
+
+// ldmatrix.sync.aligned.m8n8.x{NUM}[.trans].shared.b16 (PTX ISA "Warp-level
+// matrix load instruction: ldmatrix"): lanes 8i..8i+7 give the addresses of
+// rows 0..7 of matrix i (16 bytes each, 16-byte aligned); lane l receives in
+// r[i] the elements (row l>>2, cols 2(l%4), 2(l%4)+1) of matrix i -- of its
+// transpose with .trans -- lower column in the low half.
+template <int NUM, bool TRANS>
+void ldmatrix_complete(void* const* payloads, unsigned arrived) {
+    static const char* const names[2][5] = {
+        {"", "fa_ldmatrix_x1", "fa_ldmatrix_x2", "", "fa_ldmatrix_x4"},
+        {"", "fa_ldmatrix_x1_trans", "fa_ldmatrix_x2_trans", "", "fa_ldmatrix_x4_trans"}};
+    if (arrived != 0xffffffffu) need_full_warp(names[TRANS][NUM], arrived);
+    const unsigned char* rows[32];
+    for (unsigned l = 0; l < 8u * NUM; ++l) {
+        rows[l] = static_cast<const unsigned char*>(static_cast<const LdmatrixLane*>(payloads[l])->row);
+        if (reinterpret_cast<uintptr_t>(rows[l]) & 15u)
+            fail("%s: lane %u's row address %p is not 16-byte aligned", names[TRANS][NUM], l,
+                 static_cast<const void*>(rows[l]));
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned* r = static_cast<const LdmatrixLane*>(payloads[lane])->r;
+        const unsigned g = lane >> 2, t = lane & 3u;
+        for (unsigned i = 0; i < unsigned(NUM); ++i) {
+            uint16_t lo, hi;
+            if (!TRANS) {
+                memcpy(&lo, rows[8 * i + g] + 2 * (2 * t), 2);
+                memcpy(&hi, rows[8 * i + g] + 2 * (2 * t + 1), 2);
+            } else {
+                memcpy(&lo, rows[8 * i + 2 * t] + 2 * g, 2);
+                memcpy(&hi, rows[8 * i + 2 * t + 1] + 2 * g, 2);
+            }
+            r[i] = unsigned(lo) | unsigned(hi) << 16;
+        }
+    }
+}
+
+template <int NUM, bool TRANS>
+inline void ldmatrix(unsigned* r, const void* row, const char* file, int line) {
+    static const char* const name = TRANS ? (NUM == 1 ? "fa_ldmatrix_x1_trans" : NUM == 2 ? "fa_ldmatrix_x2_trans"
+                                                                                           : "fa_ldmatrix_x4_trans")
+                                          : (NUM == 1 ? "fa_ldmatrix_x1" : NUM == 2 ? "fa_ldmatrix_x2"
+                                                                                    : "fa_ldmatrix_x4");
+    LdmatrixLane lane{r, row};
+    warp_exchange(0xffffffffu, &lane, &ldmatrix_complete<NUM, TRANS>, name, file, line);
+}
+
+// cp.async (16 bytes, .cg) with commit / wait groups, emulated adversarially.
+// Issuing a copy fills its destination with poison -- the half-word 0x7fff,
+// a NaN as fp16 and as bf16, and 0x7fff7fff is a NaN as float -- and queues the
+// 16 source bytes (read at issue; zeros when !valid). The data lands only when
+// the issuing thread waits for the copy's group, so a thread that reads a tile
+// before its wait, or reads another thread's copy before the barrier that
+// follows that thread's wait, sees NaN where a GPU would give undefined data.
+struct AsyncCopy {
+    unsigned char* dst;
+    unsigned group;  // index of the commit group the copy belongs to
+    unsigned char data[16];
+};
+struct AsyncQueue {
+    AsyncCopy* items;
+    unsigned n, cap;
+    unsigned commits;  // commit groups closed so far by this thread
+    uint64_t block;    // fagen_emu_state.block_serial the queue belongs to
+};
+static AsyncQueue* async_queues = nullptr;
+static unsigned async_queue_count = 0;
+
+inline AsyncQueue& async_queue() {
+    const unsigned i = g.cur->index;
+    if (i >= async_queue_count) {
+        const unsigned n = g.nthreads > i ? g.nthreads : i + 1;
+        void* p = realloc(async_queues, n * sizeof(AsyncQueue));
+        if (!p) fail("cp.async: out of host memory");
+        async_queues = static_cast<AsyncQueue*>(p);
+        memset(async_queues + async_queue_count, 0, (n - async_queue_count) * sizeof(AsyncQueue));
+        async_queue_count = n;
+    }
+    AsyncQueue& q = async_queues[i];
+    if (q.block != g.block_serial) {  // a new block: copies of earlier blocks are gone
+        q.n = 0;
+        q.commits = 0;
+        q.block = g.block_serial;
+    }
+    return q;
+}
+
+inline void cp_async_16(void* dst, const void* src, bool valid, const char* file, int line) {
+    if (reinterpret_cast<uintptr_t>(dst) & 15u)
+        fail("fa_cp_async_16 at %s:%d: shared destination %p is not 16-byte aligned", file, line, dst);
+    if (valid && (reinterpret_cast<uintptr_t>(src) & 15u))
+        fail("fa_cp_async_16 at %s:%d: global source %p is not 16-byte aligned", file, line, src);
+    AsyncQueue& q = async_queue();
+    if (q.n == q.cap) {
+        const unsigned cap = q.cap ? 2 * q.cap : 16;
+        void* p = realloc(q.items, cap * sizeof(AsyncCopy));
+        if (!p) fail("cp.async: out of host memory");
+        q.items = static_cast<AsyncCopy*>(p);
+        q.cap = cap;
+    }
+    AsyncCopy& c = q.items[q.n++];
+    c.dst = static_cast<unsigned char*>(dst);
+    c.group = q.commits;
+    if (valid) memcpy(c.data, src, 16);
+    else memset(c.data, 0, 16);
+    const uint16_t poison = 0x7fffu;
+    for (int k = 0; k < 8; ++k) memcpy(c.dst + 2 * k, &poison, 2);
+}
+
+inline void cp_async_commit() { ++async_queue().commits; }
+
+// Lands (in issue order) every queued copy of a group older than the `pending`
+// most recent committed groups.
+inline void cp_async_wait(unsigned pending) {
+    AsyncQueue& q = async_queue();
+    if (q.commits <= pending) return;
+    const unsigned done = q.commits - pending;  // groups [0, done) complete
+    unsigned keep = 0;
+    for (unsigned k = 0; k < q.n; ++k) {
+        AsyncCopy& c = q.items[k];
+        if (c.group < done) memcpy(c.dst, c.data, 16);
+        else q.items[keep++] = c;
+    }
+    q.n = keep;
+}
+
+// cp.async.wait_all = cp.async.commit_group + cp.async.wait_group 0.
+inline void cp_async_wait_all() {
+    cp_async_commit();
+    cp_async_wait(0);
+}
+
+}  // namespace fagen_emu

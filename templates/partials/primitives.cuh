@@ -24,9 +24,11 @@ FA_DEVICE float fa_warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
-FA_DEVICE float fa_warp_max(float x) {
+// max that propagates NaN (fmaxf drops it): NaN in -> NaN out, as torch's max.
+FA_DEVICE float fa_nanmax(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+FA_DEVICE float fa_warp_max(float x) {  // NaN-propagating
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    for (int o = 16; o > 0; o >>= 1) x = fa_nanmax(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
@@ -42,8 +44,9 @@ FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
 }
-FA_DEVICE float fa_warp_max(float x, FAGEN_EMU_SITE) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS));
+FA_DEVICE float fa_nanmax(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+FA_DEVICE float fa_warp_max(float x, FAGEN_EMU_SITE) {  // NaN-propagating
+    for (int o = 16; o > 0; o >>= 1) x = fa_nanmax(x, __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS));
     return x;
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
@@ -52,6 +55,11 @@ FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
 }
 FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 #endif
+
+// Tensor-core primitives (mma.sync, ldmatrix, cp.async; sm_80+): partials/mma.cuh.
+// Rendered kernels get it through the Jinja include on the next line; to C++
+// that line is a comment, so this file read verbatim compiles without them.
+// {% include "partials/mma.cuh" %}
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
 FA_DEVICE float fa_to_float(float x) { return x; }

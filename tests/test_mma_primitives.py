@@ -1,0 +1,430 @@
+"""Tensor-core primitives of templates/partials/mma.cuh on the CPU emulator
+(mma.sync m16n8k16, ldmatrix x1/x2/x4[.trans], cp.async with commit/wait
+groups), checked against an independent numpy model of the PTX ISA's
+documented fragment layouts, plus NVRTC compiles whose SASS shows the
+tensor-core instructions.
+
+The model below is written from the PTX ISA text (section 9.7.14.5.8
+"Matrix Fragments for mma.m16n8k16 with floating point type" and section
+9.7.14.5.15 "Warp-level matrix load instruction: ldmatrix"), element by
+element as the ISA states it, not from the C++ code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fagen.emulator import EmulatorKernelError, KernelSig, build
+
+REPO = Path(__file__).resolve().parent.parent
+PRIMITIVES = (REPO / "templates/partials/primitives.cuh").read_text()
+MMA = (REPO / "templates/partials/mma.cuh").read_text()
+
+# ----------------------------------------------------------- the layout model
+# PTX ISA 9.7.14.5.8, m16n8k16 .f16/.bf16:  groupID = %laneid >> 2,
+# threadID_in_group = %laneid % 4. A holds a0..a7 in four .f16x2 registers,
+# B holds b0..b3 in two, C/D hold c0..c3 as four .f32 registers; in each
+# .f16x2 register the lower-numbered element is the low half.
+
+
+def _gt(lane: int) -> tuple[int, int]:
+    return lane >> 2, lane % 4
+
+
+def a_element(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of A element a_i held by `lane` (Multiplicand A, .f16/.bf16)."""
+    group, tig = _gt(lane)
+    row = group if (0 <= i < 2 or 4 <= i < 6) else group + 8
+    col = tig * 2 + (i & 1) if i < 4 else tig * 2 + (i & 1) + 8
+    return row, col
+
+
+def b_element(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) = (k, n) of B element b_i held by `lane` (Multiplicand B, .f16/.bf16)."""
+    group, tig = _gt(lane)
+    row = tig * 2 + (i & 1) if i < 2 else tig * 2 + (i & 1) + 8
+    return row, group
+
+
+def c_element(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of accumulator element c_i / d_i held by `lane` (Accumulators C or D, .f32)."""
+    group, tig = _gt(lane)
+    row = group if i < 2 else group + 8
+    return row, tig * 2 + (i & 1)
+
+
+def ldmatrix_element(lane: int, j: int) -> tuple[int, int]:
+    """(row, col) of element j (0 low, 1 high half) of an 8x8 .b16 matrix that `lane`
+    receives (ldmatrix fragment layout: each group of four threads holds one row)."""
+    return lane >> 2, (lane % 4) * 2 + j
+
+
+def pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
+
+
+def a_registers(bits: np.ndarray) -> np.ndarray:
+    """16x16 uint16 matrix -> [32 lanes, 4] uint32 registers."""
+    out = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        for r in range(4):
+            out[lane, r] = pack(bits[a_element(lane, 2 * r)], bits[a_element(lane, 2 * r + 1)])
+    return out
+
+
+def b_registers(bits: np.ndarray) -> np.ndarray:
+    """16x8 (k x n) uint16 matrix -> [32, 2] uint32 registers."""
+    out = np.zeros((32, 2), np.uint32)
+    for lane in range(32):
+        for r in range(2):
+            out[lane, r] = pack(bits[b_element(lane, 2 * r)], bits[b_element(lane, 2 * r + 1)])
+    return out
+
+
+def c_registers(m: np.ndarray) -> np.ndarray:
+    return np.array([[m[c_element(lane, i)] for i in range(4)] for lane in range(32)], np.float32)
+
+
+def c_matrix(regs: np.ndarray) -> np.ndarray:
+    m = np.full((16, 8), np.nan, np.float32)
+    for lane in range(32):
+        for i in range(4):
+            m[c_element(lane, i)] = regs[lane, i]
+    return m
+
+
+# ------------------------------------------------------------ dtype helpers
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint16) if dtype == "f16" else bf16_bits(x)
+
+
+def from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return bits.view(np.float16).astype(np.float32) if dtype == "f16" else bf16_value(bits)
+
+
+def fp32_accumulation_bound(a: np.ndarray, b: np.ndarray, c: np.ndarray | float = 0.0) -> np.ndarray:
+    """What fp32 accumulation in any order may lose: 2 (K+1) 2^-24 (|C| + |A||B|)
+    (the factor 2 admits truncating adders); products of f16/bf16 are exact in fp32."""
+    k = a.shape[1]
+    return 2 * (k + 1) * 2.0**-24 * (np.abs(c) + np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)))
+
+
+# ------------------------------------------------------------------ kernels
+KERNELS = r"""
+// ldmatrix: 32 rows of 8 halves (4 matrices) staged in smem with a padded row
+// stride; lane l supplies row rowidx[l] (lanes past 8*num pass nullptr).
+#define LDM_STRIDE 24
+extern "C" __global__ void ldm(const unsigned short* mat, const int* rowidx, unsigned* out, int variant) {
+    unsigned short* s = reinterpret_cast<unsigned short*>(fa_smem());
+    const int lane = threadIdx.x;
+    for (int k = lane; k < 32 * 8; k += 32) s[(k / 8) * LDM_STRIDE + k % 8] = mat[k];
+    fa_sync();
+    const int num = variant % 3 == 0 ? 1 : variant % 3 == 1 ? 2 : 4;
+    const void* row = lane < 8 * num ? s + rowidx[lane] * LDM_STRIDE : nullptr;
+    unsigned r[4] = {0xdeadbeefu, 0xdeadbeefu, 0xdeadbeefu, 0xdeadbeefu};
+    switch (variant) {
+        case 0: { unsigned x[1]; fa_ldmatrix_x1(x, row); r[0] = x[0]; break; }
+        case 1: { unsigned x[2]; fa_ldmatrix_x2(x, row); r[0] = x[0]; r[1] = x[1]; break; }
+        case 2: { unsigned x[4]; fa_ldmatrix_x4(x, row); for (int i = 0; i < 4; ++i) r[i] = x[i]; break; }
+        case 3: { unsigned x[1]; fa_ldmatrix_x1_trans(x, row); r[0] = x[0]; break; }
+        case 4: { unsigned x[2]; fa_ldmatrix_x2_trans(x, row); r[0] = x[0]; r[1] = x[1]; break; }
+        default: { unsigned x[4]; fa_ldmatrix_x4_trans(x, row); for (int i = 0; i < 4; ++i) r[i] = x[i]; }
+    }
+    for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
+}
+
+// mma: every lane of every warp loads its own registers, one mma, stores D.
+template <typename E>
+__device__ void mma_lanes(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    const int t = threadIdx.x;
+    unsigned ar[4], br[2];
+    float acc[4];
+    for (int i = 0; i < 4; ++i) ar[i] = a[t * 4 + i];
+    for (int i = 0; i < 2; ++i) br[i] = b[t * 2 + i];
+    for (int i = 0; i < 4; ++i) acc[i] = c[t * 4 + i];
+    fa_mma_m16n8k16<E>(acc, ar, br);
+    for (int i = 0; i < 4; ++i) d[t * 4 + i] = acc[i];
+}
+extern "C" __global__ void mma_f16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    mma_lanes<__half>(a, b, c, d);
+}
+extern "C" __global__ void mma_bf16(const unsigned* a, const unsigned* b, const float* c, float* d) {
+    mma_lanes<__nv_bfloat16>(a, b, c, d);
+}
+
+// cp.async group semantics, one thread: snapshots of 4 destination chunks.
+extern "C" __global__ void cp_groups(const float* src, float* out) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    fa_cp_async_16(s + 0, src + 0, true);    // group 0
+    fa_cp_async_commit();
+    fa_cp_async_16(s + 4, src + 4, true);    // group 1
+    fa_cp_async_16(s + 8, src + 8, false);   // group 1, zero fill
+    fa_cp_async_commit();
+    fa_cp_async_16(s + 12, src + 12, true);  // not committed yet
+    for (int i = 0; i < 16; ++i) out[0 * 16 + i] = s[i];
+    fa_cp_async_wait<2>();
+    for (int i = 0; i < 16; ++i) out[1 * 16 + i] = s[i];
+    fa_cp_async_wait<1>();
+    for (int i = 0; i < 16; ++i) out[2 * 16 + i] = s[i];
+    fa_cp_async_wait<0>();
+    for (int i = 0; i < 16; ++i) out[3 * 16 + i] = s[i];
+    fa_cp_async_wait_all();
+    for (int i = 0; i < 16; ++i) out[4 * 16 + i] = s[i];
+}
+
+// C[64x64] (fp32) = A[64x64] B[64x64] (row-major, E), one block of 4 warps;
+// warp w computes rows 16w..16w+15. Two K stages of 32, both loaded by
+// cp.async up front (one commit group each; A rows >= m_valid zero-filled).
+// mode 0: correct; 1: no cp.async wait; 2: no barrier after the wait.
+#define GA_STRIDE 40  // 32 + 8 halves: 80-byte rows
+#define GB_STRIDE 72  // 64 + 8 halves: 144-byte rows
+template <typename E>
+__device__ void gemm64(const E* a, const E* b, float* c, int m_valid, int mode) {
+    E* as = reinterpret_cast<E*>(fa_smem());   // [2][64][GA_STRIDE]
+    E* bs = as + 2 * 64 * GA_STRIDE;           // [2][32][GB_STRIDE]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    for (int st = 0; st < 2; ++st) {
+        for (int ch = tid; ch < 256; ch += 128) {  // A: 64 rows x 4 chunks of 8 halves
+            const int r = ch >> 2, c8 = (ch & 3) * 8;
+            fa_cp_async_16(as + (st * 64 + r) * GA_STRIDE + c8, a + r * 64 + st * 32 + c8, r < m_valid);
+        }
+        for (int ch = tid; ch < 256; ch += 128) {  // B: 32 rows x 8 chunks
+            const int r = ch >> 3, c8 = (ch & 7) * 8;
+            fa_cp_async_16(bs + (st * 32 + r) * GB_STRIDE + c8, b + (st * 32 + r) * 64 + c8, true);
+        }
+        fa_cp_async_commit();
+    }
+    float acc[8][4];
+    for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    for (int st = 0; st < 2; ++st) {
+        if (mode != 1) {
+            if (st == 0) fa_cp_async_wait<1>();
+            else fa_cp_async_wait<0>();
+        }
+        if (mode != 2) fa_sync();
+        const E* at = as + st * 64 * GA_STRIDE;
+        const E* bt = bs + st * 32 * GB_STRIDE;
+        for (int k0 = 0; k0 < 32; k0 += 16) {
+            const int mi = lane >> 3, ri = lane & 7;
+            unsigned af[4];
+            fa_ldmatrix_x4(af, at + (warp * 16 + ri + 8 * (mi & 1)) * GA_STRIDE + k0 + 8 * (mi >> 1));
+            for (int n0 = 0; n0 < 64; n0 += 16) {
+                unsigned bf[4];
+                fa_ldmatrix_x4_trans(bf, bt + (k0 + ri + 8 * (mi & 1)) * GB_STRIDE + n0 + 8 * (mi >> 1));
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+                fa_mma_m16n8k16<E>(acc[n0 / 8], af, b0);
+                fa_mma_m16n8k16<E>(acc[n0 / 8 + 1], af, b1);
+            }
+        }
+    }
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) c[(warp * 16 + g + 8 * (i >> 1)) * 64 + j * 8 + 2 * t + (i & 1)] = acc[j][i];
+}
+extern "C" __global__ void gemm_f16(const __half* a, const __half* b, float* c, int m_valid, int mode) {
+    gemm64<__half>(a, b, c, m_valid, mode);
+}
+extern "C" __global__ void gemm_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int m_valid,
+                                     int mode) {
+    gemm64<__nv_bfloat16>(a, b, c, m_valid, mode);
+}
+
+extern "C" __global__ void misaligned(const float* src, float* out) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    fa_cp_async_16(s + 2, src, true);  // 8-byte aligned destination: invalid
+    fa_cp_async_wait_all();
+    out[0] = s[2];
+}
+"""
+SOURCE = PRIMITIVES + "\n" + MMA + "\n" + KERNELS
+GEMM_SMEM = (2 * 64 * 40 + 2 * 32 * 72) * 2
+MMA_SIG = (("const unsigned int*", "a"), ("const unsigned int*", "b"), ("const float*", "c"), ("float*", "d"))
+SIGS = [
+    KernelSig("ldm", (("const unsigned short*", "mat"), ("const int*", "rowidx"), ("unsigned int*", "out"),
+                      ("int", "variant"))),
+    KernelSig("mma_f16", MMA_SIG),
+    KernelSig("mma_bf16", MMA_SIG),
+    KernelSig("cp_groups", (("const float*", "src"), ("float*", "out"))),
+    KernelSig("gemm_f16", (("const __half*", "a"), ("const __half*", "b"), ("float*", "c"), ("int", "m_valid"),
+                           ("int", "mode"))),
+    KernelSig("gemm_bf16", (("const __nv_bfloat16*", "a"), ("const __nv_bfloat16*", "b"), ("float*", "c"),
+                            ("int", "m_valid"), ("int", "mode"))),
+    KernelSig("misaligned", (("const float*", "src"), ("float*", "out"))),
+]
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return build(SOURCE, SIGS)
+
+
+# ------------------------------------------------------------------ ldmatrix
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_ldmatrix_matches_layout_model(mod, num: int, trans: bool, dtype: str) -> None:
+    rng = np.random.default_rng(num * 2 + trans)
+    values = rng.standard_normal((32, 8)).astype(np.float32)
+    mat = to_bits(values, dtype)  # 32 smem rows of 8 halves
+    rowidx = rng.permutation(32).astype(np.int32)  # lane l supplies smem row rowidx[l]
+    out = np.zeros((32, 4), np.uint32)
+    variant = {1: 0, 2: 1, 4: 2}[num] + 3 * trans
+    mod.launch("ldm", 1, 32, 32 * 24 * 2, [mat, rowidx, out, variant])
+    for i in range(num):
+        m = mat[rowidx[8 * i: 8 * i + 8]]  # matrix i: rows supplied by lanes 8i..8i+7
+        if trans:
+            m = m.T
+        expect = np.array([pack(m[ldmatrix_element(lane, 0)], m[ldmatrix_element(lane, 1)]) for lane in range(32)])
+        np.testing.assert_array_equal(out[:, i], expect, err_msg=f"matrix {i}")
+    assert (out[:, num:] == 0xDEADBEEF).all()  # registers past .num untouched
+
+
+# ----------------------------------------------------------------------- mma
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_mma_matches_numpy(mod, dtype: str) -> None:
+    rng = np.random.default_rng(7 if dtype == "f16" else 8)
+    warps = 2
+    a_bits = [to_bits(rng.standard_normal((16, 16)).astype(np.float32) * 2, dtype) for _ in range(warps)]
+    b_bits = [to_bits(rng.standard_normal((16, 8)).astype(np.float32), dtype) for _ in range(warps)]
+    cs = [rng.standard_normal((16, 8)).astype(np.float32) * 4 for _ in range(warps)]
+    a = np.concatenate([a_registers(x) for x in a_bits])
+    b = np.concatenate([b_registers(x) for x in b_bits])
+    c = np.concatenate([c_registers(x) for x in cs])
+    d = np.zeros((32 * warps, 4), np.float32)
+    mod.launch(f"mma_{dtype}", 1, 32 * warps, 0, [a, b, c, d])
+    for w in range(warps):
+        av, bv = from_bits(a_bits[w], dtype), from_bits(b_bits[w], dtype)
+        ref = cs[w].astype(np.float64) + av.astype(np.float64) @ bv.astype(np.float64)
+        got = c_matrix(d[32 * w: 32 * (w + 1)])
+        assert np.all(np.abs(got - ref) <= fp32_accumulation_bound(av, bv, cs[w]) + 1e-30), f"warp {w}"
+        # Each element is a distinct function of its own row/col: a layout slip cannot pass.
+        assert not np.allclose(got, np.roll(got, 1, axis=0))
+
+
+def test_mma_fragment_layout_one_hot(mod) -> None:
+    """A = unit matrices picks single elements of B, so every lane's D register must hold
+    exactly the B / C element the model places there."""
+    one = np.float16(1).view(np.uint16)
+    for row, k in [(0, 0), (3, 9), (9, 2), (15, 15)]:
+        a_bits = np.zeros((16, 16), np.uint16)
+        a_bits[row, k] = one
+        b_vals = (np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + 1).astype(np.float16)
+        c = np.zeros((16, 8), np.float32)
+        d = np.zeros((32, 4), np.float32)
+        mod.launch("mma_f16", 1, 32, 0, [a_registers(a_bits), b_registers(b_vals.view(np.uint16)),
+                                         c_registers(c), d])
+        expect = np.zeros((16, 8), np.float32)
+        expect[row] = b_vals[k].astype(np.float32)
+        np.testing.assert_array_equal(c_matrix(d), expect)
+
+
+def test_mma_needs_the_full_warp(mod) -> None:
+    z4, z2 = np.zeros(64 * 4, np.uint32), np.zeros(64 * 2, np.uint32)
+    with pytest.raises(EmulatorKernelError, match="fa_mma_m16n8k16.*all 32 lanes"):
+        mod.launch("mma_f16", 1, 48, 0, [z4, z2, np.zeros(64 * 4, np.float32), np.zeros(64 * 4, np.float32)])
+
+
+# ------------------------------------------------------------------ cp.async
+POISON = 0x7FFF7FFF
+
+
+def test_cp_async_groups_land_at_wait(mod) -> None:
+    src = np.arange(1, 17, dtype=np.float32)
+    out = np.zeros((5, 16), np.float32)
+    mod.launch("cp_groups", 1, 1, 16 * 4, [src, out])
+    bits = out.view(np.uint32)
+    chunk = [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]
+    assert (bits[0] == POISON).all() and (bits[1] == POISON).all()  # issue; wait_group 2: nothing lands
+    np.testing.assert_array_equal(out[2, chunk[0]], src[chunk[0]])  # wait_group 1: group 0
+    assert (bits[2, 4:] == POISON).all()
+    np.testing.assert_array_equal(out[3, :8], src[:8])  # wait_group 0: group 1 (incl. the zero fill)
+    np.testing.assert_array_equal(out[3, chunk[2]], 0)
+    assert (bits[3, chunk[3]] == POISON).all()  # an uncommitted copy is not waited for
+    np.testing.assert_array_equal(out[4], np.concatenate([src[:8], np.zeros(4), src[12:]]))  # wait_all
+
+
+def test_cp_async_poison_is_nan_for_every_dtype() -> None:
+    half = np.array([0x7FFF], np.uint16)
+    assert np.isnan(half.view(np.float16)).all() and np.isnan(bf16_value(half)).all()
+    assert np.isnan(np.array([POISON], np.uint32).view(np.float32)).all()
+
+
+def test_cp_async_misaligned_is_an_error(mod) -> None:
+    with pytest.raises(EmulatorKernelError, match="fa_cp_async_16.*not 16-byte aligned"):
+        mod.launch("misaligned", 1, 1, 64, [np.zeros(8, np.float32), np.zeros(1, np.float32)])
+
+
+# ---------------------------------------------------------------------- GEMM
+def _gemm_inputs(dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(11)
+    a_bits = to_bits(rng.standard_normal((64, 64)).astype(np.float32), dtype)
+    b_bits = to_bits(rng.standard_normal((64, 64)).astype(np.float32), dtype)
+    return a_bits, b_bits, from_bits(a_bits, dtype), from_bits(b_bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_gemm_through_cp_async_ldmatrix_mma(mod, dtype: str) -> None:
+    a_bits, b_bits, a, b = _gemm_inputs(dtype)
+    m_valid = 60  # rows 60..63 of A are zero-filled by cp.async (valid = false)
+    c = np.zeros((64, 64), np.float32)
+    mod.launch(f"gemm_{dtype}", 1, 128, GEMM_SMEM, [a_bits, b_bits, c, m_valid, 0])
+    a_used = a.copy()
+    a_used[m_valid:] = 0
+    ref = a_used.astype(np.float64) @ b.astype(np.float64)
+    assert np.all(np.abs(c - ref) <= fp32_accumulation_bound(a_used, b))
+    assert (c[m_valid:] == 0).all()
+
+
+@pytest.mark.parametrize("mode,what", [(1, "no cp.async wait"), (2, "no barrier after the wait")])
+def test_gemm_pipeline_bugs_are_caught(mod, mode: int, what: str) -> None:
+    a_bits, b_bits, _, _ = _gemm_inputs("f16")
+    c = np.zeros((64, 64), np.float32)
+    mod.launch("gemm_f16", 1, 128, GEMM_SMEM, [a_bits, b_bits, c, 64, mode])
+    assert np.isnan(c).any(), what
+
+
+# ----------------------------------------------------------- NVRTC and SASS
+def _sass_mix(cubin: bytes) -> dict[str, dict[str, int]] | None:
+    try:
+        from fagen.sass import instruction_mix
+    except ImportError:  # pragma: no cover - older tree
+        return None
+    return instruction_mix(cubin)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_tensor_core_instructions(arch: str) -> None:
+    from fagen import nvrtc
+
+    res = nvrtc.compile_cubin(SOURCE, "mma_primitives.cu", [f"-arch={arch}", "-std=c++17"], arch)
+    assert res.ok, res.log
+    mix = _sass_mix(res.cubin)
+    if mix is None:
+        pytest.skip("no nvdisasm installed")
+    for kernel in ("gemm_f16", "gemm_bf16"):
+        ops = mix[kernel]
+        assert ops.get("HMMA", 0) >= 16 and ops.get("LDSM", 0) > 0 and ops.get("LDGSTS", 0) > 0, (kernel, ops)
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, (kernel, ops)
+    assert mix["ldm"].get("LDSM", 0) >= 6
+
+
+def test_primitives_render_includes_mma() -> None:
+    """Rendered kernels get mma.cuh through primitives.cuh's Jinja include."""
+    from fagen.renderer import _env
+
+    text = _env().get_template("partials/primitives.cuh").render()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert "FA_DEVICE void fa_cp_async_wait_all()" in text
