@@ -56,7 +56,10 @@ class CompiledModule:
 
 
 def options_for(spec: KernelSpec) -> list[str]:
-    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v"]
+    """The defaults plus the spec's family's own NVRTC options."""
+    from .families import get_family
+
+    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v", *get_family(spec.impl).nvrtc_options(spec)]
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")

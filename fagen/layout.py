@@ -1,9 +1,12 @@
 """Shared-memory layout: the one place a kernel's smem footprint is computed.
 
-A family describes its buffers (name, C type, element count); this module
-places them at 16-byte aligned offsets. The template receives the same offsets
-as constexprs and ``static_assert``s that its own ``sizeof``-based arithmetic
-reaches the same total, so the Python footprint and the kernel cannot drift.
+A family describes its buffers (name, C type, element count, and optionally
+an alignment in bytes); this module places them in order, each at an offset
+that is a multiple of its alignment (16 bytes unless the family asks for
+more, e.g. 128 for a swizzled tile read by ``ldmatrix``). The template
+receives the same offsets as constexprs and ``static_assert``s that its own
+``sizeof``-based arithmetic reaches the same offsets and total, so the Python
+footprint and the kernel cannot drift.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class Buffer:
     count: int  # elements
     itemsize: int  # bytes per element
     offset: int  # bytes from the start of dynamic smem
+    align: int = ALIGN  # the offset is a multiple of this (bytes, a power of two >= 16)
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +44,11 @@ class SmemLayout:
         last = self.buffers[-1]
         return align_up(last.offset + last.nbytes)
 
+    @property
+    def max_align(self) -> int:
+        """The largest buffer alignment: the dynamic smem base must be aligned at least this much."""
+        return max((b.align for b in self.buffers), default=ALIGN)
+
     def breakdown(self) -> dict[str, int]:
         """Buffer name -> bytes (alignment padding folded into the buffer before it)."""
         out: dict[str, int] = {}
@@ -49,12 +58,20 @@ class SmemLayout:
         return out
 
 
-def place(entries: list[tuple[str, str, int, int]]) -> SmemLayout:
-    """Lay out ``(name, ctype, count, itemsize)`` entries in order, 16-byte aligned."""
+Entry = tuple[str, str, int, int] | tuple[str, str, int, int, int]
+
+
+def place(entries: list[Entry]) -> SmemLayout:
+    """Lay out ``(name, ctype, count, itemsize[, align])`` entries in order; ``align`` (bytes,
+    a power of two >= 16) defaults to 16."""
     off = 0
     bufs = []
-    for name, ctype, count, itemsize in entries:
-        off = align_up(off)
-        bufs.append(Buffer(name, ctype, count, itemsize, off))
+    for entry in entries:
+        name, ctype, count, itemsize = entry[:4]
+        align = entry[4] if len(entry) > 4 else ALIGN  # type: ignore[misc]
+        if align < ALIGN or align & (align - 1):
+            raise ValueError(f"smem buffer {name!r}: align must be a power of two >= {ALIGN}, got {align}")
+        off = align_up(off, align)
+        bufs.append(Buffer(name, ctype, count, itemsize, off, align))
         off += count * itemsize
     return SmemLayout(tuple(bufs))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .families import family_names, get_family
+from .families import NUM_WARPS_CHOICES, default_family, family_names, get_family
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
@@ -36,8 +37,26 @@ MIN_REGS_PER_THREAD = 128
 DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-NUM_WARPS_CHOICES = (1, 2, 4, 8)
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_MULTIPLE = 8, 256, 8
+
+
+def arch_for_capability(capability: tuple[int, int]) -> str | None:
+    """The spec arch whose cubins run on a device of this compute capability, or None.
+
+    A cubin for sm_XY runs on devices of compute capability X.Z with Z >= Y (CUDA C
+    Programming Guide, "Binary Compatibility"): the newest target arch of the same major
+    whose minor is not above the device's (8.7 -> sm_86, 8.9 -> sm_89, 9.0 -> sm_90).
+    """
+    major, minor = int(capability[0]), int(capability[1])
+    best: str | None = None
+    for arch in ARCH_SMEM_OPTIN:  # sm_XY, ascending
+        a_major, a_minor = int(arch[3:-1]), int(arch[-1])
+        if a_major == major and a_minor <= minor:
+            best = arch
+    return best
+
+
+Knobs = tuple[tuple[str, int], ...]
 
 
 def paper_tile(sram_bytes: int, itemsize: int, head_dim: int) -> tuple[int, int]:
@@ -75,7 +94,9 @@ class KernelSpec(BaseModel):
     block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
     block_c: int | None = Field(None, description="override of B_c (rows of K/V per tile)")
     num_warps: int = 4
-    impl: str = "simt"
+    #: Resolved at validation (never None on a built spec): the family, and its knobs with defaults filled in.
+    impl: str | None = Field(None, description="kernel family; default: the preferred family that supports the spec")
+    knobs: Knobs | None = Field(None, description="the family's extra knobs (name -> int); default: the family's defaults")
 
     # ----------------------------------------------------------------- fields
     @field_validator("head_dim")
@@ -113,17 +134,47 @@ class KernelSpec(BaseModel):
 
     @field_validator("impl")
     @classmethod
-    def _check_impl(cls, v: str) -> str:
-        if v not in family_names():
+    def _check_impl(cls, v: str | None) -> str | None:
+        if v is not None and v not in family_names():
             raise ValueError(f"impl must be one of {family_names()}, got {v!r}")
         return v
 
+    @field_validator("knobs", mode="before")
+    @classmethod
+    def _knobs_as_pairs(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return tuple(sorted(v.items()))
+        return v
+
+    @field_validator("knobs")
+    @classmethod
+    def _check_knobs(cls, v: Knobs | None) -> Knobs | None:
+        if v is None:
+            return v
+        names = [k for k, _ in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"knobs must name each knob once, got {names}")
+        return tuple(sorted(v))
+
     @model_validator(mode="after")
     def _check_feasible(self) -> "KernelSpec":
+        # impl and knobs are resolved here and stored, so the name and cache key carry them.
+        if self.impl is None:
+            chosen = default_family(self.direction, self.head_dim, self.dtype, self.arch)
+            if chosen is None:
+                raise _field_error("impl", "unsupported", "no registered kernel family implements this spec", None)
+            object.__setattr__(self, "impl", chosen)
         fam = get_family(self.impl)
         why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch)
         if why:
             raise _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
+        given = dict(self.knobs or ())
+        unknown = sorted(set(given) - {k.name for k in fam.knobs})
+        if unknown:
+            known = [k.name for k in fam.knobs]
+            raise _field_error("knobs", "knob", f"impl={self.impl!r} has no knob {unknown[0]!r} (its knobs: {known})",
+                               self.knobs)
+        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, k.default) for k in fam.knobs}.items())))
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
             limit = fam.max_block_r if field == "block_r" else fam.max_block_c
@@ -134,9 +185,13 @@ class KernelSpec(BaseModel):
                     v,
                 )
         try:
-            _resolve_tile(self._tile_key())
+            tile = _resolve_tile(self._tile_key())
         except _Infeasible as e:
             raise _field_error(e.field, "smem", str(e), getattr(self, e.field)) from None
+        bad = fam.config_reason(self.direction, self.head_dim, self.dtype, self.arch, tile.block_r, tile.block_c,
+                                self.num_warps, self.knob_values)
+        if bad is not None:
+            raise _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
         return self
 
     # ---------------------------------------------------------------- derived
@@ -173,9 +228,15 @@ class KernelSpec(BaseModel):
         return 32 * self.num_warps
 
     @property
+    def knob_values(self) -> dict[str, int]:
+        """The family's knobs with their values (defaults filled in)."""
+        return dict(self.knobs or ())
+
+    @property
     def smem_layout(self) -> SmemLayout:
         t = self.tile
-        return get_family(self.impl).smem_layout(self.direction, self.head_dim, self.itemsize, t.block_r, t.block_c)
+        return get_family(self.impl).smem_layout(self.direction, self.head_dim, self.itemsize, t.block_r, t.block_c,
+                                                 self.knob_values)
 
     @property
     def smem_bytes(self) -> int:
@@ -193,14 +254,17 @@ class KernelSpec(BaseModel):
 
     @property
     def name(self) -> str:
-        """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90."""
+        """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90; a family's
+        knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``)."""
         flags = [f for f in ("causal", "key_padding", "dropout") if getattr(self, f)]
         flag_part = "".join(f"_{f.replace('key_padding', 'kpad')}" for f in flags)
         t = self.tile
         m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
+        values = self.knob_values
+        knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in get_family(self.impl).knobs)
         return (
             f"fa_{self.direction}_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}{flag_part}"
-            f"_br{t.block_r}_bc{t.block_c}_w{self.num_warps}_{self.impl}_{self.arch.replace('_', '')}{m}"
+            f"_br{t.block_r}_bc{t.block_c}_w{self.num_warps}{knob_part}_{self.impl}_{self.arch.replace('_', '')}{m}"
         )
 
     @property
@@ -209,15 +273,21 @@ class KernelSpec(BaseModel):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
 
     def replace(self, **changes: Any) -> "KernelSpec":
-        """A new, re-validated spec with some fields changed."""
-        return KernelSpec(**{**self.model_dump(), **changes})
+        """A new, re-validated spec with some fields changed. The family stays unless ``impl`` is
+        given (``impl=None``: the default family of the new fields); a new family starts from its
+        own knob defaults unless ``knobs`` is given."""
+        fields = {**self.model_dump(), **changes}
+        if "impl" in changes and "knobs" not in changes and changes["impl"] != self.impl:
+            fields["knobs"] = None
+        return KernelSpec(**fields)
 
     def without_tiles(self) -> dict[str, Any]:
-        """The spec's fields minus the tuning knobs (tile, warps, family)."""
-        return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl"})
+        """The spec's fields minus the tuning choices (tile, warps, family, knobs)."""
+        return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl", "knobs"})
 
     def _tile_key(self) -> tuple:
-        return (self.impl, self.direction, self.head_dim, self.itemsize, self.sram_bytes, self.block_r, self.block_c)
+        return (self.impl, self.direction, self.head_dim, self.itemsize, self.sram_bytes, self.block_r, self.block_c,
+                self.knobs)
 
 
 class _Infeasible(Exception):
@@ -229,12 +299,13 @@ class _Infeasible(Exception):
 @functools.lru_cache(maxsize=4096)
 def _resolve_tile(key: tuple) -> Tile:
     """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
-    impl, direction, d, itemsize, sram, br_over, bc_over = key
+    impl, direction, d, itemsize, sram, br_over, bc_over, knobs = key
     fam = get_family(impl)
     q = fam.tile_multiple
+    knob_values = dict(knobs or ())
 
     def footprint(br: int, bc: int) -> int:
-        return fam.smem_layout(direction, d, itemsize, br, bc).total_bytes
+        return fam.smem_layout(direction, d, itemsize, br, bc, knob_values).total_bytes
 
     if br_over is not None and bc_over is not None:
         need = footprint(br_over, bc_over)

@@ -1,0 +1,152 @@
+"""The family contract: default family by preference, knobs in the name and key, per-buffer smem
+alignment, family-owned launch geometry, NVRTC options and partials."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+import fagen.families as families
+from fagen import KernelSpec
+from fagen.compiler import options_for
+from fagen.families import Family, FamilyBase, Knob, Launch, default_family, family_names, get_family
+from fagen.families.simt import SimtFamily
+from fagen.layout import place
+from fagen.renderer import kernel_infos, render, templates_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Piped(SimtFamily):
+    """A test family: SIMT's kernels, preferred for fp16 only, with a `stages` knob, a 128-byte
+    aligned P tile, its own NVRTC option and a main kernel launched with BLOCK_C/16 warps."""
+
+    name: str = "piped"
+    preference: int = 10
+    knobs: tuple[Knob, ...] = (Knob("stages", "s", 2, (2, 3)),)
+
+    def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
+        return None if dtype == "float16" else f"dtype {dtype} (fp16 only)"
+
+    def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
+                    knobs: Mapping[str, int] | None = None) -> Any:
+        base = super().smem_layout(direction, head_dim, itemsize, block_r, block_c)
+        stages = (knobs or {}).get("stages", 2)
+        entries = [(b.name, b.ctype, b.count * (stages if b.name == "q" else 1), b.itemsize,
+                    128 if b.name == "p" else 16) for b in base.buffers]
+        return place(entries)
+
+    def launch(self, spec: KernelSpec, role: Any) -> Launch:
+        if role.name == "main":
+            return Launch((32 * (spec.tile.block_c // 16), 1, 1), spec.tile.block_c)
+        return super().launch(spec, role)
+
+    def nvrtc_options(self, spec: KernelSpec) -> tuple[str, ...]:
+        return (f"-DFA_STAGES={spec.knob_values['stages']}",)
+
+
+@pytest.fixture
+def piped(monkeypatch: pytest.MonkeyPatch) -> Family:
+    fam = Piped()
+    monkeypatch.setitem(families._REGISTRY, fam.name, fam)
+    return fam
+
+
+def test_simt_satisfies_the_protocol() -> None:
+    simt = get_family("simt")
+    assert isinstance(simt, Family)
+    assert simt.knobs == () and simt.math_unit == "fp32"
+    assert get_family("simt").roles("bwd")[1].name == "main"
+
+
+def test_unknown_family_is_a_named_error() -> None:
+    with pytest.raises(KeyError, match="no kernel family 'nope'"):
+        get_family("nope")
+
+
+def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Family) -> None:
+    assert family_names()[0] == "piped"
+    assert default_family("bwd", 64, "float16", "sm_90") == "piped"
+    assert default_family("bwd", 64, "float32", "sm_90") == "simt"
+    s16, s32 = KernelSpec(head_dim=64), KernelSpec(head_dim=64, dtype="float32")
+    assert (s16.impl, s32.impl) == ("piped", "simt")
+    # the resolved impl is in the name and the key: the default spec equals the explicit one
+    assert s16.name.endswith("_w4_s2_piped_sm90") and s32.name.endswith("_w4_simt_sm90")
+    assert s16 == KernelSpec(head_dim=64, impl="piped", knobs={"stages": 2})
+    assert s16.cache_key == KernelSpec(head_dim=64, impl="piped").cache_key
+    # an explicit impl is still validated
+    with pytest.raises(ValidationError, match="fp16 only") as e:
+        KernelSpec(head_dim=64, dtype="bfloat16", impl="piped")
+    assert e.value.errors()[0]["loc"] == ("impl",)
+
+
+def test_without_registration_the_default_is_simt() -> None:
+    assert KernelSpec(head_dim=64).impl == default_family("bwd", 64, "float16", "sm_90")
+    assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
+
+
+def test_knobs_enter_name_key_and_validation(piped: Family) -> None:
+    s2, s3 = KernelSpec(head_dim=64), KernelSpec(head_dim=64, knobs={"stages": 3})
+    assert s3.name == s2.name.replace("_s2_", "_s3_")
+    assert s2.cache_key != s3.cache_key and s3.knob_values == {"stages": 3}
+    assert s3.smem_bytes > s2.smem_bytes  # the family's layout sees the knob
+    assert "constexpr int STAGES = 3;" in render(s3).source
+    with pytest.raises(ValidationError, match=r"stages=4 must be one of \(2, 3\)") as e:
+        KernelSpec(head_dim=64, knobs={"stages": 4})
+    assert e.value.errors()[0]["loc"] == ("knobs",)
+    with pytest.raises(ValidationError, match="has no knob 'stages'"):
+        KernelSpec(head_dim=64, impl="simt", knobs={"stages": 2})
+    # a new family starts from its own knob defaults; tuning fields are not part of without_tiles
+    assert s3.replace(impl="simt").knobs == ()
+    assert s3.without_tiles() == KernelSpec(head_dim=64, dtype="float16", impl="simt").without_tiles()
+
+
+def test_family_owns_launch_geometry_and_nvrtc_options(piped: Family) -> None:
+    s = KernelSpec(head_dim=64, block_r=32, block_c=64, knobs={"stages": 3})
+    main = next(k for k in kernel_infos(s) if k.role.name == "main")
+    assert main.block == (128, 1, 1) and main.rows_per_block == 64
+    s = s.replace(block_c=128)
+    main = render(s).kernel("main")
+    assert main.block == (256, 1, 1)  # BLOCK_C / 16 warps, whatever num_warps says
+    assert f"__launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) {main.name}(" in render(s).source
+    assert options_for(s)[-1] == "-DFA_STAGES=3"
+    assert options_for(s.replace(impl="simt"))[:3] == [f"-arch={s.arch}", "-std=c++17", "-Xptxas=-v"]
+
+
+def test_per_buffer_alignment() -> None:
+    lay = place([("a", "T", 3, 2), ("b", "float", 5, 4, 128), ("c", "T", 1, 2)])
+    assert [b.offset for b in lay.buffers] == [0, 128, 160]
+    assert lay.max_align == 128 and lay.total_bytes == 176
+    with pytest.raises(ValueError, match="power of two"):
+        place([("a", "T", 1, 2, 24)])
+
+
+def test_aligned_layout_compiles_with_its_static_asserts(piped: Family) -> None:
+    """The header's static_asserts follow the alignment: the rendered module builds (emulator g++)."""
+    s = KernelSpec(head_dim=32, block_r=16, block_c=32, knobs={"stages": 3})
+    p = next(b for b in s.smem_layout.buffers if b.name == "p")
+    assert p.offset % 128 == 0 and p.align == 128
+    src = render(s).source
+    assert "constexpr int SMEM_P_ALIGN = 128;" in src and "constexpr int SMEM_ALIGN = 128;" in src
+    from fagen.runtime import get_module
+
+    get_module(s, "cpu")  # g++ evaluates every static_assert of the layout
+
+
+def test_simt_partials_live_under_templates_simt() -> None:
+    common = (templates_dir() / "partials" / "common.cuh").read_text()
+    assert "block_gemm" not in common and "load_tile" not in common
+    src = render(KernelSpec(head_dim=64, impl="simt")).source
+    assert "FA_DEVICE void block_gemm(" in src and "FA_DEVICE void load_tile(" in src
+    assert (templates_dir() / "simt" / "tiles.cuh").is_file()
+
+
+def test_family_base_rejects_bad_configs() -> None:
+    fam = FamilyBase(name="x", knobs=(Knob("stages", "s", 2, (2, 3)),))
+    assert fam.config_reason("bwd", 64, "float16", "sm_90", 24, 64, 4, {}).field == "block_r"
+    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 256, 4, {}).field == "block_c"
+    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 3, {}).field == "num_warps"
+    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 4, {"stages": 5}).field == "knobs"
+    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 4, {"stages": 3}) is None
