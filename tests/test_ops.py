@@ -415,7 +415,8 @@ def test_gpu_launcher_wiring_with_a_fake_cupy(monkeypatch: pytest.MonkeyPatch) -
         yield
 
     fake_stream_cls = types.SimpleNamespace(from_external=stream_ctx)
-    runtime = types.SimpleNamespace(pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=1))
+    runtime = types.SimpleNamespace(pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=1),
+                                    deviceGetAttribute=lambda attr, dev: 232448)
     fake = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(
         Device=device, Stream=fake_stream_cls, runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", fake)

@@ -1,13 +1,32 @@
 """GPU backend: the cubin of :func:`fagen.compile` in a ``cupy.RawModule``.
 
 One module per spec, memoised in process; kernels launch on torch's current
-CUDA stream (``cupy.cuda.ExternalStream``); tensors are passed as raw device
-pointers (zero-copy); scalars with explicit numpy dtypes; dynamic shared
-memory above 48 KiB is opted in per kernel.
+CUDA stream (``cupy.Stream.from_external`` / ``ExternalStream``); tensors are
+passed as raw device pointers (zero-copy).
+
+Argument packing (what CuPy does with each argument, and why this is exact):
+CuPy turns every argument into a host buffer of the argument's own size -- a
+numpy scalar by its ``itemsize``, a bare Python ``int`` as 8 bytes, a ``float``
+as a float64 -- and hands ``cuLaunchKernel`` one pointer per parameter, so the
+driver copies each parameter at the offset and alignment the kernel's own
+signature gives it. Correctness therefore needs each value to have exactly its
+C type's width and representation: :func:`to_cuda_arg` maps ``int`` ->
+``int32``, ``unsigned int`` -> ``uint32``, ``long long`` -> ``int64``,
+``unsigned long long`` -> ``uint64``, ``float`` -> ``float32`` and every pointer
+-> ``uint64`` (64-bit device addresses), after checking the value fits.
+
+Launch limits checked before CuPy sees them (it casts grid dims to C ``int``
+and clamps 0 to 1 silently): grid x in [1, 2**31-1], y and z in [1, 65535],
+at most 1024 threads per block; dynamic shared memory is opted in with the
+``max_dynamic_shared_size_bytes`` attribute (cuFuncSetAttribute) before the
+first launch whenever static + dynamic exceeds the 48 KiB default, and a
+kernel needing more than the device's opt-in maximum is refused.
 """
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..compiler import compile as compile_spec
+from ..errors import InputError
 from ..renderer import KernelInfo
 from ..spec import KernelSpec
 from . import pack
@@ -27,13 +47,73 @@ _SCALARS: dict[str, type] = {
     "unsigned long long": np.uint64,
     "float": np.float32,
 }
-_DEFAULT_SMEM_LIMIT = 48 * 1024
+_INT_RANGE: dict[str, tuple[int, int]] = {
+    "int": (-(2**31), 2**31 - 1),
+    "unsigned int": (0, 2**32 - 1),
+    "long long": (-(2**63), 2**63 - 1),
+    "unsigned long long": (0, 2**64 - 1),
+}
+_DEFAULT_SMEM_LIMIT = 48 * 1024  # bytes of static + dynamic smem a kernel gets without opting in
+GRID_X_MAX = 2**31 - 1
+GRID_YZ_MAX = 65535
+BLOCK_MAX = (1024, 1024, 64)
+THREADS_MAX = 1024
+_ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
-def to_cuda_arg(ctype: str, value: Any) -> Any:
+class LaunchError(InputError):
+    """A kernel argument or launch configuration CUDA cannot take (names which)."""
+
+
+def to_cuda_arg(ctype: str, value: Any, name: str = "") -> Any:
+    """``value`` as the numpy scalar whose bytes are exactly the C parameter ``ctype``."""
+    label = name or ctype
     if ctype.endswith("*"):
-        return np.uint64(int(value))  # device pointer, passed by value
-    return _SCALARS[ctype](value)
+        ptr = _as_int(value, label, "a device pointer")
+        if not 0 <= ptr < 2**64:
+            raise LaunchError(label, "a 64-bit device address", hex(ptr))
+        return np.uint64(ptr)
+    kind = _SCALARS.get(ctype)
+    if kind is None:
+        raise LaunchError(label, f"a parameter type in {sorted(_SCALARS)} or a pointer", repr(ctype))
+    if kind is np.float32:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise LaunchError(label, "a real number (float)", type(value).__name__)
+        f = float(value)
+        with np.errstate(over="ignore"):
+            out = np.float32(f)
+        if math.isfinite(f) and not math.isfinite(float(out)):
+            raise LaunchError(label, "a value finite in float32 (|x| <= 3.4028235e38)", f)
+        return out
+    v = _as_int(value, label, f"an integer ({ctype})")
+    lo, hi = _INT_RANGE[ctype]
+    if not lo <= v <= hi:
+        raise LaunchError(label, f"an integer in [{lo}, {hi}] ({ctype})", v)
+    return kind(v)
+
+
+def _as_int(value: Any, label: str, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise LaunchError(label, what, repr(value))
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LaunchError(label, what, type(value).__name__) from None
+
+
+def check_launch(kernel: KernelInfo, grid: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) as plain int tuples, within CUDA's limits, or :class:`LaunchError`."""
+    if len(grid) != 3:
+        raise LaunchError(f"{kernel.name} grid", "3 dimensions", grid)
+    g = tuple(_as_int(x, f"{kernel.name} grid", "integers") for x in grid)
+    limits = (GRID_X_MAX, GRID_YZ_MAX, GRID_YZ_MAX)
+    for axis, (n, hi) in enumerate(zip(g, limits)):
+        if not 1 <= n <= hi:
+            raise LaunchError(f"{kernel.name} grid.{'xyz'[axis]}", f"1..{hi} blocks", n)
+    b = tuple(int(x) for x in kernel.block)
+    if len(b) != 3 or any(not 1 <= n <= hi for n, hi in zip(b, BLOCK_MAX)) or b[0] * b[1] * b[2] > THREADS_MAX:
+        raise LaunchError(f"{kernel.name} block", f"at most {BLOCK_MAX} and {THREADS_MAX} threads", b)
+    return g, b  # type: ignore[return-value]
 
 
 class GpuModule:
@@ -52,10 +132,16 @@ class GpuModule:
             import cupy
 
             module = cupy.RawModule(path=str(self._path))
+            static = {r.kernel: r.static_smem_bytes for r in self.compiled.resources}
+            optin_max = _device_smem_optin(device)
             kernels = {}
             for k in self.compiled.rendered.kernels:
+                total = static.get(k.name, 0) + k.smem_bytes
+                if total > optin_max:
+                    raise LaunchError(f"{k.name} shared memory", f"at most {optin_max} bytes per block on CUDA device "
+                                      f"{device} (spec {self.spec.arch})", total)
                 fn = module.get_function(k.name)
-                if k.smem_bytes > _DEFAULT_SMEM_LIMIT:  # opt in above 48 KiB, per kernel and device
+                if total > _DEFAULT_SMEM_LIMIT:  # opt in above 48 KiB, per kernel and device, before any launch
                     fn.max_dynamic_shared_size_bytes = k.smem_bytes
                 kernels[k.name] = fn
             self._per_device[device] = kernels
@@ -66,11 +152,21 @@ class GpuModule:
         import torch
 
         values = pack(kernel, args)
+        g, block = check_launch(kernel, grid)
+        packed = tuple(to_cuda_arg(t, v, n) for (t, v), (_, n) in zip(values, kernel.params))
         device = _pointer_device(values)
-        packed = tuple(to_cuda_arg(t, v) for t, v in values)
         with cupy.cuda.Device(device), _cupy_stream(torch.cuda.current_stream(device), device):
             fn = self._kernels(device)[kernel.name]
-            fn(grid, kernel.block, packed, shared_mem=kernel.smem_bytes)
+            fn(g, block, packed, shared_mem=kernel.smem_bytes)
+
+
+def _device_smem_optin(device: int) -> int:
+    """The device's opt-in maximum of shared memory per block (bytes)."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    attr = getattr(runtime, "cudaDevAttrMaxSharedMemoryPerBlockOptin", _ATTR_SMEM_OPTIN)
+    return int(runtime.deviceGetAttribute(attr, device))
 
 
 def _pointer_device(values: list[tuple[str, Any]]) -> int:
@@ -80,7 +176,7 @@ def _pointer_device(values: list[tuple[str, Any]]) -> int:
     for ctype, value in values:
         if ctype.endswith("*") and int(value):
             return int(cupy.cuda.runtime.pointerGetAttributes(int(value)).device)
-    raise ValueError("kernel launch without a device pointer")
+    raise LaunchError("kernel arguments", "at least one non-null device pointer (the tensors' device)")
 
 
 def _cupy_stream(stream: Any, device: int) -> Any:

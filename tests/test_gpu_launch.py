@@ -1,0 +1,248 @@
+"""The CuPy launch path, checked on a CPU: exact argument bytes, limits, smem opt-in, stream.
+
+A recording stand-in for CuPy packs arguments the way CuPy does (numpy scalars by
+their own itemsize, a bare ``int`` as 8 bytes, a ``float`` as float64) and takes
+grid/block only as tuples, like its Cython signature.
+"""
+from __future__ import annotations
+
+import contextlib
+import struct
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fagen.abi import ROLES
+from fagen.errors import InputError
+from fagen.renderer import render
+from fagen.runtime import gpu
+from fagen.spec import KernelSpec
+
+#: C parameter type -> struct format of its bytes in the kernel's parameter buffer (little-endian).
+_FORMAT = {"int": "<i", "unsigned int": "<I", "long long": "<q", "unsigned long long": "<Q", "float": "<f"}
+_NUMPY = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64,
+          "float": np.float32}
+_CUPY_SCALARS = {np.dtype(c).type for c in "?bhilqBHILQefdFD"}
+
+
+def _fmt(ctype: str) -> str:
+    return "<Q" if ctype.endswith("*") else _FORMAT[ctype]
+
+
+def _cupy_bytes(x: object) -> bytes:
+    """The bytes CuPy's kernel launcher hands the driver for one argument."""
+    if type(x) not in _CUPY_SCALARS:
+        if isinstance(x, bool):
+            x = np.bool_(x)
+        elif isinstance(x, int):
+            x = np.int64(x)
+        elif isinstance(x, float):
+            x = np.float64(x)
+        else:
+            raise TypeError(f"Unsupported type {type(x)}")
+    return x.tobytes()
+
+
+def _sample(ctype: str, name: str) -> int | float:
+    if ctype.endswith("*"):
+        return 0xFFFF_FFFF_FFFF_FF00 if "dq" in name else 0x7F00_0000_1000
+    return {"int": -(2**31), "unsigned int": 2**32 - 1, "long long": -(2**62) - 3,
+            "unsigned long long": 2**64 - 1, "float": 0.125}[ctype]
+
+
+SPECS = [KernelSpec(direction=d, head_dim=64, dtype=dt, causal=True, key_padding=True, dropout=True, arch="sm_90")
+         for d in ("bwd", "fwd") for dt in ("float16", "bfloat16", "float32")]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_every_parameter_has_its_c_width_and_bytes(spec: KernelSpec) -> None:
+    kernels = render(spec).kernels
+    assert {k.role.name for k in kernels} == {r.name for r in ROLES[spec.direction]}
+    for k in kernels:
+        assert len(k.params) == len(k.role.params)
+        for ctype, name in k.params:
+            value = _sample(ctype, name)
+            arg = gpu.to_cuda_arg(ctype, value, name)
+            want = np.uint64 if ctype.endswith("*") else _NUMPY[ctype]
+            assert type(arg) is want, (k.name, name, ctype)
+            assert _cupy_bytes(arg) == struct.pack(_fmt(ctype), value), (k.name, name)
+
+
+@pytest.mark.parametrize("ctype,value,match", [
+    ("int", 2**31, r"heads: expected an integer in \[-2147483648, 2147483647\]"),
+    ("int", 3.0, "heads: expected an integer"),
+    ("int", True, "heads: expected an integer"),
+    ("unsigned int", -1, "heads: expected an integer in"),
+    ("long long", 2**63, "heads: expected an integer in"),
+    ("unsigned long long", 2**64, "heads: expected an integer in"),
+    ("unsigned long long", -1, "heads: expected an integer in"),
+    ("float", 1e39, "heads: expected a value finite in float32"),
+    ("float", "0.5", "heads: expected a real number"),
+    ("const __half*", -8, "heads: expected a 64-bit device address"),
+    ("const float*", 2**64, "heads: expected a 64-bit device address"),
+    ("const float*", 1.5, "heads: expected a device pointer"),
+    ("double", 1.0, "heads: expected a parameter type"),
+])
+def test_values_that_do_not_fit_are_typed_errors(ctype: str, value: object, match: str) -> None:
+    with pytest.raises(gpu.LaunchError, match=match) as ei:
+        gpu.to_cuda_arg(ctype, value, "heads")
+    assert isinstance(ei.value, InputError) and ei.value.argument == "heads"
+
+
+def test_limits_of_each_c_type_pass_exactly() -> None:
+    for ctype, (lo, hi) in gpu._INT_RANGE.items():
+        for v in (lo, hi):
+            assert _cupy_bytes(gpu.to_cuda_arg(ctype, v)) == struct.pack(_FORMAT[ctype], v)
+    assert _cupy_bytes(gpu.to_cuda_arg("float*", 2**64 - 1)) == b"\xff" * 8
+    assert np.isinf(gpu.to_cuda_arg("float", float("inf"))) and np.isnan(gpu.to_cuda_arg("float", float("nan")))
+    assert gpu.to_cuda_arg("unsigned long long", np.int64(5)) == 5
+
+
+KERN = render(KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90")).kernel("main")
+
+
+@pytest.mark.parametrize("grid,match", [
+    ((2**31, 1, 1), r"grid\.x: expected 1\.\.2147483647"),
+    ((0, 1, 1), r"grid\.x"),
+    ((1, 65536, 1), r"grid\.y: expected 1\.\.65535"),
+    ((1, 1, 65536), r"grid\.z"),
+    ((1, 1), "3 dimensions"),
+    ((1.5, 1, 1), "grid: expected integers"),
+])
+def test_grid_limits(grid: tuple, match: str) -> None:
+    with pytest.raises(gpu.LaunchError, match=match):
+        gpu.check_launch(KERN, grid)
+
+
+def test_grid_at_the_limits_is_plain_int_tuples() -> None:
+    g, b = gpu.check_launch(KERN, (np.int64(2**31 - 1), 65535, 65535))
+    assert g == (2**31 - 1, 65535, 65535) and all(type(x) is int for x in g + b) and b == KERN.block
+    with pytest.raises(gpu.LaunchError, match="block"):
+        gpu.check_launch(replace(KERN, block=(2048, 1, 1)), (1, 1, 1))
+
+
+# --------------------------------------------------------------------------- recording CuPy
+class FakeCupy:
+    """Records loads, attribute sets and launches; packs arguments as CuPy does."""
+
+    def __init__(self, optin: int = 232448, device: int = 0) -> None:
+        self.log: list[tuple] = []
+        log = self.log
+
+        class Function:
+            def __init__(self, name: str) -> None:
+                object.__setattr__(self, "name", name)
+
+            def __setattr__(self, key: str, value: object) -> None:
+                log.append(("attr", self.name, key, value))
+                object.__setattr__(self, key, value)
+
+            def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
+                if type(grid) is not tuple or type(block) is not tuple or type(args) is not tuple:
+                    raise TypeError("grid, block and args must be tuples")  # CuPy's Cython signature
+                log.append(("launch", self.name, grid, block, [_cupy_bytes(a) for a in args], shared_mem))
+
+        class RawModule:
+            def __init__(self, *, path: str) -> None:
+                log.append(("load", path))
+
+            def get_function(self, name: str) -> Function:
+                return Function(name)
+
+        @contextlib.contextmanager
+        def dev(index: int):
+            log.append(("device", index))
+            yield
+
+        @contextlib.contextmanager
+        def from_external(s):
+            log.append(("stream", s.__cuda_stream__()[1]))
+            yield
+
+        runtime = types.SimpleNamespace(
+            pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=device),
+            deviceGetAttribute=lambda attr, d: log.append(("getattr", attr, d)) or optin,
+            cudaDevAttrMaxSharedMemoryPerBlockOptin=97)
+        self.RawModule = RawModule
+        self.cuda = types.SimpleNamespace(Device=dev, Stream=types.SimpleNamespace(from_external=from_external),
+                                          runtime=runtime)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch):
+    def install(**kw) -> FakeCupy:
+        fake = FakeCupy(**kw)
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        torch_stream = types.SimpleNamespace(cuda_stream=0xABC, __cuda_stream__=lambda: (0, 0xABC))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: torch_stream)
+        return fake
+    return install
+
+
+def _args(kern) -> dict:
+    return {n: _sample(t, n) for t, n in kern.params}
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[4]], ids=lambda s: s.name)
+def test_launch_through_recording_cupy(fake_cupy, spec: KernelSpec) -> None:
+    fake = fake_cupy()
+    mod = gpu.GpuModule(spec)
+    for kern in mod.compiled.rendered.kernels:
+        mod.launch(kern, (3, 2, 1), _args(kern))
+    log = fake.log
+    loads = [e for e in log if e[0] == "load"]
+    assert len(loads) == 1 and Path(loads[0][1]).read_bytes() == mod.compiled.cubin
+    assert ("getattr", 97, 0) in log
+    first_launch = next(i for i, e in enumerate(log) if e[0] == "launch")
+    static = {r.kernel: r.static_smem_bytes for r in mod.compiled.resources}
+    for kern in mod.compiled.rendered.kernels:
+        optin = ("attr", kern.name, "max_dynamic_shared_size_bytes", kern.smem_bytes)
+        if static[kern.name] + kern.smem_bytes > 48 * 1024:
+            assert log.index(optin) < first_launch  # set before any launch
+        else:
+            assert optin not in log
+        (launch,) = [e for e in log if e[0] == "launch" and e[1] == kern.name]
+        assert launch[2:4] == ((3, 2, 1), kern.block) and launch[5] == kern.smem_bytes
+        assert launch[4] == [struct.pack(_fmt(t), _sample(t, n)) for t, n in kern.params]
+    assert log.count(("stream", 0xABC)) == len(mod.compiled.rendered.kernels)
+
+
+def test_static_smem_counts_toward_the_opt_in(fake_cupy) -> None:
+    spec = KernelSpec(direction="fwd", head_dim=16, dtype="float32", arch="sm_90", block_r=16, block_c=16)
+    mod = gpu.GpuModule(spec)
+    kern = mod.compiled.rendered.kernel("main")
+    assert 0 < kern.smem_bytes < 48 * 1024
+    fake = fake_cupy()
+    mod.compiled = replace(mod.compiled, resources=tuple(
+        replace(r, static_smem_bytes=48 * 1024 - kern.smem_bytes + 1) for r in mod.compiled.resources))
+    mod.launch(kern, (1, 1, 1), _args(kern))
+    assert ("attr", kern.name, "max_dynamic_shared_size_bytes", kern.smem_bytes) in fake.log
+
+
+def test_smem_beyond_the_device_opt_in_is_refused(fake_cupy) -> None:
+    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90")
+    mod = gpu.GpuModule(spec)
+    kern = mod.compiled.rendered.kernel("main")
+    limit = kern.smem_bytes - 1  # a device with one byte less than the kernel needs
+    fake = fake_cupy(optin=limit)
+    with pytest.raises(gpu.LaunchError, match=f"shared memory: expected at most {limit} bytes"):
+        mod.launch(kern, (1, 1, 1), _args(kern))
+    assert not [e for e in fake.log if e[0] == "launch"]
+
+
+def test_bad_launch_is_refused_before_cupy(fake_cupy) -> None:
+    fake = fake_cupy()
+    mod = gpu.GpuModule(SPECS[4])
+    kern = mod.compiled.rendered.kernel("main")
+    with pytest.raises(gpu.LaunchError, match="grid.y"):
+        mod.launch(kern, (1, 70000, 1), _args(kern))
+    with pytest.raises(gpu.LaunchError, match="seqlen_q"):
+        mod.launch(kern, (1, 1, 1), {**_args(kern), "seqlen_q": 2**31})
+    with pytest.raises(gpu.LaunchError, match="non-null device pointer"):
+        mod.launch(kern, (1, 1, 1), {**_args(kern), **{n: 0 for t, n in kern.params if t.endswith("*")}})
+    assert not [e for e in fake.log if e[0] in ("launch", "load")]
