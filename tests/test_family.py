@@ -34,9 +34,8 @@ class Piped(SimtFamily):
                     knobs: Mapping[str, int] | None = None) -> Any:
         base = super().smem_layout(direction, head_dim, itemsize, block_r, block_c)
         stages = (knobs or {}).get("stages", 2)
-        entries = [(b.name, b.ctype, b.count * (stages if b.name == "q" else 1), b.itemsize,
-                    128 if b.name == "p" else 16) for b in base.buffers]
-        return place(entries)
+        entries = [(b.name, b.ctype, b.count, b.itemsize, 128 if b.name == "p" else 16) for b in base.buffers]
+        return place(entries + [("ring", "T", stages * 8 * head_dim, itemsize, 256)])
 
     def launch(self, spec: KernelSpec, role: Any) -> Launch:
         if role.name == "main":
@@ -129,7 +128,7 @@ def test_aligned_layout_compiles_with_its_static_asserts(piped: Family) -> None:
     p = next(b for b in s.smem_layout.buffers if b.name == "p")
     assert p.offset % 128 == 0 and p.align == 128
     src = render(s).source
-    assert "constexpr int SMEM_P_ALIGN = 128;" in src and "constexpr int SMEM_ALIGN = 128;" in src
+    assert "constexpr int SMEM_P_ALIGN = 128;" in src and "constexpr int SMEM_ALIGN = 256;" in src
     from fagen.runtime import get_module
 
     get_module(s, "cpu")  # g++ evaluates every static_assert of the layout
