@@ -475,3 +475,74 @@ def test_compile_error_carries_log(tmp_path: Path) -> None:
         build(src, [KernelSig("broken", (("float*", "y"),))], cache_dir=tmp_path)
     assert "undefined_name" in info.value.log
     assert f".cu:{len(src.splitlines())}" in info.value.log
+
+
+# ---------------------------------------------------------------- a fresh build: temps, modes, shared stacks
+@pytest.fixture(scope="module")
+def fresh_build(tmp_path_factory: pytest.TempPathFactory):
+    """One build into an empty cache dir, under umask 002, with temps of a killed build and a running one
+    already there. Yields (module, cache dir, {temp: expected to survive})."""
+    import os
+    import subprocess
+    import sys
+
+    from fagen import cache
+
+    root = tmp_path_factory.mktemp("emu-fresh")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    temps = {cache.temp_path(root / "0123456789abcdef01234567.so", pid=gone.pid): False,  # killed: removed
+             cache.temp_path(root / "0123456789abcdef01234567.so"): True}  # this process, alive: kept
+    for t in temps:
+        t.write_bytes(b"\x7fELF half a module")
+    old = os.umask(0o002)
+    try:
+        module = build(CACHE_SOURCE, CACHE_SIGS, cache_dir=root)
+    finally:
+        os.umask(old)
+    yield module, root, temps
+
+
+def test_build_removes_stale_temps(fresh_build) -> None:
+    _, _, temps = fresh_build
+    assert {t.name: t.exists() for t in temps} == {t.name: alive for t, alive in temps.items()}
+
+
+def test_build_files_follow_the_umask(fresh_build) -> None:
+    import stat
+
+    module, root, _ = fresh_build
+    modes = {p.name.split(".", 1)[1]: stat.S_IMODE(p.stat().st_mode) for p in root.iterdir()
+             if p.name.startswith(module.path.stem)}
+    assert modes.pop("so.lock", 0o664) == 0o664  # (filelock may remove it after use)
+    assert modes == {"so": 0o775, "so.sha256": 0o664, "cu": 0o664, "cpp": 0o664}
+
+
+def test_loaded_modules_share_fiber_stacks(fresh_build, tmp_path: Path) -> None:
+    """Modules stay loaded for the life of the process; their fiber stacks (2 mappings per thread) must not
+    be per module, or a process using a few hundred specs runs out of vm.max_map_count."""
+    import shutil
+
+    from fagen.emulator import EmuModule
+
+    module, _, _ = fresh_build
+    n, threads = 40, 128
+
+    def maps() -> int:
+        return len(Path("/proc/self/maps").read_text().splitlines())
+
+    copies = []
+    for i in range(n):  # distinct files: each dlopen is its own module with its own runtime state
+        so = tmp_path / f"m{i}.so"
+        shutil.copyfile(module.path, so)
+        copies.append(so)
+    y = np.zeros(threads, np.float32)
+    module.launch("fill", 1, threads, 0, [y, 0.5])  # the pool's arena exists before counting
+    before = maps()
+    for i, so in enumerate(copies):
+        m = EmuModule(so, CACHE_SIGS, sanitized=False)
+        m.launch("fill", 1, threads, 0, [y, float(i)])
+        assert (y == i).all()
+    growth = maps() - before
+    # Each loaded .so adds its own segments (about 5); stacks of its own would add 2 * 128 more.
+    assert growth < n * 16, growth

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import stacks
 from .errors import EmulatorError, EmulatorLaunchError
 from .sanitize import run_in_child
 from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value
@@ -52,6 +53,7 @@ class EmuModule:
         self._lib: ctypes.CDLL | None = None
         self._fns: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._launch_lock = threading.Lock()  # lending stacks and launching are one step
         if not sanitized:
             self._load()
 
@@ -79,6 +81,7 @@ class EmuModule:
                 self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
                 last = self._lib.fagen_emu_last_block
                 last.argtypes, last.restype = [ctypes.POINTER(ctypes.c_uint)], None
+                stacks.declare(self._lib)
             return self._lib
 
     def _fn(self, name: str) -> Any:
@@ -114,7 +117,13 @@ class EmuModule:
                 holders.append(ctypes_scalar(code)(scalar_value(code, value, what)))
         argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
         err = ctypes.create_string_buffer(_ERRLEN)
-        status = self._fn(name)(*g, *b, smem_bytes, argv, err, _ERRLEN)
+        fn, lib = self._fn(name), self._load()
+        with self._launch_lock, stacks.borrowed(lib, b[0] * b[1] * b[2]) as (base, count):
+            lib.fagen_emu_use_stacks(base, count)
+            try:
+                status = fn(*g, *b, smem_bytes, argv, err, _ERRLEN)
+            finally:
+                lib.fagen_emu_use_stacks(None, 0)
         if status != STATUS_OK:
             where = (ctypes.c_uint * 3)()
             self._lib.fagen_emu_last_block(where)  # type: ignore[union-attr]
