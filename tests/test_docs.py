@@ -1,0 +1,103 @@
+"""The docs hold as written: every ```python block of README.md and docs/*.md runs (CPU, through
+the emulator), relative links and repository paths they name exist, and the Algorithm 4 table is
+the one fagen/algorithm4.py generates.
+
+A block that cannot run on a CPU-only machine is preceded by the line
+``<!-- no-test: <reason> -->``; the reason must be given, and such blocks are few.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+NO_TEST = re.compile(r"<!--\s*no-test:\s*(\S.*?)\s*-->\s*\n\s*$")
+MAX_NO_TEST = 3
+
+
+def _blocks() -> list[tuple[str, int, str, str | None]]:
+    """(doc, line, code, no-test reason or None) for every ```python block."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            before = text[:m.start()].rsplit("\n\n", 1)[-1] + "\n"
+            skip = NO_TEST.search(before)
+            out.append((doc.relative_to(REPO).as_posix(), line, m.group(1), skip.group(1) if skip else None))
+    return out
+
+
+BLOCKS = _blocks()
+
+
+def test_docs_have_python_blocks() -> None:
+    assert len([b for b in BLOCKS if b[0] == "README.md"]) >= 2
+    assert len(BLOCKS) >= 5
+
+
+def test_few_blocks_are_exempt() -> None:
+    exempt = [f"{doc}:{line} ({why})" for doc, line, _, why in BLOCKS if why is not None]
+    assert len(exempt) <= MAX_NO_TEST, exempt
+
+
+@pytest.mark.parametrize("doc, line, code, skip", BLOCKS, ids=[f"{d}:{n}" for d, n, _, _ in BLOCKS])
+def test_python_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    if skip is not None:
+        pytest.skip(skip)
+    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    namespace: dict = {"__name__": "__doc_block__"}
+    # line numbers in a traceback are the document's own
+    exec(compile("\n" * line + code, f"{doc} (python block at line {line})", "exec"), namespace)
+
+
+# --------------------------------------------------------------------------- links and paths
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+REPO_PATH = re.compile(r"`((?:benchmarks|docs|fagen|templates|tests|generated|\.ci)/[A-Za-z0-9_./-]*[A-Za-z0-9_])`")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_links_stay_inside_the_repository(doc: Path) -> None:
+    for target in LINK.findall(doc.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (doc.parent / target.split("#", 1)[0]).resolve()
+        assert path.is_relative_to(REPO), f"{doc.name}: {target} points outside the repository"
+        assert path.exists(), f"{doc.name}: {target} does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_named_repository_paths_exist(doc: Path) -> None:
+    for rel in REPO_PATH.findall(doc.read_text(encoding="utf-8")):
+        if any(c in rel for c in "*<>{}") or rel.endswith("/"):
+            continue
+        assert (REPO / rel).exists(), f"{doc.name} names {rel}, which is not in the repository"
+
+
+# --------------------------------------------------------------------------- Algorithm 4
+def test_algorithm4_doc_is_generated_from_the_module() -> None:
+    from fagen import algorithm4
+
+    text = (REPO / "docs" / "algorithm4.md").read_text(encoding="utf-8")
+    block = text.split(algorithm4.BEGIN, 1)[1].split(algorithm4.END, 1)[0]
+    assert block == "\n" + algorithm4.markdown(), (
+        "docs/algorithm4.md is stale: python -c 'import fagen.algorithm4 as a; a.update(\"docs/algorithm4.md\")'")
+    assert "arXiv:2205.14135" in text and "Dao" in text
+
+
+def test_algorithm4_is_stated_whole_and_every_line_is_placed() -> None:
+    from fagen.algorithm4 import ALG4, ELSEWHERE, PAPER
+
+    assert sorted(PAPER) == list(range(1, 27))
+    assert set(ALG4) | set(ELSEWHERE) == set(PAPER) and not set(ALG4) & set(ELSEWHERE)
+
+
+def test_renderer_takes_alg4_from_the_one_module() -> None:
+    from fagen import algorithm4, renderer
+
+    assert renderer.ALG4 is algorithm4.ALG4
