@@ -7,6 +7,12 @@
 * ``shuffle``: 256 threads doing fa_warp_sum() in a loop (5 shuffles each).
 * ``sgemm``: a 256x256x256 smem-tiled matmul (256 blocks of 256 threads,
   32 barriers per block), checked against numpy.
+* ``mma`` / ``ldmatrix``: 128 threads (4 warps) issuing ``fa_mma_m16n8k16``
+  (fp16) / ``fa_ldmatrix_x4`` in a loop -- the tensor-core warp collectives
+  (32 fiber switches plus the whole warp's fragment arithmetic per call);
+  rates count warp-level instructions, as a GPU's instruction counts do.
+* ``hgemm``: a 256x256x256 fp16 matmul through cp.async + ldmatrix + mma
+  (16 blocks of 4 warps, 64x64 tiles), checked against numpy.
 * ``fagen_fwd`` / ``fagen_bwd``: one launch of a real rendered kernel
   (d=64, fp16, causal, B=1 H=2 N=256) when fagen's renderer is importable.
 
@@ -29,7 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from fagen.emulator import KernelSig, build  # noqa: E402
 
-SOURCE = (REPO / "templates/partials/primitives.cuh").read_text() + r"""
+SOURCE = (REPO / "templates/partials/primitives.cuh").read_text() + (
+    REPO / "templates/partials/mma.cuh").read_text() + r"""
 extern "C" __global__ void barrier_loop(float* out, int iters) {
     for (int i = 0; i < iters; ++i) fa_sync();
     out[threadIdx.x] = 1.f;
@@ -56,11 +63,87 @@ extern "C" __global__ void sgemm(const float* a, const float* b, float* c, int m
     }
     c[row * n + col] = acc;
 }
+// Warp-level tensor-core instruction loops (results kept live through out).
+extern "C" __global__ void mma_loop(float* out, int iters) {
+    unsigned a[4], b[2];
+    for (int i = 0; i < 4; ++i) a[i] = 0x3c003c00u;  // fp16 (1, 1)
+    for (int i = 0; i < 2; ++i) b[i] = 0x2c002c00u;  // fp16 (1/16, 1/16)
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < iters; ++i) fa_mma_m16n8k16<__half>(d, a, b);
+    out[threadIdx.x] = d[0] + d[1] + d[2] + d[3];
+}
+extern "C" __global__ void ldmatrix_loop(float* out, int iters) {
+    unsigned short* s = reinterpret_cast<unsigned short*>(fa_smem());
+    for (int i = threadIdx.x; i < 4 * 32 * 8; i += blockDim.x) s[i] = (unsigned short)i;
+    fa_sync();
+    const unsigned short* row = s + (threadIdx.x >> 5) * 256 + (threadIdx.x & 31) * 8;
+    unsigned acc = 0;
+    for (int i = 0; i < iters; ++i) {
+        unsigned r[4];
+        fa_ldmatrix_x4(r, row);
+        acc += r[0] ^ r[1] ^ r[2] ^ r[3];
+    }
+    out[threadIdx.x] = float(acc);
+}
+// C[M,N] = A[M,K] B[K,N] (fp16 in, fp32 out, row-major), 64x64 tiles per block of
+// 4 warps (16 rows each), K in steps of 32 double-buffered through cp.async.
+#define HA_LD 40  // 32 + 8 halves
+#define HB_LD 72  // 64 + 8 halves
+extern "C" __global__ void hgemm(const __half* a, const __half* b, float* c, int m, int n, int k) {
+    __half* as = reinterpret_cast<__half*>(fa_smem());  // [2][64][HA_LD]
+    __half* bs = as + 2 * 64 * HA_LD;                    // [2][32][HB_LD]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
+    auto load = [&](int st, int k0) {
+        for (int ch = tid; ch < 256; ch += 128) {
+            const int r = ch >> 2, c8 = (ch & 3) * 8;
+            fa_cp_async_16(as + (st * 64 + r) * HA_LD + c8, a + (row0 + r) * k + k0 + c8, true);
+        }
+        for (int ch = tid; ch < 256; ch += 128) {
+            const int r = ch >> 3, c8 = (ch & 7) * 8;
+            fa_cp_async_16(bs + (st * 32 + r) * HB_LD + c8, b + (k0 + r) * n + col0 + c8, true);
+        }
+        fa_cp_async_commit();
+    };
+    float acc[8][4] = {};
+    load(0, 0);
+    for (int kt = 0; kt < k / 32; ++kt) {
+        const int st = kt & 1;
+        if (kt + 1 < k / 32) {
+            load(st ^ 1, (kt + 1) * 32);
+            fa_cp_async_wait<1>();
+        } else {
+            fa_cp_async_wait<0>();
+        }
+        fa_sync();
+        const int mi = lane >> 3, ri = lane & 7;
+        for (int kk = 0; kk < 32; kk += 16) {
+            unsigned af[4];
+            fa_ldmatrix_x4(af, as + (st * 64 + warp * 16 + ri + 8 * (mi & 1)) * HA_LD + kk + 8 * (mi >> 1));
+            for (int n0 = 0; n0 < 64; n0 += 16) {
+                unsigned bf[4];
+                fa_ldmatrix_x4_trans(bf, bs + (st * 32 + kk + ri + 8 * (mi & 1)) * HB_LD + n0 + 8 * (mi >> 1));
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+                fa_mma_m16n8k16<__half>(acc[n0 / 8], af, b0);
+                fa_mma_m16n8k16<__half>(acc[n0 / 8 + 1], af, b1);
+            }
+        }
+        fa_sync();  // everyone is done with stage st before it is refilled
+    }
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i)
+            c[(row0 + warp * 16 + g + 8 * (i >> 1)) * n + col0 + j * 8 + 2 * t + (i & 1)] = acc[j][i];
+}
 """
 SIGS = [
     KernelSig("barrier_loop", (("float*", "out"), ("int", "iters"))),
     KernelSig("shuffle_loop", (("float*", "out"), ("int", "iters"))),
     KernelSig("sgemm", (("const float*", "a"), ("const float*", "b"), ("float*", "c"), ("int", "m"), ("int", "n"),
+                        ("int", "k"))),
+    KernelSig("mma_loop", (("float*", "out"), ("int", "iters"))),
+    KernelSig("ldmatrix_loop", (("float*", "out"), ("int", "iters"))),
+    KernelSig("hgemm", (("const __half*", "a"), ("const __half*", "b"), ("float*", "c"), ("int", "m"), ("int", "n"),
                         ("int", "k"))),
 ]
 
@@ -119,6 +202,22 @@ def main() -> None:
         results["sgemm_s"] = _best(lambda: mod.launch("sgemm", (n // 16, m // 16, 1), 256, 2 * 256 * 4,
                                                       [a, b, c, m, n, k]))
         results["sgemm_max_err"] = float(np.abs(c - a @ b).max())
+
+        threads, warps = 128, 4
+        out = np.zeros(threads, np.float32)
+        iters = 2_000 if not opts.ucontext else 200
+        dt = _best(lambda: mod.launch("mma_loop", 1, threads, 0, [out, iters]))
+        results["mma_per_s"] = warps * iters / dt  # warp-level mma.sync m16n8k16
+        results["mma_gflops"] = warps * iters * 2 * 16 * 8 * 16 / dt / 1e9
+        dt = _best(lambda: mod.launch("ldmatrix_loop", 1, threads, 4 * 32 * 8 * 2, [out, iters]))
+        results["ldmatrix_x4_per_s"] = warps * iters / dt
+
+        ah, bh = a.astype(np.float16), b.astype(np.float16)
+        c[:] = 0
+        results["hgemm_s"] = _best(lambda: mod.launch("hgemm", (n // 64, m // 64, 1), 128,
+                                                      (2 * 64 * 40 + 2 * 32 * 72) * 2, [ah, bh, c, m, n, k]))
+        ref = ah.astype(np.float64) @ bh.astype(np.float64)
+        results["hgemm_max_err"] = float(np.abs(c - ref).max())
     if not opts.no_fagen:
         _fagen_kernels(results)
     if opts.json:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fagen.emulator import EmulatorKernelError, KernelSig, build
+from fagen.emulator import EmulatorDeadlockError, EmulatorKernelError, KernelSig, build
 
 REPO = Path(__file__).resolve().parent.parent
 PRIMITIVES = (REPO / "templates/partials/primitives.cuh").read_text()
@@ -242,6 +242,23 @@ extern "C" __global__ void gemm_bf16(const __nv_bfloat16* a, const __nv_bfloat16
     gemm64<__nv_bfloat16>(a, b, c, m_valid, mode);
 }
 
+// Lanes disagree on the collective (odd lanes ldmatrix, even lanes mma), or
+// half the warp leaves before the mma.
+extern "C" __global__ void diverge(float* out, int exit_half) {
+    unsigned short* s = reinterpret_cast<unsigned short*>(fa_smem());
+    unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    if (exit_half) {
+        if (threadIdx.x >= 16) return;
+        fa_mma_m16n8k16<__half>(d, a, b);  // LINE:half_mma
+    } else if (threadIdx.x & 1) {
+        fa_ldmatrix_x4(a, s + (threadIdx.x & 7) * 8);  // LINE:odd_ldm
+    } else {
+        fa_mma_m16n8k16<__half>(d, a, b);  // LINE:even_mma
+    }
+    out[threadIdx.x] = d[0] + float(a[0]);
+}
+
 extern "C" __global__ void misaligned(const float* src, float* out) {
     float* s = reinterpret_cast<float*>(fa_smem());
     fa_cp_async_16(s + 2, src, true);  // 8-byte aligned destination: invalid
@@ -263,7 +280,15 @@ SIGS = [
     KernelSig("gemm_bf16", (("const __nv_bfloat16*", "a"), ("const __nv_bfloat16*", "b"), ("float*", "c"),
                             ("int", "m_valid"), ("int", "mode"))),
     KernelSig("misaligned", (("const float*", "src"), ("float*", "out"))),
+    KernelSig("diverge", (("float*", "out"), ("int", "exit_half"))),
 ]
+
+
+def line_of(tag: str) -> int:
+    for i, text in enumerate(SOURCE.splitlines(), 1):
+        if text.rstrip().endswith(f"// LINE:{tag}"):
+            return i
+    raise AssertionError(tag)
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +360,18 @@ def test_mma_needs_the_full_warp(mod) -> None:
     z4, z2 = np.zeros(64 * 4, np.uint32), np.zeros(64 * 2, np.uint32)
     with pytest.raises(EmulatorKernelError, match="fa_mma_m16n8k16.*all 32 lanes"):
         mod.launch("mma_f16", 1, 48, 0, [z4, z2, np.zeros(64 * 4, np.float32), np.zeros(64 * 4, np.float32)])
+
+
+def test_exchange_collectives_report_divergence_and_deadlock(mod) -> None:
+    out = np.zeros(32, np.float32)
+    with pytest.raises(EmulatorDeadlockError, match=(
+            rf"divergent warp collective.*lane 1\) called fa_ldmatrix_x4 .*:{line_of('odd_ldm')} while lanes 0 "
+            rf"of warp 0 wait at fa_mma_m16n8k16<__half> .*:{line_of('even_mma')}")):
+        mod.launch("diverge", 1, 32, 256, [out, 0])
+    with pytest.raises(EmulatorDeadlockError, match=(
+            rf"warp 0: lanes 0-15 wait at fa_mma_m16n8k16<__half> \(mask 0xffffffff\) at .*:{line_of('half_mma')}, "
+            r"lanes 16-31 never arrive")):
+        mod.launch("diverge", 1, 32, 256, [out, 1])
 
 
 # ------------------------------------------------------------------ cp.async

@@ -223,19 +223,16 @@ static inline double max(double a, double b) { return fmax(a, b); }
 namespace fagen_emu {
 
 inline float f16_bits_to_float(unsigned h) {
-    const unsigned sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    unsigned bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13);  // inf / NaN (payload kept)
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else {
-        // zero or subnormal: man * 2^-24 is exact in float
-        const float v = float(man) * 5.9604644775390625e-8f;
-        memcpy(&bits, &v, 4);
-        bits |= sign;
-    }
+    // Exponent and mantissa moved into float position and rescaled by 2^112
+    // (exact, subnormals included); inf / NaN get float's all-ones exponent.
+    const unsigned e = (h & 0x7fffu) << 13;
     float f;
+    memcpy(&f, &e, 4);
+    f *= 5.192296858534828e33f;  // 2^112
+    unsigned bits;
+    memcpy(&bits, &f, 4);
+    if (e >= (0x7c00u << 13)) bits = e | 0x7f800000u;
+    bits |= (h & 0x8000u) << 16;
     memcpy(&f, &bits, 4);
     return f;
 }
@@ -274,8 +271,7 @@ struct MmaLane {
 template <bool BF16>
 void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
     if (arrived != 0xffffffffu) need_full_warp("fa_mma_m16n8k16", arrived);
-    float A[16][16], Bt[8][16];  // Bt[n][k] = B[k][n]
-    double C[16][8];
+    double A[16][16], B[16][8], D[16][8];  // B[k][n]; D starts as C
     for (unsigned lane = 0; lane < 32; ++lane) {
         const MmaLane& p = *static_cast<const MmaLane*>(payloads[lane]);
         const unsigned g = lane >> 2, t = lane & 3u;
@@ -286,20 +282,32 @@ void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
         }
         for (unsigned r = 0; r < 2; ++r) {
             const unsigned k = 2 * t + 8 * r;
-            Bt[g][k] = mma_elem<BF16>(p.b[r], 0);
-            Bt[g][k + 1] = mma_elem<BF16>(p.b[r], 1);
+            B[k][g] = mma_elem<BF16>(p.b[r], 0);
+            B[k + 1][g] = mma_elem<BF16>(p.b[r], 1);
         }
-        for (unsigned i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1u)] = p.d[i];
+        for (unsigned i = 0; i < 4; ++i) D[g + 8 * (i >> 1)][2 * t + (i & 1u)] = p.d[i];
+    }
+    // Row by row, the 8 columns as 4 two-double vector accumulators (GCC/Clang
+    // vector extension: SSE2 on x86-64, scalar code elsewhere), kept in registers.
+    typedef double v2d __attribute__((vector_size(16)));
+    for (unsigned row = 0; row < 16; ++row) {
+        v2d acc0, acc1, acc2, acc3;
+        memcpy(&acc0, &D[row][0], 16), memcpy(&acc1, &D[row][2], 16);
+        memcpy(&acc2, &D[row][4], 16), memcpy(&acc3, &D[row][6], 16);
+        for (unsigned k = 0; k < 16; ++k) {
+            const v2d a = {A[row][k], A[row][k]};
+            v2d b0, b1, b2, b3;
+            memcpy(&b0, &B[k][0], 16), memcpy(&b1, &B[k][2], 16);
+            memcpy(&b2, &B[k][4], 16), memcpy(&b3, &B[k][6], 16);
+            acc0 += a * b0, acc1 += a * b1, acc2 += a * b2, acc3 += a * b3;
+        }
+        memcpy(&D[row][0], &acc0, 16), memcpy(&D[row][2], &acc1, 16);
+        memcpy(&D[row][4], &acc2, 16), memcpy(&D[row][6], &acc3, 16);
     }
     for (unsigned lane = 0; lane < 32; ++lane) {
-        const MmaLane& p = *static_cast<const MmaLane*>(payloads[lane]);
+        float* d = static_cast<const MmaLane*>(payloads[lane])->d;
         const unsigned g = lane >> 2, t = lane & 3u;
-        for (unsigned i = 0; i < 4; ++i) {
-            const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1u);
-            double acc = C[row][col];
-            for (unsigned k = 0; k < 16; ++k) acc += double(A[row][k] * Bt[col][k]);  // exact products
-            p.d[i] = float(acc);
-        }
+        for (unsigned i = 0; i < 4; ++i) d[i] = float(D[g + 8 * (i >> 1)][2 * t + (i & 1u)]);
     }
 }
 
