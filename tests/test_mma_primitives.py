@@ -425,11 +425,21 @@ def test_gemm_through_cp_async_ldmatrix_mma(mod, dtype: str) -> None:
     assert (c[m_valid:] == 0).all()
 
 
+@pytest.fixture(scope="module")
+def reverse_mod():
+    return build(SOURCE, SIGS, extra_flags=["-DFAGEN_EMU_REVERSE_SCHEDULE"])
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("mode,what", [(1, "no cp.async wait"), (2, "no barrier after the wait")])
-def test_gemm_pipeline_bugs_are_caught(mod, mode: int, what: str) -> None:
-    a_bits, b_bits, _, _ = _gemm_inputs("f16")
+def test_gemm_pipeline_bugs_are_caught(request: pytest.FixtureRequest, reverse: bool, mode: int, what: str) -> None:
+    """Both thread orders: whichever warp runs first reads the others' chunks as poison."""
+    m = request.getfixturevalue("reverse_mod" if reverse else "mod")
+    a_bits, b_bits, a, b = _gemm_inputs("f16")
     c = np.zeros((64, 64), np.float32)
-    mod.launch("gemm_f16", 1, 128, GEMM_SMEM, [a_bits, b_bits, c, 64, mode])
+    m.launch("gemm_f16", 1, 128, GEMM_SMEM, [a_bits, b_bits, c, 64, 0])  # the correct kernel agrees
+    assert np.all(np.abs(c - a.astype(np.float64) @ b) <= fp32_accumulation_bound(a, b))
+    m.launch("gemm_f16", 1, 128, GEMM_SMEM, [a_bits, b_bits, c, 64, mode])
     assert np.isnan(c).any(), what
 
 
