@@ -149,6 +149,12 @@ def cmd_autotune(args: argparse.Namespace) -> int:
     return run(args, spec_from_args(args))
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain.cli import run
+
+    return run(args, spec_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.")
     parser.add_argument("--version", action="version", version=f"fagen {__version__}")
@@ -175,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     if add_arguments is not None:
         add_arguments(p)
     p.set_defaults(func=cmd_autotune)
+    p = sub.add_parser("explain", help="a kernel's tiles, smem, resources and source as one HTML page (--html) or JSON")
+    _add_spec_options(p)
+    from .explain.cli import add_arguments as explain_arguments
+
+    explain_arguments(p)
+    p.set_defaults(func=cmd_explain)
     return parser
 
 
