@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py OUTDIR [--quick] [--skip-tests] [--budget-s 450] [--iters 5]
 
 Writes ``OUTDIR/gpu_check.json`` (everything) and ``OUTDIR/gpu_check.txt`` (a
-readable summary), plus ``OUTDIR/gpu_tests.log`` (pytest's output).
+readable summary), plus ``OUTDIR/gpu_tests.log`` (pytest's output) and, when matplotlib is
+installed, ``OUTDIR/tflops_{fwd,bwd}.{png,svg}`` and the autotune plots (benchmarks/plots.py).
 
 1. Preflight: the packages fagen needs at run time (torch, cupy, jinja2, pydantic,
    numpy, cuda-pathfinder, filelock, platformdirs; pytest for the tests), a CUDA
@@ -550,9 +551,25 @@ def _cache_dir() -> str:
     return str(get_settings().cache_dir)
 
 
+def write_plots(outdir: Path, result: dict[str, Any]) -> list[Path]:
+    """TFLOP/s and autotune plots (benchmarks/plots.py, PNG + SVG) when matplotlib is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    spec = importlib.util.spec_from_file_location("fagen_bench_plots", Path(__file__).resolve().parent / "plots.py")
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    try:
+        return plots.plot_gpu_check(result, outdir)
+    except Exception as e:  # noqa: BLE001 - a plot never fails the check
+        print(f"[gpu_check] plots: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+
+
 def _finish(args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]) -> int:
     result["elapsed_s"] = round(deadline.elapsed(), 1)
     write_outputs(args.outdir, result)
+    for plot in write_plots(args.outdir, result):
+        print(f"[gpu_check] wrote {plot}")
     print(summary_text(result), end="")
     print(f"[gpu_check] wrote {args.outdir / 'gpu_check.json'} and {args.outdir / 'gpu_check.txt'}")
     if result["status"] == "missing_packages":
