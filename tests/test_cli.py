@@ -109,3 +109,12 @@ def test_unusable_cache_dir_is_one_line_exit_2(cache_dir: str) -> None:
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     assert lines[0].startswith(f"fagen: error: FAGEN_CACHE_DIR: expected a writable directory for fagen's cache, "
                                f"got {cache_dir} (")
+
+
+def test_autotune_with_an_unusable_cache_dir_stops_at_once() -> None:
+    res = run_cli("autotune", "--head-dim", "64", "--batch", "1", "--heads", "2", "--seqlen", "128", "--dry-run",
+                  env={"FAGEN_CACHE_DIR": "/dev/null"})
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "fagen: error: FAGEN_CACHE_DIR: expected a writable directory for fagen's cache, got /dev/null "
+        "(Not a directory)"], res.stderr

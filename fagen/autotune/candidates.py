@@ -24,6 +24,7 @@ modules in ~0.8 s where one after the other takes ~1.3 s.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -34,9 +35,11 @@ from typing import Literal
 from pydantic import ValidationError
 
 from ..compiler import CompiledModule, compile as compile_spec
-from ..errors import CompileError
+from ..errors import CacheDirError, CompileError
 from ..families import Family, family_names, get_family
 from ..spec import ARCH_SMEM_OPTIN, REGS_PER_SM, KernelSpec
+
+_log = logging.getLogger(__name__)
 
 WARPS = (2, 4, 8)
 MAX_REGISTERS = 255
@@ -182,6 +185,8 @@ def _compile_one(cand: Candidate) -> Candidate:
     except CompileError as e:
         first = next((ln.strip() for ln in e.log.splitlines() if "error" in ln), e.log.strip()[:200])
         return cand.reject(f"compile error: {first}")
+    except CacheDirError:  # the setup is wrong, not this candidate
+        raise
     except Exception as e:  # noqa: BLE001 - a render/compile failure rejects this candidate only
         return cand.reject(f"compile error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return check_resources(cand, mod)
@@ -210,9 +215,11 @@ def compile_candidates(cands: Iterable[Candidate], *, workers: int | None = None
                 for fut in as_completed(futs):
                     out[futs[fut]] = fut.result()
                     bar.advance(task)
-        else:
-            for fut in as_completed(futs):
-                out[futs[fut]] = fut.result()
+        else:  # no terminal: a plain line per candidate on the "fagen" logger (the CLI shows INFO)
+            for done, fut in enumerate(as_completed(futs), 1):
+                c = out[futs[fut]] = fut.result()
+                _log.info("candidate %d/%d: %s w%d %s: %s", done, len(futs), c.label, c.num_warps, c.impl,
+                          c.status if c.status == "ok" else f"rejected ({c.reason})")
     return out
 
 
