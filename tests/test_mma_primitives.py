@@ -444,28 +444,24 @@ def test_gemm_pipeline_bugs_are_caught(request: pytest.FixtureRequest, reverse: 
 
 
 # ----------------------------------------------------------- NVRTC and SASS
-def _sass_mix(cubin: bytes) -> dict[str, dict[str, int]] | None:
-    try:
-        from fagen.sass import instruction_mix
-    except ImportError:  # pragma: no cover - older tree
-        return None
-    return instruction_mix(cubin)
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_compiles_tensor_core_instructions(arch: str) -> None:
-    from fagen import nvrtc
+    from fagen import nvrtc, sass
 
     res = nvrtc.compile_cubin(SOURCE, "mma_primitives.cu", [f"-arch={arch}", "-std=c++17"], arch)
     assert res.ok, res.log
-    mix = _sass_mix(res.cubin)
-    if mix is None:
+    kernels = sass.kernel_sass(res.cubin)
+    if kernels is None:
         pytest.skip("no nvdisasm installed")
-    for kernel in ("gemm_f16", "gemm_bf16"):
-        ops = mix[kernel]
-        assert ops.get("HMMA", 0) >= 16 and ops.get("LDSM", 0) > 0 and ops.get("LDGSTS", 0) > 0, (kernel, ops)
-        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, (kernel, ops)
-    assert mix["ldm"].get("LDSM", 0) >= 6
+    for kernel, hmma in (("gemm_f16", "HMMA.16816.F32"), ("gemm_bf16", "HMMA.16816.F32.BF16")):
+        mnemonics = [i.mnemonic for i in kernels[kernel]]
+        assert mnemonics.count(hmma) >= 16, (kernel, sorted(set(mnemonics)))
+        for m in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
+            assert m in mnemonics, (kernel, m, sorted(set(mnemonics)))
+        assert not {"LDL", "STL"} & {i.opcode for i in kernels[kernel]}, kernel
+    ldm = {i.mnemonic for i in kernels["ldm"]}
+    assert {"LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDSM.16.MT88", "LDSM.16.MT88.2",
+            "LDSM.16.MT88.4"} <= ldm, sorted(ldm)
 
 
 def test_primitives_render_includes_mma() -> None:
