@@ -464,10 +464,13 @@ def test_nvrtc_compiles_tensor_core_instructions(arch: str) -> None:
             "LDSM.16.MT88.4"} <= ldm, sorted(ldm)
 
 
-def test_primitives_render_includes_mma() -> None:
-    """Rendered kernels get mma.cuh through primitives.cuh's Jinja include."""
-    from fagen.renderer import _env
+def test_rendered_kernels_include_mma() -> None:
+    """Every rendered kernel gets mma.cuh through primitives.cuh's Jinja include (the
+    SIMT family's too: the primitives compile for every sm_80+ target, unused)."""
+    from fagen import KernelSpec
+    from fagen.renderer import render
 
-    text = _env().get_template("partials/primitives.cuh").render()
+    text = render(KernelSpec(head_dim=64, impl="simt")).source
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
     assert "FA_DEVICE void fa_cp_async_wait_all()" in text
+    assert "{% include" not in text
