@@ -6,7 +6,6 @@ kernels do, and uses only the fa_* layer plus the shim's CUDA built-ins.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -296,10 +295,8 @@ def test_deterministic(mod) -> None:
 
 def test_deadlock_early_exit(mod) -> None:
     out = np.zeros(1, np.float32)
-    start = time.monotonic()
     with pytest.raises(EmulatorDeadlockError) as info:
         mod.launch("early_exit", (3, 1, 1), (128, 1, 1), 0, [out])
-    assert time.monotonic() - start < 5
     msg = str(info.value)
     assert "early_exit" in msg and "block (1,0,0)" in msg and "__syncthreads" in msg
     assert f".cu:{line_of('early_exit')}" in msg
@@ -344,11 +341,9 @@ def test_bad_launches(mod) -> None:
         mod.launch("nope", 1, 32, 0, [])
 
 
-def test_many_barriers_are_fast(mod) -> None:
+def test_many_barriers(mod) -> None:
     out = np.zeros(256, np.float32)
-    start = time.perf_counter()
-    mod.launch("spin", 1, 256, 0, [out, 2000])  # 512k fiber switches
-    assert time.perf_counter() - start < 5
+    mod.launch("spin", 1, 256, 0, [out, 2000])  # 512k fiber switches (benchmarks/emulator.py times them)
     assert (out == 1).all()
 
 
