@@ -541,3 +541,30 @@ def test_loaded_modules_share_fiber_stacks(fresh_build, tmp_path: Path) -> None:
     growth = maps() - before
     # Each loaded .so adds its own segments (about 5); stacks of its own would add 2 * 128 more.
     assert growth < n * 16, growth
+
+
+def test_concurrent_launches_get_their_own_stacks(fresh_build, tmp_path: Path) -> None:
+    """Launches running at the same time (other modules, other threads) never share an arena."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fagen.emulator import EmuModule
+
+    module, _, _ = fresh_build
+    mods = [module]
+    for i in range(3):
+        shutil.copyfile(module.path, tmp_path / f"c{i}.so")
+        mods.append(EmuModule(tmp_path / f"c{i}.so", CACHE_SIGS, sanitized=False))
+
+    def work(job: int) -> bool:
+        m = mods[job % len(mods)]  # two threads per module, four modules
+        ok = True
+        for r in range(20):
+            threads = 32 * (1 + (job + r) % 8)  # block sizes vary: arenas are regrown
+            y = np.zeros(threads, np.float32)
+            m.launch("fill", 1, threads, 0, [y, float(job * 100 + r)])
+            ok &= bool((y == job * 100 + r).all())
+        return ok
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(8)))
