@@ -148,7 +148,7 @@ extern "C" __global__ void ldm(const unsigned short* mat, const int* rowidx, uns
 // mma: every lane of every warp loads its own registers, one mma, stores D.
 template <typename E>
 __device__ void mma_lanes(const unsigned* a, const unsigned* b, const float* c, float* d) {
-    const int t = threadIdx.x;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned ar[4], br[2];
     float acc[4];
     for (int i = 0; i < 4; ++i) ar[i] = a[t * 4 + i];
@@ -354,6 +354,32 @@ def test_mma_fragment_layout_one_hot(mod) -> None:
         expect = np.zeros((16, 8), np.float32)
         expect[row] = b_vals[k].astype(np.float32)
         np.testing.assert_array_equal(c_matrix(d), expect)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_mma_decodes_every_bit_pattern(mod, dtype: str) -> None:
+    """I(16x16) @ B through the mma for all 65536 16-bit patterns of B, 128 per warp:
+    finite values come back exactly; NaN / inf follow IEEE (0 * inf = NaN), as numpy."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    values = from_bits(bits, dtype)
+    order = np.argsort(~np.isfinite(values), kind="stable")  # specials fill whole warps at the end
+    blocks = bits[order].reshape(-1, 16, 8)  # one 16x8 B per warp
+    finite = np.isfinite(from_bits(blocks, dtype))
+    assert (finite.all(axis=(1, 2)) | ~finite.any(axis=(1, 2))).all()
+    one = to_bits(np.ones(1, np.float32), dtype)[0]
+    a_regs = a_registers(np.diag(np.full(16, one, np.uint16)))
+    warps = blocks.shape[0]  # 512
+    a = np.tile(a_regs, (warps, 1))
+    b = np.concatenate([b_registers(blk) for blk in blocks])
+    c = np.zeros((32 * warps, 4), np.float32)
+    d = np.zeros_like(c)
+    mod.launch(f"mma_{dtype}", warps // 32, 1024, 0, [a, b, c, d])
+    eye = np.eye(16)
+    with np.errstate(invalid="ignore"):
+        for w in range(warps):
+            products = eye[:, :, None] * from_bits(blocks[w], dtype).astype(np.float64)[None]  # [i, k, n]
+            expect = products.sum(axis=1).astype(np.float32)
+            np.testing.assert_array_equal(c_matrix(d[32 * w: 32 * (w + 1)]), expect, err_msg=f"warp {w}")
 
 
 def test_mma_needs_the_full_warp(mod) -> None:
