@@ -249,7 +249,8 @@ class KernelSpec(BaseModel):
         MIN_REGS_PER_THREAD registers -- ptxas then neither aims for an occupancy smem
         forbids nor spills to reach one."""
         by_smem = ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024)
-        by_regs = REGS_PER_SM // (self.num_threads * MIN_REGS_PER_THREAD)
+        budget = getattr(get_family(self.impl), "min_regs_per_thread", MIN_REGS_PER_THREAD)  # a family may ask for more
+        by_regs = REGS_PER_SM // (self.num_threads * budget)
         return max(1, min(by_smem, by_regs))
 
     @property

@@ -1,0 +1,99 @@
+"""Tensor-core family: mma.sync m16n8k16 (fp32 accumulate), ldmatrix, cp.async; fp16/bf16, sm_80+.
+
+Backward: one CTA per (K/V block, batch, head), 16 K/V rows per warp (``block_c = 16 *
+num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline.
+Forward: one CTA per (Q block, batch, head), 16 Q rows per warp (``block_r = 16 *
+num_warps``); K_j / V_j stream through two stages. Every smem row has ``DPAD + 8``
+elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, so the
+8 rows an ``ldmatrix`` phase reads fall in 8 different bank groups.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..layout import SmemLayout, place
+from . import FamilyBase, Reason
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import KernelSpec
+
+F32 = 4
+STAGES = 2
+#: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
+MAX_REG_ACC_DIM = 128
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+
+
+def padded_dim(head_dim: int) -> int:
+    """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
+    return -(-head_dim // 16) * 16
+
+
+@dataclass(frozen=True)
+class MmaFamily(FamilyBase):
+    name: str = "mma"
+    preference: int = 10  # preferred over the portable SIMT family wherever it applies
+    tile_multiple: int = 16
+    max_block_r: int = 64
+    max_block_c: int = 64
+    math_unit: Literal["fp32", "tensor"] = "tensor"
+    #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
+    #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
+    #: the whole register file rather than spilling to reach an occupancy.
+    min_regs_per_thread: int = 255
+
+    def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
+        if dtype not in SUPPORTED_DTYPES:
+            return (f"dtype={dtype} has no tensor-core path here (mma.sync m16n8k16 takes float16/bfloat16 "
+                    "operands); use impl='simt'")
+        if arch < "sm_80":  # pragma: no cover - the spec admits sm_80+ only
+            return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
+        return None
+
+    def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
+                      num_warps: int, knobs: Mapping[str, int]) -> Reason | None:
+        bad = super().config_reason(direction, head_dim, dtype, arch, block_r, block_c, num_warps, knobs)
+        if bad is not None:
+            return bad
+        # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward).
+        field, rows = ("block_c", block_c) if direction == "bwd" else ("block_r", block_r)
+        if rows > 16 * num_warps:
+            return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
+                                 f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
+        return None
+
+    def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
+        return {"strides": {"LD": padded_dim(spec.head_dim) + 8}}
+
+    def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
+                    knobs: Mapping[str, int] | None = None) -> SmemLayout:
+        dp = padded_dim(head_dim)
+        ld = dp + 8
+        if direction == "bwd":
+            entries = [
+                ("k", "T", block_c * ld, itemsize),
+                ("v", "T", block_c * ld, itemsize),
+                ("q", "T", STAGES * block_r * ld, itemsize),
+                ("do_", "T", STAGES * block_r * ld, itemsize),
+                ("ds", "T", block_c * (block_r + 8), itemsize),
+                ("lse", "float", STAGES * block_r, F32),
+                ("delta", "float", STAGES * block_r, F32),
+            ]
+            if dp > MAX_REG_ACC_DIM:
+                entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dp, F32)]
+            return place(entries)
+        if direction == "fwd":
+            return place([
+                ("q", "T", block_r * ld, itemsize),
+                ("k", "T", STAGES * block_c * ld, itemsize),
+                ("v", "T", STAGES * block_c * ld, itemsize),
+            ])
+        raise ValueError(f"unknown direction {direction!r}")
+
+    def templates(self, direction: str) -> tuple[str, ...]:
+        return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
+
+
+MMA = MmaFamily()

@@ -1,0 +1,94 @@
+{# Warp-level building blocks of the mma family: fragment loads through ldmatrix,
+   C -> A fragment packing, tile copies through cp.async. Rendered after the header
+   (which defines T, HEAD_DIM, LD, BLOCK_R/C, NUM_THREADS). #}
+namespace fa {
+// ---- mma family: warp-level building blocks --------------------------------
+// Fragment layouts follow the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+// floating point type", "Warp-level matrix load instruction: ldmatrix"):
+//   lane = 4 * g + t (g = groupID 0..7, t = thread in group 0..3);
+//   C/D 16x8 fp32: d[0..1] = (row g, cols 2t, 2t+1), d[2..3] = (row g + 8, same cols);
+//   A 16x16: a[0] = (row g, k 2t..2t+1), a[1] = (row g+8, ..), a[2] = (row g, k 2t+8..), a[3] = (row g+8, k 2t+8..);
+//   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
+// So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
+// the next product (P^T, dS^T, P stay in registers).
+constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(LD == DPAD + 8, "smem row stride: DPAD + 8 elements (odd number of 16-byte units: ldmatrix conflict-free)");
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// Two fp32 values -> one 32-bit register of two T (lo in the low half: the lower column).
+FA_DEVICE unsigned mma_pack(float lo, float hi) {
+    const T l = fa_from_float<T>(lo), h = fa_from_float<T>(hi);
+    unsigned short ul, uh;
+    memcpy(&ul, &l, 2);
+    memcpy(&uh, &h, 2);
+    return (unsigned)ul | ((unsigned)uh << 16);
+}
+
+// d += A * B for one 16x8 tile; b0/b1 the two B registers of that tile.
+FA_DEVICE void mma_tile(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const unsigned bb[2] = {b0, b1};
+    fa_mma_m16n8k16<T>(d, a, bb);
+}
+
+// A fragment (rows r0..r0+15, k c0..c0+15) of a row-major smem tile X[row][k]: A = X.
+FA_DEVICE void mma_load_a(unsigned (&a)[4], const T* base, int ld, int r0, int c0, int lane) {
+    fa_ldmatrix_x4(a, base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8);
+}
+// A fragment (rows m0.., k k0..) of a tile stored transposed, X[k][m]: A = X^T.
+FA_DEVICE void mma_load_a_trans(unsigned (&a)[4], const T* base, int ld, int m0, int k0, int lane) {
+    fa_ldmatrix_x4_trans(a, base + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
+}
+// B fragments of the n8 tiles n0 and n0 + 8 (b[0..1] and b[2..3]) over k k0..k0+15 of a
+// tile stored n-major, X[n][k] (B = X^T, e.g. K for S = Q K^T).
+FA_DEVICE void mma_load_b_nmajor(unsigned (&b)[4], const T* base, int ld, int n0, int k0, int lane) {
+    fa_ldmatrix_x4(b, base + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+// The same from a tile stored k-major, X[k][n] (B = X, e.g. V for O = P V): ldmatrix.trans.
+FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0, int n0, int lane) {
+    fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+
+FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
+
+// Dropout keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row`: bit w is
+// fa_dropout_keep(seed, offset, bh, row, (col & ~3) + w, drop_threshold) -- the same
+// Philox call (counter (col >> 2, row, bh, offset_lo)) yields all four words.
+FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
+                             unsigned col, unsigned drop_threshold) {
+    const FaU32x4 r = fa_philox4x32_10(
+        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
+        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
+    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
+           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
+}
+
+// max that propagates NaN (fmaxf drops it): a NaN score must reach the output.
+FA_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
+FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
+    return (((unsigned long long)base | (unsigned long long)(stride_s * (long long)sizeof(T))) & 15ull) == 0ull;
+}
+
+// Rows [row0, row0 + ROWS) x HEAD_DIM of a [*, N, *, d] slice -> smem (row stride LD), as
+// 16-byte cp.async copies of the caller's open group; rows >= n and columns
+// [HEAD_DIM, DPAD) are zero-filled. Unaligned slices fall back to element copies.
+template <int ROWS>
+FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+    constexpr int CHUNKS = DPAD / 8;
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {
+        const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
+        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const T* s = valid ? src + (long long)(row0 + r) * stride_s + c : src;
+        T* d = dst + r * LD + c;
+        if (vec) {
+            fa_cp_async_16(d, s, valid);
+        } else {
+            for (int x = 0; x < 8; ++x) d[x] = valid ? s[x] : fa_from_float<T>(0.f);
+        }
+    }
+}
+}  // namespace fa
