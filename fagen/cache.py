@@ -62,9 +62,17 @@ def make_dir(path: Path) -> Path:
     return path
 
 
+_roots: dict[tuple[Path, str], Path] = {}
+
+
 def cache_root(kind: str) -> Path:
-    """Folder of one artifact kind under the settings' cache dir."""
-    return make_dir(get_settings().cache_dir / kind)
+    """Folder of one artifact kind under the settings' cache dir, created on its first use in
+    this process (later calls only look it up; :func:`atomic_write` re-creates a removed folder)."""
+    base = get_settings().cache_dir
+    found = _roots.get((base, kind))
+    if found is None:
+        found = _roots[(base, kind)] = make_dir(base / kind)
+    return found
 
 
 def digest(*parts: str | bytes) -> str:

@@ -2,19 +2,43 @@
 
 This is the one compile function: the CPU checks, the autotuner and the GPU
 runtime all call :func:`compile`.
+
+Three ways to an answer, fastest first:
+
+* the in-process memo, keyed by (cache dir, spec);
+* the *index* of the disk cache (``<cache>/cubin/index/<fast key>.json``): the fast
+  key digests the spec, the fagen version, the NVRTC options, the templates'
+  contents and the stat (size, mtime) of fagen's Python files; the index entry
+  names the full cache key plus the stat of the NVRTC library and of every CUDA
+  header the kernels can include, all re-checked on use. This path renders
+  nothing and loads neither NVRTC nor CuPy;
+* the full path: render, digest the source with the toolchain identity and the
+  headers' contents (:func:`cache_key`), load or build ``<key>.bin``, and
+  (re)write the index entry.
+
+Any change the index cannot vouch for (a template, a Python file, the library,
+a header) makes its entry miss, and the full path decides.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from . import cache, elf, nvrtc
 from ._version import __version__
 from .errors import CompileError
-from .renderer import Rendered, render
+from .renderer import Rendered, kernel_infos, render, templates_dir
+from .settings import get_settings
 from .spec import KernelSpec
+
+_log = logging.getLogger(__name__)  # one INFO line per NVRTC compile (silent unless configured)
 
 
 @dataclass(frozen=True)
@@ -41,7 +65,6 @@ class KernelResources:
 @dataclass(frozen=True)
 class CompiledModule:
     spec: KernelSpec
-    rendered: Rendered
     cubin: bytes
     options: tuple[str, ...]
     log: str
@@ -50,8 +73,13 @@ class CompiledModule:
     cached: bool  # True when this process did not run NVRTC for it
     key: str
 
+    @property
+    def rendered(self) -> Rendered:
+        """The spec's source and entry points (rendered on first access, memoised by the renderer)."""
+        return render(self.spec)
+
     def resource(self, kernel_role: str) -> KernelResources:
-        name = self.rendered.kernel(kernel_role).name
+        name = next(k.name for k in kernel_infos(self.spec) if k.role.name == kernel_role)
         return next(r for r in self.resources if r.kernel == name)
 
 
@@ -95,7 +123,7 @@ def parse_ptxas(log: str, dynamic_smem: dict[str, int]) -> tuple[KernelResources
     return tuple(sorted(out, key=lambda r: order.get(r.kernel, len(order))))
 
 
-_memo: dict[tuple[str, str], CompiledModule] = {}
+_memo: dict[Path, dict[KernelSpec, CompiledModule]] = {}  # cache dir -> spec -> module
 _memo_lock = threading.Lock()
 
 
@@ -119,39 +147,176 @@ def _usable(arch: str):
     return valid
 
 
+# --------------------------------------------------------------------------- index (fast path)
+_PACKAGE = Path(__file__).resolve().parent
+_TEMPLATE_SUFFIXES = (".j2", ".cuh", ".h")
+
+
+def _walk(folder: str, suffixes: tuple[str, ...], out: list[os.DirEntry]) -> None:
+    try:
+        it = os.scandir(folder)
+    except OSError:
+        return
+    with it:
+        for e in it:
+            if e.is_dir(follow_symlinks=False):
+                if e.name != "__pycache__":
+                    _walk(e.path, suffixes, out)
+            elif e.name.endswith(suffixes):
+                out.append(e)
+
+
+def _templates_dir() -> Path:
+    """:func:`fagen.renderer.templates_dir` by two path checks (``importlib.resources`` costs ms)."""
+    for cand in (_PACKAGE / "_templates", _PACKAGE.parent / "templates"):
+        if (cand / "partials").is_dir():
+            return cand
+    return templates_dir()
+
+
+def source_digest(templates: Path | None = None, package: Path | None = None) -> str:
+    """sha256 of the templates' contents and of (path, size, mtime) of the package's Python
+    files: what renders the source, computed without rendering."""
+    import hashlib
+
+    h = hashlib.sha256()
+    found: list[os.DirEntry] = []
+    _walk(str(templates if templates is not None else _templates_dir()), _TEMPLATE_SUFFIXES, found)
+    for e in sorted(found, key=lambda e: e.path):
+        with open(e.path, "rb") as f:
+            data = f.read()
+        h.update(f"T{e.path}\0{len(data)}\0".encode() + data)
+    found = []
+    _walk(str(package if package is not None else _PACKAGE), (".py",), found)
+    for e in sorted(found, key=lambda e: e.path):
+        st = e.stat()
+        h.update(f"P{e.path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+_source_digests: dict[str, str] = {}
+
+
+def _source_digest() -> str:
+    """:func:`source_digest` of the installed package, once per process (see :func:`clear_memo`)."""
+    found = _source_digests.get("")
+    if found is None:
+        found = _source_digests[""] = source_digest()
+    return found
+
+
+def fast_key(spec: KernelSpec, options: list[str]) -> str:
+    """Key of the index entry: everything except what the entry itself records and re-checks."""
+    s = get_settings()
+    env = "\0".join(os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH"))
+    return cache.digest(spec.model_dump_json(), __version__, "\0".join(options), _source_digest(),
+                        str(s.cuda_include or ""), sys.prefix, env)
+
+
+def _stat_record(path: Path) -> list:
+    st = os.stat(path)
+    return [str(path), st.st_size, st.st_mtime_ns]
+
+
+def _unchanged(files: object) -> bool:
+    if not isinstance(files, list) or not files:
+        return False
+    try:
+        for path, size, mtime in files:
+            st = os.stat(path)
+            if st.st_size != size or st.st_mtime_ns != mtime:
+                return False
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _index_path(root: Path, spec: KernelSpec, options: list[str]) -> Path:
+    return root / "index" / f"{fast_key(spec, options)}.json"
+
+
+def _write_index(path: Path, key: str) -> None:
+    lib = nvrtc.library_path()
+    if lib is None:  # no file to vouch for the compiler: always take the full path
+        return
+    files = [_stat_record(lib)] + [_stat_record(h) for h in nvrtc.header_files()]
+    try:
+        cache.atomic_write(path, json.dumps({"key": key, "files": files}).encode())
+    except OSError:  # the index only speeds things up
+        pass
+
+
+def _from_index(spec: KernelSpec, root: Path, options: list[str]) -> CompiledModule | None:
+    try:
+        rec = json.loads(_index_path(root, spec, options).read_bytes())
+        key = rec["key"]
+        files = rec["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key)) or not _unchanged(files):
+        return None
+    hit = cache.read_entry(root / f"{key}.bin")
+    if hit is None or not _usable(spec.arch)(*hit):
+        return None
+    return _module(spec, key, hit[0], hit[1], cached=True)
+
+
+def _module(spec: KernelSpec, key: str, meta: dict, cubin: bytes, *, cached: bool) -> CompiledModule:
+    dyn = meta.get("dynamic_smem")
+    if not isinstance(dyn, dict):
+        dyn = {k.name: k.smem_bytes for k in kernel_infos(spec)}
+    return CompiledModule(
+        spec=spec, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
+        resources=parse_ptxas(meta["log"], dyn), compile_seconds=float(meta["compile_seconds"]),
+        cached=cached, key=key,
+    )
+
+
+# --------------------------------------------------------------------------- compile
 def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's verb
     """Compile every kernel of ``spec`` to a cubin for ``spec.arch`` (cached)."""
-    root = str(cache.cache_root("cubin"))
-    memo_key = (root, spec.model_dump_json())
-    hit = _memo.get(memo_key)
-    if hit is not None:
-        return hit
-    rendered = render(spec)
+    cache_dir = get_settings().cache_dir
+    per_dir = _memo.get(cache_dir)
+    if per_dir is not None:
+        hit = per_dir.get(spec)
+        if hit is not None:
+            return hit
+    root = cache.cache_root("cubin")
     options = options_for(spec)
+    mod = _from_index(spec, root, options)
+    if mod is None:
+        mod = _compile_full(spec, root, options)
+    with _memo_lock:
+        _memo.setdefault(cache_dir, {})[spec] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
+    return mod
+
+
+def _compile_full(spec: KernelSpec, root: Path, options: list[str]) -> CompiledModule:
+    rendered = render(spec)
     key = cache_key(rendered, options)
     dyn = {k.name: k.smem_bytes for k in rendered.kernels}
 
     def build() -> tuple[dict, bytes]:
+        _log.info("compiling %s for %s with NVRTC", spec.name, spec.arch)
         t0 = time.perf_counter()
         res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options, spec.arch)
         secs = time.perf_counter() - t0
+        _log.debug("compiled %s in %.2f s", spec.name, secs)
         if not res.ok:
             raise CompileError(spec.name, res.log)
         return {"log": res.log, "options": options, "compile_seconds": secs, "spec": spec.name,
-                "cubin_size": len(res.cubin)}, res.cubin
+                "cubin_size": len(res.cubin), "dynamic_smem": dyn}, res.cubin
 
-    meta, cubin, cached = cache.get_or_build(cache.cache_root("cubin") / f"{key}.bin", build, _usable(spec.arch))
-    mod = CompiledModule(
-        spec=spec, rendered=rendered, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
-        resources=parse_ptxas(meta["log"], dyn), compile_seconds=float(meta["compile_seconds"]),
-        cached=cached, key=key,
-    )
-    with _memo_lock:
-        _memo[memo_key] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
-    return mod
+    cache.make_dir(root)  # in case it was removed since this process first used it
+    meta, cubin, cached = cache.get_or_build(root / f"{key}.bin", build, _usable(spec.arch))
+    _write_index(_index_path(root, spec, options), key)
+    return _module(spec, key, meta, cubin, cached=cached)
 
 
 def clear_memo() -> None:
-    """Forget in-process results (the disk cache is untouched)."""
+    """Forget in-process results: compiled modules and the memoised CUDA header digests (the
+    disk cache is untouched). The digest of fagen's own sources stays: it describes the code
+    this process runs, which editing files does not change."""
     with _memo_lock:
         _memo.clear()
+    nvrtc.clear_caches()

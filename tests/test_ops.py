@@ -381,7 +381,7 @@ def test_gpu_launcher_wiring_with_a_fake_cupy(monkeypatch: pytest.MonkeyPatch) -
     from fagen.runtime import gpu
     from fagen.spec import KernelSpec
 
-    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90")
+    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90", impl="simt")  # smem > 48 KiB
     fagen.compile(spec)  # NVRTC (through the real CuPy bindings) before CuPy is replaced
     log: list[tuple] = []
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..compiler import compile as compile_spec
 from ..errors import InputError
-from ..renderer import KernelInfo
+from ..renderer import KernelInfo, kernel_infos
 from ..spec import KernelSpec
 from . import pack
 
@@ -135,7 +135,7 @@ class GpuModule:
             static = {r.kernel: r.static_smem_bytes for r in self.compiled.resources}
             optin_max = _device_smem_optin(device)
             kernels = {}
-            for k in self.compiled.rendered.kernels:
+            for k in kernel_infos(self.spec):
                 total = static.get(k.name, 0) + k.smem_bytes
                 if total > optin_max:
                     raise LaunchError(f"{k.name} shared memory", f"at most {optin_max} bytes per block on CUDA device "
@@ -216,14 +216,14 @@ def gpu_module(spec: KernelSpec) -> GpuModule:
 
 
 def device_arch(device: Any) -> str:
-    """sm_XY of a torch CUDA device, validated against the archs fagen targets."""
+    """The target arch whose cubins run on a torch CUDA device (``fagen.spec.arch_for_capability``)."""
     import torch
 
     from ..errors import SpecError
-    from ..spec import ARCH_SMEM_OPTIN
+    from ..spec import ARCH_SMEM_OPTIN, arch_for_capability
 
     major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm_{major}{minor}"
-    if arch not in ARCH_SMEM_OPTIN:
-        raise SpecError(f"GPU compute capability {major}.{minor} ({arch}) is not a fagen target; supported: {sorted(ARCH_SMEM_OPTIN)}")
+    arch = arch_for_capability((major, minor))
+    if arch is None:
+        raise SpecError(f"GPU compute capability {major}.{minor} runs none of fagen's targets {sorted(ARCH_SMEM_OPTIN)}")
     return arch
