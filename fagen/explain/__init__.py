@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"ExplainError": "facts", "explain": "facts", "tile_counts": "facts", "render_html": "page",
+_LAZY = {"explain": "facts", "tile_counts": "facts", "render_html": "page",
          "write_html": "page"}
 __all__ = sorted(_LAZY)
 

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,25 +19,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, spec) -> int:
     for option, value in (("--seqlen-q", args.seqlen_q), ("--seqlen-k", args.seqlen_k)):
         if value is not None and value < 1:
-            raise UsageError(option, f"must be at least 1, got {value}")
+            raise InputError(option, "at least 1", value)
     if args.html is None and not args.json:
-        raise UsageError("--html", "give --html OUT.html and/or --json")
+        raise InputError("--html", "OUT.html (or --json, or both)", "neither")
     if args.html is not None:
         parent = Path(args.html).expanduser().resolve().parent
         if not parent.is_dir():
-            raise UsageError("--html", f"directory {parent} does not exist")
-    from .facts import ExplainError, explain
+            raise InputError("--html", "a file in an existing directory", f"{parent} does not exist")
+    from .facts import explain
     from .page import write_html
 
     try:
         facts = explain(spec, args.seqlen_q, args.seqlen_k)
-    except ExplainError as e:
-        raise UsageError(f"--{e.argument.replace('_', '-')}", str(e).split(": ", 1)[-1]) from None
+    except InputError as e:
+        raise InputError(f"--{e.argument.replace('_', '-')}", e.expected) from None
     if args.html is not None:
         try:
             out = write_html(facts, args.html)
         except OSError as e:
-            raise UsageError("--html", f"cannot write {args.html}: {e.strerror or e}") from None
+            raise InputError("--html", "a writable file", f"{args.html} ({e.strerror or e})") from None
         t = facts["tiles"]
         if not args.json:
             print(f"wrote {out} ({facts['kernel']}: {t['visited']} of {t['total']} tiles visited, "

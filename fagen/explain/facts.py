@@ -16,14 +16,12 @@ from typing import Any
 
 from .. import masking
 from .._version import __version__
+from ..errors import InputError, InputTypeError
 from ..families import get_family
 from ..renderer import kernel_infos, render
 from ..spec import KernelSpec
 
-try:  # the Algorithm 4 line texts: one table, wherever it lives
-    from ..algorithm4 import ALG4  # type: ignore[import-not-found,unused-ignore]
-except ImportError:  # pragma: no cover - depends on the tree's layout
-    from ..renderer import ALG4
+from ..algorithm4 import ALG4, PAPER  # the Algorithm 4 line texts: one table
 
 #: Tile kind -> the letter used in ``tile_map`` runs (and the CSS class on the page).
 KIND_LETTER = {0: "s", 1: "p", 2: "f"}
@@ -35,14 +33,6 @@ LOOP_FIRST, LOOP_LAST = 9, 23
 
 _ALG4_REF = re.compile(r"Algorithm 4 lines? (\d+)(?:\s*[-\u2013]\s*(\d+))?")
 _SMEM_REF = re.compile(r"\bs\.(\w+)")
-
-
-class ExplainError(ValueError):
-    """A bad argument to :func:`explain` (the message names it)."""
-
-    def __init__(self, argument: str, message: str) -> None:
-        self.argument = argument
-        super().__init__(f"{argument}: {message}")
 
 
 # --------------------------------------------------------------------------- masking (one source)
@@ -160,6 +150,7 @@ def algorithm4(spec: KernelSpec, source: str, main: str, others: list[str]) -> d
     names = {b.name for b in spec.smem_layout.buffers}
     return {
         "texts": {str(n): ALG4[n] for n in sorted(ALG4)},
+        "paper": {str(n): PAPER[n] for n in sorted(PAPER)},
         "prologue": [n for n in in_main if n < LOOP_FIRST],
         "loop": [n for n in in_main if LOOP_FIRST <= n <= LOOP_LAST],
         "epilogue": [n for n in in_main if n > LOOP_LAST],
@@ -260,7 +251,7 @@ def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
     """HBM traffic, one batch and one head: the cost model's byte count for the tiles used, and
     the paper's IO bound Theta(Nq Nk d^2 / M) (Theorem 2 forward, Theorem 5 backward; M in elements)
     beside standard attention's Theta(N d + Nq Nk) accesses."""
-    from ..autotune.model import Problem, hbm_bytes
+    from ..autotune.model import Workload, hbm_bytes
 
     t = spec.tile
     d, m = spec.head_dim, spec.sram_elems
@@ -271,7 +262,7 @@ def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
         "sram_elements": m,
     }
     try:
-        out["model_bytes"] = float(hbm_bytes(spec, Problem(1, 1, seqlen_q, seqlen_k), t.block_r, t.block_c))
+        out["model_bytes"] = float(hbm_bytes(spec, Workload(1, 1, seqlen_q, seqlen_k), t.block_r, t.block_c))
     except Exception as e:  # noqa: BLE001 - the model is optional context
         out["model_bytes"] = None
         out["model_note"] = f"{type(e).__name__}: {e}"
@@ -283,17 +274,18 @@ def explain(spec: KernelSpec, seqlen_q: int = 1024, seqlen_k: int | None = None,
             with_resources: bool = True) -> dict[str, Any]:
     """All facts about ``spec`` on an Nq x Nk problem (one batch, one head)."""
     if not isinstance(spec, KernelSpec):
-        raise ExplainError("spec", f"must be a KernelSpec, got {type(spec).__name__}")
+        raise InputTypeError("spec", "a KernelSpec", type(spec).__name__)
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     for arg, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ExplainError(arg, f"must be an int, got {type(v).__name__}")
+            raise InputTypeError(arg, "an int", type(v).__name__)
         if v < 1:
-            raise ExplainError(arg, f"must be at least 1, got {v}")
+            raise InputError(arg, "at least 1", v)
     t = spec.tile
     tr, tc = math.ceil(seqlen_q / t.block_r), math.ceil(seqlen_k / t.block_c)
     if tr * tc > MAX_MAP_TILES:
-        raise ExplainError("seqlen_q", f"{tr} x {tc} tiles is more than the {MAX_MAP_TILES} drawn; use shorter sequences")
+        raise InputError("seqlen_q", f"at most {MAX_MAP_TILES} tiles of {t.block_r} x {t.block_c} with seqlen_k={seqlen_k}",
+                         f"{tr} x {tc}")
     infos = kernel_infos(spec)
     main = next(k for k in infos if k.role.name == "main")
     rendered = render(spec)

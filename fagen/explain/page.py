@@ -28,6 +28,8 @@ _TOKEN = re.compile(
     re.MULTILINE,
 )
 
+MATRIX_PX = 560
+
 _CSS = """
 :root { --skip: #e5e7eb; --part: #f59e0b; --full: #14b8a6; --hl: #2563eb; --ink: #111827; --mute: #6b7280; }
 * { box-sizing: border-box; }
@@ -40,7 +42,7 @@ nav a { color: #93c5fd; margin-right: 18px; text-decoration: none; }
 section { background: #fff; margin: 16px 24px; padding: 12px 18px; border: 1px solid #e5e7eb; border-radius: 8px; }
 h2 { font-size: 16px; margin: 4px 0 10px; }
 .row { display: flex; gap: 24px; flex-wrap: wrap; align-items: flex-start; }
-#matrix { width: 560px; max-width: 100%; height: auto; background: #fff; border: 1px solid #9ca3af; }
+#matrix { max-width: 100%; height: auto; background: #fff; border: 1px solid #9ca3af; flex: none; }
 .tile.s { fill: var(--skip); } .tile.p { fill: var(--part); } .tile.f { fill: var(--full); }
 .gridline { stroke: #fff; stroke-width: 1; vector-effect: non-scaling-stroke; }
 .diag { stroke: #b91c1c; stroke-width: 1.5; fill: none; vector-effect: non-scaling-stroke; stroke-dasharray: 4 3; }
@@ -59,7 +61,10 @@ h2 { font-size: 16px; margin: 4px 0 10px; }
 #alg4-lines li b { display: inline-block; width: 2.2em; color: var(--ink); }
 #alg4-lines li.absent { display: none; }
 #alg4-lines li.on { color: var(--ink); border-left-color: var(--hl); background: #eff6ff; }
-#smem-bar { width: 100%; height: 70px; }
+#smem-bar { width: 100%; height: 56px; display: block; }
+.buflabels { position: relative; height: 18px; font: 11px ui-monospace, monospace; }
+.buflabels span { position: absolute; top: 0; padding-left: 3px; border-left: 1px solid #9ca3af; }
+.buflabels span.m { color: #b91c1c; border-left-color: #b91c1c; }
 .buf { stroke: #fff; stroke-width: 1; vector-effect: non-scaling-stroke; }
 .buf.T { fill: #60a5fa; } .buf.float { fill: #a78bfa; } .buf.on { fill: var(--hl); }
 .free { fill: #f3f4f6; }
@@ -222,7 +227,9 @@ def _fmt_bytes(n: float) -> str:
 def tiles_svg(f: dict[str, Any]) -> str:
     """The Nq x Nk matrix in element coordinates: one rect per run of equal tile kind."""
     br, bc, nq, nk = f["block_r"], f["block_c"], f["seqlen_q"], f["seqlen_k"]
+    scale = MATRIX_PX / max(nq, nk)  # the longer side is MATRIX_PX pixels
     parts = [f'<svg id="matrix" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {nk} {nq}" '
+             f'width="{max(1, round(nk * scale))}" height="{max(1, round(nq * scale))}" '
              f'preserveAspectRatio="xMinYMin meet" role="img" aria-label="score matrix tiles">', '<g id="tile-runs">']
     for i, runs in enumerate(f["tile_map"]):
         y0, y1 = i * br, min(nq, (i + 1) * br)
@@ -251,7 +258,9 @@ def _alg4_list(f: dict[str, Any]) -> str:
     items = []
     for n, text in a["texts"].items():
         where = ("" if int(n) in present else " absent")
-        items.append(f'<li class="alg4-line{where}" id="alg4-{n}" data-line="{n}"><b>{n}</b>{_e(text)}</li>')
+        paper = a.get("paper", {}).get(n, "")
+        items.append(f'<li class="alg4-line{where}" id="alg4-{n}" data-line="{n}" title="paper: {_e(paper)}">'
+                     f'<b>{n}</b>{_e(text)}</li>')
     return '<ol id="alg4-lines">' + "".join(items) + "</ol>"
 
 
@@ -261,14 +270,17 @@ def smem_svg(f: dict[str, Any]) -> str:
     sm = f["smem"]
     cap, total = sm["capacity_bytes"], sm["total_bytes"]
     width = max(cap, total)
-    parts = [f'<svg id="smem-bar" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 70" preserveAspectRatio="none">',
+    parts = [f'<svg id="smem-bar" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 56" preserveAspectRatio="none">',
              f'<rect class="free" x="0" y="8" width="{cap}" height="40"/>']
     for b in sm["buffers"]:
         parts.append(f'<rect class="buf {_e(b["ctype"])}" data-name="{_e(b["name"])}" data-offset="{b["offset"]}" '
                      f'data-bytes="{b["bytes"]}" x="{b["offset"]}" y="8" width="{b["bytes"]}" height="40">'
                      f'<title>{_e(b["name"])}: {b["count"]} x {_e(b["ctype"])} at byte {b["offset"]} ({b["bytes"]} B)</title></rect>')
     parts.append(f'<line class="cap" x1="{cap}" y1="0" x2="{cap}" y2="56"/></svg>')
-    return "".join(parts)
+    labels = "".join(f'<span style="left:{100 * b["offset"] / width:.3f}%">{_e(b["name"])}</span>'
+                     for b in sm["buffers"] if b["bytes"] >= 0.025 * width)
+    return "".join(parts) + f'<div class="buflabels">{labels}<span class="m" style="left:{100 * cap / width:.3f}%">M</span></div>'
+
 
 
 def _smem_section(f: dict[str, Any]) -> str:
