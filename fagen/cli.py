@@ -1,12 +1,18 @@
 """The ``fagen`` command line: inspect, generate, compile, autotune.
 
-Errors are one line on stderr naming the option, exit code 2, no traceback.
+Errors are one line on stderr naming the option, exit code 2, no traceback;
+bare ``fagen`` prints the help on stderr, also with exit code 2. Long work
+(each NVRTC compile / emulator build, each autotune candidate) is logged on
+stderr as ``fagen: ...`` lines (the library's ``"fagen"`` logger at INFO).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,20 +41,45 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError("" if self.prog == "fagen" else self.prog.removeprefix("fagen "), message)
 
 
+def one_of(values: Iterable[object]) -> str:
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = True) -> None:
-    g = p.add_argument_group("spec options")
-    g.add_argument("--direction", choices=("bwd", "fwd"), default="bwd", help="bwd (Algorithm 4) or fwd")
-    g.add_argument("--head-dim", type=int, required=head_dim_required, help="d: multiple of 8 in 8..256")
-    g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
-    g.add_argument("--causal", action="store_true", help="compile the causal mask in")
-    g.add_argument("--key-padding", action="store_true", help="compile the key-padding mask in")
-    g.add_argument("--dropout", action="store_true", help="compile dropout in")
-    g.add_argument("--arch", choices=("sm_80", "sm_86", "sm_89", "sm_90"), default="sm_90")
-    g.add_argument("--sram-bytes", type=int, default=None, help="M in bytes (default: the arch's opt-in max)")
-    g.add_argument("--block-r", type=int, default=None, help="override B_r")
-    g.add_argument("--block-c", type=int, default=None, help="override B_c")
-    g.add_argument("--num-warps", type=int, default=4)
-    g.add_argument("--impl", default="simt", help="kernel family")
+    """One option per KernelSpec field; choices and defaults come from the spec and the family registry."""
+    from .families import family_names
+    from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, NUM_WARPS_CHOICES, KernelSpec
+
+    field = KernelSpec.model_fields
+
+    def literal(name: str) -> tuple[str, ...]:
+        return typing.get_args(field[name].annotation)
+
+    g = p.add_argument_group("spec options (the fields of fagen.KernelSpec)")
+    g.add_argument("--direction", choices=literal("direction"), default=field["direction"].default,
+                   help=f"{field['direction'].description} (default: %(default)s)")
+    need = "required" if head_dim_required else "required unless --all"
+    g.add_argument("--head-dim", type=int, required=head_dim_required, metavar="D",
+                   help=f"d, the head dimension: a multiple of {HEAD_DIM_MULTIPLE} in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} ({need})")
+    g.add_argument("--dtype", choices=literal("dtype"), default=field["dtype"].default,
+                   help="element type of q, k, v, o and the gradients (default: %(default)s)")
+    g.add_argument("--causal", action="store_true", help="compile the bottom-right causal mask in (default: off)")
+    g.add_argument("--key-padding", action="store_true", help="compile the key-padding mask in (default: off)")
+    g.add_argument("--dropout", action="store_true", help="compile dropout in (default: off)")
+    g.add_argument("--arch", choices=literal("arch"), default=field["arch"].default,
+                   help="target GPU architecture (default: %(default)s)")
+    g.add_argument("--sram-bytes", type=int, default=None, metavar="M",
+                   help="M, shared memory per thread block in bytes (Algorithm 4 line 2; "
+                        "default: the arch's opt-in maximum)")
+    g.add_argument("--block-r", type=int, default=None, metavar="B_R",
+                   help="rows of Q per tile (default: the paper's B_r, made to fit M)")
+    g.add_argument("--block-c", type=int, default=None, metavar="B_C",
+                   help="rows of K/V per tile (default: the paper's B_c, made to fit M)")
+    g.add_argument("--num-warps", type=int, default=field["num_warps"].default, metavar="W",
+                   help=f"warps per thread block, one of {one_of(NUM_WARPS_CHOICES)} (default: %(default)s)")
+    g.add_argument("--impl", default=field["impl"].default, metavar="FAMILY",
+                   help=f"kernel family, one of {one_of(family_names())} "
+                        f"(default: the preferred family that implements the spec)")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -156,21 +187,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.")
+    parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.",
+                     epilog="`fagen COMMAND --help` lists the options of a command, with their choices and defaults.")
     parser.add_argument("--version", action="version", version=f"fagen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("inspect", help="derived tile, smem layout and names of a spec")
     _add_spec_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("generate", help="emit CUDA sources (one spec, or --all for the standard matrix)")
     _add_spec_options(p, head_dim_required=False)
-    p.add_argument("--all", action="store_true", help="the standard matrix (plus manifest.json)")
-    p.add_argument("--out", type=str, default=None, help="output directory")
+    p.add_argument("--all", action="store_true",
+                   help="emit the standard matrix (plus manifest.json; stale files in DIR are removed) "
+                        "instead of one spec (default: off)")
+    p.add_argument("--out", type=str, default=None, metavar="DIR", help="output directory (required)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("compile", help="NVRTC-compile a spec and report registers/spills/smem")
     _add_spec_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per kernel (default: a table)")
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("autotune", help="rank (and on a GPU, time) tiles for a problem")
     _add_spec_options(p)
@@ -190,9 +224,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """``fagen: <message>`` on whatever ``sys.stderr`` is when the record is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("fagen: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:  # bare `fagen`: what it can do
+        sys.stderr.write(parser.format_help())
+        return 2
+    log = logging.getLogger("fagen")
+    handler, level = _StderrHandler(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
-        args = build_parser().parse_args(argv)
+        return _run(parser, argv)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    try:
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except UsageError as e:
         print(f"fagen: error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@
 * :class:`CacheDirError` -- an unusable cache directory (an ``InputError``
   naming ``FAGEN_CACHE_DIR``).
 * :class:`CompileError` -- NVRTC rejected a rendered kernel; carries the log.
+* :class:`NoGPUError` -- the operation needs a CUDA GPU and there is none.
 
 :func:`check_dropout_p` is the one validator of a dropout probability (ops,
 functional, philox and reference all call it).
@@ -52,6 +53,10 @@ class CacheDirError(InputError):
     def __init__(self, path: object, reason: str, argument: str = "FAGEN_CACHE_DIR") -> None:
         self.path = path
         super().__init__(argument, "a writable directory for fagen's cache", f"{path} ({reason})")
+
+
+class NoGPUError(FagenError, RuntimeError):
+    """The operation needs a CUDA GPU and there is none; the message says what to do instead."""
 
 
 class CompileError(FagenError, RuntimeError):

@@ -21,7 +21,7 @@ from fagen.autotune.model import (Problem, device_model, hbm_bytes, lds_wavefron
 from fagen.autotune.timing import DeviceInfo
 from fagen.autotune.tuner import gpu_check_rows, spearman, tune
 from fagen.compiler import KernelResources
-from fagen.errors import CompileError, InputError
+from fagen.errors import CompileError, InputError, NoGPUError
 from fagen.families import get_family
 from fagen.spec import ARCH_SMEM_OPTIN, KernelSpec
 
@@ -248,7 +248,7 @@ def test_cli_bad_options() -> None:
 
 @pytest.mark.skipif(_cuda(), reason="checks the no-GPU message")
 def test_cli_without_gpu_needs_dry_run() -> None:
-    with pytest.raises(InputError, match="no CUDA GPU; use --dry-run"):
+    with pytest.raises(NoGPUError, match="no CUDA GPU .* add --dry-run"):
         at_cli.run(_args("--batch", "1", "--heads", "1", "--seqlen", "16"), SMALL)
 
 

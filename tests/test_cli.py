@@ -87,7 +87,6 @@ def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         (["inspect"], "--head-dim"),
         (["compile", "--head-dim", "64", "--bogus"], "--bogus"),
         (["generate", "--all"], "--out"),
-        ([], "command"),
         (["autotune", "--head-dim", "64", "--heads", "2", "--seqlen", "128"], "--batch"),
         (["autotune", "--head-dim", "64", "--batch", "0", "--heads", "2", "--seqlen", "128", "--dry-run"], "--batch"),
     ],

@@ -12,22 +12,24 @@ import math
 import sys
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, NoGPUError
 from ..spec import KernelSpec
 from .timing import cuda_available, current_device
 from .tuner import TuneResult, tune
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("autotune")
-    g.add_argument("--batch", type=int, required=True, help="batch size of the problem to tune for")
-    g.add_argument("--heads", type=int, required=True, help="number of heads")
-    g.add_argument("--seqlen", type=int, required=True,
-                   help="sequence length (tuned for its power-of-two bucket)")
+    g = parser.add_argument_group("autotune (the problem to tune for)")
+    g.add_argument("--batch", type=int, required=True, metavar="B", help="batch size (required)")
+    g.add_argument("--heads", type=int, required=True, metavar="H", help="number of heads (required)")
+    g.add_argument("--seqlen", type=int, required=True, metavar="N",
+                   help="sequence length, tuned for its power-of-two bucket (required)")
     g.add_argument("--dry-run", action="store_true",
-                   help="no GPU: compile the candidates and rank them by the cost model only")
-    g.add_argument("--json", action="store_true", help="print the result as JSON")
-    g.add_argument("--top", type=int, default=4, help="candidates to time on the GPU (default 4)")
+                   help="no GPU needed: compile the candidates and rank them by the cost model only "
+                        "(default: off, which times the top candidates on the GPU and records the winner)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON (default: a table)")
+    g.add_argument("--top", type=int, default=4, metavar="K",
+                   help="candidates to time on the GPU, besides the default tile (default: %(default)s)")
 
 
 def _positive(args: argparse.Namespace, name: str, option: str) -> int:
@@ -48,8 +50,8 @@ def run(args: argparse.Namespace, spec: KernelSpec) -> int:
     device = None
     if not dry_run:
         if not cuda_available():
-            raise InputError(argument="--dry-run", expected="a CUDA GPU to time candidates on",
-                             got="no CUDA GPU; use --dry-run")
+            raise NoGPUError("no CUDA GPU to time the candidates on (torch sees none); "
+                             "add --dry-run to rank them by the cost model alone")
         device = current_device()
         if device.arch != spec.arch:
             raise InputError(argument="--arch", expected=f"{device.arch or 'a supported arch'} (the arch of "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import subprocess
 import threading
@@ -27,6 +28,7 @@ from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
 from .toolchain import compiler, cuda_include_dir
 
+_log = logging.getLogger(__name__)  # one INFO line per g++ build (silent unless configured)
 _memo: dict[tuple[str, str], EmuModule] = {}
 _memo_lock = threading.Lock()
 
@@ -130,6 +132,8 @@ def build(
         cache.make_dir(root)
         with cache.locked(so):
             if not _is_valid(so):  # another process may have built it meanwhile
+                _log.info("building %s%s for the CPU emulator with %s", names[0],
+                          f" (+{len(names) - 1} more)" if len(names) > 1 else "", Path(cxx).name)
                 _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
     module = EmuModule(so, sigs, sanitized=sanitize)
     with _memo_lock:
