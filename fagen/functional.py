@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, KernelSpec
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _U64 = 2**64
 _GRID_YZ_MAX = 65535
+#: Longest sequence: kernels index rows and keys with 32-bit ints, including up to one tile past the
+#: end (the longest tile of any family is far below 2**16), so a length must leave that much headroom.
+SEQLEN_MAX = 2**31 - 2**16
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,13 @@ def validate_qkv(q: Any, k: Any, v: Any) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() and t.stride(-1) != 1:
             raise InputError(name, "a contiguous last dimension (stride 1)", f"stride {t.stride(-1)}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise InputError("q", "a CPU or CUDA tensor", q.device)
+    if q.device.type not in ("cpu", "cuda", "meta"):
+        raise InputError("q", "a CPU, CUDA or meta tensor", q.device)
     if B > _GRID_YZ_MAX or H > _GRID_YZ_MAX:  # batch and heads are grid y and z
         raise InputError("q", f"batch and heads at most {_GRID_YZ_MAX} (CUDA grid y/z limit)", f"{B} x {H}")
+    for name, n in (("q", Nq), ("k", k.shape[1])):
+        if n > SEQLEN_MAX:
+            raise InputError(name, f"a sequence length at most {SEQLEN_MAX} (2**31 - 2**16: 32-bit row indices)", n)
     return Problem(B, H, Nq, k.shape[1], d, _DTYPES[q.dtype], q.device)
 
 
@@ -119,16 +126,36 @@ def validate_key_padding_mask(mask: Any, p: Problem) -> torch.Tensor | None:
     return mask.contiguous()
 
 
+def validate_flag(name: str, value: Any) -> bool:
+    """A flag must be a Python bool or a numpy bool_ (``causal="False"`` is an error, not True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(name, "a bool", f"{value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def validate_softmax_scale(softmax_scale: Any, name: str = "softmax_scale") -> float | None:
+    """None, or a real number that stays finite in float32 (the kernels take the scale as a float)."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise InputTypeError(name, "a float or None", f"{softmax_scale!r} ({type(softmax_scale).__name__})")
+    scale = float(softmax_scale)
+    try:
+        finite = math.isfinite(struct.unpack("f", struct.pack("f", scale))[0])
+    except OverflowError:  # beyond float32's range: it would be inf in the kernel
+        finite = False
+    if not finite:
+        raise InputError(name, "a float that is finite in float32 (|scale| <= 3.4028235e38) or None", softmax_scale)
+    return scale
+
+
 def _check_scalars(dropout_p: Any, softmax_scale: Any, seed: Any, offset: Any, head_dim: int) -> float:
     check_dropout_p(dropout_p)
     for name, val in (("seed", seed), ("offset", offset)):
         if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not (0 <= int(val) < _U64):
             raise InputError(name, "an integer in [0, 2**64)", val)
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale):
-        raise InputError("softmax_scale", "a finite float or None", softmax_scale)
-    return float(softmax_scale)
+    scale = validate_softmax_scale(softmax_scale)
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 # --------------------------------------------------------------------------- spec choice
@@ -185,7 +212,7 @@ def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tens
     _check_spec(spec, "fwd", p, mask, dropout_p)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
-    if p.empty:
+    if p.empty or p.device.type == "meta":  # meta: shapes only
         return o, lse
     if p.seqlen_k == 0:
         return o.zero_(), lse.fill_(-math.inf)
@@ -215,7 +242,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     p = validate_qkv(q, k, v)
     scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
     mask = validate_key_padding_mask(key_padding_mask, p)
-    spec = spec_for("fwd", p, causal=bool(causal), key_padding=mask is not None, dropout=float(dropout_p) > 0)
+    spec = spec_for("fwd", p, causal=validate_flag("causal", causal), key_padding=mask is not None,
+                    dropout=float(dropout_p) > 0)
     return _launch_forward(spec, p, q, k, v, mask, float(dropout_p), scale, int(seed), int(offset))
 
 
@@ -232,6 +260,8 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if p.device.type == "meta":  # shapes only
+        return dq, dk, dv
     if p.empty or p.seqlen_k == 0:
         return dq.zero_(), dk, dv
     delta = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
@@ -273,7 +303,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     p = validate_qkv(q, k, v)
     scale = _check_scalars(dropout_p, softmax_scale, seed, offset, p.head_dim)
     mask = validate_key_padding_mask(key_padding_mask, p)
-    spec = spec_for("bwd", p, causal=bool(causal), key_padding=mask is not None, dropout=float(dropout_p) > 0)
+    spec = spec_for("bwd", p, causal=validate_flag("causal", causal), key_padding=mask is not None,
+                    dropout=float(dropout_p) > 0)
     return _launch_backward(spec, p, do, q, k, v, o, lse, mask, float(dropout_p), scale, int(seed), int(offset))
 
 

@@ -21,8 +21,6 @@ in Python around it: a compiled graph therefore draws a fresh state on every cal
 instead of baking one in as a constant.
 """
 import inspect
-import math
-import numbers
 from typing import Any, Optional
 
 import torch
@@ -133,20 +131,8 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------- scalar validation
-def _check_scale(name: str, scale: Any) -> Optional[float]:
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise InputTypeError(name, "a finite float or None", type(scale).__name__)
-    if not math.isfinite(float(scale)):
-        raise InputError(name, "a finite float or None", scale)
-    return float(scale)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InputTypeError(name, "a bool", type(value).__name__)
-    return value
+_check_scale = F.validate_softmax_scale  # None, or finite in float32
+_check_bool = F.validate_flag  # Python bool or numpy bool_
 
 
 def _check_tensors(**tensors: Any) -> None:
@@ -177,7 +163,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     if key_padding_mask is not None:
         _check_tensors(key_padding_mask=key_padding_mask)
     o, _lse, _rng_state = _fwd(q, k, v, key_padding_mask, check_dropout_p(dropout_p),
-                               _check_scale("softmax_scale", softmax_scale), _check_bool("causal", causal))
+                               _check_scale(softmax_scale, "softmax_scale"), _check_bool("causal", causal))
     return o
 
 
@@ -230,5 +216,5 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                          f"Nq={query.shape[2]}, Nk={key.shape[2]}")
     mask = sdpa_key_padding_mask(attn_mask, key.shape[0], key.shape[2])
     out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout_p,
-                          softmax_scale=scale, causal=is_causal, key_padding_mask=mask)
+                          softmax_scale=_check_scale(scale, "scale"), causal=bool(is_causal), key_padding_mask=mask)
     return out.transpose(1, 2)

@@ -21,6 +21,14 @@ Backward (no autograd)::
 
 Masking rules live in :func:`mask_matrix`: causal masking is bottom-right aligned
 (query ``i`` may see key ``j`` iff ``j <= i + Nk - Nq``, as flash-attn >= 2.1).
+
+Non-finite inputs (the NaN semantics every kernel family follows): only allowed pairs
+take part, and they propagate NaN as IEEE arithmetic does -- a NaN in ``q_i`` makes row
+``i`` NaN (o, lse, dq) and the dk, dv of every key it attends to; a NaN in ``k_j`` or
+``v_j`` reaches every row that attends to key ``j``; a row whose allowed scores are all
+``-inf`` or include ``+inf`` has NaN lse and output (as torch's softmax). Masked pairs never
+contribute, whatever they hold (unlike a plain ``P @ V``, where ``0 * NaN`` is NaN), and a
+row with no allowed key stays exactly zero with ``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -122,15 +130,41 @@ def _scores_and_probs(
     scale: float,
     lse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(lse, P)`` in float64; ``lse`` is recomputed unless given (backward pass)."""
+    """Return ``(lse, P)`` in float64; ``lse`` is recomputed unless given (backward pass).
+
+    NaN flows like torch's: a NaN score on an allowed pair makes the row's lse and P NaN
+    (masked pairs never contribute, whatever they hold); a row whose allowed scores are all
+    ``-inf``, or that has a ``+inf`` score, has no softmax (NaN). Only a row with no allowed
+    key (``lse = -inf``) is "fully masked": P = 0.
+    """
     s = scale * torch.einsum("bihd,bjhd->bhij", q, k)  # [B, H, Nq, Nk]
     if lse is None:
         lse = torch.logsumexp(s.masked_fill(~allowed, -math.inf), dim=-1)  # -inf on empty rows
-    finite = torch.isfinite(lse)
-    lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
+        has_key = allowed.any(dim=-1).expand_as(lse)
+        undefined = (has_key & torch.isneginf(lse)) | torch.isposinf(lse)  # softmax of all -inf / of +inf
+        lse = torch.where(undefined, torch.full_like(lse, math.nan), lse)
+    dead = torch.isneginf(lse)  # fully masked rows
+    lse_safe = torch.where(dead, torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_safe[..., None])
-    p = torch.where(allowed & finite[..., None], p, torch.zeros_like(p))
+    p = torch.where(allowed & ~dead[..., None], p, torch.zeros_like(p))
     return lse, p
+
+
+def _pair_sum(w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``out[b, i, h, :] = sum_j w[b, h, i, j] * x[b, j, h, :]`` over the allowed pairs only.
+
+    ``w`` is 0 on masked pairs; a plain product would still turn ``0 * NaN`` (or ``0 * inf``)
+    of a non-finite ``x`` row into NaN for rows that never attend to it. Here a non-finite
+    entry of ``x`` reaches exactly the rows whose pair with it is allowed.
+    """
+    finite = torch.isfinite(x)
+    out = torch.einsum("bhij,bjhx->bihx", w, torch.where(finite, x, torch.zeros_like(x)))
+    for b, j, h in (~finite).any(dim=-1).nonzero().tolist():  # the (few) keys holding inf / NaN
+        bad = ~finite[b, j, h]  # [X]
+        pair = allowed[b, h if allowed.shape[1] > 1 else 0, :, j]  # [I]
+        contrib = w[b, h, :, j, None] * torch.where(bad, x[b, j, h], torch.zeros_like(x[b, j, h]))[None, :]
+        out[b, :, h] += torch.where(pair[:, None] & bad[None, :], contrib, torch.zeros_like(contrib))
+    return out
 
 
 # --------------------------------------------------------------------------- public API
@@ -197,7 +231,7 @@ def attention_forward_ref(
 
     lse, p = _scores_and_probs(q64, k64, allowed, scale)
     pdrop = p if zscale is None else p * zscale
-    o = torch.einsum("bhij,bjhd->bihd", pdrop, v64)
+    o = _pair_sum(pdrop, v64, allowed)
     return o, lse
 
 
@@ -242,14 +276,16 @@ def attention_backward_ref(
 
     _, p = _scores_and_probs(q64, k64, allowed, scale, lse=lse64)
     pdrop = p if zscale is None else p * zscale
-    dv_ = torch.einsum("bhij,bihd->bjhd", pdrop, do64)
+    allowed_t = allowed.transpose(-1, -2)
+    dv_ = _pair_sum(pdrop.transpose(-1, -2), do64, allowed_t)
     dp = torch.einsum("bihd,bjhd->bhij", do64, v64)
     if zscale is not None:
-        dp = dp * zscale
+        dp = torch.where(zscale > 0, dp * zscale, torch.zeros_like(dp))  # a dropped pair has dP = 0
     D = torch.einsum("bihd,bihd->bhi", do64, o64)
-    ds = p * (dp - D[..., None])
-    dq = scale * torch.einsum("bhij,bjhd->bihd", ds, k64)
-    dk = scale * torch.einsum("bhij,bihd->bjhd", ds, q64)
+    live = allowed & ~torch.isneginf(lse64)[..., None]  # pairs that take part
+    ds = torch.where(live, p * (dp - D[..., None]), torch.zeros_like(p))
+    dq = scale * _pair_sum(ds, k64, live)
+    dk = scale * _pair_sum(ds.transpose(-1, -2), q64, live.transpose(-1, -2))
     return dq, dk, dv_
 
 
