@@ -190,6 +190,17 @@ def sdpa_key_padding_mask(attn_mask: Any, batch: int, seqlen_k: int) -> Optional
     return attn_mask.expand(target).reshape(batch, seqlen_k)
 
 
+def _check_sdpa_shapes(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """The shape relations in the caller's [B, H, N, d] layout (flash_attn_func, which runs on the
+    transposed views, would word them in its own [B, N, H, d])."""
+    B, H, _, d = query.shape
+    if key.shape[0] != B or key.shape[1] != H or key.shape[3] != d:
+        raise InputError("key", f"shape [B, H, Nk, d] = [{B}, {H}, Nk, {d}] matching query [B, H, Nq, d]",
+                         tuple(key.shape))
+    if tuple(value.shape) != tuple(key.shape):
+        raise InputError("value", f"the shape of key {tuple(key.shape)} ([B, H, Nk, d])", tuple(value.shape))
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> Tensor:
@@ -210,6 +221,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise InputError(name, "a 4-D tensor [batch, heads, seqlen, head_dim]", f"shape {tuple(t.shape)}")
+    _check_sdpa_shapes(query, key, value)
     if _check_bool("is_causal", is_causal) and query.shape[2] != key.shape[2]:
         raise InputError("is_causal", "Nq == Nk: torch's causal mask is top-left aligned, fagen's bottom-right; "
                          "call fagen.flash_attn_func for bottom-right causal attention with Nq != Nk",

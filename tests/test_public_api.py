@@ -86,3 +86,24 @@ def test_check_dropout_p_accepts_the_range() -> None:
 
     assert check_dropout_p(0) == 0.0 and check_dropout_p(0.25) == 0.25
     assert check_dropout_p(1 - 2**-30) < 1.0
+
+
+# --------------------------------------------------------------------------- SDPA speaks [B, H, N, d]
+def test_sdpa_shape_errors_quote_the_callers_layout() -> None:
+    import torch
+
+    from fagen import scaled_dot_product_attention
+    from fagen.errors import InputError
+
+    q = torch.zeros(2, 2, 40, 64)  # [B, H, Nq, d]
+    k = torch.zeros(2, 2, 47, 64)
+    with pytest.raises(InputError) as err:
+        scaled_dot_product_attention(q, torch.zeros(2, 3, 47, 64), k)
+    assert err.value.argument == "key"
+    assert "[B, H, Nk, d] = [2, 2, Nk, 64]" in str(err.value) and "got (2, 3, 47, 64)" in str(err.value)
+    with pytest.raises(InputError) as err:
+        scaled_dot_product_attention(q, k, torch.zeros(2, 2, 47, 32))
+    assert err.value.argument == "value" and "(2, 2, 47, 64)" in str(err.value)
+    with pytest.raises(InputError) as err:
+        scaled_dot_product_attention(q, torch.zeros(2, 2, 47, 32), torch.zeros(2, 2, 47, 32))
+    assert err.value.argument == "key" and "[B, N, H, d]" not in str(err.value)
