@@ -213,7 +213,8 @@ def resources(spec: KernelSpec) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - shown on the page, not raised
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "kernels": [], "sass": None}
     kernels = []
-    for r in mod.resources:
+    order = {k.name: n for n, k in enumerate(kernel_infos(spec))}
+    for r in sorted(mod.resources, key=lambda r: order.get(r.kernel, len(order))):
         occ = occupancy(spec.arch, spec.num_warps, r.registers, r.smem_bytes)
         kernels.append({
             "kernel": r.kernel, "registers": r.registers, "spill_bytes": r.spill_bytes,
@@ -235,16 +236,25 @@ def _sass(cubin: bytes) -> dict[str, Any]:
     try:
         from ..sass import instruction_mix  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
-        return {"sass": None, "sass_note": "the SASS reader is not part of this install"}
+        return {"sass": None, "sass_loop": None, "sass_note": "the SASS reader is not part of this install"}
     try:
         mix = instruction_mix(cubin)
     except Exception as e:  # noqa: BLE001 - e.g. no disassembler installed
-        return {"sass": None, "sass_note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return {"sass": None, "sass_loop": None, "sass_note": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     if mix is None:
-        return {"sass": None, "sass_note": "no disassembler installed (pip install nvidia-cuda-nvdisasm)"}
-    if mix and all(isinstance(v, dict) for v in mix.values()):  # per kernel
-        return {"sass": {k: dict(sorted(v.items(), key=lambda kv: -kv[1])) for k, v in mix.items()}, "sass_note": None}
-    return {"sass": {"(module)": dict(sorted(dict(mix).items(), key=lambda kv: -kv[1]))}, "sass_note": None}
+        return {"sass": None, "sass_loop": None, "sass_note": "no disassembler installed (pip install nvidia-cuda-nvdisasm)"}
+    try:  # the largest loop of each kernel (the main kernel's loop over tiles)
+        from ..sass import loop_mix  # type: ignore[import-not-found,unused-ignore]
+
+        loops = {k: v for k, v in (loop_mix(cubin) or {}).items() if v}
+    except Exception:  # noqa: BLE001 - optional detail
+        loops = {}
+
+    def ordered(m: dict[str, int]) -> dict[str, int]:
+        return dict(sorted(m.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    return {"sass": {k: ordered(v) for k, v in mix.items()},
+            "sass_loop": {k: ordered(v) for k, v in loops.items()} or None, "sass_note": None}
 
 
 def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:

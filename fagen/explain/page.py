@@ -77,6 +77,7 @@ td.num { text-align: right; }
 tr.on td { background: #eff6ff; }
 .bar { display: inline-block; height: 10px; background: #60a5fa; vertical-align: middle; }
 .note { color: var(--mute); }
+.sass { max-height: 340px; overflow-y: auto; }
 pre.src { font: 12px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; background: #0f172a; color: #e2e8f0;
   padding: 10px 0; overflow: auto; max-height: 640px; border-radius: 6px; }
 pre.src .ln { display: block; padding: 0 12px 0 0; white-space: pre; }
@@ -325,13 +326,17 @@ def _resources_section(f: dict[str, Any]) -> str:
         out.append("</table>")
     sass = res.get("sass")
     if sass:
-        out.append('<h3>SASS instruction mix</h3><div id="sass" class="row">')
-        for kernel, mix in sass.items():
-            top = list(mix.items())[:16]
-            peak = max((v for _, v in top), default=1) or 1
+        out.append('<h3>SASS instruction mix (opcode counts in the code)</h3><div id="sass" class="row">')
+        tables = [(f"{k}", m) for k, m in sass.items()]
+        for k, m in (res.get("sass_loop") or {}).items():
+            if k == f["kernel"]:
+                tables.insert(1 if tables and tables[0][0] == k else 0, (f"{k}: its largest loop", m))
+        for title, mix in tables:
+            peak = max(mix.values(), default=1) or 1
             rows = "".join(f'<tr><td><code>{_e(op)}</code></td><td class="num">{v}</td>'
-                           f'<td><span class="bar" style="width:{int(120 * v / peak)}px"></span></td></tr>' for op, v in top)
-            out.append(f'<table><tr><th colspan="3"><code>{_e(kernel)}</code></th></tr>{rows}</table>')
+                           f'<td><span class="bar" style="width:{int(120 * v / peak)}px"></span></td></tr>'
+                           for op, v in mix.items())
+            out.append(f'<div class="sass"><table><tr><th colspan="3"><code>{_e(title)}</code></th></tr>{rows}</table></div>')
         out.append("</div>")
     else:
         out.append(f'<p class="note">SASS instruction mix: not available ({_e(res.get("sass_note") or "no disassembler")}).</p>')
