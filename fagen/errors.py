@@ -1,6 +1,11 @@
 """Typed errors. Validation never uses bare asserts.
 
-* :class:`SpecError` -- a spec that cannot be implemented, and why.
+* ``pydantic.ValidationError`` (a ``ValueError``, not defined here) -- a
+  :class:`~fagen.spec.KernelSpec` with an invalid field or that cannot be
+  implemented (no tile fits M, no family implements it); ``errors()[0]["loc"]``
+  names the field and the message says why. Every spec failure is this one type.
+* :class:`SpecError` -- a valid spec that cannot be served on this machine: the
+  GPU's compute capability is not a fagen target.
 * :class:`InputError` / :class:`InputTypeError` -- bad user input, naming the
   argument and what was expected (they are ``ValueError`` / ``TypeError``).
 * :class:`CacheDirError` -- an unusable cache directory (an ``InputError``
@@ -22,7 +27,10 @@ class FagenError(Exception):
 
 
 class SpecError(FagenError, ValueError):
-    """This spec cannot be implemented (the message says why)."""
+    """A valid spec cannot be served here: the GPU's compute capability is not a fagen target.
+
+    (A spec that is invalid or cannot be implemented is rejected when it is built, by
+    ``KernelSpec``'s pydantic ``ValidationError``, which names the field.)"""
 
 
 class _ArgumentError(FagenError):

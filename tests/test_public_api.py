@@ -107,3 +107,30 @@ def test_sdpa_shape_errors_quote_the_callers_layout() -> None:
     with pytest.raises(InputError) as err:
         scaled_dot_product_attention(q, torch.zeros(2, 2, 47, 32), torch.zeros(2, 2, 47, 32))
     assert err.value.argument == "key" and "[B, N, H, d]" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- one error type per failure
+@pytest.mark.parametrize("fields, field", [
+    ({"head_dim": 65}, "head_dim"),                                    # invalid value
+    ({"head_dim": 64, "sram_bytes": 1024}, "block_c"),                 # no tile fits M: cannot be implemented
+    ({"head_dim": 64, "block_r": 128, "block_c": 128, "sram_bytes": 60000, "impl": "simt"}, "block_c"),
+    ({"head_dim": 64, "impl": "no-such-family"}, "impl"),
+    ({"head_dim": 64, "dtype": "fp8"}, "dtype"),
+])
+def test_every_spec_failure_is_a_validation_error_naming_the_field(fields: dict, field: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        fagen.KernelSpec(**fields)
+    assert isinstance(err.value, ValueError) and not isinstance(err.value, fagen.SpecError)
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_error_docs_match_the_error_types() -> None:
+    from pathlib import Path
+
+    api = (Path(fagen.__file__).parent.parent / "docs" / "api.md").read_text(encoding="utf-8")
+    for name in ("FagenError", "SpecError", "InputError", "InputTypeError", "CacheDirError", "CompileError",
+                 "NoGPUError", "ValidationError"):
+        assert f"`{name}`" in api, name
+    assert "cannot be implemented" not in (fagen.SpecError.__doc__ or "").split("\n")[0]
