@@ -261,7 +261,7 @@ def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
     """HBM traffic, one batch and one head: the cost model's byte count for the tiles used, and
     the paper's IO bound Theta(Nq Nk d^2 / M) (Theorem 2 forward, Theorem 5 backward; M in elements)
     beside standard attention's Theta(N d + Nq Nk) accesses."""
-    from ..autotune.model import Workload, hbm_bytes
+    from ..autotune import model
 
     t = spec.tile
     d, m = spec.head_dim, spec.sram_elems
@@ -272,7 +272,8 @@ def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
         "sram_elements": m,
     }
     try:
-        out["model_bytes"] = float(hbm_bytes(spec, Workload(1, 1, seqlen_q, seqlen_k), t.block_r, t.block_c))
+        shape = getattr(model, "Workload", None) or model.Problem  # the model's runtime-shape type
+        out["model_bytes"] = float(model.hbm_bytes(spec, shape(1, 1, seqlen_q, seqlen_k), t.block_r, t.block_c))
     except Exception as e:  # noqa: BLE001 - the model is optional context
         out["model_bytes"] = None
         out["model_note"] = f"{type(e).__name__}: {e}"
