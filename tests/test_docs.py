@@ -8,6 +8,7 @@ A block that cannot run on a CPU-only machine is preceded by the line
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,20 @@ def test_renderer_takes_alg4_from_the_one_module() -> None:
     from fagen import algorithm4, renderer
 
     assert renderer.ALG4 is algorithm4.ALG4
+
+
+# --------------------------------------------------------------------------- install instructions
+def test_bench_extra_covers_what_the_gpu_check_needs_beyond_the_install() -> None:
+    """README: `pip install -e '.[bench]'` then `python benchmarks/gpu_check.py OUTDIR`."""
+    tomllib = pytest.importorskip("tomllib")
+    import importlib.util
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    bench = {re.split(r"[<>=!~ \[]", r, 1)[0].lower() for r in project["optional-dependencies"]["bench"]}
+    spec = importlib.util.spec_from_file_location("gpu_check_for_docs", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(gpu_check)
+    assert set(gpu_check.TEST_REQUIRED.values()) <= bench
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "pip install -e '.[bench]'" in readme and "benchmarks/gpu_check.py OUTDIR" in readme

@@ -51,3 +51,15 @@ def test_installed_wheel_renders_outside_source_tree(wheel: Path, tmp_path: Path
     file_, tdir, n = res.stdout.split()
     assert file_.startswith(str(target)) and tdir.startswith(str(target))
     assert int(n) > 1000
+
+
+def test_build_is_quiet(tmp_path: Path) -> None:
+    """No setuptools deprecation or "Package would be ignored" warnings in the build log."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path / "w"),
+         str(REPO)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    log = res.stdout + res.stderr
+    for noise in ("Warning", "would be ignored", "deprecated"):
+        assert noise not in log, log[log.find(noise) - 500:log.find(noise) + 500]
