@@ -139,9 +139,9 @@ class _Page(HTMLParser):
                 and all(a.get(k.replace("_", "-")) == v for k, v in attrs.items())]
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_page_content_and_structure(causal: bool) -> None:
-    spec = KernelSpec(head_dim=64, dtype="float16", causal=causal)
+@pytest.mark.parametrize("direction,causal,kpad", [("bwd", True, False), ("bwd", False, False), ("fwd", True, True)])
+def test_page_content_and_structure(direction: str, causal: bool, kpad: bool) -> None:
+    spec = KernelSpec(direction=direction, head_dim=64, dtype="float16", causal=causal, key_padding=kpad)
     f = explain(spec, 1000, 1500, with_resources=False)
     page = render_html(f)
     p = _Page()
@@ -166,10 +166,17 @@ def test_page_content_and_structure(causal: bool) -> None:
     # the step control and the Algorithm 4 list
     for control in ("cta", "step", "prev", "next", "play"):
         assert p.find("input", id=control) or p.find("button", id=control), control
-    assert {a["data-line"] for a in p.find("li", "alg4-line")} >= {"7", "10", "21", "24"}
+    shown = {a["data-line"] for a in p.find("li", "alg4-line") if "absent" not in a["class"].split()}
+    alg = f["algorithm4"]
+    assert shown == {str(n) for n in alg["prologue"] + alg["loop"] + alg["epilogue"]} - {"23"}  # 23: no code
     # the source, with Algorithm 4 comments linked to the step view
     anchors = p.find("a", "alg4")
-    assert {n for a in anchors for n in a["data-alg4"].split()} >= {"7", "8", "10", "16", "21", "22", "24"}
+    linked = {int(n) for a in anchors for n in a["data-alg4"].split()}
+    assert linked == {n for a in alg["anchors"] for n in a["alg4"]}
+    if direction == "bwd":
+        assert {"7", "10", "21", "24"} <= shown and {7, 8, 10, 16, 19, 21, 22, 24} <= linked
+    else:
+        assert p.find("p", id="fwd-note")
     assert all(a["href"] == "#tiles" for a in anchors)
     assert len(p.find("span", "ln")) == len(f["source"].splitlines())
     # the page renders from the embedded facts

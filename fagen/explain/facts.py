@@ -2,8 +2,9 @@
 
 Every fact comes from the one place that decides it: the tile kinds, the tile
 counts and each CTA's inner-loop range from :mod:`fagen.masking`, the shared-memory
-buffers from ``spec.smem_layout``, the Algorithm 4 line texts from the comments of
-the rendered source (which the templates take from ``ALG4``), registers / spills /
+buffers from ``spec.smem_layout``, the Algorithm 4 line texts from
+:mod:`fagen.algorithm4` and which lines a kernel runs where from the
+``// Algorithm 4 line N`` comments of its rendered source, registers / spills /
 smem from :func:`fagen.compile`, occupancy and HBM bytes from the autotuner's
 cost model. The HTML page (:mod:`fagen.explain.page`) renders from this dict
 alone, and ``fagen explain --json`` prints it. docs/explain.md lists the keys.
@@ -16,15 +17,14 @@ from typing import Any
 
 from .. import masking
 from .._version import __version__
+from ..algorithm4 import ALG4, PAPER
 from ..errors import InputError, InputTypeError
 from ..families import get_family
 from ..renderer import kernel_infos, render
 from ..spec import KernelSpec
 
-from ..algorithm4 import ALG4, PAPER  # the Algorithm 4 line texts: one table
-
 #: Tile kind -> the letter used in ``tile_map`` runs (and the CSS class on the page).
-KIND_LETTER = {0: "s", 1: "p", 2: "f"}
+KIND_LETTER = {masking.TileKind.SKIP: "s", masking.TileKind.PARTIAL: "p", masking.TileKind.FULL: "f"}
 KIND_NAME = {"s": "skipped", "p": "visited, mask math", "f": "visited, fully visible"}
 #: Largest Nq x Nk tile grid for which the per-tile map is computed (one tile_kind call per tile).
 MAX_MAP_TILES = 1 << 20
@@ -36,9 +36,9 @@ _SMEM_REF = re.compile(r"\bs\.(\w+)")
 
 
 # --------------------------------------------------------------------------- masking (one source)
-def _kind(spec: KernelSpec, row0: int, col0: int, nq: int, nk: int) -> int:
+def _kind(spec: KernelSpec, row0: int, col0: int, nq: int, nk: int) -> masking.TileKind:
     t = spec.tile
-    return int(masking.tile_kind(row0, col0, nq, nk, block_r=t.block_r, block_c=t.block_c, causal=spec.causal,
+    return masking.TileKind(masking.tile_kind(row0, col0, nq, nk, block_r=t.block_r, block_c=t.block_c, causal=spec.causal,
                                  key_padding=spec.key_padding))
 
 
@@ -191,11 +191,15 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
         else:
             need = footprint(*grown)
             reasons[dim] = (f"{sym} = {val}: {grown[0]} x {grown[1]} would need {need} B of shared memory, "
-                            f"more than M = {m} B" if need > m else f"{sym} = {val}")
-    paper_need = footprint(spec.paper_block_r, spec.paper_block_c)
+                            f"more than M = {m} B" if need > m else
+                            f"{sym} = {val}: shrunk (the larger dimension first) while the tile did not fit M = {m} B")
+    try:
+        paper_need: int | None = footprint(spec.paper_block_r, spec.paper_block_c)
+    except Exception:  # noqa: BLE001 - a family may lay out only its own tile sizes
+        paper_need = None
     return {
         "paper": {"block_r": spec.paper_block_r, "block_c": spec.paper_block_c, "smem_bytes": paper_need,
-                  "fits": paper_need <= m},
+                  "fits": paper_need is not None and paper_need <= m},
         "used": {"block_r": t.block_r, "block_c": t.block_c, "smem_bytes": used, "fits": used <= m},
         "tile_multiple": q, "max_block_r": fam.max_block_r, "max_block_c": fam.max_block_c,
         "reasons": reasons,

@@ -240,8 +240,11 @@ def tiles_svg(f: dict[str, Any]) -> str:
                          f'x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}"><title>Q block {i}, K/V blocks '
                          f'{j0}..{j1 - 1}: {KIND_NAME[letter]}</title></rect>')
     parts.append("</g><g>")
-    parts += [f'<line class="gridline" x1="{j * bc}" y1="0" x2="{j * bc}" y2="{nq}"/>' for j in range(1, f["grid"]["kv_blocks"])]
-    parts += [f'<line class="gridline" x1="0" y1="{i * br}" x2="{nk}" y2="{i * br}"/>' for i in range(1, f["grid"]["q_blocks"])]
+    px = MATRIX_PX / max(nq, nk)  # pixels per element
+    if bc * px >= 4:  # tile borders only while a tile is a few pixels wide
+        parts += [f'<line class="gridline" x1="{j * bc}" y1="0" x2="{j * bc}" y2="{nq}"/>' for j in range(1, f["grid"]["kv_blocks"])]
+    if br * px >= 4:
+        parts += [f'<line class="gridline" x1="0" y1="{i * br}" x2="{nk}" y2="{i * br}"/>' for i in range(1, f["grid"]["q_blocks"])]
     parts.append("</g>")
     if f["causal"]:  # bottom-right alignment: row r sees keys col <= r + Nk - Nq
         off = nk - nq  # the boundary x = y + off + 1, clipped to the matrix
@@ -251,6 +254,13 @@ def tiles_svg(f: dict[str, Any]) -> str:
     parts.append('<rect id="dq-band" x="0" y="0" width="0" height="0"/><g id="done"></g>'
                  '<rect id="cta-band" x="0" y="0" width="0" height="0"/><rect id="cursor" x="0" y="0" width="0" height="0"/></svg>')
     return "".join(parts)
+
+
+def _fwd_note(f: dict[str, Any]) -> str:
+    if f["direction"] != "fwd":
+        return ""
+    return ('<p class="note" id="fwd-note">The forward pass (online softmax) is not Algorithm 4; the lines listed '
+            "are those its comments name, and its steps are the K/V blocks each Q block's CTA visits.</p>")
 
 
 def _alg4_list(f: dict[str, Any]) -> str:
@@ -302,7 +312,7 @@ def _smem_section(f: dict[str, Any]) -> str:
         f'<th>Algorithm 4 lines</th></tr>{rows}</table>'
         '<table id="tile-choice"><tr><th></th><th>B_r</th><th>B_c</th><th>smem (B)</th><th>fits M</th></tr>'
         f'<tr><td>paper (line 2)</td><td class="num">{tc["paper"]["block_r"]}</td><td class="num">{tc["paper"]["block_c"]}</td>'
-        f'<td class="num">{tc["paper"]["smem_bytes"]}</td><td>{"yes" if tc["paper"]["fits"] else "no"}</td></tr>'
+        f'<td class="num">{tc["paper"]["smem_bytes"] if tc["paper"]["smem_bytes"] is not None else "n/a"}</td><td>{"yes" if tc["paper"]["fits"] else "no"}</td></tr>'
         f'<tr><td>used</td><td class="num">{tc["used"]["block_r"]}</td><td class="num">{tc["used"]["block_c"]}</td>'
         f'<td class="num">{tc["used"]["smem_bytes"]}</td><td>{"yes" if tc["used"]["fits"] else "no"}</td></tr></table>'
         f'<ul id="tile-reasons">{choice}</ul></section>')
@@ -432,7 +442,7 @@ B<sub>r</sub> &times; B<sub>c</sub> = {f["block_r"]} &times; {f["block_c"]}</h2>
 <input type="range" id="step" min="0" max="1" value="0" aria-label="step">
 <button id="next" type="button">&#9654;</button><button id="play" type="button">play</button></div>
 <output id="step-label">Algorithm 4, step by step (needs JavaScript)</output>
-{_alg4_list(f)}</div></div></section>
+{_fwd_note(f)}{_alg4_list(f)}</div></div></section>
 {_smem_section(f)}
 {_resources_section(f)}
 <section id="source"><h2>Generated CUDA source ({len(f["source"].splitlines())} lines; Algorithm 4 comments link to the step view)</h2>
