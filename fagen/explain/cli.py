@@ -10,8 +10,8 @@ from ..errors import InputError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("explain options")
-    g.add_argument("--seqlen-q", type=int, default=1024, help="N_q of the drawn problem (default 1024)")
-    g.add_argument("--seqlen-k", type=int, default=None, help="N_k (default: N_q)")
+    g.add_argument("--seqlen-q", type=int, default=1024, metavar="N", help="N_q of the drawn problem (default 1024)")
+    g.add_argument("--seqlen-k", type=int, default=None, metavar="N", help="N_k (default: N_q)")
     g.add_argument("--html", type=str, default=None, metavar="OUT.html", help="write the self-contained page here")
     g.add_argument("--json", action="store_true", help="print the facts the page renders from")
 
