@@ -120,3 +120,18 @@ def test_emulator_build_logs_one_line(tmp_path: Path, caplog: pytest.LogCaptureF
         build(source, [KernelSig("fill", (("int*", "out"),))], cache_dir=tmp_path)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("fagen")]
     assert len(lines) == 1 and lines[0].startswith("building fill for the CPU emulator with "), lines
+
+
+def test_autotune_progress_is_a_plain_line_per_candidate_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    from dataclasses import replace
+
+    from fagen.autotune.candidates import compile_candidates, enumerate_candidates
+
+    cands = enumerate_candidates(KernelSpec(head_dim=32, arch="sm_80", sram_bytes=32768, impl="simt"))
+    pending = [c for c in cands if c.status == "pending"]
+    assert pending
+    with caplog.at_level(logging.INFO, logger="fagen"):
+        compile_candidates(cands, workers=1, progress=False, compile_fn=lambda c: replace(c, status="ok"))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("fagen.autotune")]
+    assert len(lines) == len(pending)
+    assert lines[0].startswith(f"candidate 1/{len(pending)}: ") and lines[-1].endswith(": ok")
