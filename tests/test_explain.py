@@ -153,6 +153,10 @@ def test_page_content_and_structure(direction: str, causal: bool, kpad: bool) ->
             v = a.get(attr, "")
             assert not v.startswith(("http:", "https:", "//")), (tag, attr, v)
         assert tag not in ("link", "iframe", "img") or not a.get("src", "").strip(), tag
+    ids = {a["id"] for _, a in p.tags if "id" in a}
+    internal = [a["href"] for _, a in p.tags if a.get("href", "").startswith("#")]
+    assert internal and all(h[1:] in ids for h in internal)  # every in-page link has a target
+    assert len(p.find("a", href=f"#L{f['algorithm4']['kernel_lines'][f['kernel']][0]}")) == 1  # the main kernel
     # tiles: the drawn runs add up to the masking rule's counts
     drawn = {k: sum(int(a["data-j1"]) - int(a["data-j0"]) for a in p.find("rect", k)) for k in ("s", "p", "f")}
     t = f["tiles"]

@@ -256,6 +256,13 @@ def tiles_svg(f: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _kernel_links(f: dict[str, Any]) -> str:
+    spans = f["algorithm4"]["kernel_lines"]
+    links = [f'<a href="#L{spans[k["kernel"]][0]}"><code>{_e(k["kernel"])}</code></a> ({_e(k["role"])}, line '
+             f'{spans[k["kernel"]][0]})' for k in f["kernels"] if k["kernel"] in spans]
+    return "Entry points: " + ", ".join(links) if links else ""
+
+
 def _fwd_note(f: dict[str, Any]) -> str:
     if f["direction"] != "fwd":
         return ""
@@ -446,6 +453,7 @@ B<sub>r</sub> &times; B<sub>c</sub> = {f["block_r"]} &times; {f["block_c"]}</h2>
 {_smem_section(f)}
 {_resources_section(f)}
 <section id="source"><h2>Generated CUDA source ({len(f["source"].splitlines())} lines; Algorithm 4 comments link to the step view)</h2>
+<p id="kernel-links">{_kernel_links(f)}</p>
 <pre class="src"><code>{highlight(f["source"])}</code></pre></section>
 <script type="application/json" id="fagen-facts">{facts_json}</script>
 <script>{_JS}</script>
