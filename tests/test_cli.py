@@ -59,7 +59,7 @@ def test_compile_json_then_cached(tmp_path: Path) -> None:
 
 
 def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["generate", "--head-dim", "32", "--dtype", "bfloat16", "--out", str(tmp_path / "one")]) == 0
+    assert main(["generate", "--head-dim", "32", "--dtype", "bfloat16", "--impl", "simt", "--out", str(tmp_path / "one")]) == 0
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["fa_bwd_d32_bf16_br32_bc128_w4_simt_sm90.cu", "manifest.json"]
     assert main(["generate", "--all", "--out", str(tmp_path / "all")]) == 0
     manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
@@ -77,7 +77,8 @@ def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     [
         (["inspect", "--head-dim", "65"], "--head-dim"),
         (["inspect", "--head-dim", "64", "--sram-bytes", "1000000"], "--sram-bytes"),
-        (["inspect", "--head-dim", "64", "--block-c", "128", "--block-r", "128", "--sram-bytes", "60000"], "--block-c"),
+        (["inspect", "--head-dim", "64", "--impl", "simt", "--block-c", "128", "--block-r", "128", "--sram-bytes", "60000"],
+         "--block-c"),
         (["inspect", "--head-dim", "64", "--block-r", "20"], "--block-r"),
         (["inspect", "--head-dim", "64", "--num-warps", "5"], "--num-warps"),
         (["inspect", "--head-dim", "64", "--impl", "tensorcore9000"], "--impl"),
