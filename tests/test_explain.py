@@ -262,6 +262,20 @@ def test_page_in_headless_chromium(tmp_path: Path) -> None:
     first, end = facts["cta_ranges"][5]
     assert end - first >= 3
     assert f"CTA 5, step 3 of {end - first}:" in dom and f"tile (Q block {first + 2}, K/V block 5)" in dom
+    # the lines of that step are highlighted; the mask (line 12) only where the tile needs mask math
+    kind = next(k for k, j0, j1 in facts["tile_map"][first + 2] if j0 <= 5 < j1)
+
+    def on(line: int) -> bool:
+        tag = re.search(rf'<li[^>]*id="alg4-{line}"[^>]*>', dom).group()
+        return "on" in re.search(r'class="([^"]*)"', tag).group(1).split()
+
+    assert on(10) and on(21) and not on(7) and not on(24)
+    assert on(12) == (kind == "p")
+    # and at a step of the same CTA whose tile needs mask math
+    kinds = [next(k for k, j0, j1 in facts["tile_map"][i] if j0 <= 5 < j1) for i in range(first, end)]
+    step = 1 + kinds.index("p")
+    dom, _ = dom_of(page.as_uri() + f"#cta=5&step={step}")
+    assert f"CTA 5, step {step} of" in dom and "mask math (line 12)" in dom and on(12) and on(11)
     shot = tmp_path / "shot.png"
     subprocess.run([*base, "--window-size=1280,1600", f"--screenshot={shot}", url], capture_output=True, timeout=120)
     data = shot.read_bytes()

@@ -106,7 +106,8 @@ _JS = r"""
     var rg = F.cta_ranges[cta], out = [{phase: 'prologue', lines: A.prologue}];
     for (var b = rg[0]; b < rg[1]; b++) {
       var i = bwd ? b : cta, j = bwd ? cta : b;
-      out.push({phase: 'loop', i: i, j: j, kind: kindAt(i, j), lines: A.loop});
+      var kind = kindAt(i, j);  // a fully visible tile skips the mask (line 12)
+      out.push({phase: 'loop', i: i, j: j, kind: kind, lines: kind === 'f' ? A.loop.filter(function (n) { return n !== 12; }) : A.loop});
     }
     out.push({phase: 'epilogue', lines: A.epilogue});
     return out;
