@@ -246,3 +246,18 @@ def test_bad_launch_is_refused_before_cupy(fake_cupy) -> None:
     with pytest.raises(gpu.LaunchError, match="non-null device pointer"):
         mod.launch(kern, (1, 1, 1), {**_args(kern), **{n: 0 for t, n in kern.params if t.endswith("*")}})
     assert not [e for e in fake.log if e[0] in ("launch", "load")]
+
+
+def test_remembered_conversions_keep_every_check() -> None:
+    args = _args(KERN)
+    first = gpu.cuda_args(KERN, args)
+    again = gpu.cuda_args(KERN, dict(args))
+    assert [_cupy_bytes(a) for a in again] == [_cupy_bytes(a) for a in first]
+    assert [type(a) for a in again] == [np.uint64 if t.endswith("*") else _NUMPY[t] for t, _ in KERN.params]
+    for bad in (float(args["heads"]), True, np.float64(args["heads"])):  # equal to a remembered int, wrong type
+        with pytest.raises(gpu.LaunchError, match="heads: expected an integer"):
+            gpu.cuda_args(KERN, {**args, "heads": bad})
+    assert gpu.cuda_args(KERN, {**args, "scale": 1})[[n for _, n in KERN.params].index("scale")] == np.float32(1.0)
+    missing = {k: v for k, v in args.items() if k not in ("q", "scale")}
+    with pytest.raises(KeyError, match=r"missing kernel arguments \['q', 'scale'\]"):
+        gpu.cuda_args(KERN, missing)

@@ -101,8 +101,65 @@ def _as_int(value: Any, label: str, what: str) -> int:
         raise LaunchError(label, what, type(value).__name__) from None
 
 
+def _converter(ctype: str, name: str):
+    """A one-argument :func:`to_cuda_arg` for one parameter that remembers its last few results
+    (numpy scalars are immutable, and sizes, strides and pooled pointers repeat call after call).
+    Only exact ``int`` (and for ``float`` parameters ``float``) values are remembered; anything
+    else takes the full checks every time."""
+    exact = (int, float) if ctype == "float" else (int,)
+    seen: dict[Any, Any] = {}
+
+    def convert(value: Any) -> Any:
+        if type(value) in exact:
+            found = seen.get(value)
+            if found is None:
+                found = to_cuda_arg(ctype, value, name)
+                if len(seen) >= 64:
+                    seen.clear()
+                seen[value] = found
+            return found
+        return to_cuda_arg(ctype, value, name)
+    return convert
+
+
+_converters: dict[int, tuple[KernelInfo, tuple[tuple[str, Any], ...]]] = {}
+
+
+def cuda_args(kernel: KernelInfo, args: dict[str, Any]) -> tuple[Any, ...]:
+    """The kernel's arguments in parameter order, each as :func:`to_cuda_arg` makes it."""
+    entry = _converters.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = (kernel, tuple((n, _converter(t, n)) for t, n in kernel.params))
+        if len(_converters) > 4096:
+            _converters.clear()
+        _converters[id(kernel)] = entry
+    try:
+        return tuple(convert(args[n]) for n, convert in entry[1])
+    except KeyError:
+        pack(kernel, args)  # names every missing argument
+        raise
+
+
+def prepare_launch(kernel: KernelInfo, grid: tuple[int, int, int],
+                   args: dict[str, Any]) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[Any, ...]]:
+    """(grid, block, arguments) exactly as handed to CuPy: the host-side work of a launch."""
+    packed = cuda_args(kernel, args)
+    g, block = check_launch(kernel, grid)
+    return g, block, packed
+
+
 def check_launch(kernel: KernelInfo, grid: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid, block) as plain int tuples, within CUDA's limits, or :class:`LaunchError`."""
+    b = kernel.block
+    if type(grid) is tuple and len(grid) == 3 and type(b) is tuple and len(b) == 3:  # the common case, quickly
+        x, y, z = grid
+        bx, by, bz = b
+        if (type(x) is int and type(y) is int and type(z) is int and 1 <= x <= GRID_X_MAX
+                and 1 <= y <= GRID_YZ_MAX and 1 <= z <= GRID_YZ_MAX
+                and type(bx) is int and type(by) is int and type(bz) is int
+                and 1 <= bx <= BLOCK_MAX[0] and 1 <= by <= BLOCK_MAX[1] and 1 <= bz <= BLOCK_MAX[2]
+                and bx * by * bz <= THREADS_MAX):
+            return grid, b
     if len(grid) != 3:
         raise LaunchError(f"{kernel.name} grid", "3 dimensions", grid)
     g = tuple(_as_int(x, f"{kernel.name} grid", "integers") for x in grid)
@@ -151,10 +208,8 @@ class GpuModule:
         import cupy
         import torch
 
-        values = pack(kernel, args)
-        g, block = check_launch(kernel, grid)
-        packed = tuple(to_cuda_arg(t, v, n) for (t, v), (_, n) in zip(values, kernel.params))
-        device = _pointer_device(values)
+        g, block, packed = prepare_launch(kernel, grid, args)
+        device = _pointer_device(list(zip((t for t, _ in kernel.params), packed)))
         with cupy.cuda.Device(device), _cupy_stream(torch.cuda.current_stream(device), device):
             fn = self._kernels(device)[kernel.name]
             fn(g, block, packed, shared_mem=kernel.smem_bytes)
