@@ -1,11 +1,14 @@
 """Persisted tuning choices: one JSON file under ``cache_root("autotune")``.
 
+This module sits below the functional API (which looks choices up on every call)
+and below the autotuner (which records them), so neither imports the other.
+
 Format (``choices.json``)::
 
     {"format": 1,
      "entries": {"<sha256 of the canonical key>": {
          "key": {"device_name", "capability", "fagen_version", "nvrtc_version", "spec", "seqlen_bucket"},
-         "choice": {"block_r", "block_c", "num_warps", "impl"},
+         "choice": {"block_r", "block_c", "num_warps", "impl", "knobs"},
          "problem": {"batch", "heads", "seqlen_q", "seqlen_k"},
          "measured_ms", "predicted_ms", "default_ms", "recorded_at"}}}
 
@@ -27,17 +30,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .. import cache, nvrtc
-from .._version import __version__
-from ..settings import get_settings
-from ..spec import KernelSpec
-from .model import seqlen_bucket
+from . import cache, nvrtc
+from ._version import __version__
+from .settings import get_settings
+from .spec import KernelSpec
 
 FORMAT = 1
 FILENAME = "choices.json"
 
 _memo: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
 _memo_lock = threading.Lock()
+
+
+def seqlen_bucket(n: int) -> int:
+    """Smallest power of two >= n (at least 16): choices are keyed by this bucket."""
+    return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
 def store_path() -> Path:
@@ -98,7 +105,8 @@ def record(spec: KernelSpec, *, seqlen_q: int, seqlen_k: int, device_name: str, 
     t = spec.tile
     entry = {
         "key": key,
-        "choice": {"block_r": t.block_r, "block_c": t.block_c, "num_warps": spec.num_warps, "impl": spec.impl},
+        "choice": {"block_r": t.block_r, "block_c": t.block_c, "num_warps": spec.num_warps, "impl": spec.impl,
+                   "knobs": spec.knob_values},
         "problem": {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k},
         "measured_ms": measured_ms, "predicted_ms": predicted_ms, "default_ms": default_ms,
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -131,9 +139,11 @@ def lookup(spec: KernelSpec, *, batch: int, heads: int, seqlen_q: int, seqlen_k:
     if not isinstance(choice, dict):
         return None
     try:
+        knobs = choice.get("knobs")
         return spec.replace(block_r=int(choice["block_r"]), block_c=int(choice["block_c"]),
-                            num_warps=int(choice["num_warps"]), impl=str(choice["impl"]))
-    except (KeyError, TypeError, ValueError, ValidationError):
+                            num_warps=int(choice["num_warps"]), impl=str(choice["impl"]),
+                            knobs={str(k): int(v) for k, v in knobs.items()} if isinstance(knobs, dict) else None)
+    except (KeyError, TypeError, ValueError, AttributeError, ValidationError):
         return None  # a stale choice (e.g. a family that no longer exists) is no choice
 
 

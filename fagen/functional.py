@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .choices import tuned_or_default
 from .errors import InputError, InputTypeError, check_dropout_p
 from .philox import drop_threshold, keep_mask
 from .renderer import render
@@ -177,10 +178,6 @@ def _default_spec(direction: str, head_dim: int, dtype: str, causal: bool, key_p
 def spec_for(direction: str, p: Problem, *, causal: bool, key_padding: bool, dropout: bool) -> KernelSpec:
     """The spec of the inputs: default tiles, or a tuned choice when one is recorded."""
     spec = _default_spec(direction, p.head_dim, p.dtype, causal, key_padding, dropout, default_arch(p.device))
-    try:
-        from .autotune import tuned_or_default
-    except ImportError:  # pragma: no cover - autotuner not installed
-        return spec
     return tuned_or_default(spec, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, device=p.device)
 
 

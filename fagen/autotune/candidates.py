@@ -1,16 +1,17 @@
 """The candidate space of one spec and its pruning.
 
-A candidate is (family, block_r, block_c, num_warps). For every registered
-kernel family that supports the spec the tile sizes are the family's tile
-quantum times powers of two up to its template limit, the midpoint of the two
-largest (16, 32, 64, 96, 128 for SIMT), and the paper's point as made feasible
-by the spec (``spec.tile`` without overrides); warps are 2, 4 and 8. The
-spec's own choice is always a candidate, so "tuned" can be compared with
-"untuned".
+A candidate is (family, block_r, block_c, num_warps, knobs). For every
+registered kernel family that supports the spec the tile sizes are the
+family's tile quantum times powers of two up to its template limit, the
+midpoint of the two largest (16, 32, 64, 96, 128 for SIMT), and the paper's
+point as made feasible by the spec (``spec.tile`` without overrides); warps
+are 2, 4 and 8; knobs take every value the family declares. The spec's own
+choice is always a candidate, so "tuned" can be compared with "untuned".
 
 Pruning, cheapest first, every rejection keeping its reason:
 
-1. the family cannot implement the spec, or the tile breaks its template limits;
+1. the family cannot implement the spec, or rejects the (tile, warps, knobs)
+   (``Family.config_reason``: template limits, rows per warp, ...);
 2. the exact smem footprint (the family's layout) exceeds the arch's opt-in
    per-block capacity or the spec's ``sram_bytes`` (M) -- no compile needed;
 3. ``spec.replace(...)`` raises a pydantic ``ValidationError``;
@@ -24,6 +25,7 @@ modules in ~0.8 s where one after the other takes ~1.3 s.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -34,6 +36,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
+from .. import sass
 from ..compiler import CompiledModule, compile as compile_spec
 from ..errors import CacheDirError, CompileError
 from ..families import Family, family_names, get_family
@@ -55,6 +58,7 @@ class Candidate:
     block_r: int
     block_c: int
     num_warps: int
+    knobs: tuple[tuple[str, int], ...] = ()  # the family's knobs, sorted by name
     smem_bytes: int | None = None
     spec: KernelSpec | None = field(default=None, compare=False, repr=False)
     status: Status = "pending"
@@ -66,15 +70,17 @@ class Candidate:
     occupancy: float | None = None
     predicted_ms: float | None = None
     measured_ms: float | None = None
+    bound: str | None = None  # the model's limiting term
+    sass_loop: tuple[tuple[str, int], ...] | None = field(default=None, compare=False, repr=False)  # main loop mix
 
     @property
-    def key(self) -> tuple[str, int, int, int]:
+    def key(self) -> tuple:
         """Stable identity, also the deterministic tie-break of every ranking."""
-        return (self.impl, self.block_r, self.block_c, self.num_warps)
+        return (self.impl, self.block_r, self.block_c, self.num_warps, self.knobs)
 
     @property
     def label(self) -> str:
-        return f"{self.block_r}x{self.block_c}"
+        return f"{self.block_r}x{self.block_c}" + "".join(f" {k}={v}" for k, v in self.knobs)
 
     def reject(self, reason: str) -> "Candidate":
         return replace(self, status="rejected", reason=reason)
@@ -82,6 +88,7 @@ class Candidate:
     def as_dict(self) -> dict[str, object]:
         return {
             "block_r": self.block_r, "block_c": self.block_c, "num_warps": self.num_warps, "impl": self.impl,
+            "knobs": dict(self.knobs), "bound": self.bound,
             "smem_bytes": self.smem_bytes, "registers": self.registers, "spill_bytes": self.spill_bytes,
             "occupancy": self.occupancy, "predicted_ms": self.predicted_ms, "measured_ms": self.measured_ms,
             "paper_point": self.is_paper, "default": self.is_default,
@@ -118,8 +125,8 @@ def _paper_tile(spec: KernelSpec, impl: str) -> tuple[int, int] | None:
 def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None,
                          warps: Sequence[int] = WARPS) -> list[Candidate]:
     """Every candidate point for ``spec`` with steps 1-3 of the pruning applied (no compiling)."""
-    default_key = (spec.impl, spec.tile.block_r, spec.tile.block_c, spec.num_warps)
-    out: dict[tuple[str, int, int, int], Candidate] = {}
+    default_key = (spec.impl, spec.tile.block_r, spec.tile.block_c, spec.num_warps, spec.knobs)
+    out: dict[tuple, Candidate] = {}
     for impl in family_names():
         fam = get_family(impl)
         paper = _paper_tile(spec, impl)
@@ -127,27 +134,28 @@ def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None
         tiles = {(br, bc) for br in fam_sizes for bc in fam_sizes}
         if paper is not None:
             tiles.add(paper)
-        points = {(br, bc, w) for br, bc in tiles for w in warps}
+        knob_points = [tuple(zip([k.name for k in fam.knobs], values))
+                       for values in itertools.product(*[k.choices for k in fam.knobs])]
+        points = {(br, bc, w, kn) for br, bc in tiles for w in warps for kn in knob_points}
         if impl == spec.impl:
             points.add(default_key[1:])
-        for br, bc, w in sorted(points):
-            key = (impl, br, bc, w)
-            out[key] = _prune_static(spec, fam, br, bc, w, is_paper=(br, bc) == paper,
+        for br, bc, w, kn in sorted(points):
+            key = (impl, br, bc, w, kn)
+            out[key] = _prune_static(spec, fam, br, bc, w, kn, is_paper=(br, bc) == paper,
                                      is_default=key == default_key)
     return [out[k] for k in sorted(out)]
 
 
-def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, *,
-                  is_paper: bool, is_default: bool) -> Candidate:
-    cand = Candidate(fam.name, br, bc, w, is_paper=is_paper, is_default=is_default)
+def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs: tuple[tuple[str, int], ...],
+                  *, is_paper: bool, is_default: bool) -> Candidate:
+    cand = Candidate(fam.name, br, bc, w, knobs, is_paper=is_paper, is_default=is_default)
     why = fam.unsupported_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch)
     if why:
         return cand.reject(f"family {fam.name} unsupported: {why}")
-    for name, v, limit in (("block_r", br, fam.max_block_r), ("block_c", bc, fam.max_block_c)):
-        if v < fam.tile_multiple or v % fam.tile_multiple or v > limit:
-            return cand.reject(f"{name}={v} not a multiple of {fam.tile_multiple} in "
-                               f"{fam.tile_multiple}..{limit} ({fam.name} template limit)")
-    smem = fam.smem_layout(spec.direction, spec.head_dim, spec.itemsize, br, bc).total_bytes
+    bad = fam.config_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch, br, bc, w, dict(knobs))
+    if bad is not None:
+        return cand.reject(bad.message)
+    smem = fam.smem_layout(spec.direction, spec.head_dim, spec.itemsize, br, bc, dict(knobs)).total_bytes
     cand = replace(cand, smem_bytes=smem)
     optin = ARCH_SMEM_OPTIN[spec.arch]
     if smem > optin:
@@ -155,17 +163,28 @@ def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, *,
     if smem > spec.sram_bytes:
         return cand.reject(f"smem {smem} B > sram_bytes {spec.sram_bytes}")
     try:
-        cspec = spec.replace(block_r=br, block_c=bc, num_warps=w, impl=fam.name)
+        cspec = spec.replace(block_r=br, block_c=bc, num_warps=w, impl=fam.name, knobs=dict(knobs))
     except ValidationError as e:
         return cand.reject(f"invalid spec: {_validation_reason(e)}")
     return replace(cand, spec=cspec)
 
 
+def main_loop_mix(mod: CompiledModule) -> tuple[tuple[str, int], ...] | None:
+    """The main kernel's main-loop SASS opcode mix (``fagen.sass.loop_mix``); None without a
+    disassembler or when it fails."""
+    try:
+        loops = sass.loop_mix(mod.cubin)
+    except Exception:  # noqa: BLE001 - SASS is optional evidence for the model
+        return None
+    mix = (loops or {}).get(mod.rendered.kernel("main").name)
+    return tuple(sorted(mix.items())) if mix else None
+
+
 def check_resources(cand: Candidate, mod: CompiledModule) -> Candidate:
-    """Step 5: spills and launch bounds from the ptxas report."""
+    """Step 5: spills and launch bounds from the ptxas report (and the main loop's SASS mix)."""
     main = mod.resource("main")
     spills = sum(r.spill_bytes for r in mod.resources)
-    cand = replace(cand, registers=main.registers, spill_bytes=spills)
+    cand = replace(cand, registers=main.registers, spill_bytes=spills, sass_loop=main_loop_mix(mod))
     threads = 32 * cand.num_warps
     if spills:
         worst = max(mod.resources, key=lambda r: r.spill_bytes)

@@ -1,19 +1,25 @@
-"""The CPU cost model: HBM traffic, FLOPs, occupancy and wave quantisation.
+"""The CPU cost model: HBM traffic, FLOPs, shared memory, issue slots, dQ atomics, occupancy.
 
-    t = max(bytes / BW / h, flops / peak / h, wavefronts / (SMs * clk) / h_smem, instrs / (4 * SMs * clk) / h) * q
-        + launches * t_launch
+    t = max(bytes / BW / h, flops / peak / h, wavefronts / (SMs * clk) / h_smem,
+            instrs / (4 * SMs * clk) / h, atomics / atomic_rate) * q + launches * t_launch
 
 bytes       HBM traffic of the paper's IO analysis (Theorem 2 / 5), counted per
-            tile pair actually visited (causal skips tiles above the diagonal);
+            tile pair actually visited (``fagen.masking.tile_counts``: closed form,
+            so the model costs the same at N = 2**40 as at N = 1024);
 flops       the FLOPs of the visited tiles (masked elements inside a visited
-            tile still cost);
-wavefronts  shared-memory load wavefronts of the family's inner products,
-            bank conflicts included (per-family cost function; SIMT: the
-            4x4 register-tiled block_gemm of templates/partials/common.cuh);
-instrs      issued warp instructions of those inner loops;
-h           latency hiding at the achieved occupancy, per term: min(1, warps per
-            SM / 16) for HBM, FP32 and issue; min(1, warps per SM x wavefronts
-            per iteration / 32) for shared memory;
+            tile still cost), at the peak of the family's math unit (FP32 FMA
+            lanes for SIMT, tensor cores for ``math_unit == "tensor"``);
+wavefronts  shared-memory load wavefronts of one tile pair, bank conflicts
+            included (the family's ``pair_cost``);
+instrs      issued warp instructions: from the main kernel's own SASS when the
+            disassembler is installed (dynamic math instructions, known from the
+            FLOPs, times total / math instructions of the main loop), else the
+            family's ``pair_cost``;
+atomics     fp32 atomic adds of dQ (Algorithm 4 line 21) at the L2's rate;
+h           latency hiding at the achieved occupancy: min(1, busy warps per SM / 16),
+            where busy warps = resident warps x the family's warp balance (a tile
+            too small for the block leaves warps idle); for shared memory
+            min(1, busy warps x wavefronts per iteration / 32);
 q           wave quantisation: waves * slots / blocks, slots = SMs * blocks per SM.
 
 docs/autotune.md gives every formula and constant with its source.
@@ -21,11 +27,13 @@ docs/autotune.md gives every formula and constant with its source.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..abi import ROLES
-from ..families import get_family
+from ..choices import seqlen_bucket
+from ..errors import InputError
+from ..families import PairCost, get_family, lds_wavefronts  # noqa: F401 (lds_wavefronts: re-export)
+from ..masking import tile_counts
 from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM,
                     KernelSpec)
 from .candidates import Candidate
@@ -43,26 +51,46 @@ SMEM_LATENCY_CLOCKS = 32
 #: Cost of one kernel launch on a busy stream (seconds).
 LAUNCH_SECONDS = 4e-6
 BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward matmul FLOPs (FlashAttention paper, sec. 4)
+#: fp32 atomic adds the L2 retires per SM per clock (an estimate: one 32-byte sector per L2 slice
+#: per clock, about as many slices as SMs, and warps' dQ adds coalesce 8 floats to a sector at best).
+ATOMICS_PER_SM_CLOCK = 4
+#: FLOPs of one warp-wide math instruction, and its SASS opcode, per math unit.
+MATH_OPCODE = {"fp32": "FFMA", "tensor": "HMMA"}
+FLOPS_PER_MATH_INSTRUCTION = {"fp32": 2 * 32, "tensor": 2 * 16 * 8 * 16}  # FFMA x 32 lanes; HMMA.16816
+#: The largest runtime sizes the kernels take (int32 lengths; grid y / z = batch / heads).
+MAX_SEQLEN = 2**31 - 1
+MAX_GRID_YZ = 65535
 
 
 @dataclass(frozen=True)
-class Problem:
-    """The runtime shape a choice is made for."""
+class Workload:
+    """The runtime shape a tuning choice is made for (the functional API's validated shape is
+    ``fagen.functional.Problem``)."""
 
     batch: int
     heads: int
     seqlen_q: int
     seqlen_k: int
 
+    def __post_init__(self) -> None:
+        for name, v, hi in (("batch", self.batch, MAX_GRID_YZ), ("heads", self.heads, MAX_GRID_YZ),
+                            ("seqlen_q", self.seqlen_q, 2 * MAX_SEQLEN), ("seqlen_k", self.seqlen_k, 2 * MAX_SEQLEN)):
+            check_size(name, v, hi)
+
     @classmethod
-    def bucketed(cls, batch: int, heads: int, seqlen_q: int, seqlen_k: int | None = None) -> "Problem":
-        """The representative problem: seqlens rounded up to a power of two."""
+    def bucketed(cls, batch: int, heads: int, seqlen_q: int, seqlen_k: int | None = None) -> "Workload":
+        """The representative workload: seqlens rounded up to a power of two."""
+        for name, v in (("seqlen", seqlen_q), ("seqlen_k", seqlen_k)):
+            if v is not None:
+                check_size(name, v, MAX_SEQLEN)
         return cls(batch, heads, seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_q if seqlen_k is None else seqlen_k))
 
 
-def seqlen_bucket(n: int) -> int:
-    """Smallest power of two >= n (at least 16)."""
-    return max(16, 1 << max(0, (n - 1).bit_length()))
+def check_size(name: str, v: object, hi: int) -> int:
+    """``v`` as an int in 1..hi, else an InputError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise InputError(name, f"an integer in 1..{hi}", v)
+    return v
 
 
 @dataclass(frozen=True)
@@ -72,28 +100,37 @@ class DeviceModel:
     clock_hz: float  # boost clock
     hbm_bytes_per_s: float
     fp32_lanes_per_sm: int  # FP32 FMA lanes per SM (64 on sm_80, 128 on sm_86/89/90)
+    tensor_flops_per_s: float  # dense fp16/bf16 tensor-core peak with fp32 accumulation
 
     @property
     def fp32_flops_per_s(self) -> float:
         """SIMT FP32 peak: SMs x lanes x 2 FLOPs per FMA x clock."""
         return self.sm_count * self.fp32_lanes_per_sm * 2 * self.clock_hz
 
+    @property
+    def atomics_per_s(self) -> float:
+        """fp32 atomic adds per second the L2 retires (estimate, ATOMICS_PER_SM_CLOCK)."""
+        return self.sm_count * ATOMICS_PER_SM_CLOCK * self.clock_hz
+
+    def math_flops_per_s(self, unit: str) -> float:
+        return self.tensor_flops_per_s if unit == "tensor" else self.fp32_flops_per_s
+
 
 #: Per-arch defaults (the arch's flagship part); see docs/autotune.md for the sources.
 ARCH_DEVICES: dict[str, DeviceModel] = {
-    "sm_80": DeviceModel("A100 SXM4 80GB", 108, 1.410e9, 2.039e12, 64),  # 19.5 TFLOP/s FP32
-    "sm_86": DeviceModel("GA102 (A40 / RTX A6000 class)", 84, 1.695e9, 0.936e12, 128),
-    "sm_89": DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128),  # 82.6 TFLOP/s
-    "sm_90": DeviceModel("H100 SXM5", 132, 1.980e9, 3.35e12, 128),  # 66.9 TFLOP/s
+    "sm_80": DeviceModel("A100 SXM4 80GB", 108, 1.410e9, 2.039e12, 64, 312e12),  # 19.5 TFLOP/s FP32
+    "sm_86": DeviceModel("GA102 (A40 / RTX A6000 class)", 84, 1.695e9, 0.936e12, 128, 149.7e12),
+    "sm_89": DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12),  # 82.6 TFLOP/s
+    "sm_90": DeviceModel("H100 SXM5", 132, 1.980e9, 3.35e12, 128, 989.4e12),  # 66.9 TFLOP/s
 }
 #: Named parts whose numbers differ from their arch's default (substring of the CUDA device name).
 NAMED_DEVICES: tuple[tuple[str, DeviceModel], ...] = (
-    ("H200", DeviceModel("H200 SXM", 132, 1.980e9, 4.8e12, 128)),
-    ("H100 PCIe", DeviceModel("H100 PCIe", 114, 1.755e9, 2.0e12, 128)),
-    ("A100-SXM4-40GB", DeviceModel("A100 SXM4 40GB", 108, 1.410e9, 1.555e12, 64)),
-    ("A100-PCIE-40GB", DeviceModel("A100 PCIe 40GB", 108, 1.410e9, 1.555e12, 64)),
-    ("RTX 3090", DeviceModel("RTX 3090", 82, 1.695e9, 0.936e12, 128)),
-    ("RTX 4090", DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128)),
+    ("H200", DeviceModel("H200 SXM", 132, 1.980e9, 4.8e12, 128, 989.4e12)),
+    ("H100 PCIe", DeviceModel("H100 PCIe", 114, 1.755e9, 2.0e12, 128, 756.5e12)),
+    ("A100-SXM4-40GB", DeviceModel("A100 SXM4 40GB", 108, 1.410e9, 1.555e12, 64, 312e12)),
+    ("A100-PCIE-40GB", DeviceModel("A100 PCIe 40GB", 108, 1.410e9, 1.555e12, 64, 312e12)),
+    ("RTX 3090", DeviceModel("RTX 3090", 82, 1.695e9, 0.936e12, 128, 71e12)),
+    ("RTX 4090", DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12)),
 )
 
 
@@ -130,48 +167,29 @@ def occupancy(arch: str, num_warps: int, registers: int, smem_bytes: int) -> Occ
     return Occupancy(blocks, blocks * num_warps, blocks * num_warps / max_warps, limiter)
 
 
-def _causal_pairs(nq: int, nk: int, br: int, bc: int, causal: bool) -> tuple[int, list[int], list[int]]:
-    """Visited (i, j) tile pairs, Q rows visited per K/V block, K/V rows visited per Q block.
-
-    Bottom-right causal alignment (col <= row + Nk - Nq), as in templates/partials/common.cuh.
-    """
-    tr, tc = math.ceil(nq / br), math.ceil(nk / bc)
-    rows_per_col: list[int] = []
-    for j in range(tc):
-        first = max(0, j * bc - (nk - nq)) // br * br if causal else 0
-        rows_per_col.append(max(0, nq - first))
-    cols_per_row: list[int] = []
-    for i in range(tr):
-        end = max(0, min(nk, i * br + br + nk - nq)) if causal else nk
-        cols_per_row.append(math.ceil(end / bc) * bc if end else 0)
-    pairs = sum(math.ceil(r / br) for r in rows_per_col)
-    return pairs, rows_per_col, cols_per_row
-
-
-def hbm_bytes(spec: KernelSpec, p: Problem, block_r: int, block_c: int) -> float:
+def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
     """HBM bytes moved for one call (all kernels of the module)."""
     d, e, f32 = spec.head_dim, spec.itemsize, 4
     nq, nk = p.seqlen_q, p.seqlen_k
-    pairs, rows_per_col, cols_per_row = _causal_pairs(nq, nk, block_r, block_c, spec.causal)
+    tc = tile_counts(nq, nk, block_r, block_c, spec.causal, spec.key_padding)
     kpm = nk if spec.key_padding else 0
     if spec.direction == "bwd":
-        q_rows = sum(rows_per_col)  # Q, dO, lse, D re-read once per K/V block (Tc times)
         per_head = (
             2 * nk * d * e  # K_j, V_j read once
             + 2 * nk * d * e  # dK_j, dV_j written once
-            + q_rows * (2 * d * e + 2 * f32)  # Q_i, dO_i, lse_i, D_i per visited K/V block
-            + pairs * min(block_r, nq) * d * f32 * 2  # dQ accumulator read + written per tile pair
+            + tc["rows_visited"] * (2 * d * e + 2 * f32)  # Q_i, dO_i, lse_i, D_i per visited tile pair
+            + tc["visited"] * min(block_r, nq) * d * f32 * 2  # dQ accumulator read + written per tile pair
             + nq * (2 * d * e + f32 + d * f32)  # preprocess: read O, dO; write D; zero dQ acc
             + nq * d * (f32 + e)  # postprocess: read dQ acc, write dQ
             + kpm  # key-padding mask bytes
         )
     else:
-        kv_rows = sum(cols_per_row)  # K/V re-read once per Q block (Tr times)
-        per_head = nq * d * e + nq * d * e + nq * f32 + kv_rows * 2 * d * e + kpm
+        # K_j, V_j re-read once per visited tile pair; Q read and O, lse written once
+        per_head = nq * d * e + nq * d * e + nq * f32 + tc["cols_visited"] * 2 * d * e + kpm
     return float(p.batch * p.heads * per_head)
 
 
-def nominal_flops(spec: KernelSpec, p: Problem) -> float:
+def nominal_flops(spec: KernelSpec, p: Workload) -> float:
     """FLOPs for TFLOP/s reporting: 4 B H Nq Nk d (x 2.5 backward), halved for causal."""
     f = 4.0 * p.batch * p.heads * p.seqlen_q * p.seqlen_k * spec.head_dim
     if spec.direction == "bwd":
@@ -179,107 +197,42 @@ def nominal_flops(spec: KernelSpec, p: Problem) -> float:
     return f / 2 if spec.causal else f
 
 
-def visited_flops(spec: KernelSpec, p: Problem, block_r: int, block_c: int) -> float:
+def visited_pairs(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> int:
+    """Tile pairs the kernels visit, all (batch, head)s (``fagen.masking.tile_counts``)."""
+    tc = tile_counts(p.seqlen_q, p.seqlen_k, block_r, block_c, spec.causal, spec.key_padding)
+    return tc["visited"] * p.batch * p.heads
+
+
+def visited_flops(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
     """FLOPs of the visited tile pairs (padding and masked elements inside them included)."""
-    pairs, _, _ = _causal_pairs(p.seqlen_q, p.seqlen_k, block_r, block_c, spec.causal)
-    f = 4.0 * p.batch * p.heads * pairs * block_r * block_c * spec.head_dim
+    f = 4.0 * visited_pairs(spec, p, block_r, block_c) * block_r * block_c * spec.head_dim
     return f * BWD_FLOP_FACTOR if spec.direction == "bwd" else f
 
 
-def main_grid_blocks(spec: KernelSpec, p: Problem) -> int:
-    """Thread blocks of the main kernel's grid (the same rule as ``KernelInfo.grid``)."""
-    role = next(r for r in ROLES[spec.direction] if r.name == "main")
-    rows = {"block_r": spec.tile.block_r, "block_c": spec.tile.block_c, "num_warps": spec.num_warps}
-    gx, gy, gz = role.grid(batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-                           rows=rows[role.rows_per_block])
+def main_grid_blocks(spec: KernelSpec, p: Workload) -> int:
+    """Thread blocks of the main kernel's grid (the family's launch geometry, ``KernelInfo.grid``)."""
+    from ..renderer import kernel_infos
+
+    main = next(k for k in kernel_infos(spec) if k.role.name == "main")
+    gx, gy, gz = main.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
     return gx * gy * gz
 
 
-@dataclass(frozen=True)
-class PairCost:
-    """On-chip work of one (Q block, K/V block) tile pair, summed over the block's warps."""
-
-    lds_wavefronts: float  # shared-memory load wavefronts (1 per SM per clock)
-    warp_instructions: float  # issued warp instructions (1 per scheduler per clock, 4 per SM)
-    warp_iterations: float  # inner-loop iterations of one warp (one dependent FMA each)
-
-    @property
-    def wavefronts_per_iteration(self) -> float:
-        return self.lds_wavefronts / self.warp_iterations if self.warp_iterations else 0.0
-
-
-#: Address of lane ``e``'s operand at inner index 0, in bytes from the buffer start.
-_Addr = Callable[[int], int]
-
-
-def lds_wavefronts(addrs: list[int]) -> int:
-    """Wavefronts of one warp-wide shared-memory load: the most distinct 4-byte words in one bank."""
-    words: dict[int, set[int]] = {}
-    for a in addrs:
-        w = a // 4
-        words.setdefault(w % 32, set()).add(w)
-    return max((len(v) for v in words.values()), default=0)
-
-
-#: Register tile of one thread in the SIMT ``block_gemm`` (templates/partials/common.cuh):
-#: TM x TN accumulators, TM loads of A and TN loads of B per k step.
-GEMM_TM, GEMM_TN = 4, 4
-
-
-def _block_gemm(m: int, n: int, k: int, a: Callable[[int, int], int], b: Callable[[int, int], int],
-                cvt_a: bool, cvt_b: bool) -> PairCost:
-    """``block_gemm<M, N, K>``: thread t owns rows m0 + i*RM and columns n0 + j*RN (RM = M/TM,
-    RN = N/TN, m0 = t / RN, n0 = t % RN) and loads TM A values and TN B values per k step.
-    ``a(row, kk)`` / ``b(col, kk)`` give the byte address of the operand in shared memory."""
-    rm, rn = max(1, m // GEMM_TM), max(1, n // GEMM_TN)
-    threads = rm * rn
-    lanes = range(min(32, threads))
-    wf = 0
-    for i in range(GEMM_TM):
-        wf += lds_wavefronts([a(t // rn + i * rm, 0) for t in lanes])
-    for j in range(GEMM_TN):
-        wf += lds_wavefronts([b(t % rn + j * rn, 0) for t in lanes])
-    steps = math.ceil(threads / 32) * k
-    instr = GEMM_TM * GEMM_TN + GEMM_TM + GEMM_TN + GEMM_TM * cvt_a + GEMM_TN * cvt_b + 2  # fma, lds, cvt, loop
-    return PairCost(steps * wf, steps * instr, steps)
-
-
-def _simt_strides(spec: KernelSpec, bc: int) -> tuple[int, int]:
-    """Row strides (elements) of the dtype tiles and of the P/S tile, from the family when it pads."""
-    fam = get_family(spec.impl)
-    strides = getattr(fam, "strides", None)
-    if strides is None:
-        return spec.head_dim, bc
-    st = strides(spec.head_dim, spec.itemsize, bc)
-    return int(st["LD"]), int(st["P_LD"])
-
-
 def simt_pair_cost(spec: KernelSpec, br: int, bc: int) -> PairCost:
-    """The SIMT templates' five (backward) or two (forward) block_gemm calls per tile pair."""
-    d, t, f = spec.head_dim, spec.itemsize, 4
-    ld, p_ld = _simt_strides(spec, bc)
-    cvt = spec.dtype != "float32"
-
-    def tile(row: int, col: int) -> int:  # Q, K, V, dO: [rows][LD] of T
-        return (row * ld + col) * t
-
-    def p_rc(r: int, c: int) -> int:  # P / dS / S: [B_r][P_LD] of float
-        return (r * p_ld + c) * f
-
-    qk = _block_gemm(br, bc, d, tile, tile, cvt, cvt)  # S = Q K^T and dP = dO V^T
-    if spec.direction == "bwd":
-        dv_dk = _block_gemm(bc, d, br, lambda c, r: p_rc(r, c), lambda x, r: tile(r, x), False, cvt)  # dV, dK
-        dq = _block_gemm(br, d, bc, p_rc, lambda x, c: tile(c, x), False, cvt)  # dQ
-        steps = [qk, dv_dk, qk, dq, dv_dk]
-    else:
-        pv = _block_gemm(br, d, bc, p_rc, lambda x, c: tile(c, x), False, cvt)  # O += P V
-        steps = [qk, pv]
-    return PairCost(sum(c.lds_wavefronts for c in steps), sum(c.warp_instructions for c in steps),
-                    sum(c.warp_iterations for c in steps))
+    """The SIMT family's cost of one tile pair (``fagen.families.simt``)."""
+    return get_family("simt").pair_cost(spec, br, bc)  # type: ignore[return-value]
 
 
-#: Family -> on-chip cost of one tile pair. A family without an entry is modelled by its FLOPs alone.
-FAMILY_COSTS: dict[str, Callable[[KernelSpec, int, int], PairCost]] = {"simt": simt_pair_cost}
+def sass_instructions_per_flop(loop: Mapping[str, int] | None, unit: str) -> float | None:
+    """Issued warp instructions per FLOP from the main loop's SASS: one math instruction does
+    FLOPS_PER_MATH_INSTRUCTION[unit] FLOPs, and the loop issues total / math instructions per
+    math instruction. None without SASS or without math instructions in the loop."""
+    if not loop:
+        return None
+    math_n = loop.get(MATH_OPCODE[unit], 0)
+    if math_n <= 0:
+        return None
+    return sum(loop.values()) / math_n / FLOPS_PER_MATH_INSTRUCTION[unit]
 
 
 @dataclass(frozen=True)
@@ -291,7 +244,7 @@ class Prediction:
     blocks: int
     waves: int
     wave_factor: float
-    bound: str  # "hbm", "fp32", "smem", "issue" or "occupancy"
+    bound: str  # "hbm", "math", "smem", "issue", "atomics" or "occupancy"
     terms: dict[str, float]  # seconds of each roofline term at full occupancy, before quantisation
 
     @property
@@ -299,12 +252,15 @@ class Prediction:
         return self.seconds * 1e3
 
 
-def predict(spec: KernelSpec, p: Problem, registers: int, dev: DeviceModel) -> Prediction:
-    """Predicted wall time of one call of ``spec``'s module on problem ``p``."""
+def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
+            sass_loop: Mapping[str, int] | None = None) -> Prediction:
+    """Predicted wall time of one call of ``spec``'s module on workload ``p``; ``sass_loop`` is the
+    main kernel's main-loop SASS opcode mix (``fagen.sass.loop_mix``) when known."""
     t = spec.tile
+    fam = get_family(spec.impl)
     occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
     blocks = main_grid_blocks(spec, p)
-    launches = len(ROLES[spec.direction])
+    launches = len(fam.roles(spec.direction))
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)
     flops = visited_flops(spec, p, t.block_r, t.block_c)
     if occ.blocks_per_sm == 0:
@@ -312,32 +268,47 @@ def predict(spec: KernelSpec, p: Problem, registers: int, dev: DeviceModel) -> P
     slots = dev.sm_count * occ.blocks_per_sm
     waves = math.ceil(blocks / slots)
     q = waves * slots / blocks
-    hide = min(1.0, occ.warps_per_sm / SATURATION_WARPS)
-    terms = {"hbm": traffic / dev.hbm_bytes_per_s, "fp32": flops / dev.fp32_flops_per_s}
-    hidden = {"hbm": terms["hbm"] / hide, "fp32": terms["fp32"] / hide}
-    cost_fn = FAMILY_COSTS.get(spec.impl)
-    if cost_fn is not None:
-        pairs, _, _ = _causal_pairs(p.seqlen_q, p.seqlen_k, t.block_r, t.block_c, spec.causal)
-        pc = cost_fn(spec, t.block_r, t.block_c)
-        n = pairs * p.batch * p.heads
-        sm_clocks = dev.sm_count * dev.clock_hz
-        terms["smem"] = n * pc.lds_wavefronts / sm_clocks
+    pc = fam.pair_cost(spec, t.block_r, t.block_c, sass_loop)
+    balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
+    busy_warps = occ.warps_per_sm * balance  # warps with work: a small tile leaves some idle
+    hide = min(1.0, busy_warps / SATURATION_WARPS)
+    terms = {"hbm": traffic / dev.hbm_bytes_per_s, "math": flops / dev.math_flops_per_s(fam.math_unit)}
+    hidden = {"hbm": terms["hbm"] / hide, "math": terms["math"] / hide}
+    n = visited_pairs(spec, p, t.block_r, t.block_c)
+    sm_clocks = dev.sm_count * dev.clock_hz
+    per_flop = sass_instructions_per_flop(sass_loop, fam.math_unit)
+    if per_flop is not None:
+        terms["issue"] = flops * per_flop / (4 * sm_clocks)
+    elif pc is not None:
         terms["issue"] = n * pc.warp_instructions / (4 * sm_clocks)
-        smem_hide = min(1.0, occ.warps_per_sm * pc.wavefronts_per_iteration / SMEM_LATENCY_CLOCKS)
-        hidden["smem"] = terms["smem"] / smem_hide
+    if "issue" in terms:
         hidden["issue"] = terms["issue"] / hide
+    if pc is not None:
+        terms["smem"] = n * pc.lds_wavefronts / sm_clocks
+        smem_hide = min(1.0, busy_warps * pc.wavefronts_per_iteration / SMEM_LATENCY_CLOCKS) or 1.0
+        hidden["smem"] = terms["smem"] / smem_hide
+        if pc.atomics:
+            terms["atomics"] = n * pc.atomics / dev.atomics_per_s
+            hidden["atomics"] = terms["atomics"]
     bound = max(hidden, key=lambda k: (hidden[k], k))
     seconds = hidden[bound] * q + launches * LAUNCH_SECONDS
     return Prediction(seconds, traffic, flops, occ, blocks, waves, q, bound, terms)
 
 
-def score(cands: list[Candidate], p: Problem, dev: DeviceModel) -> list[Candidate]:
+def ceiling_tflops(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
+                   sass_loop: Mapping[str, int] | None = None) -> float:
+    """The model's predicted throughput (nominal FLOPs / predicted time), TFLOP/s."""
+    return nominal_flops(spec, p) / predict(spec, p, registers, dev, sass_loop).seconds / 1e12
+
+
+def score(cands: list[Candidate], p: Workload, dev: DeviceModel) -> list[Candidate]:
     """Fill occupancy and predicted_ms of every ok candidate (others unchanged)."""
     out = []
     for c in cands:
         if c.status == "ok" and c.spec is not None and c.registers is not None:
-            pred = predict(c.spec, p, c.registers, dev)
-            c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=round(pred.ms, 6))
+            pred = predict(c.spec, p, c.registers, dev, dict(c.sass_loop) if c.sass_loop else None)
+            c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=round(pred.ms, 6),
+                        bound=pred.bound)
         out.append(c)
     return out
 

@@ -15,13 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import KernelSpec
-from .model import Problem
+from ..spec import KernelSpec, arch_for_capability
+from .model import Workload
 
-#: (spec, problem) -> milliseconds; injectable so the search is testable without a GPU.
-Timer = Callable[[KernelSpec, Problem], float]
-
-_CAPABILITY_ARCH = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90"}
+#: (spec, workload) -> milliseconds; injectable so the search is testable without a GPU.
+Timer = Callable[[KernelSpec, Workload], float]
 
 
 def cuda_available() -> bool:
@@ -30,11 +28,6 @@ def cuda_available() -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False
     return bool(torch.cuda.is_available())
-
-
-def arch_for_capability(capability: tuple[int, int]) -> str | None:
-    """The spec arch whose cubins run on a device of this compute capability, or None."""
-    return _CAPABILITY_ARCH.get(tuple(capability))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -57,7 +50,7 @@ def current_device(index: int | None = None) -> DeviceInfo:
 class _Inputs:
     """Random inputs for one (spec without tiles, problem), built once and reused across candidates."""
 
-    def __init__(self, spec: KernelSpec, p: Problem) -> None:
+    def __init__(self, spec: KernelSpec, p: Workload) -> None:
         import torch
 
         from .. import functional
@@ -111,9 +104,9 @@ class CudaTimer:
     def __init__(self, *, warmup: int = 3, reps: int = 10) -> None:
         self.warmup = warmup
         self.reps = reps
-        self._inputs: dict[tuple[str, Problem], _Inputs] = {}
+        self._inputs: dict[tuple[str, Workload], _Inputs] = {}
 
-    def __call__(self, spec: KernelSpec, p: Problem) -> float:
+    def __call__(self, spec: KernelSpec, p: Workload) -> float:
         import json
 
         key = (json.dumps(spec.without_tiles(), sort_keys=True), p)

@@ -8,16 +8,16 @@ from typing import Any
 
 from ..errors import InputError
 from ..spec import KernelSpec
-from . import store
+from .. import choices as store
 from .candidates import WARPS, Candidate, build_candidates
-from .model import DeviceModel, Problem, device_model, nominal_flops, rank, score
+from .model import DeviceModel, Workload, device_model, nominal_flops, rank, score
 from .timing import CudaTimer, DeviceInfo, Timer, cuda_available, current_device
 
 
 @dataclass(frozen=True)
 class TuneResult:
     spec: KernelSpec  # as given
-    problem: Problem  # the representative (bucketed) problem
+    problem: Workload  # the representative (bucketed) workload
     device: DeviceModel
     candidates: tuple[Candidate, ...]  # ok ones by predicted time, then the rejected ones
     best: Candidate | None  # fastest measured when timed, else the model's first
@@ -65,8 +65,11 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
          persist: bool = True, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
          workers: int | None = None, progress: bool | None = None) -> TuneResult:
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
-    default) and record the fastest for ``device`` (the current CUDA device when None)."""
-    problem = Problem.bucketed(batch, heads, seqlen, seqlen_k)
+    default) and record the fastest for ``device`` (the current CUDA device when None).
+
+    ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in 1..2**31-1
+    (the kernels' int32 lengths); anything else is an InputError naming the argument."""
+    problem = Workload.bucketed(batch, heads, seqlen, seqlen_k)
     if not dry_run and device is None:
         if not cuda_available():
             raise InputError("dry_run", "a CUDA GPU to time candidates on", "no CUDA GPU; use --dry-run")
@@ -80,7 +83,7 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
 
     timer = timer or CudaTimer()
     chosen = {c.key for c in ok[:max(0, top)]} | {c.key for c in ok if c.is_default}
-    measured: dict[tuple[str, int, int, int], float] = {}
+    measured: dict[tuple, float] = {}
     for c in ok:
         if c.key in chosen and c.spec is not None:
             measured[c.key] = float(timer(c.spec, problem))
