@@ -20,20 +20,24 @@ NO_TEST = re.compile(r"<!--\s*no-test:\s*(\S.*?)\s*-->\s*\n\s*$")
 MAX_NO_TEST = 3
 
 
-def _blocks() -> list[tuple[str, int, str, str | None]]:
-    """(doc, line, code, no-test reason or None) for every ```python block."""
+def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(line, code, no-test reason or None) for every ```python block of a Markdown text."""
     out = []
-    for doc in DOCS:
-        text = doc.read_text(encoding="utf-8")
-        for m in FENCE.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            before = text[:m.start()].rsplit("\n\n", 1)[-1] + "\n"
-            skip = NO_TEST.search(before)
-            out.append((doc.relative_to(REPO).as_posix(), line, m.group(1), skip.group(1) if skip else None))
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        skip = NO_TEST.search(text[:m.start()])
+        out.append((line, m.group(1), skip.group(1) if skip else None))
     return out
 
 
-BLOCKS = _blocks()
+BLOCKS = [(doc.relative_to(REPO).as_posix(), *block)
+          for doc in DOCS for block in python_blocks(doc.read_text(encoding="utf-8"))]
+
+
+def test_block_parser_and_no_test_marker() -> None:
+    text = ("intro\n\n```python\nx = 1\n```\n\n<!-- no-test: needs a GPU -->\n```python\ny = 2\n```\n"
+            "<!-- no-test: far away -->\n\nprose\n\n```python\nz = 3\n```\n```bash\nls\n```\n")
+    assert python_blocks(text) == [(3, "x = 1\n", None), (8, "y = 2\n", "needs a GPU"), (15, "z = 3\n", None)]
 
 
 def test_docs_have_python_blocks() -> None:
