@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .families import NUM_WARPS_CHOICES, default_family, family_names, get_family
+from .families import MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, default_family, family_names, get_family
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
@@ -33,7 +33,6 @@ ARCH_SMEM_PER_SM: dict[str, int] = {"sm_80": 167936, "sm_86": 102400, "sm_89": 1
 ARCH_MAX_THREADS_PER_SM: dict[str, int] = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90": 2048}
 ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
 REGS_PER_SM = 65536
-MIN_REGS_PER_THREAD = 128
 DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -249,7 +248,7 @@ class KernelSpec(BaseModel):
         MIN_REGS_PER_THREAD registers -- ptxas then neither aims for an occupancy smem
         forbids nor spills to reach one."""
         by_smem = ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024)
-        budget = getattr(get_family(self.impl), "min_regs_per_thread", MIN_REGS_PER_THREAD)  # a family may ask for more
+        budget = get_family(self.impl).min_regs_per_thread  # MIN_REGS_PER_THREAD unless the family asks for more
         by_regs = REGS_PER_SM // (self.num_threads * budget)
         return max(1, min(by_smem, by_regs))
 

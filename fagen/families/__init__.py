@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
 
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
+#: Registers per thread the launch bounds leave by default (KernelSpec.min_blocks_per_sm).
+MIN_REGS_PER_THREAD = 128
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Family(Protocol):
     max_block_c: int
     knobs: tuple[Knob, ...]
     math_unit: Literal["fp32", "tensor"]  # which peak the autotuner's FLOP term uses
+    min_regs_per_thread: int  # register budget per thread the launch bounds must leave
 
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         """Why this family cannot implement the spec at all, or None."""
@@ -138,6 +141,7 @@ class FamilyBase:
     max_block_c: int = 128
     knobs: tuple[Knob, ...] = ()
     math_unit: Literal["fp32", "tensor"] = "fp32"
+    min_regs_per_thread: int = MIN_REGS_PER_THREAD
 
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         return None
