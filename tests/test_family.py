@@ -48,8 +48,9 @@ class Piped(SimtFamily):
 
 @pytest.fixture
 def piped(monkeypatch: pytest.MonkeyPatch) -> Family:
+    """The registry holds SIMT and the test family only (whatever else is registered)."""
     fam = Piped()
-    monkeypatch.setitem(families._REGISTRY, fam.name, fam)
+    monkeypatch.setattr(families, "_REGISTRY", {"simt": get_family("simt"), fam.name: fam})
     return fam
 
 
@@ -81,8 +82,9 @@ def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Fam
     assert e.value.errors()[0]["loc"] == ("impl",)
 
 
-def test_without_registration_the_default_is_simt() -> None:
-    assert KernelSpec(head_dim=64).impl == default_family("bwd", 64, "float16", "sm_90")
+def test_with_simt_alone_the_default_is_simt(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(families, "_REGISTRY", {"simt": get_family("simt")})
+    assert KernelSpec(head_dim=64).impl == "simt" == default_family("bwd", 64, "float16", "sm_90")
     assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
 
 

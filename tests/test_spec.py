@@ -56,7 +56,7 @@ def test_feasible_tile_invariants(direction: str, d: int, dtype: str, arch: str)
 
 
 def test_smem_layout_counts_every_buffer() -> None:
-    s = KernelSpec(head_dim=64, dtype="float16", block_r=64, block_c=128)
+    s = KernelSpec(head_dim=64, dtype="float16", block_r=64, block_c=128, impl="simt")
     b = s.smem_layout.breakdown()
     ld, p_ld = 64 + 2, 128 + 1  # rows padded to an odd number of 32-bit words (bank conflicts)
     assert b["k"] == b["v"] == 128 * ld * 2
@@ -68,13 +68,13 @@ def test_smem_layout_counts_every_buffer() -> None:
 
 
 def test_overrides_and_name() -> None:
-    s = KernelSpec(head_dim=64, dtype="float16", causal=True, dropout=True, arch="sm_90")
+    s = KernelSpec(head_dim=64, dtype="float16", causal=True, dropout=True, arch="sm_90", impl="simt")
     assert s.name == "fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90"
     o = s.replace(block_r=32, block_c=64, num_warps=8)
     assert (o.tile.block_r, o.tile.block_c) == (32, 64)
     assert o.name == "fa_bwd_d64_fp16_causal_dropout_br32_bc64_w8_simt_sm90"
     assert KernelSpec(head_dim=64, sram_bytes=65536).name.endswith("_m65536")
-    assert s.cache_key == KernelSpec(head_dim=64, causal=True, dropout=True).cache_key
+    assert s.cache_key == KernelSpec(head_dim=64, causal=True, dropout=True, impl="simt").cache_key
     assert s.cache_key != o.cache_key
 
 
@@ -98,8 +98,10 @@ def test_spec_is_frozen_and_strict() -> None:
         ({"head_dim": 64, "arch": "sm_86", "sram_bytes": 166912}, "sram_bytes", "101376"),
         ({"head_dim": 64, "sram_bytes": -1}, "sram_bytes", "positive"),
         ({"head_dim": 64, "block_r": 24}, "block_r", "multiple of 16"),
-        ({"head_dim": 64, "block_c": 256}, "block_c", "16..128"),
-        ({"head_dim": 64, "block_r": 128, "block_c": 128, "sram_bytes": 65536}, "block_c", "65536"),
+        ({"head_dim": 64, "block_c": 256, "impl": "simt"}, "block_c", "16..128"),
+        ({"head_dim": 64, "block_r": 128, "block_c": 128, "sram_bytes": 65536, "impl": "simt"}, "block_c", "65536"),
+        ({"head_dim": 64, "dtype": "float32", "knobs": {"stages": 2}}, "knobs", "no knob 'stages'"),
+        ({"head_dim": 64, "knobs": {"a": 1, "b": 2}, "impl": "simt"}, "knobs", "no knob 'a'"),
         ({"head_dim": 256, "dtype": "float32", "sram_bytes": 20000}, "block_c", "smallest"),
         ({"head_dim": 64, "num_warps": 3}, "num_warps", "(1, 2, 4, 8)"),
         ({"head_dim": 64, "impl": "wgmma"}, "impl", "simt"),
@@ -111,3 +113,13 @@ def test_validation_names_field_and_limit(kwargs: dict, field: str, needle: str)
     err = ei.value.errors()[0]
     assert err["loc"] and err["loc"][0] == field
     assert needle in err["msg"]
+
+
+def test_impl_and_knobs_are_resolved_and_stored() -> None:
+    s = KernelSpec(head_dim=64, dtype="float32")
+    assert s.impl == "simt" and s.knobs == ()  # resolved at validation: name and key carry them
+    assert '"impl":"simt"' in s.model_dump_json()
+    assert KernelSpec(**s.model_dump()) == s  # a dump rebuilds the same spec
+    assert s.replace(impl=None) == s  # None: the default family of the fields
+    with pytest.raises(ValidationError, match="impl must be one of"):
+        KernelSpec(head_dim=64, impl="nope")
