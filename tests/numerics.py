@@ -29,11 +29,13 @@ class Case:
     padding: bool = False
     dropout_p: float = 0.0
     seed: int = 0
+    impl: str | None = None  # kernel family; None: the default for the spec
 
     def __str__(self) -> str:
         flags = "".join(f"-{f}" for f, on in (("causal", self.causal), ("pad", self.padding)) if on)
         drop = f"-p{self.dropout_p}" if self.dropout_p else ""
-        return f"b{self.batch}h{self.heads}q{self.seqlen_q}k{self.seqlen_k}d{self.head_dim}-{self.dtype}{flags}{drop}"
+        fam = f"-{self.impl}" if self.impl else ""
+        return f"b{self.batch}h{self.heads}q{self.seqlen_q}k{self.seqlen_k}d{self.head_dim}-{self.dtype}{flags}{drop}{fam}"
 
 
 def make_inputs(case: Case):
@@ -66,8 +68,17 @@ def check(case: Case) -> dict[str, float]:
     if case.dropout_p:
         keep = F.dropout_keep_mask(case.batch, case.heads, case.seqlen_q, case.seqlen_k, case.dropout_p,
                                    seed=case.seed, offset=3)
-    o, lse = F.attention_forward(q, k, v, dropout_p=case.dropout_p, seed=case.seed, offset=3, **kw)
-    dq, dk, dv = F.attention_backward(do, q, k, v, o, lse, dropout_p=case.dropout_p, seed=case.seed, offset=3, **kw)
+    if case.impl is None:
+        o, lse = F.attention_forward(q, k, v, dropout_p=case.dropout_p, seed=case.seed, offset=3, **kw)
+        dq, dk, dv = F.attention_backward(do, q, k, v, o, lse, dropout_p=case.dropout_p, seed=case.seed, offset=3, **kw)
+    else:
+        from fagen import KernelSpec
+
+        flags = dict(head_dim=case.head_dim, dtype=case.dtype, causal=case.causal, key_padding=case.padding,
+                     dropout=case.dropout_p > 0, impl=case.impl)
+        rkw = dict(key_padding_mask=mask, dropout_p=case.dropout_p, seed=case.seed, offset=3)
+        o, lse = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **rkw)
+        dq, dk, dv = F.run_backward(KernelSpec(direction="bwd", **flags), do, q, k, v, o, lse, **rkw)
     for name, t in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{case}: NaN in {name}"
 

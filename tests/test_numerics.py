@@ -1,10 +1,12 @@
 """Every spec of the standard matrix plus float32, emulated on CPU, against the float64 reference."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
+from fagen.families import family_names
 from numerics import Case, check, make_inputs
 
 HEAD_DIMS = (32, 64, 96, 128)
@@ -13,6 +15,18 @@ DTYPES = ("float16", "bfloat16", "float32")
 VARIANTS = ((False, False, 0.0), (True, False, 0.0), (True, True, 0.17))
 #: (batch, heads, seqlen_q, seqlen_k): odd lengths, Nq != Nk both ways
 SHAPES = ((1, 1, 1, 1), (2, 2, 17, 17), (1, 2, 100, 37), (2, 1, 37, 100), (1, 1, 257, 257), (2, 2, 64, 129))
+
+
+@pytest.fixture(params=family_names())
+def impl(request: pytest.FixtureRequest) -> str:
+    """Every numerics test runs for every kernel family (the tensor-core family has no float32)."""
+    return request.param
+
+
+def _as(case: Case, impl: str) -> Case:
+    if impl == "mma" and case.dtype == "float32":
+        pytest.skip("mma: no float32 (mma.sync takes float16/bfloat16 operands)")
+    return dataclasses.replace(case, impl=impl)
 
 
 def _matrix() -> list[Case]:
@@ -27,25 +41,25 @@ def _matrix() -> list[Case]:
 
 
 @pytest.mark.parametrize("case", _matrix(), ids=str)
-def test_matrix(case: Case) -> None:
-    check(case)
+def test_matrix(case: Case, impl: str) -> None:
+    check(_as(case, impl))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}".format(*s))
 @pytest.mark.parametrize("causal,pad,p", VARIANTS, ids=["plain", "causal", "causal-pad-dropout"])
-def test_every_shape_d64_fp16(shape: tuple, causal: bool, pad: bool, p: float) -> None:
-    check(Case(*shape, 64, "float16", causal, pad, p, seed=7))
+def test_every_shape_d64_fp16(shape: tuple, causal: bool, pad: bool, p: float, impl: str) -> None:
+    check(_as(Case(*shape, 64, "float16", causal, pad, p, seed=7), impl))
 
 
 @pytest.mark.parametrize("d", [8, 16, 40, 80, 160, 256])
-def test_other_head_dims(d: int) -> None:
-    check(Case(2, 1, 33, 47, d, "bfloat16", causal=True, padding=True, dropout_p=0.1, seed=d))
+def test_other_head_dims(d: int, impl: str) -> None:
+    check(_as(Case(2, 1, 33, 47, d, "bfloat16", causal=True, padding=True, dropout_p=0.1, seed=d), impl))
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padding_only_and_dropout_only(causal: bool) -> None:
-    check(Case(2, 2, 40, 40, 32, "float16", causal=causal, padding=True))
-    check(Case(2, 2, 40, 50, 32, "float32", causal=causal, dropout_p=0.5, seed=3))
+def test_padding_only_and_dropout_only(causal: bool, impl: str) -> None:
+    check(_as(Case(2, 2, 40, 40, 32, "float16", causal=causal, padding=True), impl))
+    check(_as(Case(2, 2, 40, 50, 32, "float32" if impl == "simt" else "bfloat16", causal=causal, dropout_p=0.5, seed=3), impl))
 
 
 @pytest.mark.parametrize("B,Nq,Nk", [(0, 5, 5), (2, 0, 5), (2, 5, 0)])
@@ -145,5 +159,29 @@ def _random_cases(n: int, seed: int = 2026) -> list[Case]:
 
 
 @pytest.mark.parametrize("case", _random_cases(24), ids=str)
-def test_random_sweep(case: Case) -> None:
-    check(case)
+def test_random_sweep(case: Case, impl: str) -> None:
+    check(_as(case, impl))
+
+
+@pytest.mark.parametrize("block_r,block_c,num_warps", [(16, 16, 1), (32, 32, 2), (48, 64, 4), (64, 16, 4), (16, 48, 8)])
+def test_mma_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int) -> None:
+    """Tiles / warp counts of the mma family, including warps left without rows (16 x num_warps > tile)."""
+    import torch
+
+    import fagen.functional as F
+    from fagen import KernelSpec
+
+    case = Case(2, 2, 70, 53, 64, "bfloat16", causal=True, padding=True, dropout_p=0.25, seed=12, impl="mma")
+    flags = dict(head_dim=64, dtype="bfloat16", causal=True, key_padding=True, dropout=True,
+                 block_r=block_r, block_c=block_c, num_warps=num_warps, impl="mma")
+    q, k, v, do, mask = make_inputs(case)
+    kw = dict(key_padding_mask=mask, dropout_p=0.25, seed=12, offset=3)
+    got = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **kw)
+    got = (*got, *F.run_backward(KernelSpec(**flags), do, q, k, v, *got, **kw))
+    want_spec = dict(head_dim=64, dtype="bfloat16", causal=True, key_padding=True, dropout=True, impl="mma")
+    want = F.run_forward(KernelSpec(direction="fwd", **want_spec), q, k, v, **kw)
+    want = (*want, *F.run_backward(KernelSpec(**want_spec), do, q, k, v, *want, **kw))
+    check(case)  # the default tiles against the float64 reference
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        # other tiles: other fp32 summation orders and atomics order, same attention
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)

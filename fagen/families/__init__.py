@@ -215,3 +215,4 @@ def default_family(direction: str, head_dim: int, dtype: str, arch: str) -> str 
 
 
 from . import simt as _simt  # noqa: E402,F401  (registers itself)
+from . import mma as _mma  # noqa: E402,F401  (registers itself)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..layout import SmemLayout, place
-from . import FamilyBase, Reason
+from . import FamilyBase, Reason, register
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
@@ -96,4 +96,4 @@ class MmaFamily(FamilyBase):
         return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
 
 
-MMA = MmaFamily()
+MMA = register(MmaFamily())
