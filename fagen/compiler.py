@@ -262,8 +262,9 @@ def _from_index(spec: KernelSpec, root: Path, options: list[str]) -> CompiledMod
 
 
 def _module(spec: KernelSpec, key: str, meta: dict, cubin: bytes, *, cached: bool) -> CompiledModule:
-    dyn = meta.get("dynamic_smem")
-    if not isinstance(dyn, dict):
+    try:  # [[kernel, dynamic smem bytes], ...] in launch order
+        dyn = {str(name): int(n) for name, n in meta["dynamic_smem"]}
+    except (KeyError, TypeError, ValueError):
         dyn = {k.name: k.smem_bytes for k in kernel_infos(spec)}
     return CompiledModule(
         spec=spec, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
@@ -305,7 +306,7 @@ def _compile_full(spec: KernelSpec, root: Path, options: list[str]) -> CompiledM
         if not res.ok:
             raise CompileError(spec.name, res.log)
         return {"log": res.log, "options": options, "compile_seconds": secs, "spec": spec.name,
-                "cubin_size": len(res.cubin), "dynamic_smem": dyn}, res.cubin
+                "cubin_size": len(res.cubin), "dynamic_smem": [[k, n] for k, n in dyn.items()]}, res.cubin
 
     cache.make_dir(root)  # in case it was removed since this process first used it
     meta, cubin, cached = cache.get_or_build(root / f"{key}.bin", build, _usable(spec.arch))

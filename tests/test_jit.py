@@ -228,3 +228,11 @@ def test_fresh_process_disk_hit_loads_no_compiler(fresh_cache: Path) -> None:
         cold = warm
     assert {k: v for k, v in warm.items() if k != "sources"} == {
         "cached": True, "key": cold["key"], "renders": 0, "loaded": []}
+
+
+def test_resources_keep_launch_order_on_every_path(fresh_cache: Path) -> None:
+    spec = KernelSpec(head_dim=32, dtype="float16", arch="sm_90")
+    order = [k.name for k in render(spec).kernels]
+    assert [r.kernel for r in compile_spec(spec).resources] == order  # built
+    clear_memo()
+    assert [r.kernel for r in compile_spec(spec).resources] == order  # through the index
