@@ -33,7 +33,7 @@ from pathlib import Path
 
 from . import cache, elf, nvrtc
 from ._version import __version__
-from .errors import CompileError
+from .errors import CacheDirError, CompileError
 from .renderer import Rendered, kernel_infos, render, templates_dir
 from .settings import get_settings
 from .spec import KernelSpec
@@ -242,7 +242,7 @@ def _write_index(path: Path, key: str) -> None:
     files = [_stat_record(lib)] + [_stat_record(h) for h in nvrtc.header_files()]
     try:
         cache.atomic_write(path, json.dumps({"key": key, "files": files}).encode())
-    except OSError:  # the index only speeds things up
+    except (OSError, CacheDirError):  # the index only speeds things up (a read-only cache still serves hits)
         pass
 
 

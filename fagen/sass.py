@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FagenError
+from .errors import CacheDirError, FagenError
 
 __all__ = ["SassError", "Instruction", "nvdisasm_path", "disassemble", "parse", "instruction_mix",
            "loop_mix", "kernel_sass"]
@@ -166,7 +166,7 @@ def _disk_path(cubin: bytes, tool: Path) -> Path | None:
         from .cache import cache_root, digest
 
         return cache_root("sass") / f"{digest(hashlib.sha256(cubin).digest(), _tool_id(tool))}.json"
-    except OSError:
+    except (OSError, CacheDirError):  # no place to remember it: disassemble every time
         return None
 
 
@@ -195,7 +195,7 @@ def _analysis(cubin: bytes) -> dict | None:
             from .cache import atomic_write
 
             atomic_write(path, json.dumps(result, sort_keys=True).encode())
-        except OSError:
+        except (OSError, CacheDirError):
             pass
     return result
 

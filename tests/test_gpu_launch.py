@@ -261,3 +261,21 @@ def test_remembered_conversions_keep_every_check() -> None:
     missing = {k: v for k, v in args.items() if k not in ("q", "scale")}
     with pytest.raises(KeyError, match=r"missing kernel arguments \['q', 'scale'\]"):
         gpu.cuda_args(KERN, missing)
+
+
+def test_read_only_cache_loads_the_cubin_from_a_temp_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fagen import cache
+    from fagen.errors import CacheDirError
+
+    spec = KernelSpec(direction="fwd", head_dim=24, dtype="float32", arch="sm_90")
+    compiled = gpu.compile_spec(spec)
+
+    def refuse(path, data):
+        raise CacheDirError(path.parent, "Read-only file system", "FAGEN_CACHE_DIR")
+    monkeypatch.setattr(cache, "atomic_write", refuse)
+    monkeypatch.setattr(Path, "exists", lambda self: False)
+    path = gpu._cubin_path(compiled.cubin)
+    try:
+        assert path.read_bytes() == compiled.cubin and cache.cache_root("cubin") not in path.parents
+    finally:
+        path.unlink()

@@ -236,3 +236,18 @@ def test_resources_keep_launch_order_on_every_path(fresh_cache: Path) -> None:
     assert [r.kernel for r in compile_spec(spec).resources] == order  # built
     clear_memo()
     assert [r.kernel for r in compile_spec(spec).resources] == order  # through the index
+
+
+def test_a_read_only_cache_still_serves_hits(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a miss writes: no index entry can be written, yet a cached cubin is served."""
+    from fagen.errors import CacheDirError
+
+    first = compile_spec(SPEC)
+    shutil.rmtree(fresh_cache / "cubin" / "index")
+    clear_memo()
+
+    def refuse(path, data):
+        raise CacheDirError(fresh_cache, "Read-only file system", "FAGEN_CACHE_DIR")
+    monkeypatch.setattr(cache, "atomic_write", refuse)
+    again = compile_spec(SPEC)
+    assert again.cached is True and again.cubin == first.cubin

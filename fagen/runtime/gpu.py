@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -254,15 +255,25 @@ def _cupy_stream(stream: Any, device: int) -> Any:
 
 
 def _cubin_path(cubin: bytes) -> Path:
-    """The cubin as a file in the cache dir (``cupy.RawModule`` loads files), written once."""
+    """The cubin as a file (``cupy.RawModule`` loads files): in the cache dir, written once; in a
+    private temp file when the cache is read-only (a shared cache that already holds the entry)."""
     import hashlib
+    import tempfile
 
     from ..cache import atomic_write, cache_root
+    from ..errors import CacheDirError
 
-    path = cache_root("cubin") / f"{hashlib.sha256(cubin).hexdigest()}.cubin"
-    if not path.exists() or path.read_bytes() != cubin:
-        atomic_write(path, cubin)
-    return path
+    name = f"{hashlib.sha256(cubin).hexdigest()}.cubin"
+    try:
+        path = cache_root("cubin") / name
+        if not path.exists() or path.read_bytes() != cubin:
+            atomic_write(path, cubin)
+        return path
+    except (OSError, CacheDirError):
+        fd, tmp = tempfile.mkstemp(prefix="fagen-", suffix=f"-{name}")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        return Path(tmp)
 
 
 @functools.lru_cache(maxsize=None)
