@@ -1,0 +1,174 @@
+"""The tensor-core family ``mma``: selection, accepted configurations, smem layout, the dropout
+keep-mask bit for bit, and its kernels under AddressSanitizer (emulator)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+import fagen.functional as F
+from fagen import KernelSpec
+from fagen.cli import main
+from fagen.families import default_family, family_names, get_family
+from fagen.families.mma import padded_dim
+from fagen.philox import drop_threshold
+from fagen.spec import ARCH_SMEM_OPTIN, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE
+
+MMA = get_family("mma")
+
+
+# ------------------------------------------------------------------ selection
+def test_mma_is_the_default_for_half_types_and_simt_for_float32() -> None:
+    assert family_names()[0] == "mma"
+    for dtype in ("float16", "bfloat16"):
+        assert KernelSpec(head_dim=64, dtype=dtype).impl == "mma"
+        assert KernelSpec(direction="fwd", head_dim=64, dtype=dtype).impl == "mma"
+    assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
+    assert default_family("bwd", 64, "float32", "sm_80") == "simt"
+
+
+def test_float32_is_rejected_with_the_reason() -> None:
+    with pytest.raises(ValidationError, match="impl") as info:
+        KernelSpec(head_dim=64, dtype="float32", impl="mma")
+    assert "float16/bfloat16" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype,impl", [("float16", "mma"), ("float32", "simt")])
+def test_cli_inspect_names_the_default_family(dtype: str, impl: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", "--head-dim", "64", "--dtype", dtype, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["impl"] == impl and info["name"].endswith(f"_{impl}_sm90")
+
+
+# ------------------------------------------------------------- configurations
+def test_each_warp_owns_16_rows_of_the_ctas_block() -> None:
+    KernelSpec(head_dim=64, block_r=64, block_c=64, num_warps=4)
+    with pytest.raises(ValidationError, match="block_c") as info:
+        KernelSpec(head_dim=64, block_r=32, block_c=48, num_warps=2)  # backward: 16 K/V rows per warp
+    assert "num_warps=2" in str(info.value)
+    with pytest.raises(ValidationError, match="block_r"):
+        KernelSpec(direction="fwd", head_dim=64, block_r=48, block_c=32, num_warps=2)  # forward: 16 Q rows per warp
+    # fewer rows than warps x 16: the extra warps only copy (and share dQ)
+    assert KernelSpec(head_dim=64, block_r=16, block_c=16, num_warps=8).tile.block_c == 16
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_SMEM_OPTIN))
+@pytest.mark.parametrize("direction", ["bwd", "fwd"])
+def test_every_head_dim_has_a_default_tile_that_fits(arch: str, direction: str) -> None:
+    for d in range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_MULTIPLE):
+        spec = KernelSpec(direction=direction, head_dim=d, dtype="bfloat16", arch=arch, causal=True, dropout=True)
+        assert spec.impl == "mma"
+        assert spec.smem_bytes <= ARCH_SMEM_OPTIN[arch]
+        rows = spec.tile.block_c if direction == "bwd" else spec.tile.block_r
+        assert rows <= 16 * spec.num_warps
+
+
+@pytest.mark.parametrize("d", range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_MULTIPLE))
+def test_smem_rows_are_ldmatrix_conflict_free(d: int) -> None:
+    """ldmatrix reads 8 rows of 16 bytes per phase: with a row stride of an odd number of 16-byte
+    units those rows start in 8 different groups of 4 banks."""
+    spec = KernelSpec(head_dim=d)
+    ld = MMA.template_context(spec)["strides"]["LD"]
+    assert ld == padded_dim(d) + 8 and padded_dim(d) % 16 == 0 and padded_dim(d) >= d
+    groups = {(r * ld * 2 // 16) % 8 for r in range(8)}
+    assert len(groups) == 8
+    layout = MMA.smem_layout("bwd", d, 2, 64, 64, {})
+    ds_ld = 64 + 8  # dS^T rows: BLOCK_R + 8 elements
+    assert {(r * ds_ld * 2 // 16) % 8 for r in range(8)} == set(range(8))
+    assert all(b.offset % 16 == 0 for b in layout.buffers)  # cp.async / ldmatrix need 16-byte rows
+
+
+# -------------------------------------------------------- dropout bit for bit
+TILES = [dict(), dict(block_r=16, block_c=16, num_warps=1), dict(block_r=32, block_c=48, num_warps=4)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: "default" if not t else "br{block_r}bc{block_c}w{num_warps}".format(**t))
+def test_forward_and_backward_apply_exactly_the_keep_mask(tiles: dict) -> None:
+    """q = 0 makes P uniform; v = identity (Nk == d) makes O[b, i, h, j] = Z_ij / ((1 - p) Nk); dO =
+    identity rows (Nq == d) make dV[b, j, h, i] = Z_ij / ((1 - p) Nk). Whatever the tiles."""
+    B, H, N, d = 2, 2, 64, 64
+    p, seed, offset = 0.3, 2**40 + 99, 2**33 + 5
+    q = torch.zeros(B, N, H, d, dtype=torch.float16)
+    k = torch.randn(B, N, H, d).half()
+    eye = torch.eye(d, dtype=torch.float16).expand(B, H, d, d).permute(0, 2, 1, 3).contiguous()
+    flags = dict(head_dim=d, dtype="float16", dropout=True, impl="mma", **tiles)
+    kw = dict(dropout_p=p, seed=seed, offset=offset)
+    o, lse = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, eye, **kw)
+    expected = F.dropout_keep_mask(B, H, N, N, p, seed=seed, offset=offset)
+    assert torch.equal((o > 0).permute(0, 2, 1, 3), expected)
+    kept = o[o > 0].float()
+    assert torch.allclose(kept, torch.full_like(kept, 1.0 / ((1 - p) * N)), rtol=1e-3)
+    _, _, dv = F.run_backward(KernelSpec(direction="bwd", **flags), eye, q, k, torch.randn_like(k), o, lse, **kw)
+    assert torch.equal(dv.permute(0, 2, 3, 1) > 0, expected)
+
+
+# ---------------------------------------------------------------- sanitizer
+def _strides(name: str, t: torch.Tensor) -> dict:
+    return {f"stride_{name}_b": t.stride(0), f"stride_{name}_s": t.stride(1), f"stride_{name}_h": t.stride(2)}
+
+
+@pytest.fixture(scope="module")
+def asan_problem():
+    B, H, NQ, NK, D, P = 1, 2, 37, 29, 40, 0.2  # odd lengths, d padded to 48 inside the kernel
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(B, NQ, H, D, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(B, NK, H, D, generator=g).half() for _ in range(2))
+    mask = torch.rand(B, NK, generator=g) > 0.2
+    kw = dict(key_padding_mask=mask, dropout_p=P, seed=11)
+    flags = dict(head_dim=D, dtype="float16", causal=True, key_padding=True, dropout=True, impl="mma",
+                 block_r=16, block_c=16, num_warps=2)  # several tiles per CTA, one idle warp
+    o, lse = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **kw)
+    grads = F.run_backward(KernelSpec(**flags), do, q, k, v, o, lse, **kw)
+    common = {"kpm": mask.numpy().astype(np.uint8), "heads": H, "seqlen_q": NQ, "seqlen_k": NK,
+              "scale": D ** -0.5, "seed": 11, "offset": 0, "drop_threshold": drop_threshold(P),
+              "rp_keep": 1.0 / (1.0 - P), **_strides("q", q), **_strides("k", k), **_strides("v", v)}
+    return dict(B=B, H=H, NQ=NQ, NK=NK, D=D, flags=flags, q=q, k=k, v=v, do=do, o=o, lse=lse, grads=grads,
+                common=common)
+
+
+def _launch_main(spec: KernelSpec, args: dict, pb: dict, seqlen_k: int | None = None) -> dict:
+    from fagen.emulator import run_sanitized
+    from fagen.renderer import render
+
+    r = render(spec)
+    kern = r.kernel("main")
+    grid = kern.grid(pb["B"], pb["H"], pb["NQ"], seqlen_k or pb["NK"])
+    return run_sanitized(r.source, r.kernels, kern.name, grid, kern.block, kern.smem_bytes, args)
+
+
+def test_forward_kernel_is_clean_under_asan(asan_problem) -> None:
+    pb = asan_problem
+    o = np.zeros(pb["q"].shape, np.float16)
+    lse = np.zeros((pb["B"], pb["H"], pb["NQ"]), np.float32)
+    args = {**pb["common"], "q": pb["q"].numpy(), "k": pb["k"].numpy(), "v": pb["v"].numpy(), "o": o, "lse": lse,
+            **_strides("o", pb["o"])}
+    _launch_main(KernelSpec(direction="fwd", **pb["flags"]), args, pb)
+    np.testing.assert_array_equal(o, pb["o"].numpy())
+    np.testing.assert_array_equal(lse, pb["lse"].numpy())
+
+
+def test_backward_kernel_is_clean_under_asan_and_an_overrun_is_caught(asan_problem) -> None:
+    from fagen.emulator import EmulatorMemoryError
+
+    pb = asan_problem
+    B, H, NQ, NK, D = pb["B"], pb["H"], pb["NQ"], pb["NK"], pb["D"]
+    delta = (pb["do"].float() * pb["o"].float()).sum(-1).permute(0, 2, 1).contiguous()
+
+    def args(seqlen_k: int) -> dict:
+        return {**pb["common"], "seqlen_k": seqlen_k, "q": pb["q"].numpy(), "k": pb["k"].numpy(), "v": pb["v"].numpy(),
+                "do_": pb["do"].numpy(), "lse": pb["lse"].numpy(), "delta": delta.numpy(),
+                "dq_accum": np.zeros((B, NQ, H, D), np.float32), "dk": np.zeros((B, NK, H, D), np.float16),
+                "dv": np.zeros((B, NK, H, D), np.float16), **_strides("do", pb["do"]), **_strides("dk", pb["k"]),
+                **_strides("dv", pb["v"])}
+
+    spec = KernelSpec(**pb["flags"])
+    out = _launch_main(spec, args(NK), pb)
+    dq, dk, dv = pb["grads"]
+    np.testing.assert_array_equal(out["dk"], dk.numpy())
+    np.testing.assert_array_equal(out["dv"], dv.numpy())
+    np.testing.assert_allclose(out["dq_accum"], dq.float().numpy(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(EmulatorMemoryError):  # lie about seqlen_k: keys past the end of k are read
+        _launch_main(spec, args(NK + 40), pb, seqlen_k=NK + 40)
