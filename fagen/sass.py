@@ -32,7 +32,7 @@ from pathlib import Path
 from .errors import CacheDirError, FagenError
 
 __all__ = ["SassError", "Instruction", "nvdisasm_path", "disassemble", "parse", "instruction_mix",
-           "loop_mix", "kernel_sass"]
+           "loop_mix", "loop_spans", "mix_of", "kernel_sass"]
 
 
 class SassError(FagenError, RuntimeError):
@@ -143,29 +143,38 @@ def kernel_sass(cubin: bytes) -> dict[str, list[Instruction]] | None:
     return None if text is None else parse(text)
 
 
-def _loops(text: str) -> dict[str, tuple[int, int] | None]:
-    """kernel -> (start, end) addresses of its largest loop: the widest span closed by a
-    backward branch (the main loop over tiles, with any loops nested in it)."""
+def loop_spans(text: str) -> dict[str, list[tuple[int, int]]]:
+    """kernel -> every (start, end) address span closed by a backward branch (``BRA``/``JMP``
+    to a label at or before it), in address order of the branch: the kernel's loops."""
     labels = _labels(text)
-    out: dict[str, tuple[int, int] | None] = {}
+    out: dict[str, list[tuple[int, int]]] = {}
     for name, instrs in parse(text).items():
-        best: tuple[int, int] | None = None
+        spans = out.setdefault(name, [])
         for ins in instrs:
             if ins.opcode not in ("BRA", "JMP"):
                 continue
             t = _TARGET.search(ins.operands)
             start = labels.get(name, {}).get(t.group(1)) if t else None
-            if start is not None and start <= ins.address and (best is None or ins.address - start > best[1] - best[0]):
-                best = (start, ins.address)
-        out[name] = best
+            if start is not None and start <= ins.address:
+                spans.append((start, ins.address))
     return out
+
+
+def _loops(text: str) -> dict[str, tuple[int, int] | None]:
+    """kernel -> (start, end) addresses of its largest loop: the widest span closed by a
+    backward branch (the main loop over tiles, with any loops nested in it)."""
+    return {name: max(spans, key=lambda s: (s[1] - s[0], -s[0])) if spans else None
+            for name, spans in loop_spans(text).items()}
+
+
+_FORMAT = "sass-analysis-1"  # bump when what _analysis stores changes
 
 
 def _disk_path(cubin: bytes, tool: Path) -> Path | None:
     try:
         from .cache import cache_root, digest
 
-        return cache_root("sass") / f"{digest(hashlib.sha256(cubin).digest(), _tool_id(tool))}.json"
+        return cache_root("sass") / f"{digest(_FORMAT, hashlib.sha256(cubin).digest(), _tool_id(tool))}.json"
     except (OSError, CacheDirError):  # no place to remember it: disassemble every time
         return None
 

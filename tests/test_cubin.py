@@ -151,6 +151,11 @@ def test_parse_and_mix_of_a_listing() -> None:
     assert instrs[2].predicate == "@!P0" and instrs[1].mnemonic == "HMMA.16816.F32"
     assert sass.mix_of(instrs)["HMMA"] == 1
     assert sass._loops(_TEXT) == {"k_main": (0x10, 0x40)}
+    assert sass.loop_spans(_TEXT) == {"k_main": [(0x10, 0x40)]}
+    nested = _TEXT.replace("        /*0050*/", "        /*0048*/                   BRA `(.L_x_0) ;\n        /*0050*/")
+    nested = nested.replace("k_main:\n", "k_main:\n.L_x_0:\n")
+    assert sass.loop_spans(nested) == {"k_main": [(0x10, 0x40), (0x0, 0x48)]}
+    assert sass._loops(nested) == {"k_main": (0x0, 0x48)}
 
 
 def test_no_disassembler_gives_none(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
