@@ -52,7 +52,10 @@ REQUIRED = {
 }
 TEST_REQUIRED = {"pytest": "pytest"}
 
-PROVIDERS = ("fagen", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+#: fagen_<family>: each kernel family through an explicit spec (forward and backward kernels alone).
+FAMILIES = ("mma", "simt")
+PROVIDERS = ("fagen_mma", "fagen_simt", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+REFERENCE = "sdpa_flash"  # each row's ratios: reference ms / provider ms (> 1: faster than FlashAttention-2)
 TOKENS = 16 * 1024
 HEADS = 16
 FINAL_RESERVE_S = 15.0  # writing the outputs
@@ -257,14 +260,22 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"shape": asdict(self.shape), "label": self.shape.label, "note": self.note,
                                "fwd_gflop": fwd_flops(self.shape) / 1e9, "bwd_gflop": bwd_flops(self.shape) / 1e9}
+        ref = self.results.get(REFERENCE, Measurement())
         out["results"] = {name: {**asdict(m), "fwd_tflops": tflops(fwd_flops(self.shape), m.fwd_ms),
-                                 "bwd_tflops": tflops(bwd_flops(self.shape), m.bwd_ms)}
+                                 "bwd_tflops": tflops(bwd_flops(self.shape), m.bwd_ms),
+                                 "fwd_vs_flash": ratio(ref.fwd_ms, m.fwd_ms), "bwd_vs_flash": ratio(ref.bwd_ms, m.bwd_ms)}
                           for name, m in self.results.items()}
         return out
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 or not math.isfinite(ms) else flops / (ms * 1e-3) / 1e12
+
+
+def ratio(ref_ms: float | None, ms: float | None) -> float | None:
+    """Speed relative to the reference (its time over ours); None when either is missing."""
+    ok = all(x is not None and x > 0 and math.isfinite(x) for x in (ref_ms, ms))
+    return ref_ms / ms if ok else None  # type: ignore[operator]
 
 
 #: provider -> (shape -> Measurement); raising means "n/a" with the error as the note.
@@ -342,13 +353,21 @@ def _measure(forward: Callable[[], Any], inputs: tuple[Any, ...], warmup: int, i
     return Measurement(fwd_ms, bwd_ms)
 
 
-def fagen_provider(warmup: int, iters: int) -> Provider:
+def fagen_provider(impl: str, warmup: int, iters: int) -> Provider:
+    """One kernel family: the forward kernel, then the backward kernels (pre, main, post) from the
+    forward's o and lse, each through an explicit spec (no autograd, no dispatch in the timing)."""
     def run(shape: Shape) -> Measurement:
-        from fagen.ops import flash_attn_func
+        import fagen.functional as F
+        from fagen.spec import KernelSpec
 
-        inputs = _inputs(shape, "bnhd")
-        q, k, v, _ = inputs
-        return _measure(lambda: flash_attn_func(q, k, v, causal=shape.causal), inputs, warmup, iters)
+        q, k, v, do = (t.detach() for t in _inputs(shape, "bnhd"))
+        flags = dict(head_dim=shape.head_dim, dtype=shape.dtype, causal=shape.causal, impl=impl,
+                     arch=F.default_arch(q.device))
+        fwd, bwd = KernelSpec(direction="fwd", **flags), KernelSpec(direction="bwd", **flags)
+        fwd_ms = cuda_timer(lambda: F.run_forward(fwd, q, k, v), warmup=warmup, iters=iters)
+        o, lse = F.run_forward(fwd, q, k, v)
+        bwd_ms = cuda_timer(lambda: F.run_backward(bwd, do, q, k, v, o, lse), warmup=warmup, iters=iters)
+        return Measurement(fwd_ms, bwd_ms, note=fwd.name.replace("fa_fwd_", "").rsplit("_", 1)[0])
 
     return run
 
@@ -379,7 +398,7 @@ def sdpa_provider(backend_name: str, warmup: int, iters: int, *, max_seqlen: int
 
 def providers(warmup: int, iters: int) -> dict[str, Provider]:
     return {
-        "fagen": fagen_provider(warmup, iters),
+        **{f"fagen_{impl}": fagen_provider(impl, warmup, iters) for impl in FAMILIES},
         "sdpa_math": sdpa_provider("MATH", warmup, iters, max_seqlen=4096),
         "sdpa_flash": sdpa_provider("FLASH_ATTENTION", warmup, iters),
         "sdpa_efficient": sdpa_provider("EFFICIENT_ATTENTION", warmup, iters),
@@ -398,14 +417,16 @@ def cuda_health_check() -> None:
 
 # --------------------------------------------------------------------------- compile ahead
 def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
-    """The forward and backward specs the rows run (one per d, dtype, causal)."""
+    """The forward and backward specs the rows run (one per family, d, dtype, causal)."""
     from fagen.spec import KernelSpec
 
     specs = {}
     for s in shapes:
-        for direction in ("fwd", "bwd"):
-            spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch)
-            specs[spec.name] = spec
+        for impl in FAMILIES:
+            for direction in ("fwd", "bwd"):
+                spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch,
+                                  impl=impl)
+                specs[spec.name] = spec
     return list(specs.values())
 
 
@@ -465,14 +486,17 @@ def summary_text(result: dict[str, Any]) -> str:
         lines.append(f"tests: {tests.get('summary')} (exit {tests.get('returncode')}, log {tests.get('log')})")
     rows = result.get("benchmark", {}).get("rows", [])
     if rows:
-        lines += ["", "benchmark (median ms / TFLOP/s; fwd FLOPs 4BHN^2d, bwd 2.5x, causal halved)",
-                  f"{'shape':<36} {'provider':<15} {'fwd ms':>9} {'fwd TF/s':>9} {'bwd ms':>9} {'bwd TF/s':>9}  note"]
+        lines += ["", "benchmark (median ms / TFLOP/s; fwd FLOPs 4BHN^2d, bwd 2.5x, causal halved; "
+                      f"x flash: {REFERENCE} time / this time)",
+                  f"{'shape':<36} {'provider':<15} {'fwd ms':>9} {'fwd TF/s':>9} {'x flash':>7} "
+                  f"{'bwd ms':>9} {'bwd TF/s':>9} {'x flash':>7}  note"]
         for row in rows:
             if row["note"]:
-                lines.append(f"{row['label']:<36} {'-':<15} {'':>9} {'':>9} {'':>9} {'':>9}  {row['note']}")
+                lines.append(f"{row['label']:<36} {'-':<15} {'':>9} {'':>9} {'':>7} {'':>9} {'':>9} {'':>7}  {row['note']}")
             for name, m in row["results"].items():
                 lines.append(f"{row['label']:<36} {name:<15} {_fmt(m['fwd_ms'], '9.3f')} {_fmt(m['fwd_tflops'], '9.2f')} "
-                             f"{_fmt(m['bwd_ms'], '9.3f')} {_fmt(m['bwd_tflops'], '9.2f')}  {m['note']}")
+                             f"{_fmt(m.get('fwd_vs_flash'), '7.2f')} {_fmt(m['bwd_ms'], '9.3f')} "
+                             f"{_fmt(m['bwd_tflops'], '9.2f')} {_fmt(m.get('bwd_vs_flash'), '7.2f')}  {m['note']}")
     auto = result.get("autotune")
     if auto:
         lines.append("")

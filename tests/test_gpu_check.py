@@ -73,8 +73,20 @@ def test_plan_covers_the_matrix_with_16k_tokens() -> None:
 
 def test_bench_specs_one_per_direction_and_kind() -> None:
     specs = gc.bench_specs(gc.plan(quick=False), "sm_90")
-    assert len(specs) == 2 * 2 * 2 * 2 == len({s.name for s in specs})
+    assert len(specs) == 2 * 2 * 2 * 2 * len(gc.FAMILIES) == len({s.name for s in specs})
     assert {s.direction for s in specs} == {"fwd", "bwd"} and {s.arch for s in specs} == {"sm_90"}
+    assert {s.impl for s in specs} == set(gc.FAMILIES) == {"mma", "simt"}
+    assert {f"fagen_{f}" for f in gc.FAMILIES} <= set(gc.PROVIDERS) and gc.REFERENCE in gc.PROVIDERS
+
+
+def test_rows_report_the_ratio_to_sdpa_flash() -> None:
+    shape = gc.Shape(4, 16, 4096, 64, "float16", False)
+    row = gc.Row(shape, {"fagen_mma": gc.Measurement(2.0, 8.0), "sdpa_flash": gc.Measurement(3.0, 6.0),
+                         "fagen_simt": gc.Measurement(note="n/a: x")}).as_dict()["results"]
+    assert row["fagen_mma"]["fwd_vs_flash"] == pytest.approx(1.5) and row["fagen_mma"]["bwd_vs_flash"] == pytest.approx(0.75)
+    assert row["sdpa_flash"]["fwd_vs_flash"] == pytest.approx(1.0)
+    assert row["fagen_simt"]["fwd_vs_flash"] is None
+    assert gc.Row(shape, {"fagen_mma": gc.Measurement(2.0, 8.0)}).as_dict()["results"]["fagen_mma"]["bwd_vs_flash"] is None
 
 
 # --------------------------------------------------------------------------- benchmark loop
