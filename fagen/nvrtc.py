@@ -21,14 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import elf
+from .errors import FagenError
 
 #: Headers the rendered kernels include (the emulator adds nothing else from the CUDA dir).
 ROOT_HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "vector_types.h")
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
 
 
-class NvrtcError(RuntimeError):
-    """An NVRTC API call failed (other than a compile error, which has a log)."""
+class NvrtcError(FagenError, RuntimeError):
+    """An NVRTC API call failed, or returned an unusable cubin (a compile error is a
+    :class:`~fagen.errors.CompileError`, with the log)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,10 @@ def compile_cubin(source: str, filename: str, options: list[str], arch: str | No
             return NvrtcResult(False, b"", log)
         _check(status, "nvrtcCompileProgram")
         cubin = cubin_of(lib, prog)
-        elf.check_cubin(cubin, arch)
+        try:
+            elf.check_cubin(cubin, arch)
+        except elf.ElfError as exc:
+            raise NvrtcError(f"NVRTC returned an unusable cubin for {filename}: {exc}") from None
         return NvrtcResult(True, cubin, log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -174,3 +174,17 @@ def test_compile_json_reports_sass(capsys: pytest.CaptureFixture) -> None:
     rows = json.loads(capsys.readouterr().out)
     main = next(r for r in rows if r["kernel"].endswith("_main"))
     assert main["sass"]["FFMA"] > 0 and "registers" in main and "smem_bytes" in main
+
+
+def test_an_unusable_cubin_from_nvrtc_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fagen.errors import FagenError
+
+    real = nvrtc.cubin_of
+    monkeypatch.setattr(nvrtc, "cubin_of", lambda lib, prog: real(lib, prog)[:-1])  # as CuPy's getCUBIN returned
+    r = render(SPEC)
+    with pytest.raises(nvrtc.NvrtcError, match="unusable cubin .* past the end") as ei:
+        nvrtc.compile_cubin(r.source, f"{SPEC.name}.cu", options_for(SPEC), SPEC.arch)
+    assert isinstance(ei.value, FagenError)
+    with pytest.raises(nvrtc.NvrtcError, match="expected sm_80"):
+        monkeypatch.setattr(nvrtc, "cubin_of", real)
+        nvrtc.compile_cubin(r.source, f"{SPEC.name}.cu", options_for(SPEC), "sm_80")
