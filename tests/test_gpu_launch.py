@@ -279,3 +279,29 @@ def test_read_only_cache_loads_the_cubin_from_a_temp_file(monkeypatch: pytest.Mo
         assert path.read_bytes() == compiled.cubin and cache.cache_root("cubin") not in path.parents
     finally:
         path.unlink()
+
+
+@pytest.mark.parametrize("api", ["from_external", "ExternalStream(ptr, device)", "ExternalStream(ptr)"])
+def test_torch_stream_handle_reaches_cupy(api: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch runs on torch's current stream of the tensors' device, whichever CuPy API is there."""
+    calls = []
+
+    class Ext:
+        def __init__(self, *a) -> None:
+            if api == "ExternalStream(ptr)" and len(a) == 2:
+                raise TypeError("device_id not supported")
+            calls.append(("ExternalStream", a))
+
+    torch_stream = types.SimpleNamespace(cuda_stream=0xBEEF)
+    if api == "from_external":
+        torch_stream.__cuda_stream__ = lambda: (0, 0xBEEF)
+        stream_cls = types.SimpleNamespace(from_external=lambda s: calls.append(("from_external", s)) or "ctx")
+    else:
+        stream_cls = types.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Stream=stream_cls, ExternalStream=Ext)))
+    gpu._cupy_stream(torch_stream, 3)
+    want = {"from_external": [("from_external", torch_stream)],
+            "ExternalStream(ptr, device)": [("ExternalStream", (0xBEEF, 3))],
+            "ExternalStream(ptr)": [("ExternalStream", (0xBEEF,))]}[api]
+    assert calls == want
