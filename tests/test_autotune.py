@@ -438,7 +438,7 @@ def _per_tile_hbm(spec: KernelSpec, p: Workload, br: int, bc: int) -> float:
     kpm = nk if spec.key_padding else 0
     if spec.direction == "bwd":
         per = (4 * nk * d * e + sum(min(br, nq - r) for r, _ in tiles) * (2 * d * e + 2 * f32)
-               + len(tiles) * min(br, nq) * d * f32 * 2 + nq * (2 * d * e + f32 + d * f32) + nq * d * (f32 + e) + kpm)
+               + nq * d * f32 * 2 + nq * (2 * d * e + f32 + d * f32) + nq * d * (f32 + e) + kpm)
     else:
         per = 2 * nq * d * e + nq * f32 + sum(min(bc, nk - c) for _, c in tiles) * 2 * d * e + kpm
     return float(p.batch * p.heads * per)
@@ -458,21 +458,42 @@ def test_model_counts_are_closed_form(direction: str, causal: bool) -> None:
 
 
 def test_sass_mix_feeds_the_issue_term() -> None:
-    from fagen.autotune.model import FLOPS_PER_MATH_INSTRUCTION, sass_instructions_per_flop
+    from fagen.autotune.model import sass_issue_instructions
+    from fagen.autotune.sassloops import LoopMix, dynamic_instructions
 
+    # a main loop with 100 instructions once per pair and an inner loop of 16 FFMA + 8 others
+    loop = LoopMix(outer=(("FFMA", 4), ("IMAD", 96)), inner=(("FFMA", 16), ("LDS", 8)))
+    assert dynamic_instructions(loop, "FFMA", 4 + 16 * 10) == 100 + 24 * 10  # the inner loop ran 10 times
+    assert dynamic_instructions(LoopMix((("FFMA", 10), ("IMAD", 30)), ()), "FFMA", 50) == 200  # scaled whole
+    assert dynamic_instructions(LoopMix((("LDS", 3),), ()), "FFMA", 50) is None  # no math: the family's estimate
     spec = KernelSpec(head_dim=64, dtype="float16", arch="sm_90", block_r=64, block_c=64, impl="simt")
     dev, p = device_model("sm_90"), Workload(4, 16, 4096, 4096)
-    loop = {"FFMA": 384, "LDS": 600, "IMAD": 800, "BAR": 20}  # a loop issuing 1804 / 384 per FFMA
-    per_flop = sass_instructions_per_flop(loop, "fp32")
-    assert per_flop == pytest.approx(1804 / 384 / FLOPS_PER_MATH_INSTRUCTION["fp32"])
+    ffma_per_warp = 10 * 64 * 64 * 64 / 64 / 4  # backward FLOPs of one pair / 64 per FFMA / 4 warps
+    per_pair = sass_issue_instructions(spec, 64, 64, loop)
+    assert per_pair == pytest.approx(4 * dynamic_instructions(loop, "FFMA", ffma_per_warp))
     with_sass = predict(spec, p, 128, dev, loop)
-    sm_clocks = dev.sm_count * dev.clock_hz
-    assert with_sass.terms["issue"] == pytest.approx(with_sass.flops * per_flop / (4 * sm_clocks))
-    # the prediction never beats the issue ceiling the SASS implies
-    assert with_sass.seconds >= with_sass.terms["issue"]
-    heavier = predict(spec, p, 128, dev, {**loop, "IMAD": 8000})
+    n = (4096 // 64) ** 2 * 4 * 16
+    assert with_sass.terms["issue"] == pytest.approx(n * per_pair / (4 * dev.sm_count * dev.clock_hz))
+    assert with_sass.seconds >= with_sass.terms["issue"]  # never beats the issue ceiling the SASS implies
+    heavier = predict(spec, p, 128, dev, LoopMix(loop.outer, loop.inner + (("IMAD", 40),)))
     assert heavier.terms["issue"] > with_sass.terms["issue"] and heavier.seconds >= with_sass.seconds
-    assert sass_instructions_per_flop({"LDS": 3}, "fp32") is None  # no math opcode: the family's estimate
+
+
+def test_candidates_carry_their_sass(small_result) -> None:
+    """With a disassembler installed, every compiled candidate's main loop feeds the model."""
+    from fagen import sass
+
+    if sass.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed")
+    from fagen.autotune.model import MATH_OPCODE
+
+    ok = small_result.ok
+    assert {c.impl for c in ok} == {f for f in family_names() if not get_family(f).unsupported_reason(
+        SMALL.direction, SMALL.head_dim, SMALL.dtype, SMALL.arch)}
+    for c in ok:
+        op = MATH_OPCODE[get_family(c.impl).math_unit]
+        assert c.sass_loop is not None
+        assert c.sass_loop.count(op, inner=True) + c.sass_loop.count(op, inner=False) > 0, c
 
 
 def test_idle_warps_and_dq_atomics() -> None:

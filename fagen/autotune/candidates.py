@@ -36,11 +36,12 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from .. import sass
 from ..compiler import CompiledModule, compile as compile_spec
 from ..errors import CacheDirError, CompileError
 from ..families import Family, family_names, get_family
 from ..spec import ARCH_SMEM_OPTIN, REGS_PER_SM, KernelSpec
+from . import sassloops
+from .sassloops import LoopMix
 
 _log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Candidate:
     predicted_ms: float | None = None
     measured_ms: float | None = None
     bound: str | None = None  # the model's limiting term
-    sass_loop: tuple[tuple[str, int], ...] | None = field(default=None, compare=False, repr=False)  # main loop mix
+    sass_loop: LoopMix | None = field(default=None, compare=False, repr=False)  # the main loop's SASS
 
     @property
     def key(self) -> tuple:
@@ -169,15 +170,13 @@ def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs
     return replace(cand, spec=cspec)
 
 
-def main_loop_mix(mod: CompiledModule) -> tuple[tuple[str, int], ...] | None:
-    """The main kernel's main-loop SASS opcode mix (``fagen.sass.loop_mix``); None without a
+def main_loop_mix(mod: CompiledModule) -> LoopMix | None:
+    """The main kernel's main-loop SASS mix (``sassloops.main_loop_mix``); None without a
     disassembler or when it fails."""
     try:
-        loops = sass.loop_mix(mod.cubin)
+        return sassloops.main_loop_mix(mod.cubin, mod.rendered.kernel("main").name)
     except Exception:  # noqa: BLE001 - SASS is optional evidence for the model
         return None
-    mix = (loops or {}).get(mod.rendered.kernel("main").name)
-    return tuple(sorted(mix.items())) if mix else None
 
 
 def check_resources(cand: Candidate, mod: CompiledModule) -> Candidate:

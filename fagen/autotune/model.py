@@ -12,9 +12,9 @@ flops       the FLOPs of the visited tiles (masked elements inside a visited
 wavefronts  shared-memory load wavefronts of one tile pair, bank conflicts
             included (the family's ``pair_cost``);
 instrs      issued warp instructions: from the main kernel's own SASS when the
-            disassembler is installed (dynamic math instructions, known from the
-            FLOPs, times total / math instructions of the main loop), else the
-            family's ``pair_cost``;
+            disassembler is installed (the main loop once per tile pair, its
+            innermost loops as often as the FLOPs, known exactly, require:
+            ``sassloops``), else the family's ``pair_cost``;
 atomics     fp32 atomic adds of dQ (Algorithm 4 line 21) at the L2's rate;
 h           latency hiding at the achieved occupancy: min(1, busy warps per SM / 16),
             where busy warps = resident warps x the family's warp balance (a tile
@@ -37,6 +37,7 @@ from ..masking import tile_counts
 from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM,
                     KernelSpec)
 from .candidates import Candidate
+from .sassloops import LoopMix, dynamic_instructions
 
 #: Shared memory the driver reserves per resident block on sm_80+ (CUDA C Programming Guide,
 #: "Shared Memory" for compute capability 8.x / 9.x).
@@ -178,7 +179,8 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
             2 * nk * d * e  # K_j, V_j read once
             + 2 * nk * d * e  # dK_j, dV_j written once
             + tc["rows_visited"] * (2 * d * e + 2 * f32)  # Q_i, dO_i, lse_i, D_i per visited tile pair
-            + tc["visited"] * min(block_r, nq) * d * f32 * 2  # dQ accumulator read + written per tile pair
+            + nq * d * f32 * 2  # dQ accumulator: the atomics reduce in L2 (the "atomics" term); it
+            # reaches HBM about once per head, read and written back
             + nq * (2 * d * e + f32 + d * f32)  # preprocess: read O, dO; write D; zero dQ acc
             + nq * d * (f32 + e)  # postprocess: read dQ acc, write dQ
             + kpm  # key-padding mask bytes
@@ -223,16 +225,29 @@ def simt_pair_cost(spec: KernelSpec, br: int, bc: int) -> PairCost:
     return get_family("simt").pair_cost(spec, br, bc)  # type: ignore[return-value]
 
 
-def sass_instructions_per_flop(loop: Mapping[str, int] | None, unit: str) -> float | None:
-    """Issued warp instructions per FLOP from the main loop's SASS: one math instruction does
-    FLOPS_PER_MATH_INSTRUCTION[unit] FLOPs, and the loop issues total / math instructions per
-    math instruction. None without SASS or without math instructions in the loop."""
-    if not loop:
+def as_loop_mix(loop: LoopMix | Mapping[str, int] | None) -> LoopMix | None:
+    """A LoopMix; a plain opcode -> count mapping is a main loop without nested loops."""
+    if loop is None or isinstance(loop, LoopMix):
+        return loop
+    return LoopMix(tuple(sorted(loop.items())), ())
+
+
+def sass_issue_instructions(spec: KernelSpec, block_r: int, block_c: int,
+                            loop: LoopMix | Mapping[str, int] | None) -> float | None:
+    """Warp instructions the main kernel issues per visited tile pair, from its SASS: each warp
+    issues FLOPs / FLOPS_PER_MATH_INSTRUCTION / warps math instructions per pair, and the main
+    loop's mix says how many instructions come with them (``sassloops.dynamic_instructions``).
+    None without SASS or without math instructions in the loop."""
+    mix = as_loop_mix(loop)
+    if mix is None:
         return None
-    math_n = loop.get(MATH_OPCODE[unit], 0)
-    if math_n <= 0:
-        return None
-    return sum(loop.values()) / math_n / FLOPS_PER_MATH_INSTRUCTION[unit]
+    from ..renderer import kernel_infos
+
+    unit = get_family(spec.impl).math_unit
+    warps = max(1, next(k for k in kernel_infos(spec) if k.role.name == "main").threads // 32)
+    flops = 4.0 * block_r * block_c * spec.head_dim * (BWD_FLOP_FACTOR if spec.direction == "bwd" else 1.0)
+    per_warp = dynamic_instructions(mix, MATH_OPCODE[unit], flops / FLOPS_PER_MATH_INSTRUCTION[unit] / warps)
+    return None if per_warp is None else per_warp * warps
 
 
 @dataclass(frozen=True)
@@ -253,9 +268,9 @@ class Prediction:
 
 
 def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
-            sass_loop: Mapping[str, int] | None = None) -> Prediction:
+            sass_loop: LoopMix | Mapping[str, int] | None = None) -> Prediction:
     """Predicted wall time of one call of ``spec``'s module on workload ``p``; ``sass_loop`` is the
-    main kernel's main-loop SASS opcode mix (``fagen.sass.loop_mix``) when known."""
+    main kernel's main-loop SASS mix (``sassloops.main_loop_mix``) when known."""
     t = spec.tile
     fam = get_family(spec.impl)
     occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
@@ -276,9 +291,9 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     hidden = {"hbm": terms["hbm"] / hide, "math": terms["math"] / hide}
     n = visited_pairs(spec, p, t.block_r, t.block_c)
     sm_clocks = dev.sm_count * dev.clock_hz
-    per_flop = sass_instructions_per_flop(sass_loop, fam.math_unit)
-    if per_flop is not None:
-        terms["issue"] = flops * per_flop / (4 * sm_clocks)
+    from_sass = sass_issue_instructions(spec, t.block_r, t.block_c, sass_loop)
+    if from_sass is not None:
+        terms["issue"] = n * from_sass / (4 * sm_clocks)
     elif pc is not None:
         terms["issue"] = n * pc.warp_instructions / (4 * sm_clocks)
     if "issue" in terms:
@@ -287,16 +302,18 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
         terms["smem"] = n * pc.lds_wavefronts / sm_clocks
         smem_hide = min(1.0, busy_warps * pc.wavefronts_per_iteration / SMEM_LATENCY_CLOCKS) or 1.0
         hidden["smem"] = terms["smem"] / smem_hide
-        if pc.atomics:
-            terms["atomics"] = n * pc.atomics / dev.atomics_per_s
-            hidden["atomics"] = terms["atomics"]
+    atomics = pc.atomics if pc is not None and pc.atomics else (
+        t.block_r * spec.head_dim if spec.direction == "bwd" else 0)  # dQ_i += dS_ij K_j (Algorithm 4 line 21)
+    if atomics:
+        terms["atomics"] = n * atomics / dev.atomics_per_s
+        hidden["atomics"] = terms["atomics"]
     bound = max(hidden, key=lambda k: (hidden[k], k))
     seconds = hidden[bound] * q + launches * LAUNCH_SECONDS
     return Prediction(seconds, traffic, flops, occ, blocks, waves, q, bound, terms)
 
 
 def ceiling_tflops(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
-                   sass_loop: Mapping[str, int] | None = None) -> float:
+                   sass_loop: LoopMix | Mapping[str, int] | None = None) -> float:
     """The model's predicted throughput (nominal FLOPs / predicted time), TFLOP/s."""
     return nominal_flops(spec, p) / predict(spec, p, registers, dev, sass_loop).seconds / 1e12
 
@@ -306,7 +323,7 @@ def score(cands: list[Candidate], p: Workload, dev: DeviceModel) -> list[Candida
     out = []
     for c in cands:
         if c.status == "ok" and c.spec is not None and c.registers is not None:
-            pred = predict(c.spec, p, c.registers, dev, dict(c.sass_loop) if c.sass_loop else None)
+            pred = predict(c.spec, p, c.registers, dev, c.sass_loop)
             c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=round(pred.ms, 6),
                         bound=pred.bound)
         out.append(c)
