@@ -9,12 +9,13 @@ elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..layout import SmemLayout, place
-from . import FamilyBase, Reason, register
+from . import FamilyBase, PairCost, Reason, register
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
@@ -94,6 +95,42 @@ class MmaFamily(FamilyBase):
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
+
+    # ------------------------------------------------------------------ autotuner cost
+    def pair_cost(self, spec: "KernelSpec", block_r: int, block_c: int,
+                  sass: Mapping[str, int] | None = None) -> PairCost:
+        """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
+        dependent math op each), ldmatrix.x4 (4 conflict-free wavefronts each: 8 rows of 16 B
+        in 8 different bank groups), the dS^T stores, and the element-wise work on the
+        accumulators (exp2, mask, dropout, conversions). The model takes the issued
+        instructions from the kernel's own SASS when it has it; these counts are its fallback
+        and the source of the shared-memory and warp-balance terms."""
+        dp, w = padded_dim(spec.head_dim), spec.num_warps
+        kd = dp // 16  # k16 steps across the head dim
+        if spec.direction == "bwd":
+            active = block_c // 16  # warps owning K/V rows
+            chunks = block_r // 16  # 16 Q rows at a time
+            kv_ldsm = 0 if dp <= 64 else 2 * kd  # K/V A-fragments from registers up to d = 64
+            hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
+            ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
+            elementwise = chunks * 8 * (12 + (20 if spec.dropout else 0))  # 8 elements per lane per chunk
+            units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
+            dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
+            busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
+            stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk
+            total_hmma = active * hmma + dq_hmma
+            total_ldsm = active * ldsm + dq_ldsm
+            instr = total_hmma + total_ldsm + stores + active * elementwise + dq_hmma * 2  # + dQ atomics
+            return PairCost(lds_wavefronts=4.0 * total_ldsm + stores + active * chunks * 4,
+                            warp_instructions=float(instr), warp_iterations=float(total_hmma),
+                            busiest_warp_iterations=float(busiest), atomics=float(block_r * spec.head_dim))
+        active = block_r // 16  # warps owning Q rows
+        q_ldsm = 0 if dp <= 128 else kd  # Q A-fragments from registers up to d = 128
+        hmma = kd * (block_c // 8) + (block_c // 16) * (dp // 8)  # S = Q K^T, O += P V
+        ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
+        elementwise = (block_c // 8) * 4 * (10 + (10 if spec.dropout else 0)) + (dp // 8) * 4  # softmax, O rescale
+        return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
+                        warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)
 
 
 MMA = register(MmaFamily())
