@@ -251,3 +251,14 @@ def test_a_read_only_cache_still_serves_hits(fresh_cache: Path, monkeypatch: pyt
     monkeypatch.setattr(cache, "atomic_write", refuse)
     again = compile_spec(SPEC)
     assert again.cached is True and again.cubin == first.cubin
+
+
+def test_untuned_lookup_asks_nothing_of_nvrtc(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no tuning recorded, the per-call tuned-choice lookup returns at once (no key, no NVRTC)."""
+    from fagen import choices
+
+    def fail(*a, **k):
+        raise AssertionError("built a tuning key with nothing tuned")
+    monkeypatch.setattr(choices, "make_key", fail)
+    assert choices.lookup(SPEC, batch=1, heads=1, seqlen_q=64, seqlen_k=64, device_name="H200",
+                          capability=(9, 0)) is None
