@@ -2,10 +2,8 @@
 on every function; tile_counts' closed form equals a per-tile count; the loop bounds are tight."""
 from __future__ import annotations
 
-import itertools
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -228,6 +226,3 @@ def test_every_kernel_includes_the_one_rule(direction: str) -> None:
     assert src.count(loop) == 2  # the definition and the kernel's inner-loop bounds
     assert "TILE_SKIP" in src.split("extern \"C\"", 1)[1]
 
-
-def test_all_configs_are_distinct() -> None:
-    assert len(set(CONFIGS)) == len(CONFIGS) == len(list(itertools.product(BLOCKS, (0, 1), (0, 1))))
