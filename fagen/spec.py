@@ -287,7 +287,7 @@ class KernelSpec(BaseModel):
 
     def _tile_key(self) -> tuple:
         return (self.impl, self.direction, self.head_dim, self.itemsize, self.sram_bytes, self.block_r, self.block_c,
-                self.knobs)
+                self.knobs, self.num_warps)
 
 
 class _Infeasible(Exception):
@@ -299,7 +299,7 @@ class _Infeasible(Exception):
 @functools.lru_cache(maxsize=4096)
 def _resolve_tile(key: tuple) -> Tile:
     """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
-    impl, direction, d, itemsize, sram, br_over, bc_over, knobs = key
+    impl, direction, d, itemsize, sram, br_over, bc_over, knobs, num_warps = key
     fam = get_family(impl)
     q = fam.tile_multiple
     knob_values = dict(knobs or ())
@@ -314,8 +314,9 @@ def _resolve_tile(key: tuple) -> Tile:
             raise _Infeasible(field, f"tile block_r={br_over} x block_c={bc_over} needs {need} bytes of shared memory, more than sram_bytes={sram}")
         return Tile(br_over, bc_over)
     paper_r, paper_c = paper_tile(sram, itemsize, d)
-    br = br_over if br_over is not None else min(max(q, paper_r // q * q), fam.max_block_r)
-    bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), fam.max_block_c)
+    cap_r, cap_c = fam.tile_caps(direction, d, num_warps)
+    br = br_over if br_over is not None else min(max(q, paper_r // q * q), cap_r)
+    bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), cap_c)
     while footprint(br, bc) > sram:
         # shrink the free dimension that is larger (B_c first on ties), one quantum at a time
         can_c = bc_over is None and bc > q

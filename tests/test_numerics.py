@@ -163,7 +163,7 @@ def test_random_sweep(case: Case, impl: str) -> None:
     check(_as(case, impl))
 
 
-@pytest.mark.parametrize("block_r,block_c,num_warps", [(16, 16, 1), (32, 32, 2), (48, 64, 4), (64, 16, 4), (16, 48, 8)])
+@pytest.mark.parametrize("block_r,block_c,num_warps", [(16, 16, 1), (32, 32, 2), (48, 64, 4), (64, 16, 4), (16, 48, 8), (128, 128, 8)])
 def test_mma_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int) -> None:
     """Tiles / warp counts of the mma family, including warps left without rows (16 x num_warps > tile)."""
     import torch

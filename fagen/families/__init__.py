@@ -109,6 +109,9 @@ class Family(Protocol):
                     knobs: Mapping[str, int]) -> SmemLayout:
         """Exact dynamic-smem layout of the kernel that uses the most shared memory."""
 
+    def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
+        """Largest (block_r, block_c) a default tile starts from, before shrinking to fit smem."""
+
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         """Extra Jinja context; must hold ``strides``: named smem row strides emitted as constexprs."""
 
@@ -163,6 +166,9 @@ class FamilyBase:
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
                     knobs: Mapping[str, int]) -> SmemLayout:  # pragma: no cover - every family has one
         raise NotImplementedError
+
+    def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
+        return self.max_block_r, self.max_block_c
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         return {"strides": {}}

@@ -37,8 +37,8 @@ class MmaFamily(FamilyBase):
     name: str = "mma"
     preference: int = 10  # preferred over the portable SIMT family wherever it applies
     tile_multiple: int = 16
-    max_block_r: int = 64
-    max_block_c: int = 64
+    max_block_r: int = 128
+    max_block_c: int = 128
     math_unit: Literal["fp32", "tensor"] = "tensor"
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
@@ -64,6 +64,12 @@ class MmaFamily(FamilyBase):
             return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
                                  f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
         return None
+
+    def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
+        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
+        (two stages of it double the smem, and the forward's S/P fragments grow with it)."""
+        own = 16 * num_warps
+        return (64, own) if direction == "bwd" else (own, 64)
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         return {"strides": {"LD": padded_dim(spec.head_dim) + 8}}
