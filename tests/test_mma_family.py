@@ -172,3 +172,27 @@ def test_backward_kernel_is_clean_under_asan_and_an_overrun_is_caught(asan_probl
     np.testing.assert_allclose(out["dq_accum"], dq.float().numpy(), rtol=2e-3, atol=2e-3)
     with pytest.raises(EmulatorMemoryError):  # lie about seqlen_k: keys past the end of k are read
         _launch_main(spec, args(NK + 40), pb, seqlen_k=NK + 40)
+
+
+# ------------------------------------------------------------------ autotuner cost
+@pytest.mark.parametrize("direction", ["bwd", "fwd"])
+@pytest.mark.parametrize("d,block_r,block_c,num_warps", [(64, 64, 64, 4), (128, 64, 128, 8), (32, 128, 128, 8),
+                                                         (96, 32, 32, 2)])
+def test_pair_cost_counts_exactly_the_tile_pairs_flops(direction: str, d: int, block_r: int, block_c: int,
+                                                       num_warps: int) -> None:
+    """One m16n8k16 is 2 x 16 x 8 x 16 FLOPs: the pair's mma count is its FLOPs (2 matmuls forward,
+    5 backward, of 2 B_r B_c d each) when d is a multiple of 16."""
+    if direction == "fwd":
+        block_r, block_c = block_c, block_r  # the forward's warps own Q rows
+    spec = KernelSpec(direction=direction, head_dim=d, block_r=block_r, block_c=block_c, num_warps=num_warps)
+    pc = MMA.pair_cost(spec, block_r, block_c)
+    matmuls = 5 if direction == "bwd" else 2
+    assert pc.warp_iterations * 2 * 16 * 8 * 16 == matmuls * 2 * block_r * block_c * d
+    assert pc.atomics == (block_r * d if direction == "bwd" else 0)
+    assert pc.lds_wavefronts > 0 and pc.warp_instructions > pc.warp_iterations
+    assert pc.warp_balance(num_warps) == pytest.approx(1.0, abs=0.2)
+
+
+def test_pair_cost_sees_idle_warps() -> None:
+    spec = KernelSpec(head_dim=64, block_r=64, block_c=16, num_warps=8)  # one warp owns all 16 K/V rows
+    assert MMA.pair_cost(spec, 64, 16).warp_balance(8) < 0.5
