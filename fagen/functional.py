@@ -19,7 +19,7 @@ import torch
 from .choices import tuned_or_default
 from .errors import InputError, InputTypeError, check_dropout_p
 from .philox import drop_threshold, keep_mask
-from .renderer import render
+from .renderer import KernelInfo, kernel_infos
 from .runtime import get_module
 from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, KernelSpec
 
@@ -181,6 +181,12 @@ def spec_for(direction: str, p: Problem, *, causal: bool, key_padding: bool, dro
     return tuned_or_default(spec, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, device=p.device)
 
 
+@functools.lru_cache(maxsize=512)
+def _kernels(spec: KernelSpec) -> dict[str, KernelInfo]:
+    """The spec's entry points by role, without rendering its source (a first call stays cheap)."""
+    return {k.role.name: k for k in kernel_infos(spec)}
+
+
 def _strides(name: str, t: torch.Tensor) -> dict[str, int]:
     return {f"stride_{name}_b": t.stride(0), f"stride_{name}_s": t.stride(1), f"stride_{name}_h": t.stride(2)}
 
@@ -213,7 +219,7 @@ def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tens
         return o, lse
     if p.seqlen_k == 0:
         return o.zero_(), lse.fill_(-math.inf)
-    kern = render(spec).kernel("main")
+    kern = _kernels(spec)["main"]
     args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": mask.data_ptr() if mask is not None else 0,
             "o": o.data_ptr(), "lse": lse.data_ptr(), "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k,
             "scale": scale, **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
@@ -274,9 +280,9 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
         **_dropout_args(dropout_p, seed, offset),
     }
     mod = get_module(spec, p.device.type)
-    rendered = render(spec)
+    kernels = _kernels(spec)
     for role in ("pre", "main", "post"):
-        kern = rendered.kernel(role)
+        kern = kernels[role]
         mod.launch(kern, kern.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k), args)
     return dq, dk, dv
 
