@@ -283,7 +283,8 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     slots = dev.sm_count * occ.blocks_per_sm
     waves = math.ceil(blocks / slots)
     q = waves * slots / blocks
-    pc = fam.pair_cost(spec, t.block_r, t.block_c, sass_loop)
+    loop = as_loop_mix(sass_loop)
+    pc = fam.pair_cost(spec, t.block_r, t.block_c, None if loop is None else loop.merged())
     balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
     busy_warps = occ.warps_per_sm * balance  # warps with work: a small tile leaves some idle
     hide = min(1.0, busy_warps / SATURATION_WARPS)

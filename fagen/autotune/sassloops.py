@@ -38,6 +38,13 @@ class LoopMix:
     def total(self, *, inner: bool) -> int:
         return sum(n for _, n in (self.inner if inner else self.outer))
 
+    def merged(self) -> dict[str, int]:
+        """The whole main loop's static opcode counts (what ``Family.pair_cost`` receives)."""
+        out = dict(self.outer)
+        for op, n in self.inner:
+            out[op] = out.get(op, 0) + n
+        return out
+
 
 def _spans(text: str, kernel: str) -> list[tuple[int, int]]:
     """(start, end) address spans closed by a backward branch in ``kernel``."""

@@ -129,8 +129,9 @@ class Family(Protocol):
 
     def pair_cost(self, spec: "KernelSpec", block_r: int, block_c: int,
                   sass: Mapping[str, int] | None = None) -> PairCost | None:
-        """Autotuner cost of one visited tile pair; ``sass`` is the main kernel's SASS opcode mix
-        when the disassembler is installed. None: modelled by HBM traffic and FLOPs alone."""
+        """Autotuner cost of one visited tile pair; ``sass`` is the static opcode mix of the main
+        kernel's main loop when the disassembler is installed (the model already derives the
+        issue term from it). None: modelled by HBM traffic, FLOPs, SASS issue and dQ atomics."""
 
 
 @dataclass(frozen=True)
