@@ -497,8 +497,17 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
            ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
 }
 
-// max that propagates NaN (fmaxf drops it): a NaN score must reach the output.
-FA_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+#ifndef FAGEN_EMULATOR
+FA_DEVICE float mma_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+FA_DEVICE float mma_exp2(float x) { return exp2f(x); }
+#endif
 
 // Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
 FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
@@ -506,14 +515,17 @@ FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
 }
 
 // Rows [row0, row0 + ROWS) x HEAD_DIM of a [*, N, *, d] slice -> smem (row stride LD), as
-// 16-byte cp.async copies of the caller's open group; rows >= n and columns
-// [HEAD_DIM, DPAD) are zero-filled. Unaligned slices fall back to element copies.
+// 16-byte cp.async copies of the caller's open group; rows >= n, columns [HEAD_DIM, DPAD)
+// and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled -- a padded
+// key takes no part, so nothing it holds (even NaN) reaches a product through 0 * x.
+// Unaligned slices fall back to element copies.
 template <int ROWS>
-FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec,
+                             const unsigned char* kpm_row = nullptr) {
     constexpr int CHUNKS = DPAD / 8;
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {
         const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
-        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const bool valid = row0 + r < n && c < HEAD_DIM && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
         const T* s = valid ? src + (long long)(row0 + r) * stride_s + c : src;
         T* d = dst + r * LD + c;
         if (vec) {
@@ -645,8 +657,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     kv_block_q_range(col0, seqlen_q, seqlen_k, &i_begin, &i_end);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
-    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, seqlen_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s));
-    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, seqlen_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s));
+    const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
+    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, seqlen_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s), kpm_b);
+    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, seqlen_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
     // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; the loop prefetches step i+1 while computing step i.
     if (i_begin < i_end) {
         mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, seqlen_q, stride_q_s, q_vec);
@@ -741,14 +754,21 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         keep_bits[n][e] = (mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u;
                 }
             }
+            float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + 2 * t4);
+                const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + 2 * t4);
+                lse2[n][0] = l2.x;
+                lse2[n][1] = l2.y;
+                dlt[n][0] = d2.x;
+                dlt[n][1] = d2.y;
+            }
 #pragma unroll
             for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int kr = wrow + g + (e >> 1) * 8;    // K/V row within the block
-                    const int qc = c0 + n * 8 + 2 * t4 + (e & 1);  // Q row within the tile
-                    float p = exp2f(fmaf(st[n][e], scale_log2, -slse[qc]));
-                    if (!full && !allowed(i0 + qc, col0 + kr, seqlen_q, seqlen_k, kpm, b)) p = 0.f;
+                    const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
                     float dp = dpt[n][e], pd = p;
                     if constexpr (HAS_DROPOUT) {
                         const bool keep = keep_bits[n][e] != 0u;
@@ -756,8 +776,18 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         dp = keep ? dp * rp_keep : 0.f;
                     }
                     st[n][e] = pd;
-                    dpt[n][e] = p * (dp - sdelta[qc]);
+                    dpt[n][e] = p * (dp - dlt[n][e & 1]);
                 }
+            if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, seqlen_q, seqlen_k, kpm, b)) {
+                            st[n][e] = 0.f;
+                            dpt[n][e] = 0.f;
+                        }
+            }
             const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
                                     mma_pack(st[1][0], st[1][1]), mma_pack(st[1][2], st[1][3])};
             const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
@@ -792,7 +822,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         fa_sync();  // dS^T complete
 
         // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans;
-        // the warps share the (16 Q rows x 16 columns) output tiles.
+        // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
+        // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
         constexpr int UNITS = (BLOCK_R / 16) * (DPAD / 16);
         for (int u = warp; u < UNITS; u += NUM_WARPS) {
             const int mt = u / (DPAD / 16), nc = u - mt * (DPAD / 16);
@@ -811,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int e = 0; e < 4; ++e) {
                     const int row = i0 + mt * 16 + g + (e >> 1) * 8;
                     const int x = nc * 16 + n * 8 + 2 * t4 + (e & 1);
-                    if (row < seqlen_q && x < HEAD_DIM)
+                    if (row < seqlen_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
                         fa_atomic_add(dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
                 }
         }
@@ -833,8 +864,10 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 dvv = dv_acc[n][e];
             }
             if (active && col < seqlen_k && x < HEAD_DIM) {
-                dk[b * stride_dk_b + (long long)col * stride_dk_s + h * stride_dk_h + x] = fa_from_float<T>(dkv * scale);
-                dv[b * stride_dv_b + (long long)col * stride_dv_s + h * stride_dv_h + x] = fa_from_float<T>(dvv * dv_scale);
+                // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
+                const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                dk[b * stride_dk_b + (long long)col * stride_dk_s + h * stride_dk_h + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
+                dv[b * stride_dv_b + (long long)col * stride_dv_s + h * stride_dv_h + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
             }
         }
 }

@@ -469,8 +469,17 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
            ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
 }
 
-// max that propagates NaN (fmaxf drops it): a NaN score must reach the output.
-FA_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+#ifndef FAGEN_EMULATOR
+FA_DEVICE float mma_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+FA_DEVICE float mma_exp2(float x) { return exp2f(x); }
+#endif
 
 // Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
 FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
@@ -478,14 +487,17 @@ FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
 }
 
 // Rows [row0, row0 + ROWS) x HEAD_DIM of a [*, N, *, d] slice -> smem (row stride LD), as
-// 16-byte cp.async copies of the caller's open group; rows >= n and columns
-// [HEAD_DIM, DPAD) are zero-filled. Unaligned slices fall back to element copies.
+// 16-byte cp.async copies of the caller's open group; rows >= n, columns [HEAD_DIM, DPAD)
+// and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled -- a padded
+// key takes no part, so nothing it holds (even NaN) reaches a product through 0 * x.
+// Unaligned slices fall back to element copies.
 template <int ROWS>
-FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec,
+                             const unsigned char* kpm_row = nullptr) {
     constexpr int CHUNKS = DPAD / 8;
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {
         const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
-        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const bool valid = row0 + r < n && c < HEAD_DIM && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
         const T* s = valid ? src + (long long)(row0 + r) * stride_s + c : src;
         T* d = dst + r * LD + c;
         if (vec) {
@@ -557,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const T* k_bh = k + b * stride_k_b + h * stride_k_h;
     const T* v_bh = v + b * stride_v_b + h * stride_v_h;
     const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
+    const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
     int j_begin, j_end;
@@ -565,8 +578,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
     if (j_begin < j_end) {
-        mma_copy_tile<BLOCK_C>(s.k, k_bh, j_begin, seqlen_k, stride_k_s, k_vec);
-        mma_copy_tile<BLOCK_C>(s.v, v_bh, j_begin, seqlen_k, stride_v_s, v_vec);
+        mma_copy_tile<BLOCK_C>(s.k, k_bh, j_begin, seqlen_k, stride_k_s, k_vec, kpm_b);
+        mma_copy_tile<BLOCK_C>(s.v, v_bh, j_begin, seqlen_k, stride_v_s, v_vec, kpm_b);
     }
     fa_cp_async_commit();
 
@@ -586,14 +599,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
         for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.f;
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.f, 0.f};
+    unsigned seen[2] = {0u, 0u};  // has the row an allowed key (in this lane's columns)?
 
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         fa_cp_async_wait_all();
         fa_sync();  // stage cur has landed for every thread; step j-1 is done with stage nxt
         if (j0 + BLOCK_C < j_end) {
-            mma_copy_tile<BLOCK_C>(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, seqlen_k, stride_k_s, k_vec);
-            mma_copy_tile<BLOCK_C>(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, seqlen_k, stride_v_s, v_vec);
+            mma_copy_tile<BLOCK_C>(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, seqlen_k, stride_k_s, k_vec, kpm_b);
+            mma_copy_tile<BLOCK_C>(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, seqlen_k, stride_v_s, v_vec, kpm_b);
         }
         fa_cp_async_commit();
         const T* sk = s.k + cur * BLOCK_C * LD;
@@ -628,32 +642,40 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
         for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float sv2 = sacc[n][e] * scale_log2;
-                if (!full && !allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), seqlen_q, seqlen_k, kpm, b))
-                    sv2 = NEG_INF;
-                sacc[n][e] = sv2;
-            }
+            for (int e = 0; e < 4; ++e) sacc[n][e] *= scale_log2;
+        if (!full) {
+#pragma unroll
+            for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), seqlen_q, seqlen_k, kpm, b);
+                    seen[e >> 1] |= ok ? 1u : 0u;
+                    if (!ok) sacc[n][e] = NEG_INF;
+                }
+        } else {
+            seen[0] = seen[1] = 1u;
+        }
 
         // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, rowmax S),
         // P~ = exp2(S - m_new), l = 2^(m - m_new) l + rowsum(P~), O = 2^(m - m_new) O.
+        // The max skips NaN scores (fmaxf); they reach l and O through P~ = NaN.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n) mx = nan_max(mx, nan_max(sacc[n][2 * r], sacc[n][2 * r + 1]));
-            mx = nan_max(mx, mma_shfl_xor(mx, 1));
-            mx = nan_max(mx, mma_shfl_xor(mx, 2));
-            const float m_new = nan_max(m_r[r], mx);
+            for (int n = 0; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[n][2 * r], sacc[n][2 * r + 1]));
+            mx = fmaxf(mx, mma_shfl_xor(mx, 1));
+            mx = fmaxf(mx, mma_shfl_xor(mx, 2));
+            const float m_new = fmaxf(m_r[r], mx);
             const float base = m_new == NEG_INF ? 0.f : m_new;  // no allowed key yet: P = 0, not NaN
-            const float alpha = exp2f(m_r[r] - base);
+            const float alpha = mma_exp2(m_r[r] - base);
             m_r[r] = m_new;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float p = exp2f(sacc[n][e] - base);
+                    const float p = mma_exp2(sacc[n][e] - base);
                     sum += p;
                     sacc[n][e] = p;
                 }
@@ -698,16 +720,21 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     }
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
-    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = m_i + log l_i. A row with no allowed key
-    // (m = -inf) is zero with lse = -inf; NaN stays NaN.
+    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = m_i + log l_i. A row with no allowed key is
+    // zero with lse = -inf. A row with allowed keys whose running max stayed -inf (every
+    // allowed score -inf or NaN) is NaN, as torch's softmax; any NaN score made l NaN.
     const float rp = HAS_DROPOUT ? rp_keep : 1.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = l_r[r];
         l += mma_shfl_xor(l, 1);
         l += mma_shfl_xor(l, 2);
-        const bool empty = m_r[r] == NEG_INF;
-        const float inv = empty ? 0.f : rp / l;
+        unsigned any = seen[r];
+        any |= mma_shfl_xor_u(any, 1);
+        any |= mma_shfl_xor_u(any, 2);
+        const float nan = NEG_INF * 0.f;
+        const bool empty = any == 0u, dead = !empty && m_r[r] == NEG_INF;
+        const float inv = empty ? 0.f : (dead ? nan : rp / l);
         const int row = i0 + wrow + g + r * 8;
         if (!active || row >= seqlen_q) continue;
         T* o_row = o + b * stride_o_b + (long long)row * stride_o_s + h * stride_o_h;
@@ -716,8 +743,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
                 const int x = n * 8 + 2 * t4 + (e & 1);
-                if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[n][e] * inv);
+                if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[n][e] * inv);  // dead: NaN
             }
-        if (t4 == 0) lse[(long long)bh * seqlen_q + row] = empty ? NEG_INF : (m_r[r] + log2f(l)) * LN2;
+        if (t4 == 0) lse[(long long)bh * seqlen_q + row] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
     }
 }

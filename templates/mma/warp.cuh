@@ -65,8 +65,17 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
            ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
 }
 
-// max that propagates NaN (fmaxf drops it): a NaN score must reach the output.
-FA_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+#ifndef FAGEN_EMULATOR
+FA_DEVICE float mma_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+FA_DEVICE float mma_exp2(float x) { return exp2f(x); }
+#endif
 
 // Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
 FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
@@ -74,14 +83,17 @@ FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
 }
 
 // Rows [row0, row0 + ROWS) x HEAD_DIM of a [*, N, *, d] slice -> smem (row stride LD), as
-// 16-byte cp.async copies of the caller's open group; rows >= n and columns
-// [HEAD_DIM, DPAD) are zero-filled. Unaligned slices fall back to element copies.
+// 16-byte cp.async copies of the caller's open group; rows >= n, columns [HEAD_DIM, DPAD)
+// and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled -- a padded
+// key takes no part, so nothing it holds (even NaN) reaches a product through 0 * x.
+// Unaligned slices fall back to element copies.
 template <int ROWS>
-FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec,
+                             const unsigned char* kpm_row = nullptr) {
     constexpr int CHUNKS = DPAD / 8;
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {
         const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
-        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const bool valid = row0 + r < n && c < HEAD_DIM && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
         const T* s = valid ? src + (long long)(row0 + r) * stride_s + c : src;
         T* d = dst + r * LD + c;
         if (vec) {
