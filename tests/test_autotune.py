@@ -25,8 +25,8 @@ from fagen.errors import CompileError, InputError, NoGPUError
 from fagen.families import family_names, get_family
 from fagen.spec import ARCH_SMEM_OPTIN, KernelSpec
 
-#: A small M keeps the compiled candidates few (about 27 modules at d=32).
-SMALL = KernelSpec(head_dim=32, dtype="float16", arch="sm_80", sram_bytes=32768, impl="simt")
+#: A small M keeps the compiled candidates few (about 15 modules at d=32, both families).
+SMALL = KernelSpec(head_dim=32, dtype="float16", arch="sm_80", sram_bytes=16384, impl="simt")
 FAKE_DEVICE = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, "sm_80")
 
 
@@ -94,10 +94,10 @@ def test_small_sram_rejects_large_tiles_with_smem_reason() -> None:
     by_key = {c.key: c for c in cands}
     big = by_key[("simt", 128, 128, 4, ())]
     assert big.status == "rejected"
-    assert big.reason == f"smem {big.smem_bytes} B > sram_bytes 32768"
+    assert big.reason == f"smem {big.smem_bytes} B > sram_bytes {SMALL.sram_bytes}"
     assert by_key[("simt", 16, 16, 4, ())].status == "pending"
     for c in cands:
-        assert (c.status == "rejected") == (c.smem_bytes > 32768)
+        assert (c.status == "rejected") == (c.smem_bytes > SMALL.sram_bytes)
 
 
 def test_validation_error_is_a_rejection() -> None:
@@ -142,7 +142,7 @@ def test_dry_run_result(small_result) -> None:
     assert r.best == r.ok[0]
     assert r.problem == Workload(2, 4, 1024, 1024)
     for c in r.ok:
-        assert c.smem_bytes <= 32768 and c.spill_bytes == 0 and c.registers and c.registers <= 255
+        assert c.smem_bytes <= SMALL.sram_bytes and c.spill_bytes == 0 and c.registers and c.registers <= 255
         assert c.predicted_ms is not None and c.predicted_ms > 0 and 0 < c.occupancy <= 1
     for c in r.rejected:
         assert c.reason
@@ -218,7 +218,7 @@ def test_cli_dry_run_json(small_result, capsys: pytest.CaptureFixture[str]) -> N
     rc = at_cli.run(_args("--batch", "2", "--heads", "4", "--seqlen", "1000", "--dry-run", "--json"), SMALL)
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    _check_json(doc, 32768)
+    _check_json(doc, SMALL.sram_bytes)
     assert doc["spec"] == SMALL.model_dump(mode="json")
     assert (doc["best"]["block_r"], doc["best"]["block_c"]) == (small_result.best.block_r, small_result.best.block_c)
 
@@ -226,7 +226,7 @@ def test_cli_dry_run_json(small_result, capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_dry_run_table(small_result, capsys: pytest.CaptureFixture[str]) -> None:
     assert at_cli.run(_args("--batch", "2", "--heads", "4", "--seqlen", "1000", "--dry-run"), SMALL) == 0
     out = capsys.readouterr().out
-    assert "predicted ms" in out and "rejected (" in out and "> sram_bytes 32768" in out and "best:" in out
+    assert "predicted ms" in out and "rejected (" in out and f"> sram_bytes {SMALL.sram_bytes}" in out and "best:" in out
 
 
 def test_cli_through_main(small_result, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,10 +237,10 @@ def test_cli_through_main(small_result, capsys: pytest.CaptureFixture[str]) -> N
     except BaseException:  # noqa: BLE001 - the subcommand is not wired yet
         pytest.skip("fagen.cli has no autotune subcommand")
     rc = main_cli.main(["autotune", "--head-dim", "32", "--dtype", "float16", "--arch", "sm_80",
-                        "--sram-bytes", "32768", "--batch", "2", "--heads", "4", "--seqlen", "1000",
+                        "--sram-bytes", str(SMALL.sram_bytes), "--batch", "2", "--heads", "4", "--seqlen", "1000",
                         "--dry-run", "--json"])
     assert rc == 0
-    _check_json(json.loads(capsys.readouterr().out), 32768)
+    _check_json(json.loads(capsys.readouterr().out), SMALL.sram_bytes)
 
 
 def test_cli_bad_options() -> None:
