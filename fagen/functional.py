@@ -21,14 +21,13 @@ from .errors import InputError, InputTypeError, check_dropout_p
 from .philox import drop_threshold, keep_mask
 from .renderer import KernelInfo, kernel_infos
 from .runtime import get_module
-from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, KernelSpec
+from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, SEQLEN_MAX, KernelSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _U64 = 2**64
 _GRID_YZ_MAX = 65535
 #: Longest sequence: kernels index rows and keys with 32-bit ints, including up to one tile past the
 #: end (the longest tile of any family is far below 2**16), so a length must leave that much headroom.
-SEQLEN_MAX = 2**31 - 2**16
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_MULTIPLE = 8, 256, 8
+#: Longest sequence the kernels take: 32-bit row indices with room for one more tile
+#: (loop counters reach row + block size). The functional API and the autotuner check it.
+SEQLEN_MAX = 2**31 - 2**16
 
 
 def arch_for_capability(capability: tuple[int, int]) -> str | None:

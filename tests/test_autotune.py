@@ -412,7 +412,8 @@ def test_tuned_not_slower_than_default(store_dir: Path) -> None:
 # --------------------------------------------------------------------------- bounds, closed form, structure
 def test_absurd_sizes_are_typed_errors() -> None:
     for kw, name in ((dict(seqlen=2**40), "seqlen"), (dict(seqlen=0), "seqlen"), (dict(batch=70000), "batch"),
-                     (dict(heads=-1), "heads"), (dict(seqlen_k=2**31), "seqlen_k")):
+                     (dict(heads=-1), "heads"), (dict(seqlen_k=2**31), "seqlen_k"),
+                     (dict(seqlen=2**31 - 2**16 + 1), "seqlen")):  # fagen.spec.SEQLEN_MAX, as the functional API
         args = {"batch": 1, "heads": 1, "seqlen": 16, **kw}
         with pytest.raises(InputError, match=f"^{name}: expected an integer in 1.."):
             tune(SMALL, dry_run=True, progress=False, **args)  # type: ignore[arg-type]
@@ -452,7 +453,7 @@ def test_model_counts_are_closed_form(direction: str, causal: bool) -> None:
         p = Workload(2, 3, nq, nk)
         assert hbm_bytes(spec, p, 64, 32) == _per_tile_hbm(spec, p, 64, 32)
     # at N = 2**31 - 1 (bucketed to 2**31) the model answers from the closed form, with no per-block lists
-    big = Workload.bucketed(1, 1, 2**31 - 1)
+    big = Workload.bucketed(1, 1, 2**31 - 2**16)
     pred = predict(spec, big, 128, device_model("sm_90"))
     assert math.isfinite(pred.seconds) and pred.hbm_bytes > 0
 

@@ -34,7 +34,7 @@ from ..choices import seqlen_bucket
 from ..errors import InputError
 from ..families import PairCost, get_family, lds_wavefronts  # noqa: F401 (lds_wavefronts: re-export)
 from ..masking import tile_counts
-from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM,
+from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM, SEQLEN_MAX,
                     KernelSpec)
 from .candidates import Candidate
 from .sassloops import LoopMix, dynamic_instructions
@@ -58,8 +58,9 @@ ATOMICS_PER_SM_CLOCK = 4
 #: FLOPs of one warp-wide math instruction, and its SASS opcode, per math unit.
 MATH_OPCODE = {"fp32": "FFMA", "tensor": "HMMA"}
 FLOPS_PER_MATH_INSTRUCTION = {"fp32": 2 * 32, "tensor": 2 * 16 * 8 * 16}  # FFMA x 32 lanes; HMMA.16816
-#: The largest runtime sizes the kernels take (int32 lengths; grid y / z = batch / heads).
-MAX_SEQLEN = 2**31 - 1
+#: The largest runtime sizes the kernels take (int32 lengths, fagen.spec.SEQLEN_MAX; grid y / z =
+#: batch / heads).
+MAX_SEQLEN = SEQLEN_MAX
 MAX_GRID_YZ = 65535
 
 

@@ -67,8 +67,9 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
     default) and record the fastest for ``device`` (the current CUDA device when None).
 
-    ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in 1..2**31-1
-    (the kernels' int32 lengths); anything else is an InputError naming the argument."""
+    ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in
+    1..``fagen.spec.SEQLEN_MAX`` (the kernels' int32 lengths); anything else is an InputError
+    naming the argument."""
     problem = Workload.bucketed(batch, heads, seqlen, seqlen_k)
     if not dry_run and device is None:
         if not cuda_available():
