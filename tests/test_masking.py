@@ -226,3 +226,61 @@ def test_every_kernel_includes_the_one_rule(direction: str) -> None:
     assert src.count(loop) == 2  # the definition and the kernel's inner-loop bounds
     assert "TILE_SKIP" in src.split("extern \"C\"", 1)[1]
 
+
+
+PROBE = r"""
+// Test probe: the masking rule as the emulator compiles it for a real module (header included).
+extern "C" __global__ void fa_probe_masking(const long long* queries, int* out, const unsigned char* kpm, int n) {
+    using namespace fa;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const long long* q = queries + 6 * t;  // op, a, b, nq, nk, batch
+    const int a = (int)q[1], bb = (int)q[2], nq = (int)q[3], nk = (int)q[4];
+    int lo = 0, hi = 0;
+    if (q[0] == 0) { out[2 * t] = (int)tile_kind(a, bb, nq, nk); }
+    else if (q[0] == 1) { kv_block_q_range(a, nq, nk, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
+    else if (q[0] == 2) { q_block_kv_range(a, nq, nk, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
+    else { out[2 * t] = (int)allowed(a, bb, nq, nk, kpm, (int)q[5]); }
+}
+"""
+
+
+@pytest.mark.parametrize("causal,kp", [(True, False), (True, True)])
+def test_emulator_build_agrees(causal: bool, kp: bool) -> None:
+    """The same rule inside a rendered module, built by the emulator (FAGEN_EMULATOR, its shim)."""
+    import numpy as np
+
+    from fagen.emulator import KernelSig, build
+
+    spec = KernelSpec(direction="fwd", head_dim=32, causal=causal, key_padding=kp, block_r=32, block_c=16,
+                      impl="simt")
+    br, bc = spec.tile.block_r, spec.tile.block_c
+    sig = KernelSig("fa_probe_masking", (("const long long*", "queries"), ("int*", "out"),
+                                         ("const unsigned char*", "kpm"), ("int", "n")))
+    mod = build(render(spec).source + PROBE, [sig])
+    nk_max = 80
+    kpm = np.array(_kpm(nk_max), dtype=np.uint8)  # [2, 80]: allowed() is probed with key padding only at nk = 80
+    rows, want = [], []
+    rng = random.Random(3)
+    for nq, nk in [(1, 1), (17, 15), (15, 17), (33, 80), (80, 33), (64, 64), (70, 7)]:
+        m = _kpm(nk)
+        for r0 in range(0, nq + br, br):
+            rows.append((2, r0, 0, nq, nk, 0))
+            want.append(q_block_kv_range(r0, nq, nk, block_r=br, causal=causal))
+            for c0 in range(0, nk + bc, bc):
+                rows.append((0, r0, c0, nq, nk, 0))
+                want.append((int(tile_kind(r0, c0, nq, nk, block_r=br, block_c=bc, causal=causal, key_padding=kp)), 0))
+        for c0 in range(0, nk + bc, bc):
+            rows.append((1, c0, 0, nq, nk, 0))
+            want.append(kv_block_q_range(c0, nq, nk, block_r=br, causal=causal))
+        if nk == nk_max or not kp:
+            for _ in range(100):
+                r, c, b = rng.randrange(-1, nq + 1), rng.randrange(-1, nk + 1), rng.randrange(2)
+                rows.append((3, r, c, nq, nk, b))
+                want.append((int(allowed(r, c, nq, nk, causal=causal, kpm=m if kp else None, b=b)), 0))
+    queries = np.array(rows, dtype=np.int64)
+    out = np.zeros((len(rows), 2), dtype=np.int32)
+    mod.launch("fa_probe_masking", -(-len(rows) // 128), 128, 0, [queries, out, kpm, len(rows)])
+    got = [tuple(int(x) for x in row) for row in out]
+    bad = [(r, g, w) for r, g, w in zip(rows, got, want) if g != tuple(w)]
+    assert not bad, bad[:5]
