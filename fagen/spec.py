@@ -161,27 +161,48 @@ class KernelSpec(BaseModel):
     @model_validator(mode="after")
     def _check_feasible(self) -> "KernelSpec":
         # impl and knobs are resolved here and stored, so the name and cache key carry them.
-        if self.impl is None:
-            chosen = default_family(self.direction, self.head_dim, self.dtype, self.arch)
-            if chosen is None:
-                raise _field_error("impl", "unsupported", "no registered kernel family implements this spec", None)
-            object.__setattr__(self, "impl", chosen)
-        fam = get_family(self.impl)
+        if self.impl is not None:
+            err = self._fit(get_family(self.impl))
+            if err is not None:
+                raise err
+            return self
+        # impl=None: the first family in preference order that implements the spec as given
+        # (its tile, warps and knobs included).
+        knobs, tried = self.knobs, []
+        for name in family_names():
+            fam = get_family(name)
+            if fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch):
+                continue
+            err = self._fit(fam)
+            if err is None:
+                return self
+            tried.append((name, err))
+            object.__setattr__(self, "knobs", knobs)
+        if not tried:
+            raise _field_error("impl", "unsupported", "no registered kernel family implements this spec", None)
+        first = tried[0][1].errors()[0]
+        why = "; ".join(f"{name}: {e.errors()[0]['msg']}" for name, e in tried)
+        raise _field_error(str(first["loc"][0]), str(first["type"]), f"no kernel family accepts this spec ({why})",
+                           first.get("input"))
+
+    def _fit(self, fam: Any) -> ValidationError | None:
+        """Resolve impl and knobs for ``fam`` and check the spec against it; the error, or None."""
+        object.__setattr__(self, "impl", fam.name)
         why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch)
         if why:
-            raise _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
+            return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
         given = dict(self.knobs or ())
         unknown = sorted(set(given) - {k.name for k in fam.knobs})
         if unknown:
             known = [k.name for k in fam.knobs]
-            raise _field_error("knobs", "knob", f"impl={self.impl!r} has no knob {unknown[0]!r} (its knobs: {known})",
-                               self.knobs)
+            return _field_error("knobs", "knob", f"impl={self.impl!r} has no knob {unknown[0]!r} (its knobs: {known})",
+                                self.knobs)
         object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, k.default) for k in fam.knobs}.items())))
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
             limit = fam.max_block_r if field == "block_r" else fam.max_block_c
             if v is not None and (v < fam.tile_multiple or v % fam.tile_multiple or v > limit):
-                raise _field_error(
+                return _field_error(
                     field, "tile",
                     f"{field}={v} must be a multiple of {fam.tile_multiple} in {fam.tile_multiple}..{limit} ({self.impl} template limit)",
                     v,
@@ -189,12 +210,12 @@ class KernelSpec(BaseModel):
         try:
             tile = _resolve_tile(self._tile_key())
         except _Infeasible as e:
-            raise _field_error(e.field, "smem", str(e), getattr(self, e.field)) from None
+            return _field_error(e.field, "smem", str(e), getattr(self, e.field))
         bad = fam.config_reason(self.direction, self.head_dim, self.dtype, self.arch, tile.block_r, tile.block_c,
                                 self.num_warps, self.knob_values)
         if bad is not None:
-            raise _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
-        return self
+            return _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
+        return None
 
     # ---------------------------------------------------------------- derived
     @property

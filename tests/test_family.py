@@ -12,7 +12,7 @@ from pydantic import ValidationError
 import fagen.families as families
 from fagen import KernelSpec
 from fagen.compiler import options_for
-from fagen.families import Family, FamilyBase, Knob, Launch, default_family, family_names, get_family
+from fagen.families import Family, FamilyBase, Knob, Launch, Reason, default_family, family_names, get_family
 from fagen.families.simt import SimtFamily
 from fagen.layout import place
 from fagen.renderer import kernel_infos, render, templates_dir
@@ -36,6 +36,12 @@ class Piped(SimtFamily):
         stages = (knobs or {}).get("stages", 2)
         entries = [(b.name, b.ctype, b.count, b.itemsize, 128 if b.name == "p" else 16) for b in base.buffers]
         return place(entries + [("ring", "T", stages * 8 * head_dim, itemsize, 256)])
+
+    def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
+                      num_warps: int, knobs: Mapping[str, int]) -> Any:
+        if num_warps == 8:
+            return Reason("num_warps", "num_warps=8: piped runs 1, 2 or 4 warps")
+        return super().config_reason(direction, head_dim, dtype, arch, block_r, block_c, num_warps, knobs)
 
     def launch(self, spec: KernelSpec, role: Any) -> Launch:
         if role.name == "main":
@@ -76,6 +82,11 @@ def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Fam
     assert s16.name.endswith("_w4_s2_piped_sm90") and s32.name.endswith("_w4_simt_sm90")
     assert s16 == KernelSpec(head_dim=64, impl="piped", knobs={"stages": 2})
     assert s16.cache_key == KernelSpec(head_dim=64, impl="piped").cache_key
+    # the default is the first family that takes the spec as given: piped rejects 8 warps
+    assert KernelSpec(head_dim=64, num_warps=8).impl == "simt"
+    with pytest.raises(ValidationError, match=r"no kernel family accepts this spec \(piped: .*; simt: .*\)") as e:
+        KernelSpec(head_dim=64, block_c=256)
+    assert e.value.errors()[0]["loc"] == ("block_c",)
     # an explicit impl is still validated
     with pytest.raises(ValidationError, match="fp16 only") as e:
         KernelSpec(head_dim=64, dtype="bfloat16", impl="piped")

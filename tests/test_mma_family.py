@@ -47,10 +47,10 @@ def test_cli_inspect_names_the_default_family(dtype: str, impl: str, capsys: pyt
 def test_each_warp_owns_16_rows_of_the_ctas_block() -> None:
     KernelSpec(head_dim=64, block_r=64, block_c=64, num_warps=4)
     with pytest.raises(ValidationError, match="block_c") as info:
-        KernelSpec(head_dim=64, block_r=32, block_c=48, num_warps=2)  # backward: 16 K/V rows per warp
+        KernelSpec(head_dim=64, block_r=32, block_c=48, num_warps=2, impl="mma")  # backward: 16 K/V rows per warp
     assert "num_warps=2" in str(info.value)
     with pytest.raises(ValidationError, match="block_r"):
-        KernelSpec(direction="fwd", head_dim=64, block_r=48, block_c=32, num_warps=2)  # forward: 16 Q rows per warp
+        KernelSpec(direction="fwd", head_dim=64, block_r=48, block_c=32, num_warps=2, impl="mma")  # forward: 16 Q rows per warp
     # fewer rows than warps x 16: the extra warps only copy (and share dQ)
     assert KernelSpec(head_dim=64, block_r=16, block_c=16, num_warps=8).tile.block_c == 16
 
