@@ -1,7 +1,9 @@
 """Kernel ABI: the parameter list and grid rule of every kernel role.
 
-Shared by all families, emitted into the templates (signatures) and used by the
-launchers (argument packing by name), so the order is stated exactly once.
+Emitted into the templates (signatures) and used by the launchers (argument
+packing by name), so the order is stated exactly once. ``ROLES`` are the roles a
+family launches unless it says otherwise (``Family.roles``); the block dims and
+rows per block of each role come from ``Family.launch``.
 Layouts: q, o, do, dq [B, Nq, H, d]; k, v, dk, dv [B, Nk, H, d] with element
 strides (batch, seq, head) and a contiguous last dim; lse and delta float32
 [B, H, Nq] contiguous; dq_accum float32 [B, Nq, H, d] contiguous; kpm uint8
@@ -27,7 +29,7 @@ class Role:
     name: str  # suffix of the kernel's entry point
     params: tuple[tuple[str, str], ...]  # (ctype, name); ctype may contain "T"
     grid_seq: str  # "q" or "k": which seqlen the grid's x dimension tiles
-    rows_per_block: str  # "block_r", "block_c" or "num_warps"
+    rows_per_block: str  # "block_r", "block_c" or "num_warps" (FamilyBase.launch's default rule)
 
     def grid(self, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, rows: int) -> tuple[int, int, int]:
         n = seqlen_q if self.grid_seq == "q" else seqlen_k
