@@ -163,9 +163,11 @@ def test_random_sweep(case: Case, impl: str) -> None:
     check(_as(case, impl))
 
 
-@pytest.mark.parametrize("block_r,block_c,num_warps", [(16, 16, 1), (32, 32, 2), (48, 64, 4), (64, 16, 4), (16, 48, 8), (128, 128, 8)])
-def test_mma_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int) -> None:
-    """Tiles / warp counts of the mma family, including warps left without rows (16 x num_warps > tile)."""
+@pytest.mark.parametrize("block_r,block_c,num_warps,stages", [(16, 16, 1, 2), (32, 32, 2, 1), (48, 64, 4, 2), (64, 16, 4, 1),
+                                                              (16, 48, 8, 2), (128, 128, 8, 2)])
+def test_mma_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int, stages: int) -> None:
+    """Tiles / warp counts / pipeline depths of the mma family, including warps left without rows
+    (16 x num_warps > tile)."""
     import torch
 
     import fagen.functional as F
@@ -173,7 +175,7 @@ def test_mma_explicit_tiles_and_warps(block_r: int, block_c: int, num_warps: int
 
     case = Case(2, 2, 70, 53, 64, "bfloat16", causal=True, padding=True, dropout_p=0.25, seed=12, impl="mma")
     flags = dict(head_dim=64, dtype="bfloat16", causal=True, key_padding=True, dropout=True,
-                 block_r=block_r, block_c=block_c, num_warps=num_warps, impl="mma")
+                 block_r=block_r, block_c=block_c, num_warps=num_warps, impl="mma", knobs={"stages": stages})
     q, k, v, do, mask = make_inputs(case)
     kw = dict(key_padding_mask=mask, dropout_p=0.25, seed=12, offset=3)
     got = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **kw)

@@ -70,13 +70,14 @@ extern "C" __global__ void racy(float* out) {
     assert not np.array_equal(results[0], results[1])
 
 
-def test_reverse_schedule_agrees_mma_pipeline() -> None:
-    """The mma family with small tiles: many cp.async stages per block, an idle warp, shared dQ tiles."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_reverse_schedule_agrees_mma_pipeline(stages: int) -> None:
+    """The mma family with small tiles: many cp.async steps per block, an idle warp, shared dQ tiles."""
     from fagen import KernelSpec
 
     case = Case(1, 2, 61, 45, 40, "bfloat16", causal=True, padding=True, dropout_p=0.2)
     flags = dict(head_dim=40, dtype="bfloat16", causal=True, key_padding=True, dropout=True, impl="mma",
-                 block_r=16, block_c=16, num_warps=2)
+                 block_r=16, block_c=16, num_warps=2, knobs={"stages": stages})
 
     def run(schedule: str):
         fagen.settings.configure(emu_schedule=schedule)

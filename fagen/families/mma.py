@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..layout import SmemLayout, place
-from . import FamilyBase, PairCost, Reason, register
+from . import FamilyBase, Knob, PairCost, Reason, register
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
 
 F32 = 4
-STAGES = 2
+STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
+              "2 prefetches the next step while computing this one, 1 halves their shared memory")
 #: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
 MAX_REG_ACC_DIM = 128
 SUPPORTED_DTYPES = ("float16", "bfloat16")
@@ -40,6 +41,7 @@ class MmaFamily(FamilyBase):
     max_block_r: int = 128
     max_block_c: int = 128
     math_unit: Literal["fp32", "tensor"] = "tensor"
+    knobs: tuple[Knob, ...] = (STAGES,)
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.
@@ -78,15 +80,16 @@ class MmaFamily(FamilyBase):
                     knobs: Mapping[str, int] | None = None) -> SmemLayout:
         dp = padded_dim(head_dim)
         ld = dp + 8
+        stages = (knobs or {}).get(STAGES.name, STAGES.default)
         if direction == "bwd":
             entries = [
                 ("k", "T", block_c * ld, itemsize),
                 ("v", "T", block_c * ld, itemsize),
-                ("q", "T", STAGES * block_r * ld, itemsize),
-                ("do_", "T", STAGES * block_r * ld, itemsize),
+                ("q", "T", stages * block_r * ld, itemsize),
+                ("do_", "T", stages * block_r * ld, itemsize),
                 ("ds", "T", block_c * (block_r + 8), itemsize),
-                ("lse", "float", STAGES * block_r, F32),
-                ("delta", "float", STAGES * block_r, F32),
+                ("lse", "float", stages * block_r, F32),
+                ("delta", "float", stages * block_r, F32),
             ]
             if dp > MAX_REG_ACC_DIM:
                 entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dp, F32)]
@@ -94,8 +97,8 @@ class MmaFamily(FamilyBase):
         if direction == "fwd":
             return place([
                 ("q", "T", block_r * ld, itemsize),
-                ("k", "T", STAGES * block_c * ld, itemsize),
-                ("v", "T", STAGES * block_c * ld, itemsize),
+                ("k", "T", stages * block_c * ld, itemsize),
+                ("v", "T", stages * block_c * ld, itemsize),
             ])
         raise ValueError(f"unknown direction {direction!r}")
 
