@@ -196,3 +196,22 @@ def test_pair_cost_counts_exactly_the_tile_pairs_flops(direction: str, d: int, b
 def test_pair_cost_sees_idle_warps() -> None:
     spec = KernelSpec(head_dim=64, block_r=64, block_c=16, num_warps=8)  # one warp owns all 16 K/V rows
     assert MMA.pair_cost(spec, 64, 16).warp_balance(8) < 0.5
+
+
+def test_unaligned_slices_fall_back_to_element_copies() -> None:
+    """Rows that are not 16-byte aligned cannot go through cp.async: the kernels copy them element
+    by element and compute exactly what the aligned layout gives."""
+    torch.manual_seed(4)
+    B, N, H, d = 2, 37, 3, 40
+    # head stride d + 1 (82 bytes): every head but the first starts off a 16-byte boundary
+    q, k, v, do = (t[..., :d] for t in (torch.randn(B, N, H, d + 1, dtype=torch.bfloat16) for _ in range(4)))
+    assert q.stride(2) == d + 1
+    flags = dict(head_dim=d, dtype="bfloat16", causal=True, impl="mma")
+    fwd, bwd = KernelSpec(direction="fwd", **flags), KernelSpec(direction="bwd", **flags)
+    o, lse = F.run_forward(fwd, q, k, v)
+    grads = F.run_backward(bwd, do, q, k, v, o, lse)
+    c = [t.contiguous() for t in (q, k, v, do)]
+    o_c, lse_c = F.run_forward(fwd, *c[:3])
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+    for a, b in zip(grads, F.run_backward(bwd, c[3], *c[:3], o_c, lse_c)):
+        assert torch.equal(a, b)
