@@ -836,17 +836,25 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans;
         // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
         // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-        constexpr int UNITS = (BLOCK_R / 16) * (DPAD / 16);
+        // Unit u is Q-row tile u % MT, column tile u / MT: with MT dividing NUM_WARPS a warp keeps
+        // one Q-row tile, so its dS fragments are loaded once per step, not once per column tile.
+        constexpr int MT = BLOCK_R / 16, UNITS = MT * (DPAD / 16);
+        unsigned af[BLOCK_C / 16][4];
+        int af_mt = -1;
         for (int u = warp; u < UNITS; u += NUM_WARPS) {
-            const int mt = u / (DPAD / 16), nc = u - mt * (DPAD / 16);
+            const int mt = u % MT, nc = u / MT;
+            if (mt != af_mt) {  // warp-uniform
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+                af_mt = mt;
+            }
             float acc[2][4] = {};
 #pragma unroll
             for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                unsigned a[4], bk[4];
-                mma_load_a_trans(a, s.ds, DS_LD, mt * 16, kk * 16, lane);
+                unsigned bk[4];
                 mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc * 16, lane);
-                mma_tile(acc[0], a, bk[0], bk[1]);
-                mma_tile(acc[1], a, bk[2], bk[3]);
+                mma_tile(acc[0], af[kk], bk[0], bk[1]);
+                mma_tile(acc[1], af[kk], bk[2], bk[3]);
             }
 #pragma unroll
             for (int n = 0; n < 2; ++n)
