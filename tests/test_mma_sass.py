@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fagen import compile, sass
+from fagen import KernelSpec, compile, sass
 from fagen.cli import main
 from fagen.generate import standard_matrix
 from fagen.spec import ARCH_SMEM_OPTIN
@@ -47,3 +47,15 @@ def test_done_when_command(capsys: pytest.CaptureFixture) -> None:
         assert r["spill_bytes"] == 0
         assert r["sass"].get("LDL", 0) == 0 and r["sass"].get("STL", 0) == 0
     assert rows[1]["sass"]["HMMA"] > 0
+
+
+@pytest.mark.parametrize("direction", ["bwd", "fwd"])
+@pytest.mark.parametrize("d", [136, 200, 240, 256])
+def test_wide_head_dims_compile_without_spills(direction: str, d: int) -> None:
+    """Beyond d = 128 the default tiles still fit the registers (backward: dK~/dV~ in smem;
+    forward: 32-key steps), on sm_80's smaller shared memory too."""
+    spec = KernelSpec(direction=direction, head_dim=d, dtype="bfloat16", causal=True, key_padding=True, dropout=True,
+                      arch="sm_80")
+    mod = compile(spec)
+    assert all(r.spill_bytes == 0 for r in mod.resources), [(r.kernel, r.spill_bytes) for r in mod.resources]
+    assert sass.instruction_mix(mod.cubin)[mod.rendered.kernel("main").name].get("HMMA", 0) > 0

@@ -69,9 +69,12 @@ class MmaFamily(FamilyBase):
 
     def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
         """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
-        (two stages of it double the smem, and the forward's S/P fragments grow with it)."""
+        (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
+        the forward beyond d = 128, where the O accumulator takes half the registers."""
         own = 16 * num_warps
-        return (64, own) if direction == "bwd" else (own, 64)
+        if direction == "bwd":
+            return 64, own
+        return own, 64 if padded_dim(head_dim) <= MAX_REG_ACC_DIM else 32
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         return {"strides": {"LD": padded_dim(spec.head_dim) + 8}}
