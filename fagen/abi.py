@@ -4,14 +4,28 @@ Emitted into the templates (signatures) and used by the launchers (argument
 packing by name), so the order is stated exactly once. ``ROLES`` are the roles a
 family launches unless it says otherwise (``Family.roles``); the block dims and
 rows per block of each role come from ``Family.launch``.
-Layouts: q, o, do, dq [B, Nq, H, d]; k, v, dk, dv [B, Nk, H, d] with element
+Layouts: q, o, do, dq [B, Nq, H, d]; k, v, dk, dv [B, Nk, H_kv, d] with element
 strides (batch, seq, head) and a contiguous last dim; lse and delta float32
-[B, H, Nq] contiguous; dq_accum float32 [B, Nq, H, d] contiguous; kpm uint8
-[B, Nk] contiguous (1 = the key takes part).
+[B, H, Nq] (strides stride_lse_b, stride_lse_h, contiguous along Nq); dq_accum
+float32 [B, Nq, H, d] contiguous; kpm uint8 [B, Nk] contiguous (1 = the key takes part).
+
+Feature parameters (``FEATURE_PARAMS``) are always present; the spec's flags decide
+whether a kernel reads them, and :func:`neutral_args` gives the values a launcher passes
+when a feature is off: ``heads_kv`` (GQA: q head h reads kv head h / (heads / heads_kv));
+``cu_seqlens_q/k`` (varlen: int32 [B + 1]; the seqlen args then hold the max lengths and
+q/k/v/o/... are packed [total, H, d], row r of sequence b at token cu_seqlens[b] + r;
+lse/delta [H, total_q]: stride_lse_b = 0, stride_lse_h = total_q, element
+b*stride_lse_b + h*stride_lse_h + (varlen ? cu_seqlens_q[b] : 0) + r);
+``window_left/right`` (-1 = unbounded); ``softcap`` (> 0); ``alibi_slopes`` fp32, slope of
+(b, h) at b*stride_alibi_b + h; ``mask`` uint8 (1 = take part) and ``bias`` (the spec's
+dtype), element b*stride_b + h*stride_h + r*stride_q + c*stride_k (stride 0 = broadcast);
+``dbias`` fp32 [B, H, Nq, Nk] written with bias_grad. fagen/masking.py and
+templates/partials/{masking,score_mod}.cuh state the semantics.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 T = "T"  # placeholder for the spec's dtype, substituted at render time
 
@@ -24,22 +38,55 @@ _DROPOUT = [("unsigned long long", "seed"), ("unsigned long long", "offset"),
             ("unsigned int", "drop_threshold"), ("float", "rp_keep")]
 
 
+def _bhqk(t: str) -> list[tuple[str, str]]:
+    return [("long long", f"stride_{t}_{x}") for x in "bhqk"]
+
+
+#: Appended to every main kernel (forward, backward, dq), in this order.
+FEATURE_PARAMS: tuple[tuple[str, str], ...] = tuple(
+    [("int", "heads_kv"), ("const int*", "cu_seqlens_q"), ("const int*", "cu_seqlens_k"),
+     ("int", "window_left"), ("int", "window_right"), ("float", "softcap"),
+     ("const float*", "alibi_slopes"), ("long long", "stride_alibi_b"),
+     ("const unsigned char*", "mask")] + _bhqk("mask")
+    + [("const T*", "bias")] + _bhqk("bias")
+    + [("long long", "stride_lse_b"), ("long long", "stride_lse_h")])
+#: Appended after FEATURE_PARAMS to the backward main and dq kernels.
+DBIAS_PARAMS: tuple[tuple[str, str], ...] = tuple([("float*", "dbias")] + _bhqk("dbias"))
+
+
+def neutral_args(*, heads: int, seqlen_q: int, null: Any = 0, direction: str = "bwd") -> dict[str, Any]:
+    """The feature parameters' values when their features are off (pointers ``null``: 0 for the
+    launchers, None for ``fagen.emulator.run_sanitized``; window -1, softcap 0, zero strides,
+    heads_kv = heads, lse strides of a contiguous [B, H, Nq]); the dbias ones for ``direction="bwd"``."""
+    out: dict[str, Any] = {}
+    for ctype, name in FEATURE_PARAMS + (DBIAS_PARAMS if direction == "bwd" else ()):
+        out[name] = null if "*" in ctype else 0.0 if ctype == "float" else 0
+    out.update(heads_kv=heads, window_left=-1, window_right=-1, stride_lse_b=heads * seqlen_q, stride_lse_h=seqlen_q)
+    return out
+
+
 @dataclass(frozen=True)
 class Role:
     name: str  # suffix of the kernel's entry point
     params: tuple[tuple[str, str], ...]  # (ctype, name); ctype may contain "T"
     grid_seq: str  # "q" or "k": which seqlen the grid's x dimension tiles
     rows_per_block: str  # "block_r", "block_c" or "num_warps" (FamilyBase.launch's default rule)
+    grid_heads: str = "q"  # "q" or "kv": the grid's z dimension is heads or heads_kv
 
-    def grid(self, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, rows: int) -> tuple[int, int, int]:
+    def grid(self, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, rows: int,
+             heads_kv: int | None = None) -> tuple[int, int, int]:
+        """(x, y, z) = (blocks over the tiled seqlen, batch, heads or heads_kv); varlen passes the
+        max seqlens (blocks past a sequence's end return at once). ``heads_kv`` defaults to heads."""
         n = seqlen_q if self.grid_seq == "q" else seqlen_k
-        return (max(1, -(-n // rows)), batch, heads)
+        z = heads if self.grid_heads == "q" or heads_kv is None else heads_kv
+        return (max(1, -(-n // rows)), batch, z)
 
 
 BWD_PRE = Role(
     "pre",
     tuple([("const T*", "o"), ("const T*", "do_"), ("float*", "delta"), ("float*", "dq_accum"),
-           ("int", "heads"), ("int", "seqlen_q")] + _strides("o") + _strides("do")),
+           ("int", "heads"), ("int", "seqlen_q")] + _strides("o") + _strides("do")
+          + [("const int*", "cu_seqlens_q"), ("long long", "stride_lse_b"), ("long long", "stride_lse_h")]),
     "q", "num_warps",
 )
 BWD_MAIN = Role(
@@ -49,12 +96,16 @@ BWD_MAIN = Role(
            ("float*", "dq_accum"), ("T*", "dk"), ("T*", "dv"),
            ("int", "heads"), ("int", "seqlen_q"), ("int", "seqlen_k")]
           + _strides("q") + _strides("k") + _strides("v") + _strides("do") + _strides("dk") + _strides("dv")
-          + [("float", "scale")] + _DROPOUT),
-    "k", "block_c",
+          + [("float", "scale")] + _DROPOUT + list(FEATURE_PARAMS) + list(DBIAS_PARAMS)),
+    "k", "block_c", grid_heads="kv",  # one CTA per (K/V block, batch, kv head): loops over the q-head group
 )
+#: Deterministic backward only: dQ with Q outer (one CTA per (Q block, batch, q head), K/V blocks in a
+#: fixed order, plain stores into dq_accum); the main kernel then computes dK/dV only.
+BWD_DQ = Role("dq", BWD_MAIN.params, "q", "block_r")
 BWD_POST = Role(
     "post",
-    tuple([("const float*", "dq_accum"), ("T*", "dq"), ("int", "heads"), ("int", "seqlen_q")] + _strides("dq")),
+    tuple([("const float*", "dq_accum"), ("T*", "dq"), ("int", "heads"), ("int", "seqlen_q")] + _strides("dq")
+          + [("const int*", "cu_seqlens_q")]),
     "q", "num_warps",
 )
 FWD_MAIN = Role(
@@ -62,8 +113,17 @@ FWD_MAIN = Role(
     tuple([("const T*", "q"), ("const T*", "k"), ("const T*", "v"), ("const unsigned char*", "kpm"),
            ("T*", "o"), ("float*", "lse"), ("int", "heads"), ("int", "seqlen_q"), ("int", "seqlen_k")]
           + _strides("q") + _strides("k") + _strides("v") + _strides("o")
-          + [("float", "scale")] + _DROPOUT),
+          + [("float", "scale")] + _DROPOUT + list(FEATURE_PARAMS)),
     "q", "block_r",
 )
 
 ROLES: dict[str, tuple[Role, ...]] = {"bwd": (BWD_PRE, BWD_MAIN, BWD_POST), "fwd": (FWD_MAIN,)}
+#: The roles of a deterministic backward (launch order): dq runs after main.
+DETERMINISTIC_BWD_ROLES: tuple[Role, ...] = (BWD_PRE, BWD_MAIN, BWD_DQ, BWD_POST)
+
+
+def roles_for(direction: str, deterministic: bool = False) -> tuple[Role, ...]:
+    """The standard roles of a direction (the deterministic backward adds ``dq``)."""
+    if deterministic and direction == "bwd":
+        return DETERMINISTIC_BWD_ROLES
+    return ROLES[direction]

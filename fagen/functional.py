@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .abi import neutral_args
 from .choices import tuned_or_default
 from .errors import InputError, InputTypeError, check_dropout_p
 from .philox import drop_threshold, keep_mask
@@ -219,7 +220,8 @@ def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tens
     if p.seqlen_k == 0:
         return o.zero_(), lse.fill_(-math.inf)
     kern = _kernels(spec)["main"]
-    args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": mask.data_ptr() if mask is not None else 0,
+    args = {**neutral_args(heads=p.heads, seqlen_q=p.seqlen_q),
+            "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": mask.data_ptr() if mask is not None else 0,
             "o": o.data_ptr(), "lse": lse.data_ptr(), "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k,
             "scale": scale, **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
             **_dropout_args(dropout_p, seed, offset)}
@@ -269,6 +271,7 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
     delta = torch.empty((p.batch, p.heads, p.seqlen_q), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
     args = {
+        **neutral_args(heads=p.heads, seqlen_q=p.seqlen_q),
         "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),
         "lse": lse.data_ptr(), "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(),
         "kpm": mask.data_ptr() if mask is not None else 0,

@@ -58,8 +58,10 @@ class KernelInfo:
     def threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
 
-    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
-        return self.role.grid(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, rows=self.rows_per_block)
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+             heads_kv: int | None = None) -> tuple[int, int, int]:
+        return self.role.grid(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, rows=self.rows_per_block,
+                              heads_kv=heads_kv)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
     the smem layout."""
     fam = get_family(spec.impl)
     out = []
-    for role in fam.roles(spec.direction):
+    for role in fam.roles(spec.direction, spec.deterministic):
         launch = fam.launch(spec, role)
         smem = spec.smem_bytes if role.name == "main" else 0
         out.append(KernelInfo(f"{spec.name}_{role.name}", role, _concrete(role.params, spec.ctype),

@@ -17,11 +17,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .families import MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, default_family, family_names, get_family
+from .families import (MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, default_family, family_names, feature_reason,
+                       get_family)
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
-DType = Literal["float16", "bfloat16", "float32"]
+DType = Literal["float16", "bfloat16", "float32", "float64"]
+CausalAlign = Literal["bottom_right", "top_left"]
 Direction = Literal["bwd", "fwd"]
 
 #: Maximum opt-in dynamic shared memory per block (bytes), CUDA C Programming
@@ -33,13 +35,22 @@ ARCH_SMEM_PER_SM: dict[str, int] = {"sm_80": 167936, "sm_86": 102400, "sm_89": 1
 ARCH_MAX_THREADS_PER_SM: dict[str, int] = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90": 2048}
 ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
 REGS_PER_SM = 65536
-DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
-DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_MULTIPLE = 8, 256, 8
 #: Longest sequence the kernels take: 32-bit row indices with room for one more tile
 #: (loop counters reach row + block size). The functional API and the autotuner check it.
 SEQLEN_MAX = 2**31 - 2**16
+
+
+#: (field, name suffix) of the boolean flags, in name order.
+NAME_FLAGS: tuple[tuple[str, str], ...] = (
+    ("causal", "causal"), ("key_padding", "kpad"), ("dropout", "dropout"), ("window", "win"), ("softcap", "softcap"),
+    ("alibi", "alibi"), ("attn_mask", "mask"), ("bias", "bias"), ("bias_grad", "dbias"), ("varlen", "varlen"),
+    ("deterministic", "det"))
+#: Boolean flags that are optional features (a family lists those it implements).
+FLAG_FEATURES = ("window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic")
 
 
 def arch_for_capability(capability: tuple[int, int]) -> str | None:
@@ -91,6 +102,16 @@ class KernelSpec(BaseModel):
     causal: bool = False
     key_padding: bool = False
     dropout: bool = False
+    causal_align: CausalAlign = Field("bottom_right", description="alignment of causal, window and alibi when Nq != Nk: "
+                                      "bottom_right (flash-attn, shift Nk - Nq) or top_left (torch SDPA, shift 0)")
+    window: bool = Field(False, description="sliding window (window_left, window_right runtime; -1 = unbounded)")
+    softcap: bool = Field(False, description="scores become softcap * tanh(s / softcap) (softcap > 0 runtime)")
+    alibi: bool = Field(False, description="ALiBi bias -slope * |i + shift - j| (fp32 slopes [H] or [B, H] runtime)")
+    attn_mask: bool = Field(False, description="bool attention mask (uint8, 1 = take part) with broadcast strides")
+    bias: bool = Field(False, description="additive float bias of the spec's dtype with broadcast strides")
+    bias_grad: bool = Field(False, description="backward also writes dBias (needs bias)")
+    varlen: bool = Field(False, description="packed variable-length sequences (cu_seqlens runtime)")
+    deterministic: bool = Field(False, description="backward without order-dependent atomics: dQ by a separate dq kernel")
     arch: Arch = "sm_90"
     sram_bytes: int = Field(None, validate_default=True, description="M in bytes; default: the arch's opt-in max")  # type: ignore[assignment]
     block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
@@ -159,6 +180,20 @@ class KernelSpec(BaseModel):
         return tuple(sorted(v))
 
     @model_validator(mode="after")
+    def _check_flags(self) -> "KernelSpec":
+        if self.bias_grad and not self.bias:
+            raise _field_error("bias_grad", "flags", "bias_grad needs bias=True (dBias is the gradient of that bias)", True)
+        if self.bias_grad and self.direction != "bwd":
+            raise _field_error("bias_grad", "flags", "bias_grad applies to the backward (direction='bwd') only", True)
+        if self.deterministic and self.direction != "bwd":
+            raise _field_error("deterministic", "flags", "deterministic applies to the backward only (every forward "
+                               "kernel is deterministic: no atomics); use direction='bwd'", True)
+        if self.causal_align == "top_left" and not (self.causal or self.window or self.alibi):
+            raise _field_error("causal_align", "flags", "causal_align='top_left' changes only causal, window or alibi "
+                               "kernels; set one of them or keep 'bottom_right'", self.causal_align)
+        return self
+
+    @model_validator(mode="after")
     def _check_feasible(self) -> "KernelSpec":
         # impl and knobs are resolved here and stored, so the name and cache key carry them.
         if self.impl is not None:
@@ -168,10 +203,13 @@ class KernelSpec(BaseModel):
             return self
         # impl=None: the first family in preference order that implements the spec as given
         # (its tile, warps and knobs included).
-        knobs, tried = self.knobs, []
+        knobs, tried, unsupported = self.knobs, [], []
         for name in family_names():
             fam = get_family(name)
-            if fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch):
+            why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
+                feature_reason(fam, self.features)
+            if why:
+                unsupported.append(f"{name}: {why}")
                 continue
             err = self._fit(fam)
             if err is None:
@@ -179,7 +217,8 @@ class KernelSpec(BaseModel):
             tried.append((name, err))
             object.__setattr__(self, "knobs", knobs)
         if not tried:
-            raise _field_error("impl", "unsupported", "no registered kernel family implements this spec", None)
+            raise _field_error("impl", "unsupported", "no registered kernel family implements this spec ("
+                               + "; ".join(unsupported) + ")", None)
         first = tried[0][1].errors()[0]
         why = "; ".join(f"{name}: {e.errors()[0]['msg']}" for name, e in tried)
         raise _field_error(str(first["loc"][0]), str(first["type"]), f"no kernel family accepts this spec ({why})",
@@ -188,7 +227,8 @@ class KernelSpec(BaseModel):
     def _fit(self, fam: Any) -> ValidationError | None:
         """Resolve impl and knobs for ``fam`` and check the spec against it; the error, or None."""
         object.__setattr__(self, "impl", fam.name)
-        why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch)
+        why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
+            feature_reason(fam, self.features)
         if why:
             return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
         given = dict(self.knobs or ())
@@ -218,6 +258,22 @@ class KernelSpec(BaseModel):
         return None
 
     # ---------------------------------------------------------------- derived
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional features the spec compiles in (fagen.families.FEATURES): a family takes
+        the spec only if its ``features`` holds them all."""
+        out = {f for f in FLAG_FEATURES if getattr(self, f)}
+        if self.causal_align == "top_left":
+            out.add("top_left")
+        if self.dtype == "float64":
+            out.add("float64")
+        return frozenset(out)
+
+    @property
+    def shift_bottom_right(self) -> bool:
+        """True when causal/window/alibi use the bottom-right shift Nk - Nq (else 0)."""
+        return self.causal_align == "bottom_right"
+
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
@@ -279,9 +335,12 @@ class KernelSpec(BaseModel):
     @property
     def name(self) -> str:
         """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90; a family's
-        knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``)."""
-        flags = [f for f in ("causal", "key_padding", "dropout") if getattr(self, f)]
-        flag_part = "".join(f"_{f.replace('key_padding', 'kpad')}" for f in flags)
+        knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``). Feature flags add
+        ``_tl _win _softcap _alibi _mask _bias _dbias _varlen _det`` after ``_causal _kpad _dropout``."""
+        flags = [abbrev for field, abbrev in NAME_FLAGS if getattr(self, field)]
+        if self.causal_align == "top_left":
+            flags.insert(int(self.causal), "tl")  # right after _causal
+        flag_part = "".join(f"_{f}" for f in flags)
         t = self.tile
         m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
         values = self.knob_values

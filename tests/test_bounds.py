@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fagen.functional as F
+from fagen.abi import neutral_args
 from fagen import KernelSpec
 from fagen.emulator import EmulatorMemoryError, run_sanitized
 from fagen.philox import drop_threshold
@@ -31,6 +32,7 @@ def _main_args(q, k, v, do, mask, o, lse, seqlen_k: int) -> dict:
 
     delta = (do * o).sum(-1).permute(0, 2, 1).contiguous()  # D = rowsum(dO o O), [B, H, Nq]
     return {
+        **neutral_args(heads=H, seqlen_q=NQ, null=None),
         "q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "do_": do.numpy(), "lse": lse.numpy(),
         "delta": delta.numpy(), "kpm": mask.numpy().astype(np.uint8),
         "dq_accum": np.zeros((B, NQ, H, D), np.float32), "dk": np.zeros((B, NK, H, D), np.float32),

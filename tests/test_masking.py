@@ -70,6 +70,7 @@ def cxx_rule(tmp_path_factory: pytest.TempPathFactory):
     namespaces = "\n".join(
         f"namespace cfg{i} {{\nconstexpr int BLOCK_R = {br}, BLOCK_C = {bc};\n"
         f"constexpr bool IS_CAUSAL = {str(c).lower()}, HAS_KEY_PADDING = {str(kp).lower()};\n"
+        f"constexpr bool IS_TOP_LEFT = false, HAS_WINDOW = false, HAS_ATTN_MASK = false, IS_VARLEN = false;\n"
         f'#include "masking.cuh"\n}}'
         for i, (br, bc, c, kp) in enumerate(CONFIGS))
     src = HARNESS.format(namespaces=namespaces, cases="".join(CASE.format(i=i) for i in range(len(CONFIGS))))

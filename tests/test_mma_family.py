@@ -10,6 +10,7 @@ import torch
 from pydantic import ValidationError
 
 import fagen.functional as F
+from fagen.abi import neutral_args
 from fagen import KernelSpec
 from fagen.cli import main
 from fagen.families import default_family, family_names, get_family
@@ -122,7 +123,8 @@ def asan_problem():
                  block_r=16, block_c=16, num_warps=2)  # several tiles per CTA, one idle warp
     o, lse = F.run_forward(KernelSpec(direction="fwd", **flags), q, k, v, **kw)
     grads = F.run_backward(KernelSpec(**flags), do, q, k, v, o, lse, **kw)
-    common = {"kpm": mask.numpy().astype(np.uint8), "heads": H, "seqlen_q": NQ, "seqlen_k": NK,
+    common = {**neutral_args(heads=H, seqlen_q=NQ, null=None, direction="fwd"),
+              "kpm": mask.numpy().astype(np.uint8), "heads": H, "seqlen_q": NQ, "seqlen_k": NK,
               "scale": D ** -0.5, "seed": 11, "offset": 0, "drop_threshold": drop_threshold(P),
               "rp_keep": 1.0 / (1.0 - P), **_strides("q", q), **_strides("k", k), **_strides("v", v)}
     return dict(B=B, H=H, NQ=NQ, NK=NK, D=D, flags=flags, q=q, k=k, v=v, do=do, o=o, lse=lse, grads=grads,
@@ -158,7 +160,7 @@ def test_backward_kernel_is_clean_under_asan_and_an_overrun_is_caught(asan_probl
     delta = (pb["do"].float() * pb["o"].float()).sum(-1).permute(0, 2, 1).contiguous()
 
     def args(seqlen_k: int) -> dict:
-        return {**pb["common"], "seqlen_k": seqlen_k, "q": pb["q"].numpy(), "k": pb["k"].numpy(), "v": pb["v"].numpy(),
+        return {**pb["common"], **neutral_args(heads=H, seqlen_q=NQ, null=None), "seqlen_k": seqlen_k, "q": pb["q"].numpy(), "k": pb["k"].numpy(), "v": pb["v"].numpy(),
                 "do_": pb["do"].numpy(), "lse": pb["lse"].numpy(), "delta": delta.numpy(),
                 "dq_accum": np.zeros((B, NQ, H, D), np.float32), "dk": np.zeros((B, NK, H, D), np.float16),
                 "dv": np.zeros((B, NK, H, D), np.float16), **_strides("do", pb["do"]), **_strides("dk", pb["k"]),

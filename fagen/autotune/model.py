@@ -276,7 +276,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     fam = get_family(spec.impl)
     occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
     blocks = main_grid_blocks(spec, p)
-    launches = len(fam.roles(spec.direction))
+    launches = len(fam.roles(spec.direction, spec.deterministic))
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)
     flops = visited_flops(spec, p, t.block_r, t.block_c)
     if occ.blocks_per_sm == 0:

@@ -18,13 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from ..abi import ROLES, Role
+from ..abi import Role, roles_for
 from ..layout import SmemLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
 
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
+#: Spec features a family must list in ``features`` to take a spec that uses them
+#: (KernelSpec.features): each names a flag (or "top_left" for causal_align, "float64" for the dtype).
+FEATURES = ("top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic",
+            "float64")
 #: Registers per thread the launch bounds leave by default (KernelSpec.min_blocks_per_sm).
 MIN_REGS_PER_THREAD = 128
 
@@ -97,6 +101,7 @@ class Family(Protocol):
     knobs: tuple[Knob, ...]
     math_unit: Literal["fp32", "tensor"]  # which peak the autotuner's FLOP term uses
     min_regs_per_thread: int  # register budget per thread the launch bounds must leave
+    features: frozenset[str]  # the spec features (FEATURES) its templates implement
 
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         """Why this family cannot implement the spec at all, or None."""
@@ -118,8 +123,9 @@ class Family(Protocol):
     def templates(self, direction: str) -> tuple[str, ...]:
         """Template files (under templates/) rendered, in order, for this direction."""
 
-    def roles(self, direction: str) -> tuple[Role, ...]:
-        """The kernels of the module, in launch order (parameter lists from fagen.abi)."""
+    def roles(self, direction: str, deterministic: bool = False) -> tuple[Role, ...]:
+        """The kernels of the module, in launch order (parameter lists from fagen.abi); the
+        deterministic backward adds the ``dq`` role."""
 
     def launch(self, spec: "KernelSpec", role: Role) -> Launch:
         """Block dims and rows per block of one role."""
@@ -146,6 +152,7 @@ class FamilyBase:
     knobs: tuple[Knob, ...] = ()
     math_unit: Literal["fp32", "tensor"] = "fp32"
     min_regs_per_thread: int = MIN_REGS_PER_THREAD
+    features: frozenset[str] = frozenset()
 
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         return None
@@ -177,8 +184,8 @@ class FamilyBase:
     def templates(self, direction: str) -> tuple[str, ...]:  # pragma: no cover - every family has some
         raise NotImplementedError
 
-    def roles(self, direction: str) -> tuple[Role, ...]:
-        return ROLES[direction]
+    def roles(self, direction: str, deterministic: bool = False) -> tuple[Role, ...]:
+        return roles_for(direction, deterministic)
 
     def launch(self, spec: "KernelSpec", role: Role) -> Launch:
         t = spec.tile
@@ -211,6 +218,15 @@ def get_family(name: str) -> Family:
 def family_names() -> tuple[str, ...]:
     """Registered families in preference order."""
     return tuple(f.name for f in sorted(_REGISTRY.values(), key=lambda f: (f.preference, f.name)))
+
+
+def feature_reason(family: Family, wanted: frozenset[str]) -> str | None:
+    """Why ``family`` cannot compile these spec features (KernelSpec.features) in, or None."""
+    have = frozenset(getattr(family, "features", frozenset()))
+    missing = sorted(set(wanted) - have)
+    if not missing:
+        return None
+    return f"its templates do not implement {', '.join(missing)} yet (implemented: {sorted(have) or 'none'})"
 
 
 def default_family(direction: str, head_dim: int, dtype: str, arch: str) -> str | None:

@@ -1,0 +1,94 @@
+// ---- score modifications (fagen/reference.py states the same formulas in float64) ----
+// Included by the header inside namespace fa after partials/masking.cuh; uses HAS_SOFTCAP,
+// HAS_ALIBI, HAS_BIAS and T. For an allowed pair (row i, key j) of one (batch b, q head h):
+//   s_raw = scale * qk                                   (qk = q_i . k_j)
+//   s     = HAS_SOFTCAP ? softcap * tanh(s_raw / softcap) : s_raw
+//   s    += HAS_ALIBI ? -slope * |i + shift - j| : 0     (slope = alibi_slopes[b * stride_alibi_b + h],
+//                                                        shift as the masking rule's: flash-attn's convention)
+//   s    += HAS_BIAS ? bias[b*sb + h*sh + i*sq + j*sk] : 0  (bias of dtype T, stride 0 = broadcast)
+// and P = softmax over the allowed keys of s. Backward: with dS = dL/ds (P o (dP - D)),
+//   dL/d(s_raw) = dS * (HAS_SOFTCAP ? 1 - tanh^2(s_raw / softcap) : 1)    (score_grad_raw)
+//   dL/d(qk)    = scale * dL/d(s_raw)                                     (score_bwd)
+//   dBias[b, h, i, j] = dS                                                (the bias enters additively)
+// so dQ = sum_j score_bwd(...) k_j, dK = sum_i score_bwd(...) q_i. A kernel that folds the
+// softmax scale (or log2 e) elsewhere uses score_grad_raw and multiplies by scale once.
+// A (the accumulator type: float, double for float64 specs) is a template parameter.
+
+FA_DEVICE float fa_tanh(float x) { return tanhf(x); }
+FA_DEVICE double fa_tanh(double x) { return tanh(x); }
+
+struct ScoreParams {
+    float scale;    // softmax scale
+    float softcap;  // > 0 when HAS_SOFTCAP
+    float slope;    // ALiBi slope of (b, h) when HAS_ALIBI
+    long long shift;  // the masking rule's diagonal shift (mask_shift) for ALiBi's distance
+    const T* bias;    // at (b, h) already: bias + b * stride_b + h * stride_h, when HAS_BIAS
+    long long bias_stride_q, bias_stride_k;
+};
+
+// mp: the sequence's MaskParams (its lengths give the shift); b, h: batch and q head.
+FA_DEVICE ScoreParams make_score_params(float scale, float softcap, const float* alibi_slopes, long long stride_alibi_b,
+                                        const T* bias, long long stride_bias_b, long long stride_bias_h,
+                                        long long stride_bias_q, long long stride_bias_k, int b, int h,
+                                        const MaskParams& mp) {
+    ScoreParams sp;
+    sp.scale = scale;
+    sp.softcap = HAS_SOFTCAP ? softcap : 0.f;
+    sp.slope = 0.f;
+    if constexpr (HAS_ALIBI) sp.slope = alibi_slopes[(long long)b * stride_alibi_b + h];
+    sp.shift = mask_shift(mp);
+    sp.bias = nullptr;
+    sp.bias_stride_q = stride_bias_q;
+    sp.bias_stride_k = stride_bias_k;
+    if constexpr (HAS_BIAS) sp.bias = bias + (long long)b * stride_bias_b + (long long)h * stride_bias_h;
+    return sp;
+}
+
+// s_raw -> softcapped s_raw (identity without HAS_SOFTCAP).
+template <typename A>
+FA_DEVICE A score_softcap(A s_raw, const ScoreParams& sp) {
+    if constexpr (HAS_SOFTCAP) {
+        const A cap = (A)sp.softcap;
+        return cap * fa_tanh(s_raw / cap);
+    } else {
+        return s_raw;
+    }
+}
+
+// The position-dependent additive terms (ALiBi + bias) of element (row, col); 0 without them.
+template <typename A>
+FA_DEVICE A score_additive(int row, int col, const ScoreParams& sp) {
+    A add = (A)0;
+    if constexpr (HAS_ALIBI) {
+        long long dist = (long long)row + sp.shift - col;
+        if (dist < 0) dist = -dist;
+        add -= (A)sp.slope * (A)dist;
+    }
+    if constexpr (HAS_BIAS) {
+        add += (A)fa_to_float(sp.bias[(long long)row * sp.bias_stride_q + (long long)col * sp.bias_stride_k]);
+    }
+    return add;
+}
+
+// qk = q . k of an allowed pair -> the final score s the softmax takes.
+template <typename A>
+FA_DEVICE A score_fwd(A qk, int row, int col, const ScoreParams& sp) {
+    return score_softcap<A>(qk * (A)sp.scale, sp) + score_additive<A>(row, col, sp);
+}
+
+// dS = dL/ds -> dL/d(s_raw) with s_raw = scale * qk.
+template <typename A>
+FA_DEVICE A score_grad_raw(A ds, A qk, const ScoreParams& sp) {
+    if constexpr (HAS_SOFTCAP) {
+        const A t = fa_tanh(qk * (A)sp.scale / (A)sp.softcap);
+        return ds * ((A)1 - t * t);
+    } else {
+        return ds;
+    }
+}
+
+// dS = dL/ds -> dL/d(qk) (scale included): dQ_i += score_bwd(...) k_j, dK_j += score_bwd(...) q_i.
+template <typename A>
+FA_DEVICE A score_bwd(A ds, A qk, const ScoreParams& sp) {
+    return score_grad_raw<A>(ds, qk, sp) * (A)sp.scale;
+}
