@@ -14,9 +14,12 @@ from fagen.renderer import render, templates_dir
 from fagen.spec import KernelSpec
 
 BLOCKS = [(16, 16), (16, 48), (32, 16), (64, 128), (128, 64)]
-CONFIGS = [(br, bc, causal, kp) for br, bc in BLOCKS for causal in (False, True) for kp in (False, True)]
+#: (key padding, window, top_left) variants compiled per block and causal flag
+VARIANTS = [(False, False, False), (True, False, False), (False, True, False), (False, False, True), (True, True, True)]
+CONFIGS = [(br, bc, causal, kp, win, tl) for br, bc in BLOCKS for causal in (False, True) for kp, win, tl in VARIANTS]
 SEQLENS = [(1, 1), (1, 5), (5, 1), (16, 16), (17, 15), (15, 17), (33, 100), (100, 33), (64, 64), (129, 257),
            (257, 129), (200, 7), (7, 200), (31, 31), (128, 256), (256, 128)]
+WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 5), (20, 0), (7, 40), (100, 3), (0, 17)]
 BIG = 2**31 - 1
 
 
@@ -38,7 +41,7 @@ static std::vector<unsigned char> kpm_for(long long nk) {{
 }}
 int main() {{
     char op[4];
-    long long cfg, a, b, nq, nk, bb;
+    long long cfg, a, b, nq, nk, bb, wl, wr;
     while (std::scanf("%3s %lld", op, &cfg) == 2) {{
         switch (cfg) {{
 {cases}
@@ -48,36 +51,49 @@ int main() {{
 }}
 """
 
+# K: tile_kind, Q: kv_block_q_range, C: q_block_kv_range, A: allowed (structural + data masks),
+# O*: the previous signatures (no window) while kernels still call them.
 CASE = r"""
         case {i}: {{
             using namespace cfg{i};
-            if (op[0] == 'K') {{ std::scanf("%lld %lld %lld %lld", &a, &b, &nq, &nk);
-                std::printf("%d\n", (int)tile_kind((int)a, (int)b, (int)nq, (int)nk)); }}
-            else if (op[0] == 'Q') {{ int lo, hi; std::scanf("%lld %lld %lld", &a, &nq, &nk);
-                kv_block_q_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
-            else if (op[0] == 'C') {{ int lo, hi; std::scanf("%lld %lld %lld", &a, &nq, &nk);
-                q_block_kv_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
+            if (op[0] == 'K') {{ std::scanf("%lld %lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &wl, &wr);
+                std::printf("%d\n", (int)tile_kind((int)a, (int)b, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr))); }}
+            else if (op[0] == 'Q') {{ int lo, hi; std::scanf("%lld %lld %lld %lld %lld", &a, &nq, &nk, &wl, &wr);
+                kv_block_q_range((int)a, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr), &lo, &hi);
+                std::printf("%d %d\n", lo, hi); }}
+            else if (op[0] == 'C') {{ int lo, hi; std::scanf("%lld %lld %lld %lld %lld", &a, &nq, &nk, &wl, &wr);
+                q_block_kv_range((int)a, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr), &lo, &hi);
+                std::printf("%d %d\n", lo, hi); }}
+            else if (op[0] == 'A') {{ std::scanf("%lld %lld %lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &bb, &wl, &wr);
+                std::vector<unsigned char> m = HAS_KEY_PADDING ? kpm_for(nk) : std::vector<unsigned char>();
+                const DataMask dm = make_data_mask(m.data(), nk, nullptr, 0, 0, 0, 0);
+                std::printf("%d\n", (int)allowed((int)bb, 0, (int)a, (int)b, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr), dm)); }}
             else {{ std::scanf("%lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &bb);
                 std::vector<unsigned char> m = HAS_KEY_PADDING ? kpm_for(nk) : std::vector<unsigned char>();
-                std::printf("%d\n", (int)allowed((int)a, (int)b, (int)nq, (int)nk, m.data(), (int)bb)); }}
+                int lo = 0, hi = 0;
+                if (op[1] == 'K') std::printf("%d\n", (int)tile_kind((int)a, (int)b, (int)nq, (int)nk));
+                else if (op[1] == 'Q') {{ kv_block_q_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
+                else if (op[1] == 'C') {{ q_block_kv_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
+                else std::printf("%d\n", (int)allowed((int)a, (int)b, (int)nq, (int)nk, m.data(), (int)bb)); }}
             break;
         }}"""
 
 
 @pytest.fixture(scope="module")
 def cxx_rule(tmp_path_factory: pytest.TempPathFactory):
-    """The C++ masking rule, one namespace per (B_r, B_c, causal, key padding), behind a query loop."""
+    """The C++ masking rule, one namespace per config, behind a query loop."""
     namespaces = "\n".join(
         f"namespace cfg{i} {{\nconstexpr int BLOCK_R = {br}, BLOCK_C = {bc};\n"
         f"constexpr bool IS_CAUSAL = {str(c).lower()}, HAS_KEY_PADDING = {str(kp).lower()};\n"
-        f"constexpr bool IS_TOP_LEFT = false, HAS_WINDOW = false, HAS_ATTN_MASK = false, IS_VARLEN = false;\n"
+        f"constexpr bool HAS_WINDOW = {str(win).lower()}, IS_TOP_LEFT = {str(tl).lower()};\n"
+        f"constexpr bool HAS_ATTN_MASK = false, IS_VARLEN = false;\n"
         f'#include "masking.cuh"\n}}'
-        for i, (br, bc, c, kp) in enumerate(CONFIGS))
+        for i, (br, bc, c, kp, win, tl) in enumerate(CONFIGS))
     src = HARNESS.format(namespaces=namespaces, cases="".join(CASE.format(i=i) for i in range(len(CONFIGS))))
     d = tmp_path_factory.mktemp("masking")
     (d / "harness.cpp").write_text(src)
     cxx, _ = compiler()
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-variable", "-Wno-unused-function",
                     f"-I{templates_dir() / 'partials'}", str(d / "harness.cpp"), "-o", str(d / "harness")],
                    check=True, capture_output=True, text=True)
 
@@ -93,54 +109,93 @@ def cxx_rule(tmp_path_factory: pytest.TempPathFactory):
 
 def _py_answer(q: str) -> str:
     op, cfg, *args = q.split()
-    br, bc, causal, kp = CONFIGS[int(cfg)]
+    br, bc, causal, kp, win, tl = CONFIGS[int(cfg)]
+    ints = list(map(int, args))
+    kw = dict(causal=causal, top_left=tl, window=tuple(ints[-2:]) if win else (-1, -1))
     if op == "K":
-        row0, col0, nq, nk = map(int, args)
-        return str(int(tile_kind(row0, col0, nq, nk, block_r=br, block_c=bc, causal=causal, key_padding=kp)))
+        row0, col0, nq, nk = ints[:4]
+        return str(int(tile_kind(row0, col0, nq, nk, block_r=br, block_c=bc, key_padding=kp, **kw)))
     if op == "Q":
-        col0, nq, nk = map(int, args)
-        return "%d %d" % kv_block_q_range(col0, nq, nk, block_r=br, causal=causal)
+        col0, nq, nk = ints[:3]
+        return "%d %d" % kv_block_q_range(col0, nq, nk, block_r=br, block_c=bc, **kw)
     if op == "C":
-        row0, nq, nk = map(int, args)
-        return "%d %d" % q_block_kv_range(row0, nq, nk, block_r=br, causal=causal)
-    row, col, nq, nk, b = map(int, args)
-    return str(int(allowed(row, col, nq, nk, causal=causal, kpm=_kpm(nk) if kp else None, b=b)))
+        row0, nq, nk = ints[:3]
+        return "%d %d" % q_block_kv_range(row0, nq, nk, block_r=br, block_c=bc, **kw)
+    row, col, nq, nk, b = ints[:5]
+    return str(int(allowed(row, col, nq, nk, kpm=_kpm(nk) if kp else None, b=b, **kw)))
 
 
 def test_cxx_and_python_agree(cxx_rule) -> None:
     rng = random.Random(0)
     queries = []
-    for i, (br, bc, causal, kp) in enumerate(CONFIGS):
+    for i, (br, bc, causal, kp, win, tl) in enumerate(CONFIGS):
         for nq, nk in SEQLENS:
-            for row0 in range(0, nq + br, br):
-                queries.append(f"C {i} {row0} {nq} {nk}")
+            for wl, wr in (WINDOWS if win else [(-1, -1)]) + [(rng.randrange(-1, 300), rng.randrange(-1, 300))]:
+                w = f"{wl} {wr}"
+                for row0 in range(0, nq + br, br):
+                    queries.append(f"C {i} {row0} {nq} {nk} {w}")
+                    for col0 in range(0, nk + bc, bc):
+                        queries.append(f"K {i} {row0} {col0} {nq} {nk} {w}")
                 for col0 in range(0, nk + bc, bc):
-                    queries.append(f"K {i} {row0} {col0} {nq} {nk}")
-            for col0 in range(0, nk + bc, bc):
-                queries.append(f"Q {i} {col0} {nq} {nk}")
-            for _ in range(60):
-                queries.append(f"A {i} {rng.randrange(-1, nq + 2)} {rng.randrange(-1, nk + 2)} {nq} {nk} "
-                               f"{rng.randrange(2)}")
+                    queries.append(f"Q {i} {col0} {nq} {nk} {w}")
+                for _ in range(30):
+                    queries.append(f"A {i} {rng.randrange(-1, nq + 2)} {rng.randrange(-1, nk + 2)} {nq} {nk} "
+                                   f"{rng.randrange(2)} {w}")
     got = cxx_rule(queries)
     bad = [(q, g, _py_answer(q)) for q, g in zip(queries, got) if g != _py_answer(q)]
     assert not bad, f"{len(bad)} disagreements, e.g. {bad[:5]}"
 
 
+def test_previous_cxx_signatures_agree_until_removed(cxx_rule) -> None:
+    """The fixed-length overloads kernels call today give the no-window, bottom-right rule."""
+    rng = random.Random(2)
+    queries = []
+    for i, (br, bc, causal, kp, win, tl) in enumerate(CONFIGS):
+        if win or tl:
+            continue
+        for nq, nk in SEQLENS[::3]:
+            queries += [f"OK {i} {r} {c} {nq} {nk} 0" for r in range(0, nq + br, br) for c in range(0, nk + bc, bc)]
+            queries += [f"OQ {i} {c} 0 {nq} {nk} 0" for c in range(0, nk + bc, bc)]
+            queries += [f"OC {i} {r} 0 {nq} {nk} 0" for r in range(0, nq + br, br)]
+            queries += [f"OA {i} {rng.randrange(-1, nq + 1)} {rng.randrange(-1, nk + 1)} {nq} {nk} {rng.randrange(2)}"
+                        for _ in range(20)]
+    got = cxx_rule(queries)
+
+    def want(q: str) -> str:
+        op, cfg, *a = q.split()
+        if op == "OK":
+            return _py_answer(f"K {cfg} {a[0]} {a[1]} {a[2]} {a[3]} -1 -1")
+        if op == "OQ":
+            return _py_answer(f"Q {cfg} {a[0]} {a[2]} {a[3]} -1 -1")
+        if op == "OC":
+            return _py_answer(f"C {cfg} {a[0]} {a[2]} {a[3]} -1 -1")
+        return _py_answer(f"A {cfg} {' '.join(a)} -1 -1")
+
+    bad = [(q, g, want(q)) for q, g in zip(queries, got) if g != want(q)]
+    assert not bad, bad[:5]
+
+
 def test_cxx_rule_is_64_bit_at_int32_limits(cxx_rule) -> None:
     """row + Nk - Nq and row0 + BLOCK_R overflow int32 near 2**31: the rule computes them in 64 bits."""
-    i = CONFIGS.index((64, 128, True, False))
-    br, bc = 64, 128
+    i = CONFIGS.index((64, 128, True, False, False, False))
+    iw = CONFIGS.index((64, 128, True, False, True, False))
     n = BIG
+    nw = "-1 -1"
     queries = [
-        f"A {i} {n - 2} {n - 2} {n} {n} 0",  # on the diagonal: row + Nk overflows int32
-        f"A {i} {n - 2} {n - 1} {n} {n} 0",  # just above it
-        f"A {i} 5 {n - 5} 10 {n} 0",  # Nk - Nq ~ 2**31: every key up to row + Nk - Nq
-        f"K {i} {n - 10} {n - 200} {n} {n}",  # row0 + BLOCK_R > INT_MAX
-        f"K {i} {(n // br - 1) * br} 0 {n} {n}",
-        f"C {i} {n - 10} {n} {n}",
-        f"C {i} 0 10 {n}",
-        f"Q {i} {n - 100} {n} {n}",
-        f"Q {i} {n - 100} 10 {n}",
+        f"A {i} {n - 2} {n - 2} {n} {n} 0 {nw}",  # on the diagonal: row + Nk overflows int32
+        f"A {i} {n - 2} {n - 1} {n} {n} 0 {nw}",  # just above it
+        f"A {i} 5 {n - 5} 10 {n} 0 {nw}",  # Nk - Nq ~ 2**31: every key up to row + Nk - Nq
+        f"K {i} {n - 10} {n - 200} {n} {n} {nw}",  # row0 + BLOCK_R > INT_MAX
+        f"K {i} {(n // 64 - 1) * 64} 0 {n} {n} {nw}",
+        f"C {i} {n - 10} {n} {n} {nw}",
+        f"C {i} 0 10 {n} {nw}",
+        f"Q {i} {n - 100} {n} {n} {nw}",
+        f"Q {i} {n - 100} 10 {n} {nw}",
+        f"A {iw} {n - 2} {n - 2 - n // 2} {n} {n} 0 {n // 2} 0",  # window left ~ 2**30 at the far end
+        f"A {iw} 3 {n - 20} 10 {n} 0 {n - 1} {n - 1}",
+        f"C {iw} {n - 10} {n} {n} {n - 1} 5",
+        f"Q {iw} {n - 100} 10 {n} 2 2",
+        f"K {iw} 0 {n - 200} {n // 2} {n} {n} 0",
     ]
     got = cxx_rule(queries)
     assert got == [_py_answer(q) for q in queries]
@@ -148,46 +203,88 @@ def test_cxx_rule_is_64_bit_at_int32_limits(cxx_rule) -> None:
     assert got[5] == f"0 {n}" and got[6] == f"0 {n}"
 
 
-@pytest.mark.parametrize("br,bc,causal,kp", CONFIGS)
-def test_tile_counts_closed_form_matches_per_tile_count(br: int, bc: int, causal: bool, kp: bool) -> None:
-    rng = random.Random(br * 1000 + bc)
+def test_window_semantics_match_flash_attn_docstring() -> None:
+    """flash_attn_func: "query at position i will only attend to keys between
+    [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]] inclusive";
+    causal: bottom-right aligned, e.g. seqlen_q = 2, seqlen_k = 5:  1 1 1 1 0 / 1 1 1 1 1;
+    seqlen_q = 5, seqlen_k = 2: 0 0 / 0 0 / 0 0 / 1 0 / 1 1 (a row with no key is masked whole)."""
+    def grid(nq: int, nk: int, **kw) -> list[str]:
+        return ["".join(str(int(allowed(i, j, nq, nk, **kw))) for j in range(nk)) for i in range(nq)]
+
+    assert grid(2, 5, causal=True) == ["11110", "11111"]
+    assert grid(5, 2, causal=True) == ["00", "00", "00", "10", "11"]
+    # window (1, 1), Nq = 3, Nk = 5: row i sees keys i + 2 - 1 .. i + 2 + 1
+    assert grid(3, 5, causal=False, window=(1, 1)) == ["01110", "00111", "00011"]
+    # causal + window (1, 3) is window (1, 0)
+    assert grid(3, 5, causal=True, window=(1, 3)) == ["01100", "00110", "00011"]
+    # one side unbounded
+    assert grid(3, 3, causal=False, window=(-1, 0)) == grid(3, 3, causal=True)
+    assert grid(3, 3, causal=False, window=(0, -1)) == ["111", "011", "001"]
+    # torch SDPA's is_causal (top-left): torch.ones(L, S).tril(diagonal=0)
+    assert grid(2, 5, causal=True, top_left=True) == ["10000", "11000"]
+    assert grid(5, 2, causal=True, top_left=True) == ["10", "11", "11", "11", "11"]
+    with pytest.raises(ValueError, match="window"):
+        allowed(0, 0, 1, 1, causal=False, window=(1,))
+
+
+def _brute_counts(nq: int, nk: int, br: int, bc: int, kp: bool, **kw) -> dict[str, int]:
+    kinds = {(r, c): tile_kind(r, c, nq, nk, block_r=br, block_c=bc, key_padding=kp, **kw)
+             for r in range(0, nq, br) for c in range(0, nk, bc)}
+    visited = [rc for rc, k in kinds.items() if k != TileKind.SKIP]
+    return {
+        "total": len(kinds),
+        "visited": len(visited),
+        "skipped": sum(k == TileKind.SKIP for k in kinds.values()),
+        "fully_visible": sum(k == TileKind.FULL for k in kinds.values()),
+        "rows_visited": sum(min(br, nq - r) for r, _ in visited),
+        "cols_visited": sum(min(bc, nk - c) for _, c in visited),
+    }
+
+
+@pytest.mark.parametrize("br,bc", BLOCKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_counts_closed_form_matches_per_tile_count(br: int, bc: int, causal: bool) -> None:
+    rng = random.Random(br * 1000 + bc + causal)
     cases = SEQLENS + [(0, 5), (5, 0), (0, 0)] + [(rng.randrange(1, 600), rng.randrange(1, 600)) for _ in range(40)]
     for nq, nk in cases:
-        kinds = {(r, c): tile_kind(r, c, nq, nk, block_r=br, block_c=bc, causal=causal, key_padding=kp)
-                 for r in range(0, nq, br) for c in range(0, nk, bc)}
-        visited = [rc for rc, k in kinds.items() if k != TileKind.SKIP]
-        want = {
-            "total": len(kinds),
-            "visited": len(visited),
-            "skipped": sum(k == TileKind.SKIP for k in kinds.values()),
-            "fully_visible": sum(k == TileKind.FULL for k in kinds.values()),
-            "rows_visited": sum(min(br, nq - r) for r, _ in visited),
-            "cols_visited": sum(min(bc, nk - c) for _, c in visited),
-        }
-        assert tile_counts(nq, nk, br, bc, causal, kp) == want, (nq, nk)
+        for kp, win, tl in VARIANTS:
+            windows = ([rng.choice(WINDOWS), (rng.randrange(-1, 200), rng.randrange(-1, 200))] if win
+                       else [(-1, -1)])
+            for w in windows:
+                kw = dict(causal=causal, window=w, top_left=tl)
+                want = _brute_counts(nq, nk, br, bc, kp, **kw)
+                assert tile_counts(nq, nk, br, bc, causal, kp, window=w, top_left=tl) == want, (nq, nk, kp, w, tl)
+    # an attention mask is data: no FULL tile, the same visits
+    assert tile_counts(64, 64, 16, 16, causal, False, attn_mask=True)["fully_visible"] == 0
+    assert (tile_counts(64, 64, 16, 16, causal, False, attn_mask=True)["visited"]
+            == tile_counts(64, 64, 16, 16, causal, False)["visited"])
 
 
 @pytest.mark.parametrize("br,bc,causal", [(16, 16, True), (32, 16, True), (16, 48, False), (64, 128, True)])
-def test_loop_bounds_visit_exactly_the_non_skip_tiles(br: int, bc: int, causal: bool) -> None:
+@pytest.mark.parametrize("w,tl", [((-1, -1), False), ((-1, -1), True), ((7, 40), False), ((20, 0), True),
+                                  ((0, 0), False), ((100, 3), False)])
+def test_loop_bounds_visit_exactly_the_non_skip_tiles(br: int, bc: int, causal: bool, w: tuple, tl: bool) -> None:
+    kw = dict(causal=causal, window=w, top_left=tl)
     for nq, nk in SEQLENS:
-        kind = {(r, c): tile_kind(r, c, nq, nk, block_r=br, block_c=bc, causal=causal, key_padding=False)
+        kind = {(r, c): tile_kind(r, c, nq, nk, block_r=br, block_c=bc, key_padding=False, **kw)
                 for r in range(0, nq, br) for c in range(0, nk, bc)}
         non_skip = {rc for rc, k in kind.items() if k != TileKind.SKIP}
         by_kv = set()
         for c in range(0, nk, bc):
-            lo, hi = kv_block_q_range(c, nq, nk, block_r=br, causal=causal)
+            lo, hi = kv_block_q_range(c, nq, nk, block_r=br, block_c=bc, **kw)
             assert lo % br == 0
             by_kv |= {(r, c) for r in range(lo, hi, br)}
         by_q = set()
         for r in range(0, nq, br):
-            lo, hi = q_block_kv_range(r, nq, nk, block_r=br, causal=causal)
+            lo, hi = q_block_kv_range(r, nq, nk, block_r=br, block_c=bc, **kw)
             assert lo % bc == 0
             by_q |= {(r, c) for c in range(lo, hi, bc)}
         assert by_kv == non_skip == by_q, (nq, nk)
-        # FULL really is free of mask math: every element allowed
         for (r, c), k in kind.items():
-            if k == TileKind.FULL:
-                assert all(allowed(x, y, nq, nk, causal=causal) for x in range(r, r + br) for y in range(c, c + bc))
+            cells = [allowed(x, y, nq, nk, **kw) for x in range(r, r + br) for y in range(c, c + bc)]
+            if k == TileKind.FULL:  # FULL really is free of mask math: every element allowed
+                assert all(cells)
+            assert any(cells) == (k != TileKind.SKIP)  # SKIP exactly when no element is allowed
 
 
 def test_tile_counts_is_closed_form_at_huge_lengths() -> None:
@@ -200,6 +297,12 @@ def test_tile_counts_is_closed_form_at_huge_lengths() -> None:
                                                     "cols_visited": t * n}
     # Nq > Nk: the first Nq - Nk rows see no key at all
     assert tile_counts(n, n // 2, b, b, True, False)["visited"] == (t // 2) * (t // 2 + 1) // 2
+    # causal sliding window of 2 blocks (aligned): Q block I sees keys [I*b - 2b, I*b + b - 1], i.e. K/V
+    # blocks I-2, I-1, I (fewer for I < 2); only block I-1 lies wholly inside every row's band
+    win = tile_counts(n, n, b, b, True, False, window=(2 * b, 0))
+    assert win["visited"] == 3 * t - 3 and win["fully_visible"] == t - 1
+    # top-left with Nq < Nk: the keys past Nq are never seen by a causal row
+    assert tile_counts(n // 2, n, b, b, True, False, top_left=True)["visited"] == (t // 2) * (t // 2 + 1) // 2
 
 
 def test_floor_sum() -> None:
@@ -220,13 +323,30 @@ def test_tile_counts_rejects_bad_sizes() -> None:
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_every_kernel_includes_the_one_rule(direction: str) -> None:
-    src = render(KernelSpec(direction=direction, head_dim=64, causal=True, impl="simt")).source
+    src = render(KernelSpec(direction=direction, head_dim=64, causal=True)).source
     rule = (templates_dir() / "partials" / "masking.cuh").read_text()
-    assert rule.strip().splitlines()[0] in src and src.count("FA_DEVICE TileKind tile_kind(") == 1
-    loop = "kv_block_q_range(" if direction == "bwd" else "q_block_kv_range("
-    assert src.count(loop) == 2  # the definition and the kernel's inner-loop bounds
-    assert "TILE_SKIP" in src.split("extern \"C\"", 1)[1]
+    assert src.count(rule.strip().splitlines()[0]) == 1  # included once, by the header
+    assert src.count("FA_DEVICE TileKind tile_kind(int row0, int col0, const MaskParams& mp)") == 1
+    body = src.split('extern "C"', 1)[1]
+    assert ("kv_block_q_range(" if direction == "bwd" else "q_block_kv_range(") in body  # the inner-loop bounds
+    assert "TILE_SKIP" in body or "TILE_FULL" in body
 
+
+@pytest.fixture()
+def family_with(request: pytest.FixtureRequest):
+    """Lend a family template features for rendering only (the probe reads no kernel)."""
+    from fagen.families import get_family
+
+    saved = []
+
+    def lend(name: str, *features: str) -> None:
+        fam = get_family(name)
+        saved.append((fam, fam.features))
+        object.__setattr__(fam, "features", frozenset(fam.features) | set(features))
+
+    yield lend
+    for fam, features in reversed(saved):
+        object.__setattr__(fam, "features", features)
 
 
 PROBE = r"""
@@ -235,26 +355,31 @@ extern "C" __global__ void fa_probe_masking(const long long* queries, int* out, 
     using namespace fa;
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
-    const long long* q = queries + 6 * t;  // op, a, b, nq, nk, batch
+    const long long* q = queries + 8 * t;  // op, a, b, nq, nk, batch, window left, window right
     const int a = (int)q[1], bb = (int)q[2], nq = (int)q[3], nk = (int)q[4];
+    const MaskParams mp = make_mask_params(nq, nk, (int)q[6], (int)q[7]);
+    const DataMask dm = make_data_mask(kpm, nk, nullptr, 0, 0, 0, 0);
     int lo = 0, hi = 0;
-    if (q[0] == 0) { out[2 * t] = (int)tile_kind(a, bb, nq, nk); }
-    else if (q[0] == 1) { kv_block_q_range(a, nq, nk, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
-    else if (q[0] == 2) { q_block_kv_range(a, nq, nk, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
-    else { out[2 * t] = (int)allowed(a, bb, nq, nk, kpm, (int)q[5]); }
+    if (q[0] == 0) { out[2 * t] = (int)tile_kind(a, bb, mp); }
+    else if (q[0] == 1) { kv_block_q_range(a, mp, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
+    else if (q[0] == 2) { q_block_kv_range(a, mp, &lo, &hi); out[2 * t] = lo; out[2 * t + 1] = hi; }
+    else { out[2 * t] = (int)allowed((int)q[5], 0, a, bb, mp, dm); }
 }
 """
 
 
-@pytest.mark.parametrize("causal,kp", [(True, False), (True, True)])
-def test_emulator_build_agrees(causal: bool, kp: bool) -> None:
-    """The same rule inside a rendered module, built by the emulator (FAGEN_EMULATOR, its shim)."""
+@pytest.mark.parametrize("causal,kp,tl", [(True, False, False), (True, True, True), (False, False, True)])
+def test_emulator_build_agrees(causal: bool, kp: bool, tl: bool, family_with) -> None:
+    """The same rule inside a rendered module with a window compiled in, built by the emulator
+    (FAGEN_EMULATOR, its shim)."""
     import numpy as np
 
     from fagen.emulator import KernelSig, build
 
-    spec = KernelSpec(direction="fwd", head_dim=32, causal=causal, key_padding=kp, block_r=32, block_c=16,
-                      impl="simt")
+    family_with("mma", "window", "top_left")
+    spec = KernelSpec(direction="fwd", head_dim=32, causal=causal, key_padding=kp, window=True,
+                      causal_align="top_left" if tl else "bottom_right", block_r=32, block_c=16, num_warps=2,
+                      impl="mma")
     br, bc = spec.tile.block_r, spec.tile.block_c
     sig = KernelSig("fa_probe_masking", (("const long long*", "queries"), ("int*", "out"),
                                          ("const unsigned char*", "kpm"), ("int", "n")))
@@ -265,20 +390,22 @@ def test_emulator_build_agrees(causal: bool, kp: bool) -> None:
     rng = random.Random(3)
     for nq, nk in [(1, 1), (17, 15), (15, 17), (33, 80), (80, 33), (64, 64), (70, 7)]:
         m = _kpm(nk)
-        for r0 in range(0, nq + br, br):
-            rows.append((2, r0, 0, nq, nk, 0))
-            want.append(q_block_kv_range(r0, nq, nk, block_r=br, causal=causal))
+        for w in [(-1, -1), (5, 0), (0, 9), (40, 2)]:
+            kw = dict(causal=causal, window=w, top_left=tl)
+            for r0 in range(0, nq + br, br):
+                rows.append((2, r0, 0, nq, nk, 0, *w))
+                want.append(q_block_kv_range(r0, nq, nk, block_r=br, block_c=bc, **kw))
+                for c0 in range(0, nk + bc, bc):
+                    rows.append((0, r0, c0, nq, nk, 0, *w))
+                    want.append((int(tile_kind(r0, c0, nq, nk, block_r=br, block_c=bc, key_padding=kp, **kw)), 0))
             for c0 in range(0, nk + bc, bc):
-                rows.append((0, r0, c0, nq, nk, 0))
-                want.append((int(tile_kind(r0, c0, nq, nk, block_r=br, block_c=bc, causal=causal, key_padding=kp)), 0))
-        for c0 in range(0, nk + bc, bc):
-            rows.append((1, c0, 0, nq, nk, 0))
-            want.append(kv_block_q_range(c0, nq, nk, block_r=br, causal=causal))
-        if nk == nk_max or not kp:
-            for _ in range(100):
-                r, c, b = rng.randrange(-1, nq + 1), rng.randrange(-1, nk + 1), rng.randrange(2)
-                rows.append((3, r, c, nq, nk, b))
-                want.append((int(allowed(r, c, nq, nk, causal=causal, kpm=m if kp else None, b=b)), 0))
+                rows.append((1, c0, 0, nq, nk, 0, *w))
+                want.append(kv_block_q_range(c0, nq, nk, block_r=br, block_c=bc, **kw))
+            if nk == nk_max or not kp:
+                for _ in range(50):
+                    r, c, b = rng.randrange(-1, nq + 1), rng.randrange(-1, nk + 1), rng.randrange(2)
+                    rows.append((3, r, c, nq, nk, b, *w))
+                    want.append((int(allowed(r, c, nq, nk, kpm=m if kp else None, b=b, **kw)), 0))
     queries = np.array(rows, dtype=np.int64)
     out = np.zeros((len(rows), 2), dtype=np.int32)
     mod.launch("fa_probe_masking", -(-len(rows) // 128), 128, 0, [queries, out, kpm, len(rows)])

@@ -173,7 +173,8 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
     """HBM bytes moved for one call (all kernels of the module)."""
     d, e, f32 = spec.head_dim, spec.itemsize, 4
     nq, nk = p.seqlen_q, p.seqlen_k
-    tc = tile_counts(nq, nk, block_r, block_c, spec.causal, spec.key_padding)
+    tc = tile_counts(nq, nk, block_r, block_c, spec.causal, spec.key_padding,
+                     top_left=spec.causal_align == "top_left", attn_mask=spec.attn_mask)
     kpm = nk if spec.key_padding else 0
     if spec.direction == "bwd":
         per_head = (
@@ -202,7 +203,8 @@ def nominal_flops(spec: KernelSpec, p: Workload) -> float:
 
 def visited_pairs(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> int:
     """Tile pairs the kernels visit, all (batch, head)s (``fagen.masking.tile_counts``)."""
-    tc = tile_counts(p.seqlen_q, p.seqlen_k, block_r, block_c, spec.causal, spec.key_padding)
+    tc = tile_counts(p.seqlen_q, p.seqlen_k, block_r, block_c, spec.causal, spec.key_padding,
+                     top_left=spec.causal_align == "top_left", attn_mask=spec.attn_mask)
     return tc["visited"] * p.batch * p.heads
 
 

@@ -12,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("explain options")
     g.add_argument("--seqlen-q", type=int, default=1024, metavar="N", help="N_q of the drawn problem (default 1024)")
     g.add_argument("--seqlen-k", type=int, default=None, metavar="N", help="N_k (default: N_q)")
+    g.add_argument("--window-size", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                   help="runtime sliding window of a --window spec (-1 = unbounded; default: -1 -1)")
     g.add_argument("--html", type=str, default=None, metavar="OUT.html", help="write the self-contained page here")
     g.add_argument("--json", action="store_true", help="print the facts the page renders from")
 
@@ -30,9 +32,10 @@ def run(args: argparse.Namespace, spec) -> int:
     from .page import write_html
 
     try:
-        facts = explain(spec, args.seqlen_q, args.seqlen_k)
+        facts = explain(spec, args.seqlen_q, args.seqlen_k, window=tuple(args.window_size))
     except InputError as e:
-        raise InputError(f"--{e.argument.replace('_', '-')}", e.expected) from None
+        option = "window-size" if e.argument == "window" else e.argument.replace("_", "-")
+        raise InputError(f"--{option}", e.expected) from None
     if args.html is not None:
         try:
             out = write_html(facts, args.html)

@@ -36,34 +36,48 @@ _SMEM_REF = re.compile(r"\bs\.(\w+)")
 
 
 # --------------------------------------------------------------------------- masking (one source)
-def _kind(spec: KernelSpec, row0: int, col0: int, nq: int, nk: int) -> masking.TileKind:
+def _rule(spec: KernelSpec, window: masking.Window) -> dict[str, Any]:
+    """The structural-mask keywords of fagen.masking for ``spec`` (the window only when compiled in)."""
+    return {"causal": spec.causal, "window": window if spec.window else masking.NO_WINDOW,
+            "top_left": spec.causal_align == "top_left"}
+
+
+def _kind(spec: KernelSpec, row0: int, col0: int, nq: int, nk: int,
+          window: masking.Window = masking.NO_WINDOW) -> masking.TileKind:
     t = spec.tile
-    return masking.TileKind(masking.tile_kind(row0, col0, nq, nk, block_r=t.block_r, block_c=t.block_c, causal=spec.causal,
-                                 key_padding=spec.key_padding))
+    return masking.TileKind(masking.tile_kind(row0, col0, nq, nk, block_r=t.block_r, block_c=t.block_c,
+                                              key_padding=spec.key_padding, attn_mask=spec.attn_mask,
+                                              **_rule(spec, window)))
 
 
-def _inner_range(spec: KernelSpec, cta: int, nq: int, nk: int) -> tuple[int, int]:
+def _inner_range(spec: KernelSpec, cta: int, nq: int, nk: int,
+                 window: masking.Window = masking.NO_WINDOW) -> tuple[int, int]:
     """Blocks [first, end) the CTA's inner loop walks: Q blocks (bwd) or K/V blocks (fwd)."""
     t = spec.tile
+    kw = _rule(spec, window)
     if spec.direction == "bwd":
-        b, e = masking.kv_block_q_range(cta * t.block_c, nq, nk, block_r=t.block_r, causal=spec.causal)
+        b, e = masking.kv_block_q_range(cta * t.block_c, nq, nk, block_r=t.block_r, block_c=t.block_c, **kw)
         size = t.block_r
     else:
-        b, e = masking.q_block_kv_range(cta * t.block_r, nq, nk, block_r=t.block_r, causal=spec.causal)
+        b, e = masking.q_block_kv_range(cta * t.block_r, nq, nk, block_r=t.block_r, block_c=t.block_c, **kw)
         size = t.block_c
     if e <= b:
         return 0, 0
     return b // size, math.ceil(e / size)
 
 
-def tile_counts(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, int]:
+def tile_counts(spec: KernelSpec, seqlen_q: int, seqlen_k: int,
+                window: masking.Window = masking.NO_WINDOW) -> dict[str, int]:
     """``{"total", "visited", "skipped", "fully_visible"}`` of the whole Nq x Nk matrix (one batch, one head)."""
     t = spec.tile
-    c = masking.tile_counts(seqlen_q, seqlen_k, t.block_r, t.block_c, spec.causal, spec.key_padding)
+    kw = _rule(spec, window)
+    c = masking.tile_counts(seqlen_q, seqlen_k, t.block_r, t.block_c, kw.pop("causal"), spec.key_padding,
+                            attn_mask=spec.attn_mask, **kw)
     return {k: int(c[k]) for k in ("total", "visited", "skipped", "fully_visible")}
 
 
-def tile_map(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> list[list[list[Any]]]:
+def tile_map(spec: KernelSpec, seqlen_q: int, seqlen_k: int,
+             window: masking.Window = masking.NO_WINDOW) -> list[list[list[Any]]]:
     """Per Q block, runs ``[letter, first K/V block, end K/V block)`` of equal tile kind."""
     t = spec.tile
     tr, tc = math.ceil(seqlen_q / t.block_r), math.ceil(seqlen_k / t.block_c)
@@ -71,7 +85,7 @@ def tile_map(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> list[list[list[A
     for i in range(tr):
         runs: list[list[Any]] = []
         for j in range(tc):
-            letter = KIND_LETTER[_kind(spec, i * t.block_r, j * t.block_c, seqlen_q, seqlen_k)]
+            letter = KIND_LETTER[_kind(spec, i * t.block_r, j * t.block_c, seqlen_q, seqlen_k, window)]
             if runs and runs[-1][0] == letter:
                 runs[-1][2] = j + 1
             else:
@@ -286,10 +300,17 @@ def hbm(spec: KernelSpec, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- everything
 def explain(spec: KernelSpec, seqlen_q: int = 1024, seqlen_k: int | None = None, *,
-            with_resources: bool = True) -> dict[str, Any]:
-    """All facts about ``spec`` on an Nq x Nk problem (one batch, one head)."""
+            with_resources: bool = True, window: tuple[int, int] = masking.NO_WINDOW) -> dict[str, Any]:
+    """All facts about ``spec`` on an Nq x Nk problem (one batch, one head); ``window`` is the
+    runtime (left, right) of a spec compiled with ``window`` (-1 = unbounded)."""
     if not isinstance(spec, KernelSpec):
         raise InputTypeError("spec", "a KernelSpec", type(spec).__name__)
+    try:
+        window = masking.check_window(window)
+    except ValueError as e:
+        raise InputError("window", "a pair (left, right) of ints, -1 = unbounded", str(e)) from None
+    if window != masking.NO_WINDOW and not spec.window:
+        raise InputError("window", "(-1, -1) for a spec compiled without window", window)
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     for arg, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -332,9 +353,10 @@ def explain(spec: KernelSpec, seqlen_q: int = 1024, seqlen_k: int | None = None,
         "grid": {"q_blocks": tr, "kv_blocks": tc, "ctas": ctas,
                  "cta_owns": "kv_block" if spec.direction == "bwd" else "q_block",
                  "inner_loop": "q_blocks" if spec.direction == "bwd" else "kv_blocks"},
-        "tiles": tile_counts(spec, seqlen_q, seqlen_k),
-        "tile_map": tile_map(spec, seqlen_q, seqlen_k),
-        "cta_ranges": [list(_inner_range(spec, c, seqlen_q, seqlen_k)) for c in range(ctas)],
+        "window": list(window), "causal_align": spec.causal_align,
+        "tiles": tile_counts(spec, seqlen_q, seqlen_k, window),
+        "tile_map": tile_map(spec, seqlen_q, seqlen_k, window),
+        "cta_ranges": [list(_inner_range(spec, c, seqlen_q, seqlen_k, window)) for c in range(ctas)],
         "kernels": [{"kernel": k.name, "role": k.role.name, "block": list(k.block),
                      "grid": list(k.grid(1, 1, seqlen_q, seqlen_k)), "dynamic_smem_bytes": k.smem_bytes}
                     for k in infos],

@@ -247,11 +247,22 @@ def tiles_svg(f: dict[str, Any]) -> str:
     if br * px >= 4:
         parts += [f'<line class="gridline" x1="0" y1="{i * br}" x2="{nk}" y2="{i * br}"/>' for i in range(1, f["grid"]["q_blocks"])]
     parts.append("</g>")
-    if f["causal"]:  # bottom-right alignment: row r sees keys col <= r + Nk - Nq
-        off = nk - nq  # the boundary x = y + off + 1, clipped to the matrix
-        xa, ya = (off + 1, 0) if off + 1 >= 0 else (0, -(off + 1))
-        xb, yb = nk, max(0, nq - 1)
-        parts.append(f'<path class="diag" d="M {xa} {ya} L {xb} {yb}"><title>causal boundary (bottom-right)</title></path>')
+    top_left = f.get("causal_align") == "top_left"
+    shift = 0 if top_left else nk - nq  # row r's diagonal key is r + shift (fagen.masking)
+    align = "top-left" if top_left else "bottom-right"
+    left, right = f.get("window", (-1, -1))
+
+    def boundary(c: int, title: str) -> None:  # the line x = y + c, clipped to the matrix
+        y0, y1 = max(0, -c), min(nq, nk - c)
+        if y1 > y0:
+            parts.append(f'<path class="diag" d="M {y0 + c} {y0} L {y1 + c} {y1}"><title>{_e(title)}</title></path>')
+
+    if f["causal"]:  # row r sees keys col <= r + shift
+        boundary(shift + 1, f"causal boundary ({align})")
+    if right >= 0 and not f["causal"]:  # row r sees keys col <= r + shift + right (causal: right is 0)
+        boundary(shift + right + 1, f"window right = {right} ({align})")
+    if left >= 0:  # row r sees keys col >= r + shift - left
+        boundary(shift - left, f"window left = {left} ({align})")
     parts.append('<rect id="dq-band" x="0" y="0" width="0" height="0"/><g id="done"></g>'
                  '<rect id="cta-band" x="0" y="0" width="0" height="0"/><rect id="cursor" x="0" y="0" width="0" height="0"/></svg>')
     return "".join(parts)
@@ -417,7 +428,14 @@ def highlight(source: str) -> str:
 def render_html(f: dict[str, Any]) -> str:
     """The whole page for the facts ``f``."""
     t = f["tiles"]
-    flags = ", ".join(x for x in ("causal", "key_padding", "dropout") if f[x]) or "no mask"
+    flags = ", ".join(x for x in ("causal", "key_padding", "dropout") if f[x])
+    spec = f.get("spec", {})
+    extra = [x for x in ("softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic") if spec.get(x)]
+    if spec.get("window"):
+        extra.insert(0, "window ({}, {})".format(*f.get("window", (-1, -1))))
+    if spec.get("causal_align") == "top_left":
+        extra.insert(0, "top-left aligned")
+    flags = ", ".join(filter(None, [flags] + extra)) or "no mask"
     who = ("one CTA per K/V block j (grid x), inner loop over Q blocks i" if f["direction"] == "bwd"
            else "one CTA per Q block i (grid x), inner loop over K/V blocks j")
     facts_json = json.dumps(f, separators=(",", ":")).replace("</", "<\\/")
