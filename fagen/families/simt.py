@@ -1,4 +1,4 @@
-"""Portable SIMT family: FP32 FMA math, fp32 accumulation, any dtype, sm_80+."""
+"""Portable SIMT family: FMA math with fp32 accumulation (fp64 for float64), any dtype, sm_80+."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import KernelSpec
 
 F32 = 4
+
+
+def acc_type(itemsize: int) -> tuple[str, int]:
+    """The accumulator C type and its size: double for a float64 spec (itemsize 8), else float."""
+    return ("double", 8) if itemsize == 8 else ("float", F32)
 #: Register tile of one thread in ``block_gemm`` (templates/simt/gemm.cuh): TM x TN accumulators,
 #: TM loads of A and TN loads of B per k step.
 GEMM_TM, GEMM_TN = 4, 4
@@ -25,6 +30,8 @@ class SimtFamily(FamilyBase):
     tile_multiple: int = 16
     max_block_r: int = 128
     max_block_c: int = 128
+    features: frozenset[str] = frozenset({"top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
+                                          "varlen", "deterministic", "float64"})
 
     def strides(self, head_dim: int, itemsize: int, block_c: int) -> dict[str, int]:
         """Padded smem row strides (elements): a row of a dtype tile is an odd number of 32-bit
@@ -33,39 +40,41 @@ class SimtFamily(FamilyBase):
         return {"LD": head_dim + 4 // itemsize, "P_LD": block_c + 1}
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
-        return {"strides": self.strides(spec.head_dim, spec.itemsize, spec.tile.block_c)}
+        return {"strides": self.strides(spec.head_dim, spec.itemsize, spec.tile.block_c),
+                "acc": acc_type(spec.itemsize)[0]}
 
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
                     knobs: Mapping[str, int] | None = None) -> SmemLayout:
         d, br, bc = head_dim, block_r, block_c
         st = self.strides(head_dim, itemsize, block_c)
         ld, p_ld = st["LD"], st["P_LD"]
+        acc, asz = acc_type(itemsize)
         if direction == "bwd":
             # Algorithm 4: K_j, V_j and the dK~_j, dV~_j accumulators stay on chip
             # for the whole inner loop; Q_i, dO_i, lse_i, D_i and P_ij/dS_ij per step.
             return place([
                 ("k", "T", bc * ld, itemsize),
                 ("v", "T", bc * ld, itemsize),
-                ("dk", "float", bc * d, F32),
-                ("dv", "float", bc * d, F32),
+                ("dk", acc, bc * d, asz),
+                ("dv", acc, bc * d, asz),
                 ("q", "T", br * ld, itemsize),
                 ("do_", "T", br * ld, itemsize),
-                ("p", "float", br * p_ld, F32),
-                ("lse", "float", br, F32),
-                ("delta", "float", br, F32),
+                ("p", acc, br * p_ld, asz),
+                ("lse", acc, br, asz),
+                ("delta", acc, br, asz),
             ])
         if direction == "fwd":
             # Forward (online softmax): Q_i and the O_i accumulator stay on chip,
             # K_j, V_j and S_ij/P_ij per step, row stats m_i, l_i and the rescale factor.
             return place([
                 ("q", "T", br * ld, itemsize),
-                ("o", "float", br * d, F32),
+                ("o", acc, br * d, asz),
                 ("k", "T", bc * ld, itemsize),
                 ("v", "T", bc * ld, itemsize),
-                ("s", "float", br * p_ld, F32),
-                ("m", "float", br, F32),
-                ("l", "float", br, F32),
-                ("alpha", "float", br, F32),
+                ("s", acc, br * p_ld, asz),
+                ("m", acc, br, asz),
+                ("l", acc, br, asz),
+                ("alpha", acc, br, asz),
             ])
         raise ValueError(f"unknown direction {direction!r}")
 

@@ -32,6 +32,19 @@ FA_DEVICE float fa_warp_max(float x) {  // NaN-propagating
     return x;
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
+// float64 accumulators (the SIMT family computes fp64 specs in double; atomicAdd(double*) is sm_60+).
+FA_DEVICE double fa_warp_sum(double x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+FA_DEVICE double fa_nanmax(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
+FA_DEVICE double fa_warp_max(double x) {  // NaN-propagating
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fa_nanmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+FA_DEVICE void fa_atomic_add(double* addr, double v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) { return __umulhi(a, b); }
 FA_DEVICE float fa_neg_inf() { return __int_as_float(0xff800000u); }
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
@@ -50,6 +63,16 @@ FA_DEVICE float fa_warp_max(float x, FAGEN_EMU_SITE) {  // NaN-propagating
     return x;
 }
 FA_DEVICE void fa_atomic_add(float* addr, float v) { atomicAdd(addr, v); }
+FA_DEVICE double fa_warp_sum(double x, FAGEN_EMU_SITE) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
+    return x;
+}
+FA_DEVICE double fa_nanmax(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
+FA_DEVICE double fa_warp_max(double x, FAGEN_EMU_SITE) {  // NaN-propagating
+    for (int o = 16; o > 0; o >>= 1) x = fa_nanmax(x, __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS));
+    return x;
+}
+FA_DEVICE void fa_atomic_add(double* addr, double v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
 }
@@ -65,7 +88,12 @@ FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 FA_DEVICE float fa_to_float(float x) { return x; }
 FA_DEVICE float fa_to_float(__half x) { return __half2float(x); }
 FA_DEVICE float fa_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+FA_DEVICE double fa_to_float(double x) { return x; }  // float64 stays double (the accumulator type)
 template <typename T> FA_DEVICE T fa_from_float(float x);
 template <> FA_DEVICE float fa_from_float<float>(float x) { return x; }
+template <> FA_DEVICE double fa_from_float<double>(float x) { return x; }
+// From a double accumulator: T = double keeps every bit, other dtypes round once via float.
+template <typename T> FA_DEVICE T fa_from_float(double x) { return fa_from_float<T>((float)x); }
+template <> FA_DEVICE double fa_from_float<double>(double x) { return x; }
 template <> FA_DEVICE __half fa_from_float<__half>(float x) { return __float2half_rn(x); }
 template <> FA_DEVICE __nv_bfloat16 fa_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
