@@ -1,26 +1,40 @@
 """Float64 reference for standard (non-flash) attention, written from the equations.
 
-Layouts: ``q`` ``[B, Nq, H, d]``; ``k`` ``[B, Nk, H, d]``; ``v`` ``[B, Nk, H, dv]``;
-``o``/``do`` ``[B, Nq, H, dv]``; ``lse`` ``[B, H, Nq]``; ``keep_mask`` ``[B, H, Nq, Nk]``;
-``key_padding_mask`` ``[B, Nk]`` (True = the key takes part).
+Layouts: ``q`` ``[B, Nq, H, d]``; ``k`` ``[B, Nk, H_kv, d]``; ``v`` ``[B, Nk, H_kv, dv]``
+(GQA/MQA: ``H = g * H_kv``, q head ``h`` reads kv head ``h // g``); ``o``/``do``
+``[B, Nq, H, dv]``; ``lse`` ``[B, H, Nq]``; ``keep_mask`` ``[B, H, Nq, Nk]``;
+``key_padding_mask`` ``[B, Nk]`` (True = the key takes part); ``attn_mask`` (bool, True =
+take part) and ``attn_bias`` (float) broadcastable to ``[B, H, Nq, Nk]``; ``alibi_slopes``
+``[H]`` or ``[B, H]``. Varlen (``cu_seqlens_q``/``cu_seqlens_k``, int [B + 1]): ``q``
+``[total_q, H, d]``, ``k``/``v`` ``[total_k, H_kv, d]``, ``lse`` ``[H, total_q]``; sequence
+``b`` is rows ``cu[b]:cu[b + 1]`` and is computed on its own, with positions counted inside
+it; ``keep_mask``/``attn_mask``/``attn_bias`` then index ``[B, H, max_q, max_k]``.
 
-Forward, per batch ``b`` and head ``h`` (``M`` = :func:`mask_matrix`, ``Z`` = keep mask)::
+Forward, per batch ``b`` and q head ``h`` (``M`` = allowed pairs, ``Z`` = keep mask)::
 
+    shift = Nk - Nq  (causal_align="bottom_right", flash-attn)  or 0 ("top_left", torch SDPA)
+    M_ij  = 0 <= i < Nq, 0 <= j < Nk, key_padding[b, j], attn_mask[b, h, i, j],
+            causal: j <= i + shift,
+            window (l, r): (l < 0 or j >= i + shift - l) and (r < 0 or j <= i + shift + r)
     S     = scale * Q K^T                         (scale defaults to 1/sqrt(d))
+    S     = softcap * tanh(S / softcap)            (softcap > 0)
+    S    += -slope[b, h] * |i + shift - j|         (ALiBi, flash-attn's convention)
+    S    += attn_bias[b, h, i, j]
     lse_i = log sum_{j: M_ij} exp(S_ij)           (-inf when row i allows no key)
     P_ij  = M_ij ? exp(S_ij - lse_i) : 0          (a row with no allowed key is 0)
     O     = (P o Z / (1 - p)) V
 
 Backward (no autograd)::
 
-    dV = (P o Z / (1 - p))^T dO
+    dV = (P o Z / (1 - p))^T dO                   (GQA: summed over the q heads of a kv head)
     dP = (dO V^T) o Z / (1 - p)
     D  = rowsum(dO o O)
-    dS = P o (dP - D)
-    dQ = scale * dS K,    dK = scale * dS^T Q
+    dS = P o (dP - D)                             (= dBias, reduced to attn_bias's shape)
+    dS_raw = dS o (1 - tanh^2(scale Q K^T / softcap))   (softcap > 0; else dS)
+    dQ = scale * dS_raw K,    dK = scale * dS_raw^T Q
 
-Masking rules live in :func:`mask_matrix`: causal masking is bottom-right aligned
-(query ``i`` may see key ``j`` iff ``j <= i + Nk - Nq``, as flash-attn >= 2.1).
+A row with no allowed key has output 0 and ``lse = -inf`` (flash-attn leaves such rows
+undefined or reports lse = +inf; torch SDPA gives NaN for an all-False bool mask row).
 
 Non-finite inputs (the NaN semantics every kernel family follows): only allowed pairs
 take part, and they propagate NaN as IEEE arithmetic does -- a NaN in ``q_i`` makes row
@@ -93,21 +107,86 @@ def _check_scale(softmax_scale: Optional[float], d: int) -> float:
 
 
 def _check_qkv(
-    q: ArrayLike, k: ArrayLike, v: ArrayLike
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, ndim: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = _as_float_tensor("q", q, 4)
-    k = _as_float_tensor("k", k, 4)
-    v = _as_float_tensor("v", v, 4)
-    B, Nq, H, d = q.shape
-    if k.shape[0] != B or k.shape[2] != H or k.shape[3] != d:
-        raise ValueError(f"k must have shape [B={B}, Nk, H={H}, d={d}], got {tuple(k.shape)}")
-    if v.shape[:3] != k.shape[:3]:
+    """q [.., N, H, d], k [.., Nk, H_kv, d], v [.., Nk, H_kv, dv] with H a multiple of H_kv."""
+    q = _as_float_tensor("q", q, ndim)
+    k = _as_float_tensor("k", k, ndim)
+    v = _as_float_tensor("v", v, ndim)
+    lead = tuple(q.shape[:-3])
+    H, d = q.shape[-2], q.shape[-1]
+    Hkv = k.shape[-2]
+    if tuple(k.shape[:-3]) != lead or k.shape[-1] != d or Hkv <= 0 or H % Hkv:
         raise ValueError(
-            f"v must have shape [B={B}, Nk={k.shape[1]}, H={H}, dv], got {tuple(v.shape)}"
+            f"k must have shape [{'B, ' if ndim == 4 else ''}Nk, H_kv, d={d}] with H={H} a multiple of H_kv "
+            f"(and q's batch), got {tuple(k.shape)}"
         )
-    if min(B, Nq, H, d, k.shape[1], v.shape[3]) <= 0:
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v must have shape [{', '.join(map(str, k.shape[:-1]))}, dv], got {tuple(v.shape)}")
+    if min(q.shape) <= 0 or min(v.shape[-2:]) <= 0 or (ndim == 4 and k.shape[1] <= 0):
         raise ValueError("q, k and v must have no empty dimension")
     return q, k, v
+
+
+def _check_window(window_size: Any) -> tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
+    for val in (left, right):
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise ValueError(f"window_size must be a pair (left, right) of ints (-1 = unbounded), got {window_size!r}")
+    return max(int(left), -1), max(int(right), -1)
+
+
+def _check_align(causal_align: Any) -> bool:
+    """True for top-left alignment."""
+    if causal_align not in ("bottom_right", "top_left"):
+        raise ValueError(f"causal_align must be 'bottom_right' or 'top_left', got {causal_align!r}")
+    return causal_align == "top_left"
+
+
+def _check_softcap(softcap: Any) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 = off), got {softcap!r}")
+    c = float(softcap)
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {c}")
+    return c
+
+
+def _broadcast(name: str, x: Optional[ArrayLike], shape: tuple[int, ...], *, boolean: bool,
+               device: torch.device) -> Optional[torch.Tensor]:
+    """``x`` broadcast (a view, nothing materialised) to ``shape``; bool or floating."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    if boolean and x.dtype != torch.bool:
+        raise TypeError(f"{name} must have dtype bool (True = take part), got {x.dtype}")
+    if not boolean and not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    try:
+        return x.to(device).expand(shape)
+    except RuntimeError:
+        raise ValueError(f"{name} must be broadcastable to {list(shape)}, got {tuple(x.shape)}") from None
+
+
+def _check_slopes(alibi_slopes: Optional[ArrayLike], B: int, H: int, device: torch.device) -> Optional[torch.Tensor]:
+    """ALiBi slopes as float64 [B, H]."""
+    if alibi_slopes is None:
+        return None
+    s = torch.from_numpy(alibi_slopes) if isinstance(alibi_slopes, np.ndarray) else alibi_slopes
+    if not isinstance(s, torch.Tensor) or not s.is_floating_point():
+        raise TypeError(f"alibi_slopes must be a floating torch.Tensor [H] or [B, H], got {type(s).__name__} "
+                        f"{getattr(s, 'dtype', '')}")
+    if tuple(s.shape) == (H,):
+        s = s[None, :].expand(B, H)
+    elif tuple(s.shape) != (B, H):
+        raise ValueError(f"alibi_slopes must have shape [H={H}] or [B={B}, H={H}], got {tuple(s.shape)}")
+    return s.detach().to(device=device, dtype=torch.float64)
 
 
 def _dropout_scale(
@@ -123,21 +202,16 @@ def _dropout_scale(
     return z.to(torch.float64) / (1.0 - p)
 
 
-def _scores_and_probs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    allowed: torch.Tensor,
-    scale: float,
-    lse: Optional[torch.Tensor] = None,
+def _softmax(
+    s: torch.Tensor, allowed: torch.Tensor, lse: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(lse, P)`` in float64; ``lse`` is recomputed unless given (backward pass).
+    """``(lse, P)`` of the final scores ``s`` in float64; ``lse`` is recomputed unless given.
 
     NaN flows like torch's: a NaN score on an allowed pair makes the row's lse and P NaN
     (masked pairs never contribute, whatever they hold); a row whose allowed scores are all
     ``-inf``, or that has a ``+inf`` score, has no softmax (NaN). Only a row with no allowed
     key (``lse = -inf``) is "fully masked": P = 0.
     """
-    s = scale * torch.einsum("bihd,bjhd->bhij", q, k)  # [B, H, Nq, Nk]
     if lse is None:
         lse = torch.logsumexp(s.masked_fill(~allowed, -math.inf), dim=-1)  # -inf on empty rows
         has_key = allowed.any(dim=-1).expand_as(lse)
@@ -178,28 +252,168 @@ def mask_matrix(
     causal: bool = False,
     key_padding_mask: Optional[ArrayLike] = None,
     device: Optional[torch.device | str] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    causal_align: str = "bottom_right",
 ) -> torch.Tensor:
     """Return the allowed-pairs matrix ``M`` as bool ``[B, 1, Nq, Nk]`` (True = allowed).
 
-    ``M[b, 0, i, j] = key_padding_mask[b, j] and (not causal or j <= i + Nk - Nq)``:
-    causal masking is bottom-right aligned, as in flash-attn >= 2.1.  This is the
-    single definition of the masking rules used by every function in this module.
+    With ``shift = Nk - Nq`` (``causal_align="bottom_right"``, flash-attn >= 2.1) or 0
+    (``"top_left"``, torch SDPA's ``is_causal``): ``M[b, 0, i, j] = key_padding_mask[b, j]``
+    and (not causal or ``j <= i + shift``) and, for ``window_size = (l, r)``, (``l < 0`` or
+    ``j >= i + shift - l``) and (``r < 0`` or ``j <= i + shift + r``). This is the single
+    definition of the structural masking rules used by every function in this module (an
+    ``attn_mask`` is and-ed in per head).
     """
     for name, val in (("B", B), ("Nq", Nq), ("Nk", Nk)):
         if isinstance(val, bool) or not isinstance(val, numbers.Integral) or int(val) <= 0:
             raise ValueError(f"{name} must be a positive integer, got {val!r}")
     B, Nq, Nk = int(B), int(Nq), int(Nk)
+    left, right = _check_window(window_size)
+    shift = 0 if _check_align(causal_align) else Nk - Nq
     if device is None:
         device = key_padding_mask.device if isinstance(key_padding_mask, torch.Tensor) else "cpu"
     allowed = torch.ones(B, 1, Nq, Nk, dtype=torch.bool, device=device)
+    i = torch.arange(Nq, device=device)[:, None]
+    j = torch.arange(Nk, device=device)[None, :]
     if causal:
-        i = torch.arange(Nq, device=device)[:, None]
-        j = torch.arange(Nk, device=device)[None, :]
-        allowed = allowed & (j <= i + (Nk - Nq))
+        allowed = allowed & (j <= i + shift)
+    if left >= 0:
+        allowed = allowed & (j >= i + shift - left)
+    if right >= 0:
+        allowed = allowed & (j <= i + shift + right)
     if key_padding_mask is not None:
         kpm = _as_bool_tensor("key_padding_mask", key_padding_mask, (B, Nk), torch.device(device))
         allowed = allowed & kpm[:, None, None, :]
     return allowed
+
+
+class _Problem:
+    """One fixed-length problem: validated inputs and features (float64 on q's device)."""
+
+    def __init__(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool, key_padding_mask: Any,
+                 keep_mask: Any, dropout_p: float, softmax_scale: Any, window_size: Any, softcap: Any,
+                 alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any) -> None:
+        q, k, v = _check_qkv(q, k, v)
+        self.q, self.k, self.v = q, k, v
+        B, Nq, H, d = q.shape
+        Nk, Hkv = k.shape[1], k.shape[2]
+        self.B, self.Nq, self.Nk, self.H, self.Hkv, self.d = B, Nq, Nk, H, Hkv, d
+        self.group = H // Hkv
+        self.scale = _check_scale(softmax_scale, d)
+        self.softcap = _check_softcap(softcap)
+        dev = self.dev = q.device
+        full = (B, H, Nq, Nk)
+        self.zscale = _dropout_scale(keep_mask, dropout_p, full, dev)
+        self.shift = 0 if _check_align(causal_align) else Nk - Nq
+        allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=dev,
+                              window_size=window_size, causal_align=causal_align)
+        am = _broadcast("attn_mask", attn_mask, full, boolean=True, device=dev)
+        self.allowed = allowed if am is None else allowed & am
+        self.bias = _broadcast("attn_bias", attn_bias, full, boolean=False, device=dev)
+        self.slopes = _check_slopes(alibi_slopes, B, H, dev)
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, Nk, H_kv, x] -> [B, Nk, H, x] (q head h reads kv head h // g)."""
+        return t if self.group == 1 else t.repeat_interleave(self.group, dim=2)
+
+    def reduce_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, Nk, H, x] -> [B, Nk, H_kv, x]: the sum over each kv head's q heads."""
+        if self.group == 1:
+            return t
+        B, Nk, _, X = t.shape
+        return t.reshape(B, Nk, self.Hkv, self.group, X).sum(dim=3)
+
+    def scores(self, q64: torch.Tensor, k64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s_raw, s)``: ``s_raw = scale Q K^T`` and the final scores (softcap, ALiBi, bias)."""
+        s_raw = self.scale * torch.einsum("bihd,bjhd->bhij", q64, k64)
+        s = self.softcap * torch.tanh(s_raw / self.softcap) if self.softcap > 0 else s_raw
+        if self.slopes is not None:
+            i = torch.arange(self.Nq, device=self.dev, dtype=torch.float64)[:, None]
+            j = torch.arange(self.Nk, device=self.dev, dtype=torch.float64)[None, :]
+            s = s - self.slopes[:, :, None, None] * (i + self.shift - j).abs()
+        if self.bias is not None:
+            s = s + self.bias.to(torch.float64)
+        return s_raw, s
+
+
+def _forward_fixed(pr: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    q64 = pr.q.detach().to(torch.float64)
+    k64, v64 = (pr.expand_kv(t.detach().to(torch.float64)) for t in (pr.k, pr.v))
+    _, s = pr.scores(q64, k64)
+    lse, p = _softmax(s, pr.allowed)
+    pdrop = p if pr.zscale is None else p * pr.zscale
+    return _pair_sum(pdrop, v64, pr.allowed), lse
+
+
+def _backward_fixed(pr: _Problem, do: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dS [B, H, Nq, Nk])."""
+    q64 = pr.q.detach().to(torch.float64)
+    k64, v64 = (pr.expand_kv(t.detach().to(torch.float64)) for t in (pr.k, pr.v))
+    do64, o64, lse64 = (t.detach().to(device=pr.dev, dtype=torch.float64) for t in (do, o, lse))
+    s_raw, s = pr.scores(q64, k64)
+    _, p = _softmax(s, pr.allowed, lse=lse64)
+    zscale = pr.zscale
+    pdrop = p if zscale is None else p * zscale
+    allowed = pr.allowed
+    allowed_t = allowed.transpose(-1, -2)
+    dv_ = _pair_sum(pdrop.transpose(-1, -2), do64, allowed_t)
+    dp = torch.einsum("bihd,bjhd->bhij", do64, v64)
+    if zscale is not None:
+        dp = torch.where(zscale > 0, dp * zscale, torch.zeros_like(dp))  # a dropped pair has dP = 0
+    D = torch.einsum("bihd,bihd->bhi", do64, o64)
+    live = allowed & ~torch.isneginf(lse64)[..., None]  # pairs that take part
+    ds = torch.where(live, p * (dp - D[..., None]), torch.zeros_like(p))
+    ds_raw = ds
+    if pr.softcap > 0:
+        t = torch.tanh(s_raw / pr.softcap)
+        ds_raw = torch.where(live, ds * (1 - t * t), torch.zeros_like(ds))
+    dq = pr.scale * _pair_sum(ds_raw, k64, live)
+    dk = pr.scale * _pair_sum(ds_raw.transpose(-1, -2), q64, live.transpose(-1, -2))
+    return dq, pr.reduce_kv(dk), pr.reduce_kv(dv_), ds
+
+
+def _reduce_to(full: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Sum a [B, H, Nq, Nk] gradient down to a tensor broadcast from ``shape``."""
+    out = full
+    extra = out.dim() - len(shape)
+    if extra > 0:
+        out = out.sum(dim=tuple(range(extra)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and out.shape[i] != 1)
+    if dims:
+        out = out.sum(dim=dims, keepdim=True)
+    return out.reshape(shape)
+
+
+def _check_cu(name: str, cu: ArrayLike, total: int) -> list[int]:
+    if isinstance(cu, np.ndarray):
+        cu = torch.from_numpy(cu)
+    if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor [B + 1], got "
+                        f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+    vals = [int(x) for x in cu.tolist()]
+    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at the token count {total}, got {vals}")
+    return vals
+
+
+def _varlen_slices(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any) -> list[tuple[int, int, int, int]]:
+    if cu_seqlens_k is None or cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got {len(cq)} and {len(ck)}")
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _per_seq(x: Any, name: str, b: int, lq: int, lk: int, B: int, H: int, mq: int, mk: int, *, boolean: bool,
+             device: torch.device) -> Any:
+    """Sequence b's [1, H, lq, lk] view of a [B, H, max_q, max_k]-broadcastable tensor."""
+    if x is None:
+        return None
+    full = _broadcast(name, x, (B, H, mq, mk), boolean=boolean, device=device)
+    return full[b:b + 1, :, :lq, :lk]
 
 
 def attention_forward_ref(
@@ -212,27 +426,72 @@ def attention_forward_ref(
     keep_mask: Optional[ArrayLike] = None,
     dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
+    attn_mask: Optional[ArrayLike] = None,
+    attn_bias: Optional[ArrayLike] = None,
+    causal_align: str = "bottom_right",
+    cu_seqlens_q: Optional[ArrayLike] = None,
+    cu_seqlens_k: Optional[ArrayLike] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 attention forward: return ``(o [B, Nq, H, dv], lse [B, H, Nq])``.
-
-    ``S = scale Q K^T``; ``lse = logsumexp`` of the allowed entries of each row
-    (``-inf`` for a row with no allowed key); ``P = exp(S - lse)`` on allowed entries,
-    0 elsewhere; ``O = (P o Z / (1 - p)) V`` with ``Z = keep_mask`` (all ones if None).
+    """Float64 attention forward: return ``(o [B, Nq, H, dv], lse [B, H, Nq])`` (varlen:
+    ``o [total_q, H, dv]``, ``lse [H, total_q]``); the module docstring states the equations.
     ``keep_mask`` is required when ``dropout_p > 0``.
     """
-    q, k, v = _check_qkv(q, k, v)
-    B, Nq, H, d = q.shape
-    Nk = k.shape[1]
-    scale = _check_scale(softmax_scale, d)
-    dev = q.device
-    zscale = _dropout_scale(keep_mask, dropout_p, (B, H, Nq, Nk), dev)
-    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=dev)
-    q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
+    kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
+              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return _forward_fixed(_Problem(q, k, v, **kw))
+    q, k, v = _check_qkv(q, k, v, ndim=3)
+    outs, lses = [], []
+    for _, _, o_, l_ in _varlen_each(q, k, v, None, cu_seqlens_q, cu_seqlens_k, kw, backward=False):
+        outs.append(o_)
+        lses.append(l_)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
-    lse, p = _scores_and_probs(q64, k64, allowed, scale)
-    pdrop = p if zscale is None else p * zscale
-    o = _pair_sum(pdrop, v64, allowed)
-    return o, lse
+
+def _varlen_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: Optional[tuple[torch.Tensor, ...]],
+                 cu_seqlens_q: Any, cu_seqlens_k: Any, kw: dict[str, Any], *, backward: bool) -> Any:
+    """Per sequence: forward -> (lq, lk, o [lq, H, dv], lse [H, lq]); backward (``grads`` = do, o,
+    lse [H, total_q]) -> (lq, lk, (dq, dk, dv), dS [1, H, lq, lk])."""
+    if kw["key_padding_mask"] is not None:
+        raise ValueError("key_padding_mask is not taken with cu_seqlens (packed sequences have no padding)")
+    spans = _varlen_slices(q, k, cu_seqlens_q, cu_seqlens_k)
+    B, H, Hkv, dv = len(spans), q.shape[1], k.shape[1], v.shape[2]
+    mq = max(e - s for s, e, _, _ in spans)
+    mk = max(e - s for _, _, s, e in spans)
+    dev = q.device
+    slopes = kw["alibi_slopes"]
+    if slopes is not None:
+        slopes = _check_slopes(slopes, B, H, dev)
+    for b, (q0, q1, k0, k1) in enumerate(spans):
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0 or lk == 0:  # no query, or no key: rows fully masked
+            o_ = torch.zeros(lq, H, dv, dtype=torch.float64, device=dev)
+            if backward:
+                yield lq, lk, (torch.zeros(lq, H, q.shape[2], dtype=torch.float64, device=dev),
+                               torch.zeros(lk, Hkv, k.shape[2], dtype=torch.float64, device=dev),
+                               torch.zeros(lk, Hkv, dv, dtype=torch.float64, device=dev)), None
+            else:
+                yield lq, lk, o_, torch.full((H, lq), -math.inf, dtype=torch.float64, device=dev)
+            continue
+        one = dict(kw)
+        one["key_padding_mask"] = None
+        one["keep_mask"] = (None if kw["keep_mask"] is None else
+                            _as_bool_tensor("keep_mask", kw["keep_mask"], (B, H, mq, mk), dev)[b:b + 1, :, :lq, :lk])
+        one["attn_mask"] = _per_seq(kw["attn_mask"], "attn_mask", b, lq, lk, B, H, mq, mk, boolean=True, device=dev)
+        one["attn_bias"] = _per_seq(kw["attn_bias"], "attn_bias", b, lq, lk, B, H, mq, mk, boolean=False, device=dev)
+        one["alibi_slopes"] = None if slopes is None else slopes[b:b + 1]
+        pr = _Problem(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **one)
+        if not backward:
+            o_, lse_ = _forward_fixed(pr)
+            yield lq, lk, o_[0], lse_[0]
+        else:
+            do, o, lse = grads
+            dq, dk, dv_, ds = _backward_fixed(pr, do[None, q0:q1], o[None, q0:q1], lse[None, :, q0:q1])
+            yield lq, lk, (dq[0], dk[0], dv_[0]), ds
 
 
 def attention_backward_ref(
@@ -248,45 +507,60 @@ def attention_backward_ref(
     keep_mask: Optional[ArrayLike] = None,
     dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 attention backward from the equations (no autograd): return ``(dq, dk, dv)``.
-
-    ``P = exp(S - lse)`` (0 on masked entries and on rows with ``lse = -inf``);
-    ``dV = (P o Z/(1-p))^T dO``; ``dP = (dO V^T) o Z/(1-p)``; ``D = rowsum(dO o O)``;
-    ``dS = P o (dP - D)``; ``dQ = scale dS K``; ``dK = scale dS^T Q``.
-    ``o`` and ``lse`` are the forward outputs (``lse`` may be float32, as kernels store it).
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
+    attn_mask: Optional[ArrayLike] = None,
+    attn_bias: Optional[ArrayLike] = None,
+    causal_align: str = "bottom_right",
+    cu_seqlens_q: Optional[ArrayLike] = None,
+    cu_seqlens_k: Optional[ArrayLike] = None,
+    bias_requires_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Float64 attention backward from the equations (no autograd): return ``(dq, dk, dv)``,
+    plus ``dbias`` (float64, ``attn_bias``'s shape: dS summed over its broadcast dims) when
+    ``bias_requires_grad``. ``o`` and ``lse`` are the forward outputs (``lse`` may be float32,
+    as kernels store it); the module docstring states the equations.
     """
-    q, k, v = _check_qkv(q, k, v)
-    B, Nq, H, d = q.shape
-    Nk, dv = k.shape[1], v.shape[3]
-    do = _as_float_tensor("do", do, 4)
-    o = _as_float_tensor("o", o, 4)
-    lse = _as_float_tensor("lse", lse, 3)
-    expected = {"do": (do, (B, Nq, H, dv)), "o": (o, (B, Nq, H, dv)), "lse": (lse, (B, H, Nq))}
+    kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
+              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+    if bias_requires_grad and attn_bias is None:
+        raise ValueError("bias_requires_grad needs attn_bias")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    nd = 3 if varlen else 4
+    q, k, v = _check_qkv(q, k, v, ndim=nd)
+    do = _as_float_tensor("do", do, nd)
+    o = _as_float_tensor("o", o, nd)
+    lse = _as_float_tensor("lse", lse, nd - 1)
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    expected = {"do": (do, out_shape), "o": (o, out_shape), "lse": (lse, lse_shape)}
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    scale = _check_scale(softmax_scale, d)
-    dev = q.device
-    zscale = _dropout_scale(keep_mask, dropout_p, (B, H, Nq, Nk), dev)
-    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=dev)
-    q64, k64, v64, do64, o64, lse64 = (
-        t.detach().to(device=dev, dtype=torch.float64) for t in (q, k, v, do, o, lse)
-    )
-
-    _, p = _scores_and_probs(q64, k64, allowed, scale, lse=lse64)
-    pdrop = p if zscale is None else p * zscale
-    allowed_t = allowed.transpose(-1, -2)
-    dv_ = _pair_sum(pdrop.transpose(-1, -2), do64, allowed_t)
-    dp = torch.einsum("bihd,bjhd->bhij", do64, v64)
-    if zscale is not None:
-        dp = torch.where(zscale > 0, dp * zscale, torch.zeros_like(dp))  # a dropped pair has dP = 0
-    D = torch.einsum("bihd,bihd->bhi", do64, o64)
-    live = allowed & ~torch.isneginf(lse64)[..., None]  # pairs that take part
-    ds = torch.where(live, p * (dp - D[..., None]), torch.zeros_like(p))
-    dq = scale * _pair_sum(ds, k64, live)
-    dk = scale * _pair_sum(ds.transpose(-1, -2), q64, live.transpose(-1, -2))
-    return dq, dk, dv_
+    if not varlen:
+        pr = _Problem(q, k, v, **kw)
+        dq, dk, dv_, ds = _backward_fixed(pr, do, o, lse)
+        if not bias_requires_grad:
+            return dq, dk, dv_
+        return dq, dk, dv_, _reduce_to(ds, tuple(torch.as_tensor(attn_bias).shape))
+    dqs, dks, dvs, dss = [], [], [], []
+    for lq, lk, (dq, dk, dv_), ds in _varlen_each(q, k, v, (do, o, lse), cu_seqlens_q, cu_seqlens_k, kw,
+                                                  backward=True):
+        dqs.append(dq)
+        dks.append(dk)
+        dvs.append(dv_)
+        dss.append((lq, lk, ds))
+    grads = (torch.cat(dqs), torch.cat(dks), torch.cat(dvs))
+    if not bias_requires_grad:
+        return grads
+    mq, mk = max(lq for lq, _, _ in dss), max(lk for _, lk, _ in dss)
+    full = torch.zeros(len(dss), q.shape[1], mq, mk, dtype=torch.float64, device=q.device)
+    for b, (lq, lk, ds) in enumerate(dss):
+        if ds is not None:
+            full[b, :, :lq, :lk] = ds[0]
+    return grads + (_reduce_to(full, tuple(torch.as_tensor(attn_bias).shape)),)
 
 
 def attention_ref_torch(
@@ -300,32 +574,94 @@ def attention_ref_torch(
     dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
     upcast: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[ArrayLike] = None,
+    attn_mask: Optional[ArrayLike] = None,
+    attn_bias: Optional[torch.Tensor] = None,
+    causal_align: str = "bottom_right",
+    cu_seqlens_q: Optional[ArrayLike] = None,
+    cu_seqlens_k: Optional[ArrayLike] = None,
 ) -> torch.Tensor:
-    """Plain, autograd-able PyTorch attention; returns ``o`` only.
+    """Plain, autograd-able PyTorch attention (every feature above); returns ``o`` only.
 
-    Computes ``softmax(scale Q K^T + mask) o Z / (1 - p) @ V`` in the input dtype, or in
-    float64 when ``upcast`` (the result is then float64).  It measures "the error of
-    plain PyTorch attention in the same dtype" for flash-attn's test criterion.
-    A row with no allowed key gives a zero output row and zero gradients (never NaN):
-    its scores are replaced by zeros before the softmax and its probabilities by 0 after.
+    Computes ``softmax(softcap(scale Q K^T) + alibi + bias + mask) o Z / (1 - p) @ V`` in the
+    input dtype, or in float64 when ``upcast`` (the result is then float64). It measures "the
+    error of plain PyTorch attention in the same dtype" for flash-attn's test criterion, and
+    ``attn_bias`` receives its gradient through autograd. A row with no allowed key gives a
+    zero output row and zero gradients (never NaN): its scores are replaced by zeros before
+    the softmax and its probabilities by 0 after.
     """
+    kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
+              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return _torch_fixed(q, k, v, upcast=upcast, **kw)
+    q, k, v = _check_qkv(q, k, v, ndim=3)
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask is not taken with cu_seqlens (packed sequences have no padding)")
+    spans = _varlen_slices(q, k, cu_seqlens_q, cu_seqlens_k)
+    B, H = len(spans), q.shape[1]
+    mq = max(e - s for s, e, _, _ in spans)
+    mk = max(e - s for _, _, s, e in spans)
+    dev = q.device
+    slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, B, H, dev)
+    outs = []
+    for b, (q0, q1, k0, k1) in enumerate(spans):
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0 or lk == 0:
+            dt = torch.float64 if upcast else v.dtype
+            outs.append(torch.zeros(lq, H, v.shape[2], dtype=dt, device=dev) + 0 * v.sum().to(dt))
+            continue
+        one = dict(kw)
+        one["keep_mask"] = (None if keep_mask is None else
+                            _as_bool_tensor("keep_mask", keep_mask, (B, H, mq, mk), dev)[b:b + 1, :, :lq, :lk])
+        one["attn_mask"] = _per_seq(attn_mask, "attn_mask", b, lq, lk, B, H, mq, mk, boolean=True, device=dev)
+        one["attn_bias"] = _per_seq(attn_bias, "attn_bias", b, lq, lk, B, H, mq, mk, boolean=False, device=dev)
+        one["alibi_slopes"] = None if slopes is None else slopes[b:b + 1]
+        outs.append(_torch_fixed(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], upcast=upcast, **one)[0])
+    return torch.cat(outs, dim=0)
+
+
+def _torch_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, upcast: bool, causal: bool,
+                 key_padding_mask: Any, keep_mask: Any, dropout_p: float, softmax_scale: Any, window_size: Any,
+                 softcap: Any, alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any) -> torch.Tensor:
     q, k, v = _check_qkv(q, k, v)
     B, Nq, H, d = q.shape
-    Nk = k.shape[1]
+    Nk, Hkv = k.shape[1], k.shape[2]
     scale = _check_scale(softmax_scale, d)
+    cap = _check_softcap(softcap)
     dev = q.device
     p = check_dropout_p(dropout_p)
     if keep_mask is None and p > 0.0:
         raise ValueError("keep_mask is required when dropout_p > 0")
     if upcast:
         q, k, v = q.to(torch.float64), k.to(torch.float64), v.to(torch.float64)
-    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=dev)
-    row_any = allowed.any(dim=-1, keepdim=True)  # [B, 1, Nq, 1]
+    if H != Hkv:
+        k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
+    full = (B, H, Nq, Nk)
+    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=dev,
+                          window_size=window_size, causal_align=causal_align)
+    am = _broadcast("attn_mask", attn_mask, full, boolean=True, device=dev)
+    if am is not None:
+        allowed = allowed & am
+    row_any = allowed.any(dim=-1, keepdim=True)  # [B, H or 1, Nq, 1]
 
     scores = torch.einsum("bihd,bjhd->bhij", q * scale, k)
+    if cap > 0:
+        scores = cap * torch.tanh(scores / cap)
+    slopes = _check_slopes(alibi_slopes, B, H, dev)
+    if slopes is not None:
+        shift = 0 if _check_align(causal_align) else Nk - Nq
+        i = torch.arange(Nq, device=dev)[:, None]
+        j = torch.arange(Nk, device=dev)[None, :]
+        scores = scores - (slopes[:, :, None, None] * (i + shift - j).abs()).to(scores.dtype)
+    bias = _broadcast("attn_bias", attn_bias, full, boolean=False, device=dev)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     scores = scores.masked_fill(~allowed, -math.inf).masked_fill(~row_any, 0.0)
     attn = torch.softmax(scores, dim=-1).masked_fill(~row_any, 0.0)
     if keep_mask is not None:
-        z = _as_bool_tensor("keep_mask", keep_mask, (B, H, Nq, Nk), dev)
+        z = _as_bool_tensor("keep_mask", keep_mask, full, dev)
         attn = attn.masked_fill(~z, 0.0) / (1.0 - p)
     return torch.einsum("bhij,bjhd->bihd", attn.to(v.dtype), v)
