@@ -17,7 +17,7 @@ import torch
 import fagen.functional as F
 from fagen import reference as R
 from fagen.errors import InputError, InputTypeError
-from fagen.ops import draw_rng_state, flash_attn_func, scaled_dot_product_attention, sdpa_key_padding_mask
+from fagen.ops import draw_rng_state, flash_attn_func, scaled_dot_product_attention
 
 from numerics import ATOL, DTYPES
 
@@ -206,8 +206,24 @@ def test_opcheck_custom_ops() -> None:
     torch.library.opcheck(torch.ops.fagen.bwd.default, (do, q, k, v, o, lse, mask, 0.0, None, False, rng_state))
 
 
+def test_op_schemas_take_every_option_with_defaults() -> None:
+    """The old positional prefix still works; the options follow with flash-attn's neutral defaults."""
+    fwd = str(torch.ops.fagen.fwd.default._schema)
+    bwd = str(torch.ops.fagen.bwd.default._schema)
+    assert "Tensor? key_padding_mask, float dropout_p, float? softmax_scale, bool causal, SymInt window_left=-1" in fwd
+    assert "float? softmax_scale, bool causal, Tensor rng_state, SymInt window_left=-1" in bwd
+    for part in ("SymInt window_right=-1", "float softcap=0.", "Tensor? alibi_slopes=None", "Tensor? attn_mask=None",
+                 "Tensor? attn_bias=None", 'str causal_align="bottom_right"', "Tensor? cu_seqlens_q=None",
+                 "SymInt? max_seqlen_q=None", "bool deterministic=False"):
+        assert part in fwd and part in bwd, part
+    assert fwd.endswith("-> (Tensor, Tensor, Tensor)")
+    assert "bool bias_requires_grad=False) -> (Tensor, Tensor, Tensor, Tensor)" in bwd
+
+
 # --------------------------------------------------------------------------- SDPA layout
 def test_sdpa_equals_flash_layout_with_mask_causal_and_dropout() -> None:
+    """A [B, 1, 1, Nk] bool attn_mask runs as a key-padding mask; Nq == Nk: both causal alignments
+    agree; the same dropout key drops the same pairs."""
     case = CASES[4]
     q, k, v, do, mask = make_inputs(case)
     flash = run_flash(case, q, k, v, do, mask, rng_seed=9)
@@ -228,50 +244,26 @@ def test_sdpa_matches_torch_without_dropout() -> None:
     assert max_err(ours, theirs) < 2e-3
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 70), (1, 1, 1, 70), (70,), (1, 70), (2, 1, 1, 1), (1, 1, 70)])
-def test_attn_mask_broadcastable_shapes_are_key_padding(shape: tuple[int, ...]) -> None:
-    mask = torch.rand(shape, generator=torch.Generator().manual_seed(1)) > 0.5
-    got = sdpa_key_padding_mask(mask, 2, 70)
-    assert got.shape == (2, 70)
-    assert torch.equal(got, torch.broadcast_to(mask, (2, 1, 1, 70))[:, 0, 0, :])
-
-
-def test_attn_mask_runs_like_key_padding_mask() -> None:
-    q, k, v, _, _ = make_inputs(CASES[2])
-    mask = torch.arange(70) % 3 != 0
-    got = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    want = flash_attn_func(q, k, v, key_padding_mask=mask.expand(2, 70))
-    assert torch.equal(got.transpose(1, 2), want)
-
-
-@pytest.mark.parametrize("shape", [(2, 1, 37, 70), (2, 2, 1, 70), (3, 1, 1, 70), (2, 1, 1, 69), (1, 2, 1, 1, 70)])
-def test_attn_mask_other_shapes_rejected(shape: tuple[int, ...]) -> None:
-    with pytest.raises(InputError) as err:
-        sdpa_key_padding_mask(torch.ones(shape, dtype=torch.bool), 2, 70)
-    assert err.value.argument == "attn_mask"
-
-
-def test_float_attn_mask_rejected() -> None:
+@pytest.mark.parametrize("shape", [(2, 1, 37, 69), (3, 1, 1, 70), (2, 3, 1, 70), (1, 2, 1, 1, 70)])
+def test_attn_mask_not_broadcastable_is_rejected(shape: tuple[int, ...]) -> None:
     q, k, v, _, _ = make_inputs(CASES[0])
-    with pytest.raises(InputTypeError) as err:
+    with pytest.raises(InputError) as err:
         scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                     attn_mask=torch.zeros(2, 1, 1, 70))
+                                     attn_mask=torch.ones(shape, dtype=torch.bool))
     assert err.value.argument == "attn_mask"
 
 
-def test_sdpa_is_causal_with_unequal_lengths_rejected() -> None:
+def test_sdpa_shape_errors() -> None:
     q, k, v, _, _ = make_inputs(CASES[0])
+    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    with pytest.raises(InputError, match="enable_gqa"):  # 2 q heads, 1 kv head, no enable_gqa
+        scaled_dot_product_attention(qs, ks[:, :1], vs[:, :1])
     with pytest.raises(InputError) as err:
-        scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    assert err.value.argument == "is_causal" and "top-left" in str(err.value)
-
-
-def test_sdpa_rejects_gqa_and_3d() -> None:
-    q, k, v, _, _ = make_inputs(CASES[0])
-    with pytest.raises(InputError, match="enable_gqa"):
-        scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    with pytest.raises(InputError, match="query"):
-        scaled_dot_product_attention(q[0], k, v)
+        scaled_dot_product_attention(qs[0, 0], ks, vs)
+    assert err.value.argument == "query"
+    with pytest.raises(InputTypeError) as err:
+        scaled_dot_product_attention(qs, ks, vs, attn_mask=torch.ones(70, dtype=torch.int32))
+    assert err.value.argument == "attn_mask"
 
 
 # --------------------------------------------------------------------------- argument errors

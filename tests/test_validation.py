@@ -38,14 +38,15 @@ q0, k0, v0 = _qkv()
 CASES = [
     # (kwargs for attention_backward, error type, argument named)
     ({"q": q0.float()}, InputTypeError, "k"),  # mixed dtypes
-    ({"q": q0.double(), "k": k0.double(), "v": v0.double(), "o": q0.double(), "do": q0.double()}, InputTypeError, "q"),
+    ({"q": q0.to(torch.complex64), "k": k0.to(torch.complex64), "v": v0.to(torch.complex64),
+      "o": q0.to(torch.complex64), "do": q0.to(torch.complex64)}, InputTypeError, "q"),
     ({"q": q0.to(torch.int32)}, InputTypeError, "q"),
-    ({"k": k0[:, :, :1]}, InputError, "k"),  # heads differ
+    ({"k": torch.randn(2, 9, 3, 32).half(), "v": torch.randn(2, 9, 3, 32).half()}, InputError, "k"),  # 3 kv heads, 2 q heads
     ({"v": v0[:, :5]}, InputError, "v"),  # Nk differs from k
     ({"q": q0[..., :16]}, InputError, "k"),  # head dim differs
     ({"q": q0[0]}, InputError, "q"),  # 3-D
-    ({"q": torch.randn(2, 8, 2, 12).half(), "k": torch.randn(2, 9, 2, 12).half(), "v": torch.randn(2, 9, 2, 12).half(),
-      "o": torch.randn(2, 8, 2, 12).half(), "do": torch.randn(2, 8, 2, 12).half()}, InputError, "head_dim"),
+    ({"q": torch.randn(2, 8, 2, 0).half(), "k": torch.randn(2, 9, 2, 0).half(), "v": torch.randn(2, 9, 2, 0).half(),
+      "o": torch.randn(2, 8, 2, 0).half(), "do": torch.randn(2, 8, 2, 0).half()}, InputError, "head_dim"),
     ({"q": torch.randn(2, 8, 2, 512).half(), "k": torch.randn(2, 9, 2, 512).half(), "v": torch.randn(2, 9, 2, 512).half(),
       "o": torch.randn(2, 8, 2, 512).half(), "do": torch.randn(2, 8, 2, 512).half()}, InputError, "head_dim"),
     ({"q": torch.randn(2, 8, 64, 2).half().transpose(2, 3)}, InputError, "q"),  # non-contiguous last dim
