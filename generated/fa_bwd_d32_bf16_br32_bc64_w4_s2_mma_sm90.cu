@@ -587,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     float acc = 0.f;
     for (int x = lane; x < HEAD_DIM; x += 32) acc = fmaf(fa_to_float(do_row[x]), fa_to_float(o_row[x]), acc);
     acc = fa_warp_sum(acc);
-    if (lane == 0) delta[((long long)b * heads + h) * seqlen_q + row] = acc;
+    if (lane == 0) delta[b * ((long long)heads * seqlen_q) + h * (long long)seqlen_q + row] = acc;
     float* dqa = dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM;
     for (int x = lane; x < HEAD_DIM; x += 32) dqa[x] = 0.f;
 }
@@ -636,22 +636,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 {
     using namespace fa;
     // Algorithm 4 line 1: set the RNG state to R = (seed, offset) -- (seed, offset) are arguments; the mask is a pure function of them.
-    const int j = blockIdx.x, b = blockIdx.y, h = blockIdx.z, tid = threadIdx.x;
+    const int j = blockIdx.x, b = blockIdx.y, hk = blockIdx.z, tid = threadIdx.x;  // hk: the K/V head
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
-    const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31
+    const int group = heads / heads;  // q heads sharing this K/V head (GQA; 1 without)
     const int col0 = j * BLOCK_C;
     const int wrow = warp * 16;  // this warp's K/V rows within the block
     const bool active = wrow < BLOCK_C;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float scale_log2 = scale * LOG2E;
 
-    const T* q_bh = q + b * stride_q_b + h * stride_q_h;
-    const T* k_bh = k + b * stride_k_b + h * stride_k_h;
-    const T* v_bh = v + b * stride_v_b + h * stride_v_h;
-    const T* do_bh = do_ + b * stride_do_b + h * stride_do_h;
-    const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
-    const float* lse_bh = lse + (long long)bh * seqlen_q;
-    const float* delta_bh = delta + (long long)bh * seqlen_q;
+    const T* k_bh = k + b * stride_k_b + (long long)hk * stride_k_h;
+    const T* v_bh = v + b * stride_v_b + (long long)hk * stride_v_h;
 
     // Algorithm 4 line 9: for each Q block i -- only the Q blocks whose tiles with this K/V block are not all masked.
     int i_begin, i_end;
@@ -661,16 +656,6 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
     mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, seqlen_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s), kpm_b);
     mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, seqlen_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
-    // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
-    if (STAGES > 1 && i_begin < i_end) {
-        mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, seqlen_q, stride_q_s, q_vec);
-        mma_copy_tile<BLOCK_R>(s.do_, do_bh, i_begin, seqlen_q, stride_do_s, do_vec);
-        for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
-            const int row = i_begin + r;
-            s.lse[r] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-            s.delta[r] = row < seqlen_q ? delta_bh[row] : 0.f;
-        }
-    }
     fa_cp_async_commit();
 
     // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order)
@@ -692,181 +677,203 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         }
     }
 
-    for (int i0 = i_begin, it = 0; i0 < i_end; i0 += BLOCK_R, ++it) {
-        const int cur = it % STAGES, nxt = (it + 1) % STAGES;
-        if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
-            fa_sync();
-            mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, q_vec);
-            mma_copy_tile<BLOCK_R>(s.do_, do_bh, i0, seqlen_q, stride_do_s, do_vec);
-            fa_cp_async_commit();
+    // Every q head of the group adds to this K/V head's dK~, dV~.
+    for (int h = hk * group; h < hk * group + group; ++h) {
+        const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31 (the dropout stream's head index)
+        const T* q_bh = q + b * stride_q_b + (long long)h * stride_q_h;
+        const T* do_bh = do_ + b * stride_do_b + (long long)h * stride_do_h;
+        const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
+        const float* lse_bh = lse + b * ((long long)heads * seqlen_q) + h * (long long)seqlen_q;
+        const float* delta_bh = delta + b * ((long long)heads * seqlen_q) + h * (long long)seqlen_q;
+        if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
+        // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
+        if (STAGES > 1 && i_begin < i_end) {
+            mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, seqlen_q, stride_q_s, q_vec);
+            mma_copy_tile<BLOCK_R>(s.do_, do_bh, i_begin, seqlen_q, stride_do_s, do_vec);
             for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
-                const int row = i0 + r;
+                const int row = i_begin + r;
                 s.lse[r] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
                 s.delta[r] = row < seqlen_q ? delta_bh[row] : 0.f;
             }
         }
-        fa_cp_async_wait_all();
-        fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T
-        const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
-        float next_lse = 0.f, next_delta = 0.f;
-        if (has_next) {
-            mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, seqlen_q, stride_q_s, q_vec);
-            mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, seqlen_q, stride_do_s, do_vec);
-            const int row = i0 + BLOCK_R + tid;
-            if (tid < BLOCK_R && row < seqlen_q) { next_lse = lse_bh[row]; next_delta = delta_bh[row]; }
-        }
         fa_cp_async_commit();
 
-        const T* sq = s.q + cur * BLOCK_R * LD;
-        const T* sdo = s.do_ + cur * BLOCK_R * LD;
-        const float* slse = s.lse + cur * BLOCK_R;
-        const float* sdelta = s.delta + cur * BLOCK_R;
-        // Algorithm 4 line 12: S_ij^masked = mask(S_ij) -- mask math only on tiles that are not fully visible.
-        const bool full = tile_kind(i0, col0, seqlen_q, seqlen_k) == TILE_FULL;
-
-        // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers.
-        for (int c0 = 0; active && c0 < BLOCK_R; c0 += 16) {
-            // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x 16 Q rows)
-            // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
-            float st[2][4] = {}, dpt[2][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < DPAD / 16; ++kk) {
-                unsigned ak[4], av[4], bq[4], bdo[4];
-                if constexpr (KV_IN_REGS) {
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
-                } else {
-                    mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
-                    mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
+        for (int i0 = i_begin, it = 0; i0 < i_end; i0 += BLOCK_R, ++it) {
+            const int cur = it % STAGES, nxt = (it + 1) % STAGES;
+            if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
+                fa_sync();
+                mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, q_vec);
+                mma_copy_tile<BLOCK_R>(s.do_, do_bh, i0, seqlen_q, stride_do_s, do_vec);
+                fa_cp_async_commit();
+                for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
+                    const int row = i0 + r;
+                    s.lse[r] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                    s.delta[r] = row < seqlen_q ? delta_bh[row] : 0.f;
                 }
-                mma_load_b_nmajor(bq, sq, LD, c0, kk * 16, lane);
-                mma_load_b_nmajor(bdo, sdo, LD, c0, kk * 16, lane);
-                mma_tile(st[0], ak, bq[0], bq[1]);
-                mma_tile(st[1], ak, bq[2], bq[3]);
-                mma_tile(dpt[0], av, bdo[0], bdo[1]);
-                mma_tile(dpt[1], av, bdo[2], bdo[3]);
             }
-            // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
-            // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
-            // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
-            // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i)
-            // Z_ij: one Philox call covers keys 4c..4c+3 of one Q row. The 4 lanes g = 4a..4a+3
-            // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
-            // the four share the keep bits.
-            unsigned keep_bits[2][4] = {};
-            if constexpr (HAS_DROPOUT) {
-                const int m = g & 3;
+            fa_cp_async_wait_all();
+            fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T
+            const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
+            float next_lse = 0.f, next_delta = 0.f;
+            if (has_next) {
+                mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, seqlen_q, stride_q_s, q_vec);
+                mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, seqlen_q, stride_do_s, do_vec);
+                const int row = i0 + BLOCK_R + tid;
+                if (tid < BLOCK_R && row < seqlen_q) { next_lse = lse_bh[row]; next_delta = delta_bh[row]; }
+            }
+            fa_cp_async_commit();
+
+            const T* sq = s.q + cur * BLOCK_R * LD;
+            const T* sdo = s.do_ + cur * BLOCK_R * LD;
+            const float* slse = s.lse + cur * BLOCK_R;
+            const float* sdelta = s.delta + cur * BLOCK_R;
+            // Algorithm 4 line 12: S_ij^masked = mask(S_ij) -- mask math only on tiles that are not fully visible.
+            const bool full = tile_kind(i0, col0, seqlen_q, seqlen_k) == TILE_FULL;
+
+            // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers.
+            for (int c0 = 0; active && c0 < BLOCK_R; c0 += 16) {
+                // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x 16 Q rows)
+                // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
+                float st[2][4] = {}, dpt[2][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < DPAD / 16; ++kk) {
+                    unsigned ak[4], av[4], bq[4], bdo[4];
+                    if constexpr (KV_IN_REGS) {
+#pragma unroll
+                        for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
+                    } else {
+                        mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
+                        mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
+                    }
+                    mma_load_b_nmajor(bq, sq, LD, c0, kk * 16, lane);
+                    mma_load_b_nmajor(bdo, sdo, LD, c0, kk * 16, lane);
+                    mma_tile(st[0], ak, bq[0], bq[1]);
+                    mma_tile(st[1], ak, bq[2], bq[3]);
+                    mma_tile(dpt[0], av, bdo[0], bdo[1]);
+                    mma_tile(dpt[1], av, bdo[2], bdo[3]);
+                }
+                // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
+                // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
+                // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
+                // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i)
+                // Z_ij: one Philox call covers keys 4c..4c+3 of one Q row. The 4 lanes g = 4a..4a+3
+                // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
+                // the four share the keep bits.
+                unsigned keep_bits[2][4] = {};
+                if constexpr (HAS_DROPOUT) {
+                    const int m = g & 3;
+#pragma unroll
+                    for (int n = 0; n < 2; ++n) {
+                        const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
+                                                        (unsigned)(i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
+                                                        (unsigned)(col0 + wrow + (g & ~3) + (m >> 1) * 8), drop_threshold);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
+                            keep_bits[n][e] = (mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u;
+                    }
+                }
+                float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
-                                                    (unsigned)(i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
-                                                    (unsigned)(col0 + wrow + (g & ~3) + (m >> 1) * 8), drop_threshold);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
-                        keep_bits[n][e] = (mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u;
+                    const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + 2 * t4);
+                    const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + 2 * t4);
+                    lse2[n][0] = l2.x;
+                    lse2[n][1] = l2.y;
+                    dlt[n][0] = d2.x;
+                    dlt[n][1] = d2.y;
                 }
-            }
-            float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + 2 * t4);
-                const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + 2 * t4);
-                lse2[n][0] = l2.x;
-                lse2[n][1] = l2.y;
-                dlt[n][0] = d2.x;
-                dlt[n][1] = d2.y;
-            }
-#pragma unroll
-            for (int n = 0; n < 2; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
-                    float dp = dpt[n][e], pd = p;
-                    if constexpr (HAS_DROPOUT) {
-                        const bool keep = keep_bits[n][e] != 0u;
-                        pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
-                        dp = keep ? dp * rp_keep : 0.f;
-                    }
-                    st[n][e] = pd;
-                    dpt[n][e] = p * (dp - dlt[n][e & 1]);
-                }
-            if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, seqlen_q, seqlen_k, kpm, b)) {
-                            st[n][e] = 0.f;
-                            dpt[n][e] = 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
+                        float dp = dpt[n][e], pd = p;
+                        if constexpr (HAS_DROPOUT) {
+                            const bool keep = keep_bits[n][e] != 0u;
+                            pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
+                            dp = keep ? dp * rp_keep : 0.f;
                         }
-            }
-            const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
-                                    mma_pack(st[1][0], st[1][1]), mma_pack(st[1][2], st[1][3])};
-            const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
-                                     mma_pack(dpt[1][0], dpt[1][1]), mma_pack(dpt[1][2], dpt[1][3])};
-            // dS^T -> smem for dQ (row = K/V row, column = Q row).
-            unsigned* ds_lo = reinterpret_cast<unsigned*>(s.ds + (wrow + g) * DS_LD + c0 + 2 * t4);
-            unsigned* ds_hi = reinterpret_cast<unsigned*>(s.ds + (wrow + g + 8) * DS_LD + c0 + 2 * t4);
-            ds_lo[0] = ads[0];
-            ds_hi[0] = ads[1];
-            ds_lo[4] = ads[2];
-            ds_hi[4] = ads[3];
-            // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
-            // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = dS^T from registers, B = Q_i via ldmatrix.trans; tau at the end)
+                        st[n][e] = pd;
+                        dpt[n][e] = p * (dp - dlt[n][e & 1]);
+                    }
+                if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
-            for (int nd = 0; nd < DPAD / 16; ++nd) {
-                unsigned bdo[4], bq[4];
-                mma_load_b_kmajor(bdo, sdo, LD, c0, nd * 16, lane);
-                mma_load_b_kmajor(bq, sq, LD, c0, nd * 16, lane);
-                if constexpr (!ACC_IN_SMEM) {
-                    mma_tile(dv_acc[2 * nd], ap, bdo[0], bdo[1]);
-                    mma_tile(dv_acc[2 * nd + 1], ap, bdo[2], bdo[3]);
-                    mma_tile(dk_acc[2 * nd], ads, bq[0], bq[1]);
-                    mma_tile(dk_acc[2 * nd + 1], ads, bq[2], bq[3]);
-                } else {
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, seqlen_q, seqlen_k, kpm, b)) {
+                                st[n][e] = 0.f;
+                                dpt[n][e] = 0.f;
+                            }
+                }
+                const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
+                                        mma_pack(st[1][0], st[1][1]), mma_pack(st[1][2], st[1][3])};
+                const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
+                                         mma_pack(dpt[1][0], dpt[1][1]), mma_pack(dpt[1][2], dpt[1][3])};
+                // dS^T -> smem for dQ (row = K/V row, column = Q row).
+                unsigned* ds_lo = reinterpret_cast<unsigned*>(s.ds + (wrow + g) * DS_LD + c0 + 2 * t4);
+                unsigned* ds_hi = reinterpret_cast<unsigned*>(s.ds + (wrow + g + 8) * DS_LD + c0 + 2 * t4);
+                ds_lo[0] = ads[0];
+                ds_hi[0] = ads[1];
+                ds_lo[4] = ads[2];
+                ds_hi[4] = ads[3];
+                // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
+                // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = dS^T from registers, B = Q_i via ldmatrix.trans; tau at the end)
+#pragma unroll
+                for (int nd = 0; nd < DPAD / 16; ++nd) {
+                    unsigned bdo[4], bq[4];
+                    mma_load_b_kmajor(bdo, sdo, LD, c0, nd * 16, lane);
+                    mma_load_b_kmajor(bq, sq, LD, c0, nd * 16, lane);
+                    if constexpr (!ACC_IN_SMEM) {
+                        mma_tile(dv_acc[2 * nd], ap, bdo[0], bdo[1]);
+                        mma_tile(dv_acc[2 * nd + 1], ap, bdo[2], bdo[3]);
+                        mma_tile(dk_acc[2 * nd], ads, bq[0], bq[1]);
+                        mma_tile(dk_acc[2 * nd + 1], ads, bq[2], bq[3]);
+                    } else {
+                    }
                 }
             }
-        }
-        if (has_next && tid < BLOCK_R) {
-            s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < seqlen_q ? mma_lse2(next_lse) : -fa_neg_inf();
-            s.delta[nxt * BLOCK_R + tid] = next_delta;
-        }
-        fa_sync();  // dS^T complete
+            if (has_next && tid < BLOCK_R) {
+                s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < seqlen_q ? mma_lse2(next_lse) : -fa_neg_inf();
+                s.delta[nxt * BLOCK_R + tid] = next_delta;
+            }
+            fa_sync();  // dS^T complete
 
-        // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans;
-        // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
-        // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-        // Unit u is Q-row tile u % MT, column tile u / MT: with MT dividing NUM_WARPS a warp keeps
-        // one Q-row tile, so its dS fragments are loaded once per step, not once per column tile.
-        constexpr int MT = BLOCK_R / 16, UNITS = MT * (DPAD / 16);
-        unsigned af[BLOCK_C / 16][4];
-        int af_mt = -1;
-        for (int u = warp; u < UNITS; u += NUM_WARPS) {
-            const int mt = u % MT, nc = u / MT;
-            if (mt != af_mt) {  // warp-uniform
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans;
+            // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
+            // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
+            // Unit u is Q-row tile u % MT, column tile u / MT: with MT dividing NUM_WARPS a warp keeps
+            // one Q-row tile, so its dS fragments are loaded once per step, not once per column tile.
+            constexpr int MT = BLOCK_R / 16, UNITS = MT * (DPAD / 16);
+            unsigned af[BLOCK_C / 16][4];
+            int af_mt = -1;
+            for (int u = warp; u < UNITS; u += NUM_WARPS) {
+                const int mt = u % MT, nc = u / MT;
+                if (mt != af_mt) {  // warp-uniform
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
-                af_mt = mt;
-            }
-            float acc[2][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                unsigned bk[4];
-                mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc * 16, lane);
-                mma_tile(acc[0], af[kk], bk[0], bk[1]);
-                mma_tile(acc[1], af[kk], bk[2], bk[3]);
-            }
-#pragma unroll
-            for (int n = 0; n < 2; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = i0 + mt * 16 + g + (e >> 1) * 8;
-                    const int x = nc * 16 + n * 8 + 2 * t4 + (e & 1);
-                    if (row < seqlen_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
-                        fa_atomic_add(dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
+                    for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+                    af_mt = mt;
                 }
+                float acc[2][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+                    unsigned bk[4];
+                    mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc * 16, lane);
+                    mma_tile(acc[0], af[kk], bk[0], bk[1]);
+                    mma_tile(acc[1], af[kk], bk[2], bk[3]);
+                }
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = i0 + mt * 16 + g + (e >> 1) * 8;
+                        const int x = nc * 16 + n * 8 + 2 * t4 + (e & 1);
+                        if (row < seqlen_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
+                            fa_atomic_add(dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
+                    }
+            }
         }
-    }
+    }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
     // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK = tau dK~, dV = dV~ / (1 - p))
@@ -886,8 +893,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             if (active && col < seqlen_k && x < HEAD_DIM) {
                 // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
                 const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[b * stride_dk_b + (long long)col * stride_dk_s + h * stride_dk_h + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
-                dv[b * stride_dv_b + (long long)col * stride_dv_s + h * stride_dv_h + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                dk[b * stride_dk_b + (long long)col * stride_dk_s + (long long)hk * stride_dk_h + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
+                dv[b * stride_dv_b + (long long)col * stride_dv_s + (long long)hk * stride_dv_h + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
             }
         }
 }

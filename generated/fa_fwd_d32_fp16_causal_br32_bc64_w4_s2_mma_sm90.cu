@@ -567,8 +567,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const float scale_log2 = scale * LOG2E;
 
     const T* q_bh = q + b * stride_q_b + h * stride_q_h;
-    const T* k_bh = k + b * stride_k_b + h * stride_k_h;
-    const T* v_bh = v + b * stride_v_b + h * stride_v_h;
+    const int hk = h / (heads / heads);  // the K/V head of q head h (GQA; h without)
+    const T* k_bh = k + b * stride_k_b + (long long)hk * stride_k_h;
+    const T* v_bh = v + b * stride_v_b + (long long)hk * stride_v_h;
     const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
 
@@ -752,6 +753,6 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 const int x = n * 8 + 2 * t4 + (e & 1);
                 if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[n][e] * inv);  // dead: NaN
             }
-        if (t4 == 0) lse[(long long)bh * seqlen_q + row] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
+        if (t4 == 0) lse[b * ((long long)heads * seqlen_q) + h * (long long)seqlen_q + row] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
     }
 }
