@@ -26,6 +26,9 @@ SPEC_OPTIONS = {
     "direction": "--direction", "head_dim": "--head-dim", "dtype": "--dtype", "causal": "--causal",
     "key_padding": "--key-padding", "dropout": "--dropout", "arch": "--arch", "sram_bytes": "--sram-bytes",
     "block_r": "--block-r", "block_c": "--block-c", "num_warps": "--num-warps", "impl": "--impl",
+    "causal_align": "--causal-align", "window": "--window", "softcap": "--softcap", "alibi": "--alibi",
+    "attn_mask": "--attn-mask", "bias": "--bias", "bias_grad": "--bias-grad", "varlen": "--varlen",
+    "deterministic": "--deterministic",
 }
 
 
@@ -48,7 +51,7 @@ def one_of(values: Iterable[object]) -> str:
 def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = True) -> None:
     """One option per KernelSpec field; choices and defaults come from the spec and the family registry."""
     from .families import family_names
-    from .spec import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, NUM_WARPS_CHOICES, KernelSpec
+    from .spec import FLAG_FEATURES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE, NUM_WARPS_CHOICES, KernelSpec
 
     field = KernelSpec.model_fields
 
@@ -63,9 +66,14 @@ def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = T
                    help=f"d, the head dimension: a multiple of {HEAD_DIM_MULTIPLE} in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} ({need})")
     g.add_argument("--dtype", choices=literal("dtype"), default=field["dtype"].default,
                    help="element type of q, k, v, o and the gradients (default: %(default)s)")
-    g.add_argument("--causal", action="store_true", help="compile the bottom-right causal mask in (default: off)")
+    g.add_argument("--causal", action="store_true", help="compile the causal mask in, aligned as --causal-align says (default: off)")
     g.add_argument("--key-padding", action="store_true", help="compile the key-padding mask in (default: off)")
     g.add_argument("--dropout", action="store_true", help="compile dropout in (default: off)")
+    g.add_argument("--causal-align", choices=literal("causal_align"), default=field["causal_align"].default,
+                   help=f"{field['causal_align'].description} (default: %(default)s)")
+    for name in FLAG_FEATURES:
+        g.add_argument(SPEC_OPTIONS[name], action="store_true",
+                       help=f"compile in: {field[name].description} (default: off)")
     g.add_argument("--arch", choices=literal("arch"), default=field["arch"].default,
                    help="target GPU architecture (default: %(default)s)")
     g.add_argument("--sram-bytes", type=int, default=None, metavar="M",
@@ -108,17 +116,20 @@ def _print_table(rows: list[tuple[str, Any]]) -> None:
 # --------------------------------------------------------------------------- commands
 def inspect_dict(spec) -> dict[str, Any]:
     from .renderer import kernel_infos
+    from .spec import FLAG_FEATURES
 
     t = spec.tile
     return {
         "name": spec.name, "direction": spec.direction, "head_dim": spec.head_dim, "dtype": spec.dtype,
         "causal": spec.causal, "key_padding": spec.key_padding, "dropout": spec.dropout, "arch": spec.arch,
+        "causal_align": spec.causal_align, **{f: getattr(spec, f) for f in FLAG_FEATURES},
         "impl": spec.impl, "sram_bytes": spec.sram_bytes, "paper_block_r": spec.paper_block_r,
         "paper_block_c": spec.paper_block_c, "block_r": t.block_r, "block_c": t.block_c,
         "num_warps": spec.num_warps, "num_threads": spec.num_threads, "smem_bytes": spec.smem_bytes,
         "smem_breakdown": spec.smem_layout.breakdown(),
         "kernels": [{"kernel": k.name, "block": list(k.block), "smem_bytes": k.smem_bytes,
-                     "grid": f"(ceil(seqlen_{k.role.grid_seq} / {k.rows_per_block}), batch, heads)"}
+                     "grid": f"(ceil(seqlen_{k.role.grid_seq} / {k.rows_per_block}), batch, "
+                             f"{'heads_kv' if k.role.grid_heads == 'kv' else 'heads'})"}
                     for k in kernel_infos(spec)],
         "cache_key": spec.cache_key,
     }
@@ -137,12 +148,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import generate, standard_matrix
+    from .generate import all_specs, generate
 
     if args.out is None:
         raise UsageError("--out", "required")
     if args.all:
-        specs = standard_matrix()
+        specs = all_specs()
         changed = generate(specs, Path(args.out), prune=True)
     else:
         specs = [spec_from_args(args)]

@@ -32,6 +32,38 @@ def standard_matrix() -> list[KernelSpec]:
     ]
 
 
+#: One representative per optional feature (fagen.families.FEATURES): d = 64, fp16 (float64: the
+#: dtype itself), both directions where the feature changes both kernels. The family is the preferred
+#: one that implements the feature.
+FEATURE_VARIANTS: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (("bwd", "fwd"), {"causal": True, "window": True}),
+    (("bwd", "fwd"), {"causal": True, "causal_align": "top_left"}),
+    (("bwd", "fwd"), {"softcap": True}),
+    (("bwd", "fwd"), {"causal": True, "alibi": True}),
+    (("bwd", "fwd"), {"attn_mask": True}),
+    (("fwd",), {"bias": True}),
+    (("bwd",), {"bias": True, "bias_grad": True}),
+    (("bwd", "fwd"), {"causal": True, "varlen": True}),
+    (("bwd",), {"causal": True, "deterministic": True}),
+    (("bwd", "fwd"), {"dtype": "float64"}),
+)
+FEATURE_HEAD_DIM = 64
+
+
+def feature_matrix() -> list[KernelSpec]:
+    """One spec per optional feature and direction it applies to (FEATURE_VARIANTS), sm_90."""
+    return [
+        KernelSpec(direction=direction, head_dim=FEATURE_HEAD_DIM, arch=STANDARD_ARCH, **{"dtype": "float16", **flags})
+        for directions, flags in FEATURE_VARIANTS
+        for direction in directions
+    ]
+
+
+def all_specs() -> list[KernelSpec]:
+    """What ``fagen generate --all`` emits: the standard matrix and one representative per feature."""
+    return standard_matrix() + feature_matrix()
+
+
 def write_if_different(path: Path, text: str) -> bool:
     """Write ``text`` unless the file already holds exactly it. Returns True if written."""
     if path.exists() and path.read_text() == text:

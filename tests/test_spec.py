@@ -126,3 +126,89 @@ def test_impl_and_knobs_are_resolved_and_stored() -> None:
     assert s.replace(impl=None) == s  # None: the default family of the fields
     with pytest.raises(ValidationError, match="impl must be one of"):
         KernelSpec(head_dim=64, impl="nope")
+
+
+# --------------------------------------------------------------------------- optional features
+def test_feature_flags_enter_name_and_cache_key() -> None:
+    from fagen.spec import FLAG_FEATURES
+
+    base = KernelSpec(head_dim=64, causal=True, impl="simt")
+    names, keys = {base.name}, {base.cache_key}
+    for flags, suffix in [({"window": True}, "_causal_win_"), ({"causal_align": "top_left"}, "_causal_tl_"),
+                          ({"softcap": True}, "_softcap_"), ({"alibi": True}, "_alibi_"),
+                          ({"attn_mask": True}, "_mask_"), ({"bias": True}, "_bias_"),
+                          ({"bias": True, "bias_grad": True}, "_bias_dbias_"), ({"varlen": True}, "_varlen_"),
+                          ({"deterministic": True}, "_det_"), ({"dtype": "float64"}, "_fp64_causal_")]:
+        s = base.replace(**flags)
+        assert suffix in s.name, (flags, s.name)
+        names.add(s.name)
+        keys.add(s.cache_key)
+        assert set(s.features) <= set(get_family("simt").features)
+    assert len(names) == len(keys) == 11
+    every = base.replace(window=True, softcap=True, alibi=True, attn_mask=True, bias=True, bias_grad=True,
+                         varlen=True, deterministic=True, key_padding=True, dropout=True, causal_align="top_left")
+    assert every.name.startswith("fa_bwd_d64_fp16_causal_tl_kpad_dropout_win_softcap_alibi_mask_bias_dbias_varlen_det_")
+    assert every.features == frozenset(FLAG_FEATURES) | {"top_left"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, needle",
+    [
+        ({"bias_grad": True}, "bias_grad", "needs bias"),
+        ({"bias": True, "bias_grad": True, "direction": "fwd"}, "bias_grad", "backward"),
+        ({"deterministic": True, "direction": "fwd"}, "deterministic", "backward only"),
+        ({"causal_align": "top_left"}, "causal_align", "causal, window or alibi"),
+        ({"causal_align": "centre"}, "causal_align", "bottom_right"),
+    ],
+)
+def test_feature_flag_validation(kwargs: dict, field: str, needle: str) -> None:
+    with pytest.raises(ValidationError) as ei:
+        KernelSpec(head_dim=64, **kwargs)
+    err = ei.value.errors()[0]
+    assert err["loc"][0] == field and needle in err["msg"], err
+
+
+def test_a_family_takes_only_the_features_its_templates_implement() -> None:
+    """impl=None falls back to a family that implements the features; an explicit family without
+    them is refused with the missing features named; deterministic adds the dq role."""
+    mma = get_family("mma")
+    missing = {"window", "deterministic"} - set(mma.features)
+    if missing:
+        with pytest.raises(ValidationError, match="do not implement") as ei:
+            KernelSpec(head_dim=64, window=True, deterministic=True, impl="mma")
+        assert ei.value.errors()[0]["loc"][0] == "impl"
+        assert sorted(missing)[0] in str(ei.value)
+    s = KernelSpec(head_dim=64, causal=True, deterministic=True)
+    assert "deterministic" in get_family(s.impl).features
+    from fagen.renderer import kernel_infos
+
+    roles = [k.role.name for k in kernel_infos(s)]
+    assert roles == ["pre", "main", "dq", "post"]
+    assert [k.role.name for k in kernel_infos(s.replace(deterministic=False))] == ["pre", "main", "post"]
+
+
+def test_grid_over_kv_heads_and_neutral_args() -> None:
+    from fagen.abi import BWD_DQ, BWD_MAIN, DBIAS_PARAMS, FEATURE_PARAMS, FWD_MAIN, neutral_args
+
+    assert BWD_MAIN.grid(batch=2, heads=8, seqlen_q=100, seqlen_k=70, rows=32, heads_kv=2) == (3, 2, 2)
+    assert BWD_MAIN.grid(batch=2, heads=8, seqlen_q=100, seqlen_k=70, rows=32) == (3, 2, 8)
+    assert FWD_MAIN.grid(batch=2, heads=8, seqlen_q=100, seqlen_k=70, rows=32, heads_kv=2) == (4, 2, 8)
+    assert BWD_DQ.params == BWD_MAIN.params and BWD_DQ.grid_seq == "q"
+    names = [n for _, n in FWD_MAIN.params]
+    assert names[-len(FEATURE_PARAMS):] == [n for _, n in FEATURE_PARAMS]
+    assert [n for _, n in BWD_MAIN.params][-len(DBIAS_PARAMS):] == [n for _, n in DBIAS_PARAMS]
+    n = neutral_args(heads=3, seqlen_q=10, direction="fwd")
+    assert set(n) == {name for _, name in FEATURE_PARAMS}
+    assert (n["heads_kv"], n["window_left"], n["window_right"], n["softcap"], n["mask"]) == (3, -1, -1, 0.0, 0)
+    assert (n["stride_lse_b"], n["stride_lse_h"]) == (30, 10)
+    assert neutral_args(heads=1, seqlen_q=1, null=None)["dbias"] is None
+
+
+def test_feature_matrix_has_a_representative_per_feature() -> None:
+    from fagen.families import FEATURES
+    from fagen.generate import all_specs, feature_matrix
+
+    specs = feature_matrix()
+    covered = set().union(*(s.features for s in specs))
+    assert covered == set(FEATURES)
+    assert len({s.name for s in all_specs()}) == len(all_specs())
