@@ -1061,17 +1061,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             pair_ds<true>(s, b, h, i0, col0, kind, mp, dm, sp, bh, seed, offset, drop_threshold, rp_keep, dbias_bh,
                           stride_dbias_q, stride_dbias_k);
 
-            if constexpr (!IS_DETERMINISTIC) {
-                // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM)
-                block_gemm<BLOCK_R, HEAD_DIM, BLOCK_C>(
-                    [&](int r, int c) { return s.p[r * P_LD + c]; },
-                    [&](int x, int c) { return fa_to_float(s.k[c * LD + x]); },
-                    [&](int r, int x, Acc acc) {
-                        const int row = i0 + r;
-                        if (row < si.len_q && acc != Acc(0) && s.lse[r] != NEG_INF)  // fully masked rows: dQ stays 0
-                            fa_atomic_add(dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM + x, (float)(acc * scale));
-                    });
-            }
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM)
+            block_gemm<BLOCK_R, HEAD_DIM, BLOCK_C>(
+                [&](int r, int c) { return s.p[r * P_LD + c]; },
+                [&](int x, int c) { return fa_to_float(s.k[c * LD + x]); },
+                [&](int r, int x, Acc acc) {
+                    const int row = i0 + r;
+                    if (row < si.len_q && acc != Acc(0) && s.lse[r] != NEG_INF)  // fully masked rows: dQ stays 0
+                        fa_atomic_add(dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM + x, (float)(acc * scale));
+                });
             // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i
             block_gemm<BLOCK_C, HEAD_DIM, BLOCK_R>(
                 [&](int c, int r) { return s.p[r * P_LD + c]; },
