@@ -412,3 +412,34 @@ def test_emulator_build_agrees(causal: bool, kp: bool, tl: bool, family_with) ->
     got = [tuple(int(x) for x in row) for row in out]
     bad = [(r, g, w) for r, g, w in zip(rows, got, want) if g != tuple(w)]
     assert not bad, bad[:5]
+
+
+def test_explain_draws_the_window(family_with, tmp_path) -> None:
+    """fagen explain takes the runtime window of a window spec: its tile counts, map and CTA ranges
+    are the rule's, the page names it, and a window for a spec without one is refused."""
+    from fagen.cli import main
+    from fagen.explain.facts import explain
+    from fagen.explain.page import render_html
+    from fagen.errors import InputError
+
+    family_with("mma", "window", "top_left")
+    spec = KernelSpec(direction="bwd", head_dim=32, causal=True, window=True, causal_align="top_left", impl="mma",
+                      block_r=32, block_c=32, num_warps=2)
+    nq, nk, w = 200, 300, (50, 0)
+    f = explain(spec, nq, nk, with_resources=False, window=w)
+    kw = dict(causal=True, window=w, top_left=True)
+    c = tile_counts(nq, nk, 32, 32, True, False, window=w, top_left=True)
+    assert f["tiles"] == {k: c[k] for k in ("total", "visited", "skipped", "fully_visible")}
+    assert f["window"] == [50, 0] and f["causal_align"] == "top_left"
+    for j, (first, end) in enumerate(f["cta_ranges"]):  # Q blocks [first, end) of the K/V block j
+        lo, hi = kv_block_q_range(j * 32, nq, nk, block_r=32, block_c=32, **kw)
+        assert (first, end) == ((lo // 32, -(-hi // 32)) if hi > lo else (0, 0))
+    letters = "".join(run[0] * (run[2] - run[1]) for run in f["tile_map"][3])
+    assert letters == "".join("spf"[tile_kind(96, j * 32, nq, nk, block_r=32, block_c=32, key_padding=False, **kw)]
+                              for j in range(10))
+    html = render_html(f)
+    assert "window (50, 0)" in html and "window left = 50 (top-left)" in html
+    with pytest.raises(InputError, match="window"):
+        explain(spec.replace(window=False), nq, nk, with_resources=False, window=w)
+    assert main(["explain", "--head-dim", "32", "--causal", "--window", "--window-size", "50", "0", "--impl", "mma",
+                 "--seqlen-q", "64", "--json"]) == 0
