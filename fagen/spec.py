@@ -270,11 +270,6 @@ class KernelSpec(BaseModel):
         return frozenset(out)
 
     @property
-    def shift_bottom_right(self) -> bool:
-        """True when causal/window/alibi use the bottom-right shift Nk - Nq (else 0)."""
-        return self.causal_align == "bottom_right"
-
-    @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
 
