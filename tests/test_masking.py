@@ -443,3 +443,53 @@ def test_explain_draws_the_window(family_with, tmp_path) -> None:
         explain(spec.replace(window=False), nq, nk, with_resources=False, window=w)
     assert main(["explain", "--head-dim", "32", "--causal", "--window", "--window-size", "50", "0", "--impl", "mma",
                  "--seqlen-q", "64", "--json"]) == 0
+
+
+SEQ_HARNESS = r"""
+#include <cstdio>
+#define FA_DEVICE inline
+namespace fixed {
+constexpr int BLOCK_R = 16, BLOCK_C = 16;
+constexpr bool IS_CAUSAL = false, HAS_KEY_PADDING = false, HAS_WINDOW = false, HAS_ATTN_MASK = false;
+constexpr bool IS_TOP_LEFT = false, IS_VARLEN = false;
+#include "masking.cuh"
+}
+namespace packed {
+constexpr int BLOCK_R = 16, BLOCK_C = 16;
+constexpr bool IS_CAUSAL = false, HAS_KEY_PADDING = false, HAS_WINDOW = false, HAS_ATTN_MASK = false;
+constexpr bool IS_TOP_LEFT = false, IS_VARLEN = true;
+#include "masking.cuh"
+}
+int main() {
+    const int cu_q[4] = {0, 3, 3, 10}, cu_k[4] = {0, 5, 6, 6};
+    for (int b = 0; b < 3; ++b) {
+        const fixed::SeqInfo f = fixed::fa_seq(b, 7, 9, nullptr, nullptr);
+        const packed::SeqInfo p = packed::fa_seq(b, 7, 9, cu_q, cu_k);
+        std::printf("%lld %lld %d %d %lld %lld %d %d %lld %lld %lld %lld\n", f.q_tok0, f.k_tok0, f.len_q, f.len_k,
+                    p.q_tok0, p.k_tok0, p.len_q, p.len_k,
+                    fixed::fa_row_offset(f.q_tok0, b, 2, 1, 1000, 10, 3), packed::fa_row_offset(p.q_tok0, b, 2, 1, 1000, 10, 3),
+                    fixed::fa_lse_index(f, b, 1, 2, 2 * 7, 7), packed::fa_lse_index(p, b, 1, 2, 0, 10));
+    }
+    std::printf("%d %d %d\n", fixed::fa_kv_head(5, 8, 2), fixed::fa_kv_head(3, 8, 8), fixed::fa_kv_head(7, 8, 1));
+    return 0;
+}
+"""
+
+
+def test_sequence_addressing(tmp_path) -> None:
+    """fa_seq / fa_row_offset / fa_lse_index / fa_kv_head: fixed [B, N, H, d] and packed varlen layouts."""
+    (tmp_path / "seq.cpp").write_text(SEQ_HARNESS)
+    cxx, _ = compiler()
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-function",
+                    f"-I{templates_dir() / 'partials'}", str(tmp_path / "seq.cpp"), "-o", str(tmp_path / "seq")],
+                   check=True, capture_output=True, text=True)
+    lines = subprocess.run([str(tmp_path / "seq")], capture_output=True, text=True, check=True).stdout.splitlines()
+    cu_q, cu_k = [0, 3, 3, 10], [0, 5, 6, 6]
+    for b, line in enumerate(lines[:3]):
+        got = list(map(int, line.split()))
+        want = [b * 7, b * 9, 7, 9,  # fixed: tokens of batch b, lengths = the seqlen args
+                cu_q[b], cu_k[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b],  # varlen: from cu_seqlens
+                b * 1000 + 2 * 10 + 1 * 3, (cu_q[b] + 2) * 10 + 1 * 3,  # row 2, head 1 (stride_b ignored when packed)
+                b * 14 + 1 * 7 + 2, 1 * 10 + cu_q[b] + 2]  # lse [B, H, Nq] / [H, total_q]
+        assert got == want, (b, got, want)
+    assert lines[3].split() == ["1", "3", "0"]  # GQA: q head h reads kv head h // (H / H_kv)
