@@ -45,10 +45,12 @@
 #define FAGEN_EMU_HIDDEN __attribute__((visibility("hidden")))
 
 // Usable stack per fiber (a PROT_NONE guard page sits below each one).
-// Schedule order: threads (and warp lanes) are run in ascending index order, or
+// Schedule order: blocks, threads (and warp lanes) are run in ascending index order, or
 // descending with -DFAGEN_EMU_REVERSE_SCHEDULE. A race between two threads inside
 // one barrier interval (one reads what another writes, or both write) is usually
-// resolved differently by the two orders, so comparing their results finds it.
+// resolved differently by the two orders, so comparing their results finds it; a
+// reduction whose result depends on the order blocks reach it (fp32 atomics from
+// several blocks) rounds differently.
 #if defined(FAGEN_EMU_REVERSE_SCHEDULE)
 #define FAGEN_EMU_ORDER(i, n) ((n) - 1u - (i))
 #else
@@ -728,7 +730,7 @@ inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, uns
         for (unsigned z = 0; z < gz && status == FAGEN_EMU_OK; ++z)
             for (unsigned y = 0; y < gy && status == FAGEN_EMU_OK; ++y)
                 for (unsigned x = 0; x < gx && status == FAGEN_EMU_OK; ++x) {
-                    g.block_idx = uint3{x, y, z};
+                    g.block_idx = uint3{FAGEN_EMU_ORDER(x, gx), FAGEN_EMU_ORDER(y, gy), FAGEN_EMU_ORDER(z, gz)};
                     status = run_block();
                 }
         g.smem = nullptr;
