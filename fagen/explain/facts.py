@@ -154,12 +154,39 @@ def _buffers_per_line(source: str, anchors: list[dict[str, Any]], span: tuple[in
     return out
 
 
+_HELPER_DEF = re.compile(r"^FA_DEVICE\b[^(=;]*?\b(\w+)\s*\(")
+
+
+def _helper_spans(source: str) -> dict[str, tuple[int, int]]:
+    """Device helper name -> [first line, end line) (1-based) of its definition: ``FA_DEVICE ...`` at
+    column 0 through the brace that closes its body."""
+    lines = source.splitlines()
+    out: dict[str, tuple[int, int]] = {}
+    for n, ln in enumerate(lines, 1):
+        m = _HELPER_DEF.match(ln)
+        if not m or ln.rstrip().endswith(";"):
+            continue
+        depth, opened, end = 0, False, len(lines) + 1
+        for k in range(n - 1, len(lines)):
+            depth += lines[k].count("{") - lines[k].count("}")
+            opened = opened or "{" in lines[k]
+            if opened and depth <= 0:
+                end = k + 2
+                break
+        out.setdefault(m.group(1), (n, end))
+    return out
+
+
 def algorithm4(spec: KernelSpec, source: str, main: str, others: list[str]) -> dict[str, Any]:
-    """The Algorithm 4 lines the main kernel executes before, in and after its inner loop."""
+    """The Algorithm 4 lines the main kernel executes before, in and after its inner loop
+    (including the lines of the device helpers it calls, e.g. a tile-pair function)."""
     anchors = source_anchors(source)
     spans = _kernel_spans(source, [main, *others])
     span = spans.get(main, (1, len(source.splitlines()) + 1))
-    in_main = sorted({n for a in anchors if span[0] <= a["line"] < span[1] for n in a["alg4"]})
+    body = "\n".join(source.splitlines()[span[0] - 1:span[1] - 1])
+    ranges = [span] + [hs for name, hs in _helper_spans(source).items()
+                       if re.search(rf"\b{re.escape(name)}\s*(<[^>()]*>)?\s*\(", body)]
+    in_main = sorted({n for a in anchors if any(lo <= a["line"] < hi for lo, hi in ranges) for n in a["alg4"]})
     elsewhere = sorted({n for a in anchors for n in a["alg4"]} - set(in_main))
     names = {b.name for b in spec.smem_layout.buffers}
     return {
