@@ -84,7 +84,8 @@ class SimtFamily(FamilyBase):
     # ------------------------------------------------------------------ autotuner cost
     def pair_cost(self, spec: "KernelSpec", block_r: int, block_c: int,
                   sass: Mapping[str, int] | None = None) -> PairCost:
-        """The templates' five (backward) or two (forward) block_gemm calls per tile pair."""
+        """The templates' five (backward; seven with the deterministic dq kernel's recomputation)
+        or two (forward) block_gemm calls per tile pair."""
         d, t = spec.head_dim, spec.itemsize
         st = self.strides(d, t, block_c)
         ld, p_ld = st["LD"], st["P_LD"]
@@ -102,8 +103,13 @@ class SimtFamily(FamilyBase):
         if spec.direction == "bwd":
             dv_dk = _block_gemm(bc, d, br, w, lambda c, r: p_rc(r, c), lambda x, r: tile(r, x), False, cvt)
             dq = _block_gemm(br, d, bc, w, p_rc, lambda x, c: tile(c, x), False, cvt)
-            steps = [qk, dv_dk, qk, dq, dv_dk]
-            atomics = br * d  # dQ_i += dS_ij K_j: one fp32 atomic per element (Algorithm 4 line 21)
+            if getattr(spec, "deterministic", False):
+                # main: S, dV, dP, dK; the dq kernel recomputes S and dP for dQ_i += dS_ij K_j (plain stores)
+                steps = [qk, dv_dk, qk, dv_dk, qk, qk, dq]
+                atomics = 0
+            else:
+                steps = [qk, dv_dk, qk, dq, dv_dk]
+                atomics = br * d  # dQ_i += dS_ij K_j: one fp32 atomic per element (Algorithm 4 line 21)
         else:
             pv = _block_gemm(br, d, bc, w, p_rc, lambda x, c: tile(c, x), False, cvt)  # O += P V
             steps = [qk, pv]
