@@ -125,7 +125,7 @@ def validate_softcap(softcap: Any) -> float:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+    return isinstance(x, (numbers.Integral, np.integer, torch.SymInt)) and not isinstance(x, (bool, np.bool_))
 
 
 def validate_window_size(window_size: Any) -> tuple[int, int]:

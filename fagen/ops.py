@@ -210,7 +210,7 @@ def _call(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor]
     """Python-side validation of the scalars (so the op gets plain ints/floats/bools), then fagen::fwd."""
     left, right = validate_window_size(window_size)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int)):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, torch.SymInt))):
             raise InputError(name, "an int (the longest sequence)", repr(m))
     return _fwd(q, k, v, key_padding_mask, check_dropout_p(dropout_p), _check_scale(softmax_scale, "softmax_scale"),
                 _check_bool("causal", causal), left, right, validate_softcap(softcap), alibi_slopes, attn_mask,

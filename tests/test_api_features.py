@@ -49,6 +49,8 @@ CASES = [
     # softcap + ALiBi [B, H] + a two-sided window + dropout, head dim 20 -> 24, Nq > Nk
     Case("softcap-alibi-window-dropout-d20", torch.float32, 20, 2, 2, 45, 30, window=(6, 3), softcap=4.0,
          alibi="bh", dropout_p=0.15),
+    # MQA alone needs no spec flag: the default family's plain fp16 kernels (the specs of test_ops)
+    Case("mqa-plain", torch.float16, 32, 4, 1, 37, 70),
 ]
 
 
@@ -163,6 +165,33 @@ def test_attn_probs_is_the_documented_recomputation() -> None:
     assert R.max_err(o_from_s, out) <= 1e-4
 
 
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+def test_the_oracle_agrees_with_fagen_reference(align: str) -> None:
+    """tests/featref.py (autograd) and fagen.reference (explicit backward) state the same semantics:
+    GQA, causal + window, softcap, ALiBi [B, H], bool mask, bias (and its gradient), dropout."""
+    from fagen import reference as FR
+
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, Nq, Nk, d = 2, 4, 2, 9, 13, 8
+    q, do = torch.randn(B, Nq, H, d, dtype=torch.float64, generator=g), torch.randn(B, Nq, H, d, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(B, Nk, Hkv, d, dtype=torch.float64, generator=g) for _ in range(2))
+    slopes, bias = torch.rand(B, H, generator=g), torch.randn(H, 1, Nk, dtype=torch.float64, generator=g)
+    mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
+    keep = torch.rand(B, H, Nq, Nk, generator=g) > 0.1
+    kw = dict(causal=True, window=(4, -1), softcap=3.0, alibi=slopes, mask=mask, keep=keep, dropout_p=0.1,
+              align=align)
+    o, lse, grads = R.run_oracle({"q": q, "k": k, "v": v, "bias": bias}, ("q", "k", "v", "bias"), do,
+                                 torch.float64, **kw)
+    rkw = dict(causal=True, window_size=(4, -1), softcap=3.0, alibi_slopes=slopes, attn_mask=mask, attn_bias=bias,
+               keep_mask=keep, dropout_p=0.1, causal_align=align)
+    o_r, lse_r = FR.attention_forward_ref(q, k, v, **rkw)
+    assert R.max_err(o, o_r) <= 1e-12 and torch.equal(torch.isinf(lse), torch.isinf(lse_r))
+    assert R.max_err(lse[torch.isfinite(lse)], lse_r[torch.isfinite(lse_r)]) <= 1e-12
+    dq, dk, dv, dbias = FR.attention_backward_ref(do, q, k, v, o_r, lse_r, bias_requires_grad=True, **rkw)
+    for name, ref in (("q", dq), ("k", dk), ("v", dv), ("bias", dbias)):
+        assert R.max_err(grads[name], ref) <= 1e-10, name
+
+
 # --------------------------------------------------------------------------- float64 gradcheck (SIMT)
 def test_gradcheck_float64_gqa_window_softcap_alibi() -> None:
     g = torch.Generator().manual_seed(0)
@@ -200,6 +229,32 @@ def test_torch_compile_fullgraph_with_features() -> None:
     want = step(attn)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_opcheck_with_features() -> None:
+    """fagen::fwd / fagen::bwd with GQA, causal and ALiBi; and with an additive bias and its gradient."""
+    case = CASES[1]
+    t = make_inputs(case)
+    q, k, v = (t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+    opts = (-1, -1, 0.0, t["alibi"], None, None, "bottom_right", None, None, None, None, False)
+    torch.library.opcheck(torch.ops.fagen.fwd.default, (q, k, v, None, 0.0, None, True, *opts))
+    o, lse, rng = torch.ops.fagen.fwd(q.detach(), k.detach(), v.detach(), None, 0.0, None, True, *opts)
+    torch.library.opcheck(torch.ops.fagen.bwd.default,
+                          (t["do"], q.detach(), k.detach(), v.detach(), o, lse, None, 0.0, None, True, rng, *opts))
+    # float32, d = 16, an additive [Nq, Nk] bias that requires grad: the specs of tests/test_sdpa.py
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, n, 2, 16, generator=g).requires_grad_(True) for n in (24, 40, 40))
+    bias = torch.randn(24, 40, generator=g, requires_grad=True)
+    opts = (-1, -1, 0.0, None, None, bias, "bottom_right", None, None, None, None, False)
+    torch.library.opcheck(torch.ops.fagen.fwd.default, (q, k, v, None, 0.0, None, False, *opts))
+    with torch.no_grad():
+        o, lse, rng = torch.ops.fagen.fwd(q, k, v, None, 0.0, None, False, *opts)
+    do = torch.randn(o.shape, generator=g)
+    args = (do, q.detach(), k.detach(), v.detach(), o, lse, None, 0.0, None, False, rng, *opts[:5], bias.detach(),
+            *opts[6:], True)
+    torch.library.opcheck(torch.ops.fagen.bwd.default, args)
+    dbias = torch.ops.fagen.bwd(*args)[3]
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
 
 
 # --------------------------------------------------------------------------- signature and errors
