@@ -307,7 +307,8 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
         smem_hide = min(1.0, busy_warps * pc.wavefronts_per_iteration / SMEM_LATENCY_CLOCKS) or 1.0
         hidden["smem"] = terms["smem"] / smem_hide
     atomics = pc.atomics if pc is not None and pc.atomics else (
-        t.block_r * spec.head_dim if spec.direction == "bwd" else 0)  # dQ_i += dS_ij K_j (Algorithm 4 line 21)
+        t.block_r * spec.head_dim if spec.direction == "bwd" and not getattr(spec, "deterministic", False)
+        else 0)  # dQ_i += dS_ij K_j (Algorithm 4 line 21); the deterministic backward has none
     if atomics:
         terms["atomics"] = n * atomics / dev.atomics_per_s
         hidden["atomics"] = terms["atomics"]
