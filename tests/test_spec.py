@@ -212,3 +212,15 @@ def test_feature_matrix_has_a_representative_per_feature() -> None:
     covered = set().union(*(s.features for s in specs))
     assert covered == set(FEATURES)
     assert len({s.name for s in all_specs()}) == len(all_specs())
+
+
+def test_autotune_candidates_skip_families_without_the_features() -> None:
+    from fagen.autotune.candidates import enumerate_candidates
+
+    s = KernelSpec(head_dim=64, causal=True, window=True)
+    cands = enumerate_candidates(s)
+    ok = {c.impl for c in cands if c.spec is not None}
+    assert ok and all("window" in get_family(f).features for f in ok)
+    for c in cands:
+        if "window" not in get_family(c.impl).features:
+            assert c.spec is None and "do not implement window" in c.reason
