@@ -21,6 +21,11 @@ b*stride_lse_b + h*stride_lse_h + (varlen ? cu_seqlens_q[b] : 0) + r);
 dtype), element b*stride_b + h*stride_h + r*stride_q + c*stride_k (stride 0 = broadcast);
 ``dbias`` fp32 [B, H, Nq, Nk] written with bias_grad. fagen/masking.py and
 templates/partials/{masking,score_mod}.cuh state the semantics.
+
+Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
+the q heads of its group (``grid_heads="kv"``: no atomics on dK/dV); the deterministic backward
+(``roles_for("bwd", deterministic=True)``) adds the ``dq`` role, one CTA per (Q block, batch,
+q head), visiting the K/V blocks in a fixed order and storing dq_accum without atomics.
 """
 from __future__ import annotations
 
