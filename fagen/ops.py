@@ -29,6 +29,7 @@ import torch
 from . import functional as F
 from .errors import FagenError, InputError, InputTypeError, check_dropout_p
 from .inputs import validate_softcap, validate_window_size
+from .reference import mask_matrix
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "draw_rng_state",
            "attn_probs"]
@@ -227,65 +228,58 @@ def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, *, dropout_
                max_seqlen_k: Optional[int] = None) -> Tensor:
     """flash-attn's ``S_dmask`` for testing: the softmax probabilities [B, H, Nq, Nk] (packed:
     [B, H, max_seqlen_q, max_seqlen_k], zero past each sequence), negated where dropout drops
-    the pair. Recomputed from q, k, the forward's lse and its rng_state (materialises N x N)."""
+    the pair. Recomputed in torch from q, k, the forward's lse and rng_state with the masking
+    rule of :func:`fagen.reference.mask_matrix` (materialises N x N; no autograd)."""
     with torch.no_grad():
         if cu_seqlens_q is None:
-            return _probs_dense(q, k, lse, rng_state, dropout_p, softmax_scale, causal, window_size, softcap,
-                                alibi_slopes, key_padding_mask, batch_index=None)
+            B, Nq, H, _ = q.shape
+            keep = _keep(B, H, Nq, k.shape[1], dropout_p, rng_state)
+            return _probs_dense(q, k, lse, keep, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                key_padding_mask, k.shape[1])
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         B, H = len(cq) - 1, q.shape[1]
         out = q.new_zeros((B, H, max_seqlen_q, max_seqlen_k))
         keep_all = _keep(B, H, max_seqlen_q, max_seqlen_k, dropout_p, rng_state)
         for b in range(B):
-            qb, kb = q[cq[b]:cq[b + 1]].unsqueeze(0), k[ck[b]:ck[b + 1]].unsqueeze(0)
-            lb = lse[:, cq[b]:cq[b + 1]].unsqueeze(0)
+            nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+            if nq == 0 or nk == 0:
+                continue  # no pair: zeros
             slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
-            nq, nk = qb.shape[1], kb.shape[1]
             keep = None if keep_all is None else keep_all[b:b + 1, :, :nq, :nk]
-            out[b, :, :nq, :nk] = _probs_dense(qb, kb, lb, keep, dropout_p, softmax_scale, causal, window_size,
-                                               softcap, slopes, None, batch_index=b, window_norm=max_seqlen_k)[0]
+            out[b, :, :nq, :nk] = _probs_dense(q[cq[b]:cq[b + 1]][None], k[ck[b]:ck[b + 1]][None],
+                                               lse[None, :, cq[b]:cq[b + 1]], keep, softmax_scale, causal,
+                                               window_size, softcap, slopes, None, max_seqlen_k)[0]
         return out
 
 
 def _keep(B: int, H: int, Nq: int, Nk: int, dropout_p: float, rng_state: Tensor) -> Optional[Tensor]:
-    if dropout_p <= 0:
+    if dropout_p <= 0 or 0 in (B, H, Nq, Nk):
         return None
     seed, offset = _seed_offset(rng_state)
     return F.dropout_keep_mask(B, H, Nq, Nk, dropout_p, seed=seed, offset=offset)
 
 
-def _probs_dense(q: Tensor, k: Tensor, lse: Tensor, rng: Any, dropout_p: float, softmax_scale: Optional[float],
+def _probs_dense(q: Tensor, k: Tensor, lse: Tensor, keep: Optional[Tensor], softmax_scale: Optional[float],
                  causal: bool, window_size: tuple[int, int], softcap: float, alibi_slopes: Optional[Tensor],
-                 key_padding_mask: Optional[Tensor], *, batch_index: Optional[int],
-                 window_norm: Optional[int] = None) -> Tensor:
+                 key_padding_mask: Optional[Tensor], window_norm: int) -> Tensor:
+    """One fixed-length problem: q [B, Nq, H, d], k [B, Nk, H_kv, d], lse [B, H, Nq] -> [B, H, Nq, Nk]."""
     B, Nq, H, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
+    if 0 in (B, H, Nq, Nk):
+        return q.new_zeros((B, H, Nq, Nk))
+    acc = torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    kk = k.float().repeat_interleave(H // Hkv, dim=2)
-    s = scale * torch.einsum("bihd,bjhd->bhij", q.float(), kk)
+    s = scale * torch.einsum("bihd,bjhd->bhij", q.to(acc), k.to(acc).repeat_interleave(H // Hkv, dim=2))
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq)  # bottom-right shift
-    j = torch.arange(Nk, device=q.device)[None, :]
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.float().reshape(-1, H) if alibi_slopes.dim() == 2 else alibi_slopes.float()[None]
-        s = s - slopes[:, :, None, None] * (i - j).abs()
-    nk_norm = Nk if window_norm is None else window_norm
-    left, right = window_size
-    left = -1 if left >= nk_norm else left
-    right = 0 if causal else (-1 if right >= nk_norm else right)
-    allowed = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        allowed &= j >= i - left
-    if right >= 0:
-        allowed &= j <= i + right
-    allowed = allowed[None, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    lse_ = lse.float()[..., None]
+    if alibi_slopes is not None:  # -slope * |i + Nk - Nq - j|
+        dist = (torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq) - torch.arange(Nk, device=q.device)).abs()
+        s = s - alibi_slopes.to(acc).reshape(-1, H)[:, :, None, None] * dist.to(acc)
+    left, right = (-1 if w >= window_norm else w for w in window_size)  # flash-attn: a side >= Nk is unbounded
+    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device,
+                          window_size=(left, right))
+    lse_ = lse.to(acc)[..., None]
     p = torch.where(allowed & torch.isfinite(lse_), torch.exp(s - lse_), torch.zeros_like(s))
-    keep = rng if isinstance(rng, torch.Tensor) and rng.dtype == torch.bool else (
-        _keep(B, H, Nq, Nk, dropout_p, rng) if rng is not None else None)
     if keep is not None:
         p = torch.where(keep.to(p.device), p, -p)
     return p.to(q.dtype)
