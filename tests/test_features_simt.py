@@ -347,3 +347,28 @@ def test_every_flag_compiles_without_spills(variant: str, arch: str, impl: str) 
                           **more)
         for r in fagen.compile(spec).resources:
             assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, (spec.name, r)
+
+
+def _nvdisasm_available() -> bool:
+    from fagen import sass
+
+    return _nvrtc_available() and sass.nvdisasm_path() is not None
+
+
+@pytest.mark.skipif(not _nvdisasm_available(), reason="NVRTC or nvdisasm not installed")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_sass_has_no_atomics(impl: str) -> None:
+    """In the machine code: the deterministic backward has no global reduction or atomic (RED/ATOM)
+    in any kernel; the default one reduces dQ with RED in its main kernel (the probe sees them)."""
+    import fagen
+    from fagen import sass
+
+    def reductions(deterministic: bool) -> dict[str, list[str]]:
+        spec = KernelSpec(head_dim=64, dtype="float16", causal=True, deterministic=deterministic, impl=impl,
+                          arch="sm_80")
+        mix = sass.instruction_mix(fagen.compile(spec).cubin)
+        return {k: sorted(op for op in m if op.startswith(("RED", "ATOM"))) for k, m in mix.items()}
+
+    det = reductions(True)
+    assert len(det) == 4 and not any(det.values()), det
+    assert any(ops for name, ops in reductions(False).items() if name.endswith("_main"))
