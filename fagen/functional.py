@@ -20,9 +20,9 @@ from pydantic import ValidationError
 
 from .choices import tuned_or_default
 from .errors import InputError, InputTypeError
-from .inputs import (DTYPES, SEQLEN_MAX, Features, Problem, check_like, check_lse, padded_head_dim,  # noqa: F401
-                     reduce_to_shape, validate_features, validate_flag, validate_key_padding_mask,
-                     validate_qkv, validate_softmax_scale, validate_varlen)
+from .inputs import (SEQLEN_MAX, Features, Problem, check_like, check_lse, reduce_to_shape,  # noqa: F401
+                     validate_features, validate_flag, validate_key_padding_mask, validate_qkv,
+                     validate_softmax_scale, validate_varlen)
 from .philox import drop_threshold, keep_mask
 from .renderer import KernelInfo, kernel_infos
 from .runtime import get_module

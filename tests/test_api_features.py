@@ -173,7 +173,7 @@ def test_the_oracle_agrees_with_fagen_reference(align: str) -> None:
 
     g = torch.Generator().manual_seed(9)
     B, H, Hkv, Nq, Nk, d = 2, 4, 2, 9, 13, 8
-    q, do = torch.randn(B, Nq, H, d, dtype=torch.float64, generator=g), torch.randn(B, Nq, H, d, dtype=torch.float64, generator=g)
+    q, do = (torch.randn(B, Nq, H, d, dtype=torch.float64, generator=g) for _ in range(2))
     k, v = (torch.randn(B, Nk, Hkv, d, dtype=torch.float64, generator=g) for _ in range(2))
     slopes, bias = torch.rand(B, H, generator=g), torch.randn(H, 1, Nk, dtype=torch.float64, generator=g)
     mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
