@@ -305,19 +305,45 @@ def test_gqa_and_head_dim_errors() -> None:
     assert err.value.argument == "q" and "256" in str(err.value)
 
 
-def test_a_feature_no_family_implements_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With no family listing softcap, the call fails before any launch, naming softcap."""
+def _call_with(feature: str) -> None:
+    q, k, v = _qkv()
+    if feature == "softcap":
+        flash_attn_func(q, k, v, softcap=3.0)
+    elif feature == "window":
+        flash_attn_func(q, k, v, window_size=(2, 2))
+    elif feature == "alibi":
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+    elif feature == "float64":
+        flash_attn_func(q.double(), k.double(), v.double())
+    elif feature == "varlen":
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        from fagen import flash_attn_varlen_func
+
+        flash_attn_varlen_func(q[0], k[0, :8], v[0, :8], cu, cu, 5, 5)
+    elif feature == "bias":  # SDPA's float mask: the error names attn_mask, SDPA's argument
+        from fagen import scaled_dot_product_attention
+
+        scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     attn_mask=torch.zeros(8, 9))
+
+
+@pytest.mark.parametrize("feature, error, argument", [
+    ("softcap", InputError, "softcap"), ("window", InputError, "window_size"), ("alibi", InputError, "alibi_slopes"),
+    ("float64", InputTypeError, "q"), ("varlen", InputError, "cu_seqlens_q"), ("bias", InputError, "attn_mask"),
+])
+def test_a_feature_no_family_implements_is_an_error_naming_it(feature: str, error: type, argument: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no family implementing the feature, the call fails before any launch, naming the argument."""
     import fagen.spec
 
     real = fagen.spec.feature_reason
     monkeypatch.setattr(fagen.spec, "feature_reason",
-                        lambda fam, wanted: "no softcap here" if "softcap" in wanted else real(fam, wanted))
+                        lambda fam, wanted: f"no {feature} here" if feature in wanted else real(fam, wanted))
     monkeypatch.setattr(F, "get_module", lambda *a: pytest.fail("a kernel module was requested"))
     F._default_spec.cache_clear()
     try:
-        q, k, v = _qkv()
-        with pytest.raises(InputError) as err:
-            flash_attn_func(q, k, v, softcap=3.0)
-        assert err.value.argument == "softcap" and "no softcap here" in str(err.value)
+        with pytest.raises(error) as err:
+            _call_with(feature)
+        assert err.value.argument == argument and f"no {feature} here" in str(err.value)
     finally:
         F._default_spec.cache_clear()
