@@ -51,6 +51,8 @@ CASES = [
          alibi="bh", dropout_p=0.15),
     # MQA alone needs no spec flag: the default family's plain fp16 kernels (the specs of test_ops)
     Case("mqa-plain", torch.float16, 32, 4, 1, 37, 70),
+    # flash-attn's odd head dim 111 (padded to 112), causal with Nq < Nk
+    Case("d111-causal", torch.float16, 111, 2, 2, 17, 29, causal=True),
 ]
 
 
