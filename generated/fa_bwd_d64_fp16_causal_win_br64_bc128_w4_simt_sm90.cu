@@ -853,15 +853,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 }
 
 namespace fa {
-// The tile pair (Q block at i0, K/V block at col0) of Algorithm 4 lines 10-20 for q head h, shared by
-// the main and the dq kernels: expects Q_i, dO_i, lse_i, D_i and K_j, V_j in smem; leaves dS_ij
-// (the gradient w.r.t. the final score s, masked pairs exactly 0) in s.p after its last barrier,
-// adds dP^T dO... (dV~_j += P~^T dO_i, main only), writes dBias (main, HAS_BIAS_GRAD). Returns
-// nothing; callers do their own dQ / dK products.
+// The tile pair (Q block at i0, K/V block at col0) of Algorithm 4 lines 11-20 for q head h, shared by
+// the main kernel (MAIN: also dV~_j += P~^T dO_i and, with HAS_BIAS_GRAD, dBias = dS) and the dq
+// kernel. Expects Q_i, dO_i, lse_i, D_i and K_j, V_j in smem; leaves in s.p, after its last barrier,
+// the raw-score gradient dL/d(scale Q K^T)_ij (dS_ij through the softcap; masked pairs exactly 0);
+// callers do their own dQ / dK products with it.
 //   s.p after the first product: P_ij, a dropped element stored as -P_ij (negative encodes Z_ij = 0;
 //   a NaN, whatever its sign bit, counts as kept), a masked pair (or any pair of a fully masked
 //   row) as the sentinel -inf.
-template <bool ACCUM_DV>
+template <bool MAIN>
 FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind kind, const MaskParams& mp,
                        const DataMask& dm, const ScoreParams& sp, long long bh, unsigned long long seed,
                        unsigned long long offset, unsigned int drop_threshold, float rp_keep, float* dbias_bh,
@@ -887,7 +887,7 @@ FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind k
         });
     fa_sync();
 
-    if constexpr (ACCUM_DV) {
+    if constexpr (MAIN) {
         // Algorithm 4 line 15: P_ij^dropped = P_ij o Z_ij / (1 - p)
         // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i
         block_gemm<BLOCK_C, HEAD_DIM, BLOCK_R>(
@@ -910,7 +910,7 @@ FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind k
             const bool masked = pv == NEG_INF;
             const Acc p_abs = pv < Acc(0) ? -pv : pv;
             Acc ds = masked ? Acc(0) : p_abs * (dp - s.delta[r]);
-            if constexpr (HAS_BIAS_GRAD) {
+            if constexpr (MAIN && HAS_BIAS_GRAD) {  // plain stores: each pair is visited once
                 const int row = i0 + r, col = col0 + c;
                 if (row < mp.seqlen_q && col < mp.seqlen_k)
                     dbias_bh[(long long)row * stride_dbias_q + (long long)col * stride_dbias_k] = (float)ds;

@@ -78,6 +78,8 @@ CASES = [
     FeatCase("mask-qk-fp16", mask=(37, 45)),
     FeatCase("bias-1hqk-grad-fp32", "float32", bias=(1, 4, 37, 45)),
     FeatCase("bias-b11k-grad-fp32", "float32", bias=(2, 1, 1, 45)),
+    FeatCase("bias-grad-gqa-mask-det-fp32", "float32", heads=4, heads_kv=2, bias=(1, 4, 37, 45), mask=(2, 1, 37, 45),
+             causal=True, deterministic=True, tile=(16, 16, 2)),
     FeatCase("combo-fixed-det-bf16", "bfloat16", heads=4, heads_kv=2, seqlen_q=41, seqlen_k=70, causal=True,
              window=(20, -1), softcap=4.0, alibi="h", dropout_p=0.2, deterministic=True, q_scale=2.0,
              tile=(16, 16, 2)),
