@@ -237,7 +237,7 @@ def test_kernels_compute_bh_and_causal_bounds_in_64_bits(direction: str) -> None
         assert not re.search(r"(?<!unsigned )\bint\s+bh\b", src), f"{impl}/{direction}: bh passed as a 32-bit int"
         # every expression that adds or subtracts the two sequence lengths (causal bounds) is 64-bit
         mixed = [line for line in (ln.split("//")[0] for ln in src.splitlines())
-                 if re.search(r"seqlen_[qk]\s*[-+]\s*seqlen_[qk]", line)]
+                 if re.search(r"seqlen_[qk]\s*[-+]\s*(?:\w+\.)?seqlen_[qk]", line)]
         assert mixed, f"{impl}/{direction}: no causal bound found"
         for line in mixed:
             # a cast on the line, or the sum's first operand is a variable declared long long
