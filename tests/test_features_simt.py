@@ -1,12 +1,12 @@
-"""Issue 11 features through one kernel family's kernels, on the CPU emulator.
+"""Issue 11 features through each kernel family's kernels, on the CPU emulator (SIMT implements all).
 
 GQA/MQA, varlen (lengths 0 and 1 included), sliding window, causal alignment, softcap,
 ALiBi, bool attn_mask, additive bias with its gradient, deterministic backward, float64 and
 head dims that are not multiples of 8 -- alone and combined -- against fagen.reference in
 float64 with flash-attn's criterion (tests/numerics.py): |ours - ref64| <= 2 |torch same
 dtype - ref64| + atol. Every kernel runs from an explicit spec of the family under test
-(``IMPLS``; another family reuses the module by adding its name there or importing
-``check_case`` with its own ``impl``). Also: the deterministic backward is bit for bit the
+(``IMPLS``: every registered family; a case whose features a family does not implement is
+skipped for it, with the family's reason). Also: the deterministic backward is bit for bit the
 same under the emulator's reverse schedule (block and thread order) while the atomic one
 is not, and its source has no atomics; the dropout keep-mask of packed sequences is
 ``dropout_keep_mask`` bit for bit; every flag compiles with NVRTC for sm_80 and sm_90
@@ -15,18 +15,19 @@ without spills.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 import fagen.functional as F
 import fagen.settings
 from fagen import KernelSpec
 from fagen import reference as R
+from fagen.families import family_names
 
-IMPLS = ["simt"]
+IMPLS = list(family_names())  # a family runs the cases whose features it implements (the others skip)
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 #: flash-attn's atol per dtype (tests/numerics.py); float64: the kernels keep lse, D and the dQ accumulator
 #: in fp32 and take the scale as an fp32 argument (fagen.abi), so they agree to ~1e-7 relative.
@@ -137,17 +138,29 @@ def make_inputs(c: FeatCase) -> tuple[dict, dict]:
     return t, opt
 
 
+def spec_or_skip(impl: str, **fields) -> KernelSpec:
+    """KernelSpec(impl=impl, **fields); skips the test when the family does not implement these features."""
+    try:
+        return KernelSpec(impl=impl, **fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["loc"] == ("impl",) and err["type"] == "unsupported":
+            pytest.skip(err["msg"])
+        raise
+
+
 def specs(c: FeatCase, impl: str) -> tuple[KernelSpec, KernelSpec]:
-    """The (forward, backward) specs of the case in family ``impl`` (head dim padded to a multiple of 8)."""
+    """The (forward, backward) specs of the case in family ``impl`` (head dim padded to a multiple of 8);
+    skips when the family does not implement the case's features."""
     flags = dict(head_dim=-(-c.head_dim // 8) * 8, dtype=c.dtype, causal=c.causal, dropout=c.dropout_p > 0,
                  window=c.window is not None, softcap=c.softcap > 0, alibi=c.alibi is not None,
-                 attn_mask=c.mask is not None, bias=c.bias is not None, varlen=c.lens is not None, impl=impl)
+                 attn_mask=c.mask is not None, bias=c.bias is not None, varlen=c.lens is not None)
     if c.align != "bottom_right":
         flags["causal_align"] = c.align
     if c.tile is not None:
         flags.update(block_r=c.tile[0], block_c=c.tile[1], num_warps=c.tile[2])
-    fwd = KernelSpec(direction="fwd", **flags)
-    bwd = KernelSpec(direction="bwd", deterministic=c.deterministic, bias_grad=c.bias is not None, **flags)
+    fwd = spec_or_skip(impl, direction="fwd", **flags)
+    bwd = spec_or_skip(impl, direction="bwd", deterministic=c.deterministic, bias_grad=c.bias is not None, **flags)
     return fwd, bwd
 
 
@@ -231,7 +244,7 @@ def test_cases_cover_every_feature() -> None:
     """The matrix above uses each issue-11 feature at least once (and the combination)."""
     used = set()
     for c in CASES:
-        for impl_spec in specs(c, IMPLS[0]):
+        for impl_spec in specs(c, "simt"):  # the family that implements them all
             used |= impl_spec.features
         if c.heads_kv != c.heads:
             used.add("gqa")
@@ -304,7 +317,7 @@ def test_varlen_gqa_dropout_applies_the_keep_mask(impl: str) -> None:
     q = torch.zeros(int(cq[-1]), H, d)
     k = torch.randn(int(ck[-1]), Hkv, d)
     v = torch.cat([torch.eye(d)[:lk] for _, lk in lens])[:, None, :].expand(-1, Hkv, d).contiguous()
-    sf = KernelSpec(direction="fwd", head_dim=d, dtype="float32", dropout=True, varlen=True, impl=impl)
+    sf = spec_or_skip(impl, direction="fwd", head_dim=d, dtype="float32", dropout=True, varlen=True)
     Mq, Mk = max(a for a, _ in lens), max(b for _, b in lens)
     o, _ = F.attention_forward(q, k, v, dropout_p=p, seed=seed, offset=offset, cu_seqlens_q=cq, cu_seqlens_k=ck,
                                max_seqlen_q=Mq, max_seqlen_k=Mk, spec=sf)
@@ -345,8 +358,8 @@ def test_every_flag_compiles_without_spills(variant: str, arch: str, impl: str) 
     extra = {"varlen": True} if "varlen" in variant else {"key_padding": True}
     for direction, more in (("fwd", {}), ("bwd", {"bias_grad": True}), ("bwd", {"bias_grad": True,
                                                                               "deterministic": True})):
-        spec = KernelSpec(direction=direction, head_dim=d, dtype=dtype, arch=arch, impl=impl, **ALL_FLAGS, **extra,
-                          **more)
+        spec = spec_or_skip(impl, direction=direction, head_dim=d, dtype=dtype, arch=arch, **ALL_FLAGS, **extra,
+                            **more)
         for r in fagen.compile(spec).resources:
             assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, (spec.name, r)
 
@@ -366,8 +379,8 @@ def test_deterministic_sass_has_no_atomics(impl: str) -> None:
     from fagen import sass
 
     def reductions(deterministic: bool) -> dict[str, list[str]]:
-        spec = KernelSpec(head_dim=64, dtype="float16", causal=True, deterministic=deterministic, impl=impl,
-                          arch="sm_80")
+        spec = spec_or_skip(impl, head_dim=64, dtype="float16", causal=True, deterministic=deterministic,
+                            arch="sm_80")
         mix = sass.instruction_mix(fagen.compile(spec).cubin)
         return {k: sorted(op for op in m if op.startswith(("RED", "ATOM"))) for k, m in mix.items()}
 
