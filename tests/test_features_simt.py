@@ -73,6 +73,8 @@ CASES = [
     FeatCase("topleft-causal-nq>nk-fp32", "float32", seqlen_q=50, seqlen_k=29, head_dim=16, causal=True,
              align="top_left"),
     FeatCase("softcap-bf16", "bfloat16", head_dim=64, softcap=5.0, q_scale=3.0),
+    FeatCase("softcap-strong-det-fp32", "float32", head_dim=64, softcap=1.5, q_scale=4.0, seqlen_q=40, seqlen_k=90,
+             deterministic=True, tile=(16, 16, 2)),  # scores well inside tanh's bend
     FeatCase("alibi-h-causal-fp16", seqlen_q=33, seqlen_k=47, causal=True, alibi="h"),
     FeatCase("alibi-bh-fp16", heads=4, heads_kv=2, alibi="bh"),
     FeatCase("mask-b1qk-fp16", mask=(2, 1, 37, 45)),
