@@ -773,6 +773,13 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+    if (!allowed(row, col, mp)) return false;
+    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    return true;
+}
+
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
@@ -968,8 +975,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const T* v_bh = v + b * stride_v_b + (long long)hk * stride_v_h;
 
     // Algorithm 4 line 9: for each Q block i -- only the Q blocks whose tiles with this K/V block are not all masked.
+    const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
     int i_begin, i_end;
-    kv_block_q_range(col0, seqlen_q, seqlen_k, &i_begin, &i_end);
+    kv_block_q_range(col0, mp, &i_begin, &i_end);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
@@ -1047,7 +1055,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const float* slse = s.lse + cur * BLOCK_R;
             const float* sdelta = s.delta + cur * BLOCK_R;
             // Algorithm 4 line 12: S_ij^masked = mask(S_ij) -- mask math only on tiles that are not fully visible.
-            const bool full = tile_kind(i0, col0, seqlen_q, seqlen_k) == TILE_FULL;
+            const bool full = tile_kind(i0, col0, mp) == TILE_FULL;
 
             // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers.
             for (int c0 = 0; active && c0 < BLOCK_R; c0 += 16) {
@@ -1120,7 +1128,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            if (!allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, seqlen_q, seqlen_k, kpm, b)) {
+                            if (!mma_allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, mp, kpm_b)) {
                                 st[n][e] = 0.f;
                                 dpt[n][e] = 0.f;
                             }

@@ -745,6 +745,13 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+    if (!allowed(row, col, mp)) return false;
+    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    return true;
+}
+
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
@@ -885,8 +892,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
+    const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
     int j_begin, j_end;
-    q_block_kv_range(i0, seqlen_q, seqlen_k, &j_begin, &j_end);
+    q_block_kv_range(i0, mp, &j_begin, &j_end);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
@@ -957,7 +965,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 mma_tile(sacc[2 * n2 + 1], a, bk[2], bk[3]);
             }
         }
-        const bool full = tile_kind(i0, j0, seqlen_q, seqlen_k) == TILE_FULL;
+        const bool full = tile_kind(i0, j0, mp) == TILE_FULL;
 #pragma unroll
         for (int n = 0; n < NT_C; ++n)
 #pragma unroll
@@ -967,7 +975,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), seqlen_q, seqlen_k, kpm, b);
+                    const bool ok = mma_allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b);
                     seen[e >> 1] |= ok ? 1u : 0u;
                     if (!ok) sacc[n][e] = NEG_INF;
                 }

@@ -49,6 +49,13 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+    if (!allowed(row, col, mp)) return false;
+    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    return true;
+}
+
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
