@@ -1,0 +1,296 @@
+"""Ring attention (context parallelism) on fagen's functional API and torch.distributed p2p.
+
+Each rank of ``group`` holds a shard of the sequence: q, k, v ``[B, N_local, H(_kv), d]``.
+``layout="contiguous"``: rank r holds rows/keys ``[r*N_local, (r+1)*N_local)``;
+``layout="zigzag"``: the sequence is cut into 2W chunks of ``N_local/2`` and rank r holds
+chunks r and 2W-1-r (balances causal work). Every rank owns its chunks' (q, k, v) rows.
+
+Forward, step s = 0..W-1: rank r holds the K/V (and key padding) shard of rank (r - s) mod W,
+posts the send of it to rank r+1 and the receive of the next one from rank r-1, computes its
+Q chunks against the held K/V chunks -- each (q chunk, kv chunk) pair is a full call, a
+diagonal causal call, or skipped -- and merges the partial (o, lse) into the running result by
+lse (a partial whose rows have no allowed key has lse = -inf and weight 0). Backward: the K/V
+shards travel again together with fp32 dK/dV accumulators; every pair calls
+:func:`fagen.attention_backward` with the global o and lse of its Q rows; after W hops each
+accumulator is back at its owner. Dropout uses the global row/column indices (the kernels'
+``dropout_row_offset``/``dropout_col_offset``), so the keep mask equals
+:func:`fagen.dropout_keep_mask` of the whole sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import functional as F
+from ..errors import InputError, InputTypeError, check_dropout_p
+
+__all__ = ["ring_flash_attn_func", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "zigzag")
+Tensor = torch.Tensor
+
+FULL, DIAG, SKIP = "full", "diag", "skip"
+
+
+# --------------------------------------------------------------------------- geometry
+@dataclass(frozen=True)
+class Ring:
+    """The group's ring: this rank's index, the world size, global ranks of its neighbours."""
+    group: Any
+    rank: int
+    world: int
+    layout: str
+
+    @property
+    def next_rank(self) -> int:
+        return dist.get_global_rank(self.group, (self.rank + 1) % self.world) if self.group is not None \
+            else (self.rank + 1) % self.world
+
+    @property
+    def prev_rank(self) -> int:
+        return dist.get_global_rank(self.group, (self.rank - 1) % self.world) if self.group is not None \
+            else (self.rank - 1) % self.world
+
+    def chunks(self, owner: int) -> tuple[int, ...]:
+        """Global chunk indices held by rank ``owner`` (in its local order)."""
+        if self.layout == "contiguous":
+            return (owner,)
+        return (owner, 2 * self.world - 1 - owner)
+
+
+def pair_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """How a Q chunk sees a K/V chunk of the same length: every key, the causal diagonal, none."""
+    if not causal or k_chunk < q_chunk:
+        return FULL
+    return DIAG if k_chunk == q_chunk else SKIP
+
+
+def _group_info(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError("group", "an initialised torch.distributed process group (dist.init_process_group)", None)
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------- communication
+class _Exchange:
+    """Send tensors to the next rank and receive same-shaped ones from the previous one
+    (non-blocking; :meth:`wait` returns the received tensors)."""
+
+    def __init__(self, ring: Ring, tensors: list[Tensor], tag0: int = 0):
+        self.recv = [torch.empty_like(t) for t in tensors]
+        self.works = []
+        if ring.world == 1:
+            self.recv = list(tensors)
+            return
+        for i, (t, r) in enumerate(zip(tensors, self.recv)):
+            # even ranks send first, odd ranks receive first: no pairwise wait cycle on blocking backends
+            ops = [(dist.isend, t.contiguous(), ring.next_rank), (dist.irecv, r, ring.prev_rank)]
+            if ring.rank % 2:
+                ops.reverse()
+            for fn, buf, peer in ops:
+                self.works.append(fn(buf, peer, group=ring.group, tag=tag0 + i))
+
+    def wait(self) -> list[Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.recv
+
+
+# --------------------------------------------------------------------------- merging
+def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial softmax results over disjoint key sets by their lse.
+
+    o_acc, o: [B, N, H, d] (o_acc fp32); lse_acc, lse: fp32 [B, H, N]. Rows with no allowed key
+    in one part (lse = -inf) take the other part unchanged; rows with none in both stay o = 0,
+    lse = -inf; a NaN lse stays NaN."""
+    lse = lse.to(lse_acc.dtype)
+    new = torch.logaddexp(lse_acc, lse)
+    dead = new == -math.inf
+    w_acc = torch.where(dead, 0.0, torch.exp(lse_acc - new))
+    w = torch.where(dead, 0.0, torch.exp(lse - new))
+    t = lambda x: x.transpose(1, 2).unsqueeze(-1)  # noqa: E731  [B, H, N] -> [B, N, H, 1]
+    return o_acc * t(w_acc) + o.to(o_acc.dtype) * t(w), new
+
+
+# --------------------------------------------------------------------------- the ring passes
+@dataclass(frozen=True)
+class _Opts:
+    causal: bool
+    dropout_p: float
+    softmax_scale: Optional[float]
+    seed: int
+    offset: int
+
+
+def _chunk(t: Optional[Tensor], i: int, n: int, dim: int = 1) -> Optional[Tensor]:
+    """Local chunk i of n along the sequence dim (None passes through)."""
+    if t is None or n == 1:
+        return t
+    size = t.shape[dim] // n
+    return t.narrow(dim, i * size, size)
+
+
+def _kw(opts: _Opts, kind: str, kpm: Optional[Tensor], row0: int, col0: int) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(causal=kind == DIAG, key_padding_mask=kpm, dropout_p=opts.dropout_p,
+                              softmax_scale=opts.softmax_scale, seed=opts.seed, offset=opts.offset)
+    if opts.dropout_p > 0:
+        kw.update(dropout_row_offset=row0, dropout_col_offset=col0)
+    return kw
+
+
+def _held(k: Tensor, v: Tensor, kpm: Optional[Tensor]) -> list[Tensor]:
+    """What travels: K, V and the key padding (as uint8, which every backend sends)."""
+    return [k, v] + ([kpm.to(torch.uint8)] if kpm is not None else [])
+
+
+def _unpack(held: list[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    return held[0], held[1], (held[2].bool() if len(held) > 2 else None)
+
+
+def _acc_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor],
+                  opts: _Opts) -> tuple[Tensor, Tensor]:
+    B, n_local, H, _ = q.shape
+    nc = len(ring.chunks(ring.rank))
+    csize = n_local // nc
+    o_acc = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    lse_acc = torch.full((B, H, n_local), -math.inf, dtype=_acc_dtype(q), device=q.device)
+    held = _held(k, v, kpm)
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        xchg = _Exchange(ring, held) if step + 1 < ring.world else None
+        hk, hv, hm = _unpack(held)
+        for qi, qc in enumerate(ring.chunks(ring.rank)):
+            for ki, kc in enumerate(ring.chunks(src)):
+                kind = pair_kind(qc, kc, opts.causal)
+                if kind == SKIP:
+                    continue
+                o, lse = F.attention_forward(_chunk(q, qi, nc), _chunk(hk, ki, nc), _chunk(hv, ki, nc),
+                                             **_kw(opts, kind, _chunk(hm, ki, nc), qc * csize, kc * csize))
+                rows = slice(qi * csize, (qi + 1) * csize)
+                o_acc[:, rows], lse_acc[:, :, rows] = merge(o_acc[:, rows], lse_acc[:, :, rows], o, lse)
+        if xchg is not None:
+            held = xchg.wait()
+    return o_acc.to(q.dtype), lse_acc
+
+
+def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   kpm: Optional[Tensor], opts: _Opts) -> tuple[Tensor, Tensor, Tensor]:
+    n_local = q.shape[1]
+    nc = len(ring.chunks(ring.rank))
+    csize = n_local // nc
+    dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    held = _held(k, v, kpm)
+    dk = torch.zeros(k.shape, dtype=_acc_dtype(q), device=k.device)
+    dv = torch.zeros(v.shape, dtype=_acc_dtype(q), device=v.device)
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        last = step + 1 == ring.world
+        xchg = None if last else _Exchange(ring, held)  # K/V leave now; their grads after this step
+        hk, hv, hm = _unpack(held)
+        for qi, qc in enumerate(ring.chunks(ring.rank)):
+            rows = slice(qi * csize, (qi + 1) * csize)
+            for ki, kc in enumerate(ring.chunks(src)):
+                kind = pair_kind(qc, kc, opts.causal)
+                if kind == SKIP:
+                    continue
+                keys = slice(ki * csize, (ki + 1) * csize)
+                g = F.attention_backward(do[:, rows], q[:, rows], hk[:, keys], hv[:, keys], o[:, rows],
+                                         lse[:, :, rows], **_kw(opts, kind, _chunk(hm, ki, nc), qc * csize, kc * csize))
+                dq[:, rows] += g[0]
+                dk[:, keys] += g[1]
+                dv[:, keys] += g[2]
+        grads = _Exchange(ring, [dk, dv], tag0=8)  # to the next rank; after W hops back at the owner
+        if xchg is not None:
+            held = xchg.wait()
+        dk, dv = grads.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- autograd
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor], ring: Ring,
+                opts: _Opts) -> tuple[Tensor, Tensor]:
+        o, lse = _ring_forward(ring, q, k, v, kpm, opts)
+        ctx.save_for_backward(q, k, v, o, lse, kpm)
+        ctx.ring, ctx.opts = ring, opts
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor, _dlse: Any) -> tuple[Any, ...]:
+        q, k, v, o, lse, kpm = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, do.contiguous(), q, k, v, o, lse, kpm, ctx.opts)
+        return dq, dk, dv, None, None, None
+
+
+def _check(q: Any, k: Any, v: Any, kpm: Any, layout: Any, world: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(name, "a torch.Tensor [B, N_local, H, d]", type(t).__name__)
+        if t.dim() != 4:
+            raise InputError(name, "a 4-d tensor [B, N_local, H, d]", tuple(t.shape))
+    if layout not in LAYOUTS:
+        raise InputError("layout", f"one of {LAYOUTS}", layout)
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise InputError("k", f"the same local sequence length as q ({q.shape[1]}): every rank holds "
+                         "matching shards of q, k and v", k.shape[1])
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise InputError("q", "an even local sequence length for layout='zigzag' (two chunks per rank)", q.shape[1])
+    if kpm is not None:
+        if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
+            raise InputTypeError("key_padding_mask", "a bool tensor [B, N_local] (sharded like k)",
+                                 getattr(kpm, "dtype", type(kpm).__name__))
+        if tuple(kpm.shape) != (k.shape[0], k.shape[1]):
+            raise InputError("key_padding_mask", f"shape {(k.shape[0], k.shape[1])} (sharded like k)", tuple(kpm.shape))
+
+
+def _check_same_shards(ring: Ring, q: Tensor) -> None:
+    """Every rank must hold shards of the same shape (the ring's receive buffers are this rank's)."""
+    if ring.world == 1:
+        return
+    dims = torch.tensor(list(q.shape) + [-x for x in q.shape], dtype=torch.int64)
+    dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=ring.group)
+    if dims[:4].tolist() != [-x for x in dims[4:].tolist()]:
+        raise InputError("q", "the same shard shape on every rank of the group", tuple(q.shape))
+
+
+def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                         softmax_scale: Optional[float] = None, causal: bool = False, *, group: Any = None,
+                         layout: str = "contiguous", key_padding_mask: Optional[Tensor] = None,
+                         return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over a sequence sharded across the ranks of ``group``, differentiable.
+
+    q: ``[B, N_local, H, d]``, k, v: ``[B, N_local, H_kv, d]`` -- this rank's shard in ``layout``
+    (``"contiguous"``: rank r holds positions ``[r*N_local, (r+1)*N_local)``; ``"zigzag"``: chunks
+    r and 2W-1-r of length ``N_local/2``). Every rank passes shards of the same shape.
+    ``key_padding_mask``: bool ``[B, N_local]`` sharded like k (True = the key takes part).
+    ``causal`` is over global positions (Nq = Nk, so bottom-right = top-left). Dropout draws its
+    (seed, offset) like :func:`fagen.flash_attn_func` -- ranks whose torch generators agree draw the
+    same key -- and keeps exactly the elements :func:`fagen.dropout_keep_mask` of the whole
+    sequence keeps. Returns this rank's output shard (and its lse ``[B, H, N_local]`` with
+    ``return_lse``). ``group``: the process group (None = the default group).
+    """
+    rank, world = _group_info(group)
+    _check(q, k, v, key_padding_mask, layout, world)
+    p = check_dropout_p(dropout_p)
+    if not isinstance(causal, bool):
+        raise InputTypeError("causal", "a bool", type(causal).__name__)
+    ring = Ring(group, rank, world, layout)
+    _check_same_shards(ring, q)
+    seed = offset = 0
+    if p > 0:
+        from ..ops import draw_rng_state
+
+        seed, offset = (int(x) for x in draw_rng_state().tolist())
+    opts = _Opts(causal, p, softmax_scale, seed, offset)
+    o, lse = _RingAttention.apply(q, k, v, key_padding_mask, ring, opts)
+    return (o, lse) if return_lse else o

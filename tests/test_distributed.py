@@ -1,0 +1,177 @@
+"""Ring attention over real gloo processes on the CPU, against single-process fagen on the whole
+sequence (same dtype) and the float64 reference; the merge by lse; argument errors."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fagen.ops import draw_rng_state
+import fagen.functional as F
+from fagen import reference as R
+from fagen.distributed import ring_flash_attn_func
+from fagen.distributed.ring import Ring, merge, pair_kind
+from fagen.errors import InputError
+
+B, H, D = 1, 2, 16
+
+# (name, kwargs): each runs in every world; odd N_local in the contiguous cases.
+CASES = [
+    ("plain", dict(n_local=5, causal=False, layout="contiguous")),
+    ("causal", dict(n_local=5, causal=True, layout="contiguous")),
+    ("zigzag", dict(n_local=6, causal=True, layout="zigzag")),
+    ("zigzag-full", dict(n_local=4, causal=False, layout="zigzag")),
+    ("padding", dict(n_local=5, causal=True, layout="contiguous", padding=True)),
+    ("gqa", dict(n_local=4, causal=True, layout="zigzag", heads_kv=1)),
+]
+
+
+def _global_index(rank: int, world: int, n_local: int, layout: str) -> torch.Tensor:
+    """Global positions of rank's shard, in its local order."""
+    if layout == "contiguous":
+        return torch.arange(rank * n_local, (rank + 1) * n_local)
+    c = n_local // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])
+
+
+def _inputs(world: int, n_local: int, heads_kv: int = H, padding: bool = False, **_: object):
+    g = torch.Generator().manual_seed(1234 + n_local)
+    n = world * n_local
+    q = torch.randn(B, n, H, D, generator=g)
+    k = torch.randn(B, n, heads_kv, D, generator=g)
+    v = torch.randn(B, n, heads_kv, D, generator=g)
+    do = torch.randn(B, n, H, D, generator=g)
+    kpm = None
+    if padding:  # a whole shard of keys padded away (fully masked partial blocks) and a few more
+        kpm = torch.ones(B, n, dtype=torch.bool)
+        kpm[:, :n_local] = False
+        kpm[:, -2:] = False
+    return q, k, v, do, kpm
+
+
+def _check_case(rank: int, world: int, name: str, n_local: int, causal: bool, layout: str,
+                dropout_p: float = 0.0, **kw: object) -> None:
+    q, k, v, do, kpm = _inputs(world, n_local, **kw)
+    idx = _global_index(rank, world, n_local, layout)
+    shard = lambda t: t[:, idx].clone()  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    torch.manual_seed(77)  # every rank's generator agrees: the same dropout key
+    o_l, lse_l = ring_flash_attn_func(ql, kl, vl, dropout_p, None, causal, layout=layout,
+                                      key_padding_mask=None if kpm is None else shard(kpm), return_lse=True)
+    o_l.backward(shard(do))
+
+    torch.manual_seed(77)
+    seed, offset = (int(x) for x in draw_rng_state().tolist())
+    opts = dict(causal=causal, key_padding_mask=kpm, dropout_p=dropout_p, seed=seed, offset=offset)
+    o, lse = F.attention_forward(q, k, v, **opts)
+    dq, dk, dv = F.attention_backward(do, q, k, v, o, lse, **opts)
+    keep = F.dropout_keep_mask(B, H, q.shape[1], k.shape[1], dropout_p, seed=seed, offset=offset) \
+        if dropout_p else None
+    o64, lse64 = R.attention_forward_ref(q.double(), k.double(), v.double(), causal=causal, key_padding_mask=kpm,
+                                         dropout_p=dropout_p, keep_mask=keep)
+    dq64, dk64, dv64 = R.attention_backward_ref(do.double(), q.double(), k.double(), v.double(), o64, lse64,
+                                                causal=causal,
+                                                key_padding_mask=kpm, dropout_p=dropout_p, keep_mask=keep)
+    ring = {"o": o_l, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    single = {"o": shard(o), "dq": shard(dq), "dk": shard(dk), "dv": shard(dv)}
+    ref = {"o": shard(o64), "dq": shard(dq64), "dk": shard(dk64), "dv": shard(dv64)}
+    for key in ring:
+        err = (ring[key].double() - ref[key]).abs().max().item()
+        base = (single[key].double() - ref[key]).abs().max().item()
+        assert err <= 2 * base + 2e-5, f"{name} rank {rank}/{world} {key}: ring err {err:.3g} vs single {base:.3g}"
+        torch.testing.assert_close(ring[key], single[key], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {key}: {m}")
+    lse_single = lse[:, :, idx]
+    assert torch.equal(torch.isinf(lse_l), torch.isinf(lse_single)), name
+    fin = torch.isfinite(lse_single)
+    torch.testing.assert_close(lse_l[fin], lse_single[fin], atol=1e-5, rtol=1e-5)
+
+
+def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errfile: str) -> None:
+    os.environ["FAGEN_CACHE_DIR"] = cache
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name, kw in CASES:
+            if name in names:
+                _check_case(rank, world, name, **kw)
+    except BaseException:
+        Path(f"{errfile}.{rank}").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, names: list[str], tmp_path: Path) -> None:
+    errfile = str(tmp_path / "err")
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), os.environ["FAGEN_CACHE_DIR"], names, errfile),
+                 nprocs=world, join=True)
+    except Exception:
+        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
+        pytest.fail("\n".join(msgs) or "a ring process failed")
+
+
+@pytest.fixture(scope="module")
+def _warm_cache() -> None:
+    """Build the kernels once in this process (the spawned ranks then load them from the cache)."""
+    for name, kw in CASES:
+        q, k, v, do, kpm = _inputs(1, **kw)
+        opts = dict(causal=kw["causal"], key_padding_mask=kpm, dropout_p=kw.get("dropout_p", 0.0))
+        for causal in {False, kw["causal"]}:
+            opts["causal"] = causal
+            o, lse = F.attention_forward(q, k, v, **opts)
+            F.attention_backward(do, q, k, v, o, lse, **opts)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_matches_single_process(world: int, tmp_path: Path, _warm_cache: None) -> None:
+    _spawn(world, [name for name, _ in CASES], tmp_path)
+
+
+# --------------------------------------------------------------------------- pieces, no processes
+def test_merge_handles_fully_masked_parts() -> None:
+    o1, o2 = torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
+    lse1 = torch.tensor([[[0.5, -math.inf, -math.inf]]])
+    lse2 = torch.tensor([[[1.0, 2.0, -math.inf]]])
+    o2[:, 2] = 0.0
+    o, lse = merge(o1, lse1, o2, lse2)
+    w1, w2 = math.exp(0.5 - lse[0, 0, 0].item()), math.exp(1.0 - lse[0, 0, 0].item())
+    torch.testing.assert_close(o[:, 0], w1 * o1[:, 0] + w2 * o2[:, 0])
+    torch.testing.assert_close(o[:, 1], o2[:, 1])  # the -inf part has weight 0
+    assert torch.equal(o[:, 2], torch.zeros_like(o[:, 2])) and lse[0, 0, 2].item() == -math.inf
+    assert not torch.isnan(o).any()
+    nan_o, nan_lse = merge(o1, torch.full_like(lse1, math.nan), o2, lse2)
+    assert torch.isnan(nan_lse).all() and torch.isnan(nan_o).all()
+
+
+def test_pair_kinds_and_zigzag_chunks() -> None:
+    assert [pair_kind(2, c, True) for c in range(4)] == ["full", "full", "diag", "skip"]
+    assert {pair_kind(2, c, False) for c in range(4)} == {"full"}
+    ring = Ring(None, 1, 3, "zigzag")
+    assert [ring.chunks(r) for r in range(3)] == [(0, 5), (1, 4), (2, 3)]
+    # zigzag balances causal work: every rank computes the same number of non-skipped pairs
+    work = [sum(pair_kind(qc, kc, True) != "skip" for s in range(3) for qc in ring.chunks(r) for kc in ring.chunks(s))
+            for r in range(3)]
+    assert len(set(work)) == 1
+
+
+def test_needs_a_process_group() -> None:
+    q = torch.randn(1, 4, 1, 8)
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(InputError, match="group"):
+        ring_flash_attn_func(q, q, q)
