@@ -1,0 +1,227 @@
+"""fagen as an attention implementation of Hugging Face ``transformers`` (5.x).
+
+``register(name="fagen")`` adds two functions under ``name``:
+
+* a **mask function** (``AttentionMaskInterface``) that hands the attention a :class:`FagenMask` --
+  the key-padding mask ``[B, Nk]`` sliced from the 2-D ``attention_mask``, whether the pattern is
+  causal, its alignment and the sliding window -- instead of an ``Nq x Nk`` tensor. It recognises
+  transformers' causal, sliding-window causal and bidirectional patterns; any other pattern (packed
+  sequences found from ``position_ids``, chunked attention, custom ``or``/``and`` mask functions)
+  is built as transformers' own 4-D bool mask, which fagen's kernels read as ``attn_mask``.
+* an **attention function** (``AttentionInterface``) that runs fagen's ``fagen::fwd`` / ``fagen::bwd``
+  custom ops on the module's ``[B, H, N, d]`` query/key/value: native GQA (no ``repeat_kv``), the
+  module's ``scaling``, ``dropout`` (training), ``softcap`` and the mask above.
+
+``transformers`` is imported only when :func:`register` runs (install ``fagen[transformers]``).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["register", "FagenMask", "attention_forward", "mask_function", "SUPPORTED_TRANSFORMERS"]
+
+Tensor = torch.Tensor
+
+#: The transformers versions this adapter is tested with (the ``transformers`` extra asks for them).
+SUPPORTED_TRANSFORMERS = ">=5.24,<6"
+_MIN_VERSION = (5, 24)
+
+
+class FagenMask:
+    """What the mask function hands the attention function: no ``Nq x Nk`` tensor unless ``dense``.
+
+    ``key_padding_mask``: bool ``[B, Nk]`` (True = the key takes part) or None; ``causal``;
+    ``causal_align``: ``"top_left"`` or ``"bottom_right"`` (fagen's rule, see docs/api.md);
+    ``window_left``: keys at most this far left of the diagonal (``-1`` = unbounded); ``dense``: a
+    4-D bool ``[B, 1, Nq, Nk]`` mask for patterns the parameters cannot express (then the others are
+    unused). ``shape`` is the ``[B, 1, Nq, Nk]`` it stands for and ``ndim`` is 4, so transformers
+    treats it as a prepared mask when ``generate`` hands it back to the model (static cache).
+    """
+
+    __slots__ = ("key_padding_mask", "causal", "causal_align", "window_left", "dense", "shape")
+    ndim = 4
+
+    def __init__(self, shape: tuple[int, int, int, int], key_padding_mask: Optional[Tensor] = None,
+                 causal: bool = False, causal_align: str = "bottom_right", window_left: int = -1,
+                 dense: Optional[Tensor] = None) -> None:
+        self.shape = shape
+        self.key_padding_mask = key_padding_mask
+        self.causal = causal
+        self.causal_align = causal_align
+        self.window_left = window_left
+        self.dense = dense
+
+    def __repr__(self) -> str:
+        if self.dense is not None:
+            return f"FagenMask(dense={tuple(self.dense.shape)})"
+        kpm = None if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
+        return (f"FagenMask(key_padding_mask={kpm}, causal={self.causal}, causal_align={self.causal_align!r}, "
+                f"window_left={self.window_left})")
+
+
+def _transformers() -> Any:
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as err:
+        raise ImportError(
+            "fagen.integrations.transformers needs the `transformers` package "
+            f"(tested: transformers{SUPPORTED_TRANSFORMERS}); install it with: pip install 'fagen[transformers]'"
+        ) from err
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = (text.split("+")[0].split(".") + ["0"])[:2]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A function's free variables by name (empty for a plain function)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+
+
+def _pattern(mask_function: Callable[..., Any]) -> Optional[tuple[bool, int]]:
+    """``(causal, window)`` for transformers' standard patterns (window ``0`` = none), else None."""
+    mu = importlib.import_module("transformers.masking_utils")
+    if mask_function is mu.causal_mask_function:
+        return True, 0
+    if mask_function is mu.bidirectional_mask_function:
+        return False, 0
+    # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal_mask_function)
+    if getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        parts = _closure(mask_function).get("mask_functions")
+        if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is mu.causal_mask_function and \
+                getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
+            window = _closure(parts[0]).get("sliding_window")
+            if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+                return True, window
+    return None
+
+
+def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                  mask_function: Optional[Callable[..., Any]] = None, attention_mask: Optional[Tensor] = None,
+                  **kwargs: Any) -> FagenMask:
+    """transformers' mask-interface signature -> :class:`FagenMask` (see the module docstring).
+
+    Positions are absolute: query ``i`` is at ``q_offset + i``, key ``j`` at ``kv_offset + j``; a
+    causal pattern is ``kv_pos <= q_pos`` and a window ``w`` adds ``kv_pos > q_pos - w``. fagen's
+    kernels take the shift ``q_offset - kv_offset`` as ``0`` (top-left) or ``Nk - Nq``
+    (bottom-right); a single query (decoding) folds causality and window into the key mask, so a
+    cache position held in a tensor (static cache) needs no host sync.
+    """
+    if isinstance(attention_mask, FagenMask):  # prepared earlier (generate with a static cache)
+        return attention_mask
+    mu = importlib.import_module("transformers.masking_utils")
+    shape = (batch_size, 1, q_length, kv_length)
+    fn = mu.causal_mask_function if mask_function is None else mask_function
+    pattern = _pattern(fn)
+    kpm = None
+    if attention_mask is not None:
+        if not isinstance(kv_offset, int):
+            pattern = None
+        else:
+            padded = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+            kpm = padded[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+    if pattern is not None:
+        causal, window = pattern
+        if not causal:
+            return FagenMask(shape, kpm, causal=False)
+        left = window - 1 if window else -1
+        shift = None
+        if isinstance(q_offset, int) and not isinstance(q_offset, bool) and isinstance(kv_offset, int):
+            shift = q_offset - kv_offset
+        if shift == 0:
+            return FagenMask(shape, kpm, causal=True, causal_align="top_left", window_left=left)
+        if shift is not None and shift == kv_length - q_length:
+            return FagenMask(shape, kpm, causal=True, causal_align="bottom_right", window_left=left)
+        if q_length == 1 and isinstance(kv_offset, int):
+            device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
+            kv_pos = torch.arange(kv_length, device=device) + kv_offset
+            keys = kv_pos <= q_offset
+            if window:
+                keys = keys & (kv_pos > q_offset - window)
+            keys = keys[None, :].expand(batch_size, kv_length)
+            return FagenMask(shape, keys if kpm is None else keys & kpm, causal=False)
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=fn, attention_mask=attention_mask,
+                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+    return FagenMask(shape, dense=dense)
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Any, dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, softcap: Optional[float] = None,
+                      **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-interface signature: query ``[B, H, Nq, d]``, key/value
+    ``[B, H_kv, Nk, d]`` -> ``(out [B, Nq, H, d], None)``; runs ``fagen::fwd`` (autograd: ``fagen::bwd``).
+
+    ``attention_mask`` is a :class:`FagenMask` from :func:`mask_function`, a 4-D bool or float mask
+    (a model or user that prepared its own), or None (then causal follows the module's
+    ``is_causal`` for more than one query, top-left aligned, as transformers' ``sdpa``).
+    """
+    from ..ops import _call  # the autograd op with every option (window, alignment, masks)
+
+    if kwargs.get("position_bias") is not None:
+        raise InputError("position_bias", "None: attn_implementation='fagen' has no additive position bias "
+                         "(use attn_implementation='sdpa' or 'eager' for this model)", "a tensor")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise InputError("s_aux", "None: attn_implementation='fagen' has no attention sinks "
+                         "(use attn_implementation='eager' for this model)", "a tensor")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    Nq = q.shape[1]
+    opts: dict[str, Any] = dict(key_padding_mask=None, causal=False, window_size=(-1, -1),
+                                causal_align="top_left")
+    if isinstance(attention_mask, FagenMask):
+        if attention_mask.dense is not None:
+            opts["attn_mask"] = attention_mask.dense
+        else:
+            opts.update(key_padding_mask=attention_mask.key_padding_mask, causal=attention_mask.causal,
+                        causal_align=attention_mask.causal_align, window_size=(attention_mask.window_left, -1))
+    elif isinstance(attention_mask, torch.Tensor):
+        if attention_mask.dim() != 4:
+            raise InputError("attention_mask", "a 4-D [B, 1 or H, Nq, Nk] bool or float mask for "
+                             "attn_implementation='fagen' (2-D masks go through the model's mask function)",
+                             f"shape {tuple(attention_mask.shape)}")
+        m = attention_mask[..., :k.shape[1]]
+        if m.dtype == torch.bool:
+            opts["attn_mask"] = m
+        else:
+            opts["attn_bias"] = m.to(q.dtype)
+    elif attention_mask is None:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        opts["causal"] = bool(causal) and Nq > 1
+    else:
+        raise InputError("attention_mask", "a FagenMask (from the 'fagen' mask function), a 4-D tensor or None",
+                         type(attention_mask).__name__)
+    cap = 0.0 if softcap is None else float(softcap)
+    out, _lse, _rng = _call(q, k, v, dropout_p=float(dropout), softmax_scale=scaling, softcap=cap, **opts)
+    return out, None
+
+
+def register(name: str = "fagen") -> str:
+    """Register fagen's attention and mask functions with transformers under ``name``; returns ``name``.
+
+    Afterwards ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` (or
+    ``from_pretrained(..., attn_implementation=name)``) runs fagen's kernels. Raises ImportError when
+    transformers is missing or older than :data:`SUPPORTED_TRANSFORMERS`.
+    """
+    if not isinstance(name, str) or not name or name in ("sdpa", "eager", "flex_attention") or \
+            name.startswith("flash_attention"):
+        raise InputError("name", "a new non-empty attention-implementation name (not one of transformers' own)",
+                         repr(name))
+    tr = _transformers()
+    if _version(tr.__version__) < _MIN_VERSION:
+        raise ImportError(f"fagen.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS}, "
+                          f"found {tr.__version__}; install it with: pip install 'fagen[transformers]'")
+    import fagen.ops  # noqa: F401  (registers the custom ops before any model traces them)
+
+    tr.AttentionInterface.register(name, attention_forward)
+    tr.AttentionMaskInterface.register(name, mask_function)
+    return name
