@@ -604,27 +604,6 @@ FA_DEVICE long long fa_lse_index(const SeqInfo& si, int b, int h, int r, long lo
 // GQA: the kv head q head h reads (heads = g * heads_kv).
 FA_DEVICE int fa_kv_head(int h, int heads, int heads_kv) { return h / (heads / heads_kv); }
 
-// ---- the previous API (fixed lengths, no window), kept while kernels move to the one above ----
-FA_DEVICE bool allowed(int row, int col, int seqlen_q, int seqlen_k, const unsigned char* __restrict__ kpm, int b) {
-    if (!allowed(row, col, make_mask_params(seqlen_q, seqlen_k, -1, -1))) return false;
-    if constexpr (HAS_KEY_PADDING) {
-        if (kpm[(long long)b * seqlen_k + col] == 0) return false;
-    }
-    return true;
-}
-
-FA_DEVICE TileKind tile_kind(int row0, int col0, int seqlen_q, int seqlen_k) {
-    return tile_kind(row0, col0, make_mask_params(seqlen_q, seqlen_k, -1, -1));
-}
-
-FA_DEVICE void kv_block_q_range(int col0, int seqlen_q, int seqlen_k, int* row_begin, int* row_end) {
-    kv_block_q_range(col0, make_mask_params(seqlen_q, seqlen_k, -1, -1), row_begin, row_end);
-}
-
-FA_DEVICE void q_block_kv_range(int row0, int seqlen_q, int seqlen_k, int* col_begin, int* col_end) {
-    q_block_kv_range(row0, make_mask_params(seqlen_q, seqlen_k, -1, -1), col_begin, col_end);
-}
-
 // ---- score modifications (fagen/reference.py states the same formulas in float64) ----
 // Included by the header inside namespace fa after partials/masking.cuh; uses HAS_SOFTCAP,
 // HAS_ALIBI, HAS_BIAS and T. For an allowed pair (row i, key j) of one (batch b, q head h):

@@ -51,8 +51,7 @@ int main() {{
 }}
 """
 
-# K: tile_kind, Q: kv_block_q_range, C: q_block_kv_range, A: allowed (structural + data masks),
-# O*: the previous signatures (no window) while kernels still call them.
+# K: tile_kind, Q: kv_block_q_range, C: q_block_kv_range, A: allowed (structural + data masks).
 CASE = r"""
         case {i}: {{
             using namespace cfg{i};
@@ -64,17 +63,10 @@ CASE = r"""
             else if (op[0] == 'C') {{ int lo, hi; std::scanf("%lld %lld %lld %lld %lld", &a, &nq, &nk, &wl, &wr);
                 q_block_kv_range((int)a, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr), &lo, &hi);
                 std::printf("%d %d\n", lo, hi); }}
-            else if (op[0] == 'A') {{ std::scanf("%lld %lld %lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &bb, &wl, &wr);
+            else {{ std::scanf("%lld %lld %lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &bb, &wl, &wr);
                 std::vector<unsigned char> m = HAS_KEY_PADDING ? kpm_for(nk) : std::vector<unsigned char>();
                 const DataMask dm = make_data_mask(m.data(), nk, nullptr, 0, 0, 0, 0);
                 std::printf("%d\n", (int)allowed((int)bb, 0, (int)a, (int)b, make_mask_params((int)nq, (int)nk, (int)wl, (int)wr), dm)); }}
-            else {{ std::scanf("%lld %lld %lld %lld %lld", &a, &b, &nq, &nk, &bb);
-                std::vector<unsigned char> m = HAS_KEY_PADDING ? kpm_for(nk) : std::vector<unsigned char>();
-                int lo = 0, hi = 0;
-                if (op[1] == 'K') std::printf("%d\n", (int)tile_kind((int)a, (int)b, (int)nq, (int)nk));
-                else if (op[1] == 'Q') {{ kv_block_q_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
-                else if (op[1] == 'C') {{ q_block_kv_range((int)a, (int)nq, (int)nk, &lo, &hi); std::printf("%d %d\n", lo, hi); }}
-                else std::printf("%d\n", (int)allowed((int)a, (int)b, (int)nq, (int)nk, m.data(), (int)bb)); }}
             break;
         }}"""
 
@@ -144,35 +136,6 @@ def test_cxx_and_python_agree(cxx_rule) -> None:
     got = cxx_rule(queries)
     bad = [(q, g, _py_answer(q)) for q, g in zip(queries, got) if g != _py_answer(q)]
     assert not bad, f"{len(bad)} disagreements, e.g. {bad[:5]}"
-
-
-def test_previous_cxx_signatures_agree_until_removed(cxx_rule) -> None:
-    """The fixed-length overloads kernels call today give the no-window, bottom-right rule."""
-    rng = random.Random(2)
-    queries = []
-    for i, (br, bc, causal, kp, win, tl) in enumerate(CONFIGS):
-        if win or tl:
-            continue
-        for nq, nk in SEQLENS[::3]:
-            queries += [f"OK {i} {r} {c} {nq} {nk} 0" for r in range(0, nq + br, br) for c in range(0, nk + bc, bc)]
-            queries += [f"OQ {i} {c} 0 {nq} {nk} 0" for c in range(0, nk + bc, bc)]
-            queries += [f"OC {i} {r} 0 {nq} {nk} 0" for r in range(0, nq + br, br)]
-            queries += [f"OA {i} {rng.randrange(-1, nq + 1)} {rng.randrange(-1, nk + 1)} {nq} {nk} {rng.randrange(2)}"
-                        for _ in range(20)]
-    got = cxx_rule(queries)
-
-    def want(q: str) -> str:
-        op, cfg, *a = q.split()
-        if op == "OK":
-            return _py_answer(f"K {cfg} {a[0]} {a[1]} {a[2]} {a[3]} -1 -1")
-        if op == "OQ":
-            return _py_answer(f"Q {cfg} {a[0]} {a[2]} {a[3]} -1 -1")
-        if op == "OC":
-            return _py_answer(f"C {cfg} {a[0]} {a[2]} {a[3]} -1 -1")
-        return _py_answer(f"A {cfg} {' '.join(a)} -1 -1")
-
-    bad = [(q, g, want(q)) for q, g in zip(queries, got) if g != want(q)]
-    assert not bad, bad[:5]
 
 
 def test_cxx_rule_is_64_bit_at_int32_limits(cxx_rule) -> None:
