@@ -19,7 +19,10 @@ b*stride_lse_b + h*stride_lse_h + (varlen ? cu_seqlens_q[b] : 0) + r);
 ``window_left/right`` (-1 = unbounded); ``softcap`` (> 0); ``alibi_slopes`` fp32, slope of
 (b, h) at b*stride_alibi_b + h; ``mask`` uint8 (1 = take part) and ``bias`` (the spec's
 dtype), element b*stride_b + h*stride_h + r*stride_q + c*stride_k (stride 0 = broadcast);
-``dbias`` fp32 [B, H, Nq, Nk] written with bias_grad. fagen/masking.py and
+``dbias`` fp32 [B, H, Nq, Nk] written with bias_grad; ``row_offset``/``col_offset`` (0 = off)
+are added to the row and column of the dropout keep-mask (Philox counter) only, so a kernel
+running a block of a longer sequence (a ring attention step) drops exactly what the whole
+sequence's kernel drops there. fagen/masking.py and
 templates/partials/{masking,score_mod}.cuh state the semantics.
 
 Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
@@ -54,7 +57,8 @@ FEATURE_PARAMS: tuple[tuple[str, str], ...] = tuple(
      ("const float*", "alibi_slopes"), ("long long", "stride_alibi_b"),
      ("const unsigned char*", "mask")] + _bhqk("mask")
     + [("const T*", "bias")] + _bhqk("bias")
-    + [("long long", "stride_lse_b"), ("long long", "stride_lse_h")])
+    + [("long long", "stride_lse_b"), ("long long", "stride_lse_h")]
+    + [("int", "row_offset"), ("int", "col_offset")])
 #: Appended after FEATURE_PARAMS to the backward main and dq kernels.
 DBIAS_PARAMS: tuple[tuple[str, str], ...] = tuple([("float*", "dbias")] + _bhqk("dbias"))
 

@@ -158,9 +158,18 @@ def _feature_args(p: Problem, f: Features, lse: torch.Tensor, dbias: torch.Tenso
     }
 
 
-def _dropout_args(dropout_p: float, seed: int, offset: int) -> dict[str, Any]:
+def _dropout_args(dropout_p: float, seed: int, offset: int, offsets: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     return {"seed": seed, "offset": offset, "drop_threshold": drop_threshold(dropout_p),
-            "rp_keep": 1.0 / (1.0 - dropout_p)}
+            "rp_keep": 1.0 / (1.0 - dropout_p), "row_offset": offsets[0], "col_offset": offsets[1]}
+
+
+def _dropout_offsets(row: Any, col: Any) -> tuple[int, int]:
+    """(dropout_row_offset, dropout_col_offset): ints in [0, 2**31), the global row/column of the
+    first q row/key in the dropout keep-mask (a block of a longer sequence, e.g. a ring step)."""
+    for name, x in (("dropout_row_offset", row), ("dropout_col_offset", col)):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 2**31:
+            raise InputError(name, "an int in [0, 2**31)", repr(x))
+    return row, col
 
 
 def _acc_dtype(kern: KernelInfo, param: str) -> torch.dtype:
@@ -241,7 +250,7 @@ def _select(direction: str, p: Problem, flags: dict[str, Any], spec: KernelSpec 
 
 # --------------------------------------------------------------------------- forward
 def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    f: Features) -> tuple[torch.Tensor, torch.Tensor]:
+                    f: Features, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on padded q, k, v: (o, lse) with o padded like q."""
     kern = _kernel(spec, "main")
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -253,15 +262,16 @@ def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tens
     args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": _ptr(f.key_padding_mask),
             "o": o.data_ptr(), "lse": lse.data_ptr(), "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k,
             "scale": f.scale, **_strides("q", q, p.varlen), **_strides("k", k, p.varlen), **_strides("v", v, p.varlen),
-            **_strides("o", o, p.varlen), **_dropout_args(f.dropout_p, f.seed, f.offset), **_feature_args(p, f, lse)}
+            **_strides("o", o, p.varlen), **_dropout_args(f.dropout_p, f.seed, f.offset, offsets), **_feature_args(p, f, lse)}
     get_module(spec, p.device.type).launch(kern, _grid(kern, p), args)
     return o, lse
 
 
-def _forward(q: Any, k: Any, v: Any, spec: KernelSpec | None, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: Any, k: Any, v: Any, spec: KernelSpec | None, offsets: tuple[int, int] = (0, 0),
+             **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     p, f = _prepare(q, k, v, **options)
     spec = _select("fwd", p, _flags("fwd", p, f), spec)
-    o, lse = _launch_forward(spec, p, _pad(q, p), _pad(k, p), _pad(v, p), f)
+    o, lse = _launch_forward(spec, p, _pad(q, p), _pad(k, p), _pad(v, p), f, offsets)
     return _unpad(o, p), lse
 
 
@@ -279,11 +289,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       attn_bias: torch.Tensor | None = None, causal_align: str = "bottom_right",
                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                      spec: KernelSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      spec: KernelSpec | None = None, dropout_row_offset: int = 0,
+                      dropout_col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: (o like q, lse float32 [B, H, Nq] or [H, total_q] when packed).
 
-    ``spec``: an explicit KernelSpec (tiles, family) that must match the inputs and options."""
-    return _forward(q, k, v, spec, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+    ``spec``: an explicit KernelSpec (tiles, family) that must match the inputs and options.
+    ``dropout_row_offset``/``dropout_col_offset``: q row i and key j draw the keep-mask bit of
+    (row_offset + i, col_offset + j), as when these tensors are a block of a longer sequence
+    (ring attention, :mod:`fagen.distributed`); masks and scores keep the local indices."""
+    return _forward(q, k, v, spec, _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, seed=seed, offset=offset, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -306,7 +320,7 @@ def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 # --------------------------------------------------------------------------- backward
 def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, f: Features,
-                     bias_grad: bool) -> tuple[torch.Tensor, ...]:
+                     bias_grad: bool, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, ...]:
     """Algorithm 4 on padded tensors: preprocess (D, dQ accumulator = 0), main (and dq when
     deterministic), postprocess (dQ -> dtype); dbias fp32 [B, H, Nq, Nk] when ``bias_grad``."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -330,7 +344,7 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
         "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "scale": f.scale,
         **{k_: v_ for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk),
                                    ("dv", dv)) for k_, v_ in _strides(name, t, p.varlen).items()},
-        **_dropout_args(f.dropout_p, f.seed, f.offset), **_feature_args(p, f, lse, dbias),
+        **_dropout_args(f.dropout_p, f.seed, f.offset, offsets), **_feature_args(p, f, lse, dbias),
     }
     mod = get_module(spec, p.device.type)
     for kern in _kernels(spec):  # pre, main, (dq,) post
@@ -339,7 +353,7 @@ def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Te
 
 
 def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, spec: KernelSpec | None, deterministic: Any,
-              bias_requires_grad: Any, **options: Any) -> tuple[torch.Tensor, ...]:
+              bias_requires_grad: Any, offsets: tuple[int, int] = (0, 0), **options: Any) -> tuple[torch.Tensor, ...]:
     p, f = _prepare(q, k, v, **options)
     check_like("o", o, q)
     check_like("do", do, q)
@@ -351,7 +365,7 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, spec: KernelSpe
     spec = _select("bwd", p, _flags("bwd", p, f, deterministic, bias_grad), spec)
     lse_t = lse_t.to(_acc_dtype(_kernel(spec, "main"), "lse"))
     dq, dk, dv, dbias = _launch_backward(spec, p, _pad(do, p), _pad(q, p), _pad(k, p), _pad(v, p), _pad(o, p),
-                                         lse_t, f, bias_grad)
+                                         lse_t, f, bias_grad, offsets)
     out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p))
     if bias_grad:
         bias = options["attn_bias"]
@@ -368,12 +382,15 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                        deterministic: bool = False, bias_requires_grad: bool = False,
-                       spec: KernelSpec | None = None) -> tuple[torch.Tensor, ...]:
+                       spec: KernelSpec | None = None, dropout_row_offset: int = 0,
+                       dropout_col_offset: int = 0) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward (Algorithm 4): (dq, dk, dv) in the input dtype and shapes, plus dbias
     (summed to attn_bias's shape, in its dtype) when ``bias_requires_grad``. Pass the forward's
     o and lse and the same options. ``deterministic``: no order-dependent atomics (a separate
-    dQ kernel), bitwise-reproducible dq on a GPU."""
-    return _backward(do, q, k, v, o, lse, spec, deterministic, bias_requires_grad, causal=causal,
+    dQ kernel), bitwise-reproducible dq on a GPU. ``dropout_row_offset``/``dropout_col_offset``: as
+    :func:`attention_forward`'s."""
+    return _backward(do, q, k, v, o, lse, spec, deterministic, bias_requires_grad,
+                     _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal,
                      key_padding_mask=key_padding_mask, dropout_p=dropout_p, softmax_scale=softmax_scale, seed=seed,
                      offset=offset, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                      attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, cu_seqlens_q=cu_seqlens_q,

@@ -30,7 +30,11 @@ CASES = [
     ("zigzag-full", dict(n_local=4, causal=False, layout="zigzag")),
     ("padding", dict(n_local=5, causal=True, layout="contiguous", padding=True)),
     ("gqa", dict(n_local=4, causal=True, layout="zigzag", heads_kv=1)),
+    ("dropout", dict(n_local=5, causal=False, layout="contiguous", dropout_p=0.3)),
+    ("dropout-zigzag", dict(n_local=4, causal=True, layout="zigzag", dropout_p=0.25)),
 ]
+#: Three ranks (odd world: the rank that both sends and receives first) run a subset, for time.
+WORLD_CASES = {2: [name for name, _ in CASES], 3: ["causal", "zigzag", "padding", "dropout-zigzag"]}
 
 
 def _global_index(rank: int, world: int, n_local: int, layout: str) -> torch.Tensor:
@@ -88,10 +92,35 @@ def _check_case(rank: int, world: int, name: str, n_local: int, causal: bool, la
         base = (single[key].double() - ref[key]).abs().max().item()
         assert err <= 2 * base + 2e-5, f"{name} rank {rank}/{world} {key}: ring err {err:.3g} vs single {base:.3g}"
         torch.testing.assert_close(ring[key], single[key], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {key}: {m}")
+    if dropout_p:
+        _check_keep_mask(rank, world, n_local, causal, layout, dropout_p, idx, keep)
     lse_single = lse[:, :, idx]
     assert torch.equal(torch.isinf(lse_l), torch.isinf(lse_single)), name
     fin = torch.isfinite(lse_single)
     torch.testing.assert_close(lse_l[fin], lse_single[fin], atol=1e-5, rtol=1e-5)
+
+
+def _probe(n: int, n_q: int, heads: int = H) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = 0 (uniform scores) and v = one-hot of the key index: o[b, i, h, j] != 0 iff key j is
+    allowed and kept for row i, so o shows the keep mask the kernels applied (n <= 16)."""
+    assert n <= 16
+    q = torch.zeros(B, n_q, heads, 16)
+    v = torch.eye(n, 16).expand(B, heads, n, 16).transpose(1, 2).contiguous()
+    return q, v
+
+
+def _check_keep_mask(rank: int, world: int, n_local: int, causal: bool, layout: str, dropout_p: float,
+                     idx: torch.Tensor, keep: torch.Tensor) -> None:
+    """The ring's keep mask equals dropout_keep_mask of the whole sequence, bit for bit."""
+    n = world * n_local
+    q, v = _probe(n, n)
+    torch.manual_seed(77)
+    o_l = ring_flash_attn_func(q[:, idx], v[:, idx], v[:, idx], dropout_p, None, causal, layout=layout)
+    kept = (o_l != 0).permute(0, 2, 1, 3)[..., :n]  # [B, H, rows of this rank, global keys]
+    want = keep[:, :, idx]
+    if causal:
+        want = want & torch.ones(n, n, dtype=torch.bool).tril()[idx]
+    assert torch.equal(kept, want), f"keep mask of rank {rank}/{world} ({layout})"
 
 
 def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errfile: str) -> None:
@@ -139,10 +168,30 @@ def _warm_cache() -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_single_process(world: int, tmp_path: Path, _warm_cache: None) -> None:
-    _spawn(world, [name for name, _ in CASES], tmp_path)
+    _spawn(world, WORLD_CASES[world], tmp_path)
 
 
 # --------------------------------------------------------------------------- pieces, no processes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("row0,col0,n_q,n_k", [(0, 0, 7, 9), (5, 3, 6, 7), (13, 6, 5, 10), (9, 8, 3, 12)])
+def test_dropout_offsets_follow_the_whole_sequence(row0: int, col0: int, n_q: int, n_k: int,
+                                                   dtype: torch.dtype) -> None:
+    """A block at (row0, col0) with the offsets keeps what the whole sequence keeps there, in the
+    forward and (dv = P_dropped^T do) in the backward; float16 runs the default half family."""
+    n = max(row0 + n_q, col0 + n_k)
+    p, seed, offset = 0.4, 1234, 77
+    q, v = (t.to(dtype) for t in _probe(n_k, n_q))
+    opts = dict(dropout_p=p, seed=seed, offset=offset, dropout_row_offset=row0, dropout_col_offset=col0)
+    keep = F.dropout_keep_mask(B, H, n, n, p, seed=seed, offset=offset)[:, :, row0:row0 + n_q, col0:col0 + n_k]
+    o, lse = F.attention_forward(q, v, v, **opts)
+    assert torch.equal((o != 0).permute(0, 2, 1, 3)[..., :n_k], keep)
+    do = torch.eye(n_q, 16).expand(B, H, n_q, 16).transpose(1, 2).contiguous().to(dtype)  # dv[j, i] = P~[i, j]
+    _, _, dv = F.attention_backward(do, q, v, v, o, lse, **opts)
+    assert torch.equal((dv[..., :n_q] != 0).permute(0, 2, 3, 1), keep)
+    with pytest.raises(InputError, match="dropout_col_offset"):
+        F.attention_forward(q, v, v, dropout_p=p, dropout_col_offset=-1)
+
+
 def test_merge_handles_fully_masked_parts() -> None:
     o1, o2 = torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
     lse1 = torch.tensor([[[0.5, -math.inf, -math.inf]]])
