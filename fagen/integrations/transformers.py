@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import InputError
+from ..ops import _call  # the autograd op with every option (window, alignment, masks)
 
 __all__ = ["register", "FagenMask", "attention_forward", "mask_function", "SUPPORTED_TRANSFORMERS"]
 
@@ -79,15 +80,26 @@ def _version(text: str) -> tuple[int, int]:
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
 
 
+_masking_utils: Any = None  # transformers.masking_utils, set by register() (a plain global: traceable)
+
+
+def _mu() -> Any:
+    global _masking_utils
+    if _masking_utils is None:
+        _masking_utils = importlib.import_module("transformers.masking_utils")
+    return _masking_utils
+
+
 def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
     """A function's free variables by name (empty for a plain function)."""
     cells = getattr(fn, "__closure__", None) or ()
     return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
 
 
+@torch.compiler.assume_constant_result  # evaluated once while tracing (reads closures, not tensors)
 def _pattern(mask_function: Callable[..., Any]) -> Optional[tuple[bool, int]]:
     """``(causal, window)`` for transformers' standard patterns (window ``0`` = none), else None."""
-    mu = importlib.import_module("transformers.masking_utils")
+    mu = _mu()
     if mask_function is mu.causal_mask_function:
         return True, 0
     if mask_function is mu.bidirectional_mask_function:
@@ -116,7 +128,7 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any 
     """
     if isinstance(attention_mask, FagenMask):  # prepared earlier (generate with a static cache)
         return attention_mask
-    mu = importlib.import_module("transformers.masking_utils")
+    mu = _mu()
     shape = (batch_size, 1, q_length, kv_length)
     fn = mu.causal_mask_function if mask_function is None else mask_function
     pattern = _pattern(fn)
@@ -166,8 +178,6 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     (a model or user that prepared its own), or None (then causal follows the module's
     ``is_causal`` for more than one query, top-left aligned, as transformers' ``sdpa``).
     """
-    from ..ops import _call  # the autograd op with every option (window, alignment, masks)
-
     if kwargs.get("position_bias") is not None:
         raise InputError("position_bias", "None: attn_implementation='fagen' has no additive position bias "
                          "(use attn_implementation='sdpa' or 'eager' for this model)", "a tensor")
@@ -220,8 +230,7 @@ def register(name: str = "fagen") -> str:
     if _version(tr.__version__) < _MIN_VERSION:
         raise ImportError(f"fagen.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS}, "
                           f"found {tr.__version__}; install it with: pip install 'fagen[transformers]'")
-    import fagen.ops  # noqa: F401  (registers the custom ops before any model traces them)
-
+    _mu()
     tr.AttentionInterface.register(name, attention_forward)
     tr.AttentionMaskInterface.register(name, mask_function)
     return name
