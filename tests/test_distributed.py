@@ -34,7 +34,7 @@ CASES = [
     ("dropout-zigzag", dict(n_local=4, causal=True, layout="zigzag", dropout_p=0.25)),
 ]
 #: Three ranks (odd world: the rank that both sends and receives first) run a subset, for time.
-WORLD_CASES = {2: [name for name, _ in CASES], 3: ["causal", "zigzag", "padding", "dropout-zigzag"]}
+WORLD_CASES = {2: [name for name, _ in CASES] + ["compile"], 3: ["causal", "zigzag", "padding", "dropout-zigzag"]}
 
 
 def _global_index(rank: int, world: int, n_local: int, layout: str) -> torch.Tensor:
@@ -123,6 +123,22 @@ def _check_keep_mask(rank: int, world: int, n_local: int, causal: bool, layout: 
     assert torch.equal(kept, want), f"keep mask of rank {rank}/{world} ({layout})"
 
 
+def _check_compiled(rank: int, world: int) -> None:
+    """torch.compile(fullgraph=True) traces the ring as opaque ops: same output and grads as eager."""
+    q, k, v, do, _ = _inputs(world, 4)
+    idx = _global_index(rank, world, 4, "zigzag")
+
+    def run(fn):
+        ql, kl, vl = (t[:, idx].clone().requires_grad_() for t in (q, k, v))
+        o = fn(ql, kl, vl)
+        o.backward(do[:, idx])
+        return o, ql.grad, kl.grad, vl.grad
+
+    attn = lambda q, k, v: ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")  # noqa: E731
+    for got, want in zip(run(torch.compile(attn, fullgraph=True, backend="aot_eager")), run(attn)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errfile: str) -> None:
     os.environ["FAGEN_CACHE_DIR"] = cache
     torch.set_num_threads(1)
@@ -131,6 +147,8 @@ def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errf
         for name, kw in CASES:
             if name in names:
                 _check_case(rank, world, name, **kw)
+        if "compile" in names:
+            _check_compiled(rank, world)
     except BaseException:
         Path(f"{errfile}.{rank}").write_text(traceback.format_exc())
         raise

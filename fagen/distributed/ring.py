@@ -25,8 +25,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+import torch.distributed.distributed_c10d as c10d
+
 from .. import functional as F
 from ..errors import InputError, InputTypeError, check_dropout_p
+from ..ops import _custom_op_kwargs, draw_rng_state
 
 __all__ = ["ring_flash_attn_func", "LAYOUTS"]
 
@@ -214,22 +217,70 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# --------------------------------------------------------------------------- autograd
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor], ring: Ring,
-                opts: _Opts) -> tuple[Tensor, Tensor]:
-        o, lse = _ring_forward(ring, q, k, v, kpm, opts)
-        ctx.save_for_backward(q, k, v, o, lse, kpm)
-        ctx.ring, ctx.opts = ring, opts
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+# --------------------------------------------------------------------------- ops
+def _ring_of(group_name: str, layout: str) -> Ring:
+    pg = c10d._resolve_process_group(group_name)
+    return Ring(pg, dist.get_rank(pg), dist.get_world_size(pg), layout)
 
-    @staticmethod
-    def backward(ctx: Any, do: Tensor, _dlse: Any) -> tuple[Any, ...]:
-        q, k, v, o, lse, kpm = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, do.contiguous(), q, k, v, o, lse, kpm, ctx.opts)
-        return dq, dk, dv, None, None, None
+
+def _acc_of(q: Tensor) -> torch.dtype:
+    return _acc_dtype(q)
+
+
+@torch.library.custom_op("fagen::ring_fwd", mutates_args=(), **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
+def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
+              softmax_scale: Optional[float], causal: bool, layout: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    ring = _ring_of(group_name, layout)
+    _check_same_shards(ring, q)
+    rng_state = draw_rng_state() if dropout_p > 0 else torch.zeros(2, dtype=torch.int64)
+    seed, offset = (int(x) for x in rng_state.tolist())
+    o, lse = _ring_forward(ring, q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
+                           _Opts(causal, dropout_p, softmax_scale, seed, offset))
+    return o, lse, rng_state
+
+
+@_ring_fwd.register_fake
+def _ring_fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
+                   softmax_scale: Optional[float], causal: bool, layout: str,
+                   group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    B, n, H, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((B, H, n), dtype=_acc_of(q)),
+            torch.empty((2,), dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("fagen::ring_bwd", mutates_args=())
+def _ring_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
+              dropout_p: float, softmax_scale: Optional[float], causal: bool, rng_state: Tensor, layout: str,
+              group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    seed, offset = (int(x) for x in rng_state.tolist())
+    return _ring_backward(_ring_of(group_name, layout), do.contiguous(), q.contiguous(), k.contiguous(),
+                          v.contiguous(), o.contiguous(), lse, key_padding_mask,
+                          _Opts(causal, dropout_p, softmax_scale, seed, offset))
+
+
+@_ring_bwd.register_fake
+def _ring_bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   key_padding_mask: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
+                   rng_state: Tensor, layout: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    q, k, v, kpm, dropout_p, softmax_scale, causal, layout, group_name = inputs
+    o, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, o, lse, kpm, rng_state)
+    ctx.args = (dropout_p, softmax_scale, causal, layout, group_name)
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Any, ...]:
+    q, k, v, o, lse, kpm, rng_state = ctx.saved_tensors
+    dropout_p, softmax_scale, causal, layout, group_name = ctx.args
+    dq, dk, dv = _ring_bwd(do, q, k, v, o, lse, kpm, dropout_p, softmax_scale, causal, rng_state, layout, group_name)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_ring_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(q: Any, k: Any, v: Any, kpm: Any, layout: Any, world: int) -> None:
@@ -284,13 +335,6 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0
     p = check_dropout_p(dropout_p)
     if not isinstance(causal, bool):
         raise InputTypeError("causal", "a bool", type(causal).__name__)
-    ring = Ring(group, rank, world, layout)
-    _check_same_shards(ring, q)
-    seed = offset = 0
-    if p > 0:
-        from ..ops import draw_rng_state
-
-        seed, offset = (int(x) for x in draw_rng_state().tolist())
-    opts = _Opts(causal, p, softmax_scale, seed, offset)
-    o, lse = _RingAttention.apply(q, k, v, key_padding_mask, ring, opts)
+    pg = group if group is not None else dist.group.WORLD
+    o, lse, _ = _ring_fwd(q, k, v, key_padding_mask, p, softmax_scale, causal, layout, pg.group_name)
     return (o, lse) if return_lse else o
