@@ -88,7 +88,7 @@ def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
     out = []
     for role in fam.roles(spec.direction, spec.deterministic):
         launch = fam.launch(spec, role)
-        smem = spec.smem_bytes if role.name in ("main", "dq") else 0  # dq: carves the same layout
+        smem = fam.role_smem_bytes(spec, role)
         out.append(KernelInfo(f"{spec.name}_{role.name}", role, _concrete(role.params, spec.ctype),
                               launch.block, smem, launch.rows_per_block))
     return tuple(out)

@@ -932,6 +932,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     long long stride_bias_k,
     long long stride_lse_b,
     long long stride_lse_h,
+    int row_offset,
+    int col_offset,
     float* dbias,
     long long stride_dbias_b,
     long long stride_dbias_h,
@@ -1068,14 +1070,23 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 unsigned keep_bits[2][4] = {};
                 if constexpr (HAS_DROPOUT) {
                     const int m = g & 3;
+                    if ((col_offset & 3) == 0) {  // global (row, col) = (row_offset + row, col_offset + col)
 #pragma unroll
                     for (int n = 0; n < 2; ++n) {
                         const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
-                                                        (unsigned)(i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
-                                                        (unsigned)(col0 + wrow + (g & ~3) + (m >> 1) * 8), drop_threshold);
+                                                        (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
+                                                        (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8),
+                                                        drop_threshold);
 #pragma unroll
                         for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
                             keep_bits[n][e] = (mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u;
+                    }
+                    } else {  // the 4-key groups straddle Philox calls: one call per element
+                        for (int n = 0; n < 2; ++n)
+                            for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + 2*t4 + (e & 1), key wrow + g + (e >> 1)*8
+                                keep_bits[n][e] = fa_dropout_keep(
+                                    seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (e & 1)),
+                                    (unsigned)(col_offset + col0 + wrow + g + (e >> 1) * 8), drop_threshold) ? 1u : 0u;
                     }
                 }
                 float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}

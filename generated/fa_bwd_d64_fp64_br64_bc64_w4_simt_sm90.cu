@@ -338,42 +338,42 @@ constexpr int SMEM_V_COUNT = 4096;
 constexpr int SMEM_V_ALIGN = 16;
 static_assert(SMEM_V_OFFSET == fa_align_up(SMEM_K_OFFSET + SMEM_K_COUNT * (int)sizeof(T), SMEM_V_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_V_OFFSET % SMEM_V_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DK_OFFSET = 65536;
-constexpr int SMEM_DK_COUNT = 4096;
-constexpr int SMEM_DK_ALIGN = 16;
-static_assert(SMEM_DK_OFFSET == fa_align_up(SMEM_V_OFFSET + SMEM_V_COUNT * (int)sizeof(T), SMEM_DK_ALIGN), "smem layout drifted from fagen.layout");
-static_assert(SMEM_DK_OFFSET % SMEM_DK_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DV_OFFSET = 98304;
-constexpr int SMEM_DV_COUNT = 4096;
-constexpr int SMEM_DV_ALIGN = 16;
-static_assert(SMEM_DV_OFFSET == fa_align_up(SMEM_DK_OFFSET + SMEM_DK_COUNT * (int)sizeof(double), SMEM_DV_ALIGN), "smem layout drifted from fagen.layout");
-static_assert(SMEM_DV_OFFSET % SMEM_DV_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_Q_OFFSET = 131072;
+constexpr int SMEM_Q_OFFSET = 65536;
 constexpr int SMEM_Q_COUNT = 4096;
 constexpr int SMEM_Q_ALIGN = 16;
-static_assert(SMEM_Q_OFFSET == fa_align_up(SMEM_DV_OFFSET + SMEM_DV_COUNT * (int)sizeof(double), SMEM_Q_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_Q_OFFSET == fa_align_up(SMEM_V_OFFSET + SMEM_V_COUNT * (int)sizeof(T), SMEM_Q_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_Q_OFFSET % SMEM_Q_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DO__OFFSET = 163840;
+constexpr int SMEM_DO__OFFSET = 98304;
 constexpr int SMEM_DO__COUNT = 4096;
 constexpr int SMEM_DO__ALIGN = 16;
 static_assert(SMEM_DO__OFFSET == fa_align_up(SMEM_Q_OFFSET + SMEM_Q_COUNT * (int)sizeof(T), SMEM_DO__ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DO__OFFSET % SMEM_DO__ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_P_OFFSET = 196608;
+constexpr int SMEM_P_OFFSET = 131072;
 constexpr int SMEM_P_COUNT = 4160;
 constexpr int SMEM_P_ALIGN = 16;
 static_assert(SMEM_P_OFFSET == fa_align_up(SMEM_DO__OFFSET + SMEM_DO__COUNT * (int)sizeof(T), SMEM_P_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_P_OFFSET % SMEM_P_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_LSE_OFFSET = 229888;
+constexpr int SMEM_LSE_OFFSET = 164352;
 constexpr int SMEM_LSE_COUNT = 64;
 constexpr int SMEM_LSE_ALIGN = 16;
 static_assert(SMEM_LSE_OFFSET == fa_align_up(SMEM_P_OFFSET + SMEM_P_COUNT * (int)sizeof(double), SMEM_LSE_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_LSE_OFFSET % SMEM_LSE_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DELTA_OFFSET = 230400;
+constexpr int SMEM_DELTA_OFFSET = 164864;
 constexpr int SMEM_DELTA_COUNT = 64;
 constexpr int SMEM_DELTA_ALIGN = 16;
 static_assert(SMEM_DELTA_OFFSET == fa_align_up(SMEM_LSE_OFFSET + SMEM_LSE_COUNT * (int)sizeof(double), SMEM_DELTA_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DELTA_OFFSET % SMEM_DELTA_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_BYTES = fa_align_up(SMEM_DELTA_OFFSET + SMEM_DELTA_COUNT * (int)sizeof(double), 16);
+constexpr int SMEM_DK_OFFSET = 165376;
+constexpr int SMEM_DK_COUNT = 4096;
+constexpr int SMEM_DK_ALIGN = 16;
+static_assert(SMEM_DK_OFFSET == fa_align_up(SMEM_DELTA_OFFSET + SMEM_DELTA_COUNT * (int)sizeof(double), SMEM_DK_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_DK_OFFSET % SMEM_DK_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_DV_OFFSET = 198144;
+constexpr int SMEM_DV_COUNT = 4096;
+constexpr int SMEM_DV_ALIGN = 16;
+static_assert(SMEM_DV_OFFSET == fa_align_up(SMEM_DK_OFFSET + SMEM_DK_COUNT * (int)sizeof(double), SMEM_DV_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_DV_OFFSET % SMEM_DV_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_BYTES = fa_align_up(SMEM_DV_OFFSET + SMEM_DV_COUNT * (int)sizeof(double), 16);
 constexpr int SMEM_ALIGN = 16;  // the dynamic smem base must be aligned this much
 static_assert(SMEM_BYTES == 230912, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
@@ -381,26 +381,26 @@ static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 struct Smem {
     T* k;
     T* v;
-    double* dk;
-    double* dv;
     T* q;
     T* do_;
     double* p;
     double* lse;
     double* delta;
+    double* dk;
+    double* dv;
 };
 FA_DEVICE Smem smem_carve() {
     unsigned char* base = fa_smem();
     Smem s;
     s.k = reinterpret_cast<T*>(base + SMEM_K_OFFSET);
     s.v = reinterpret_cast<T*>(base + SMEM_V_OFFSET);
-    s.dk = reinterpret_cast<double*>(base + SMEM_DK_OFFSET);
-    s.dv = reinterpret_cast<double*>(base + SMEM_DV_OFFSET);
     s.q = reinterpret_cast<T*>(base + SMEM_Q_OFFSET);
     s.do_ = reinterpret_cast<T*>(base + SMEM_DO__OFFSET);
     s.p = reinterpret_cast<double*>(base + SMEM_P_OFFSET);
     s.lse = reinterpret_cast<double*>(base + SMEM_LSE_OFFSET);
     s.delta = reinterpret_cast<double*>(base + SMEM_DELTA_OFFSET);
+    s.dk = reinterpret_cast<double*>(base + SMEM_DK_OFFSET);
+    s.dv = reinterpret_cast<double*>(base + SMEM_DV_OFFSET);
     return s;
 }
 // ---- the masking rule (fagen/masking.py states the same rule in Python) ----
@@ -843,8 +843,8 @@ namespace fa {
 template <bool MAIN>
 FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind kind, const MaskParams& mp,
                        const DataMask& dm, const ScoreParams& sp, long long bh, unsigned long long seed,
-                       unsigned long long offset, unsigned int drop_threshold, float rp_keep, float* dbias_bh,
-                       long long stride_dbias_q, long long stride_dbias_k) {
+                       unsigned long long offset, unsigned int drop_threshold, float rp_keep, int row_offset,
+                       int col_offset, float* dbias_bh, long long stride_dbias_q, long long stride_dbias_k) {
     const Acc NEG_INF = fa_neg_inf();
     const Acc drop_rescale = HAS_DROPOUT ? rp_keep : 1.f;
     // Algorithm 4 line 11: S_ij = tau Q_i K_j^T
@@ -860,7 +860,8 @@ FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind k
             Acc p = NEG_INF;
             if (lse_r != NEG_INF && (kind == TILE_FULL || allowed(b, h, row, col, mp, dm))) {
                 p = fa_exp(score_fwd<Acc>(acc, row, col, sp) - lse_r);  // NaN when the score or lse is NaN
-                if (dropout_scale(seed, offset, bh, row, col, drop_threshold, rp_keep) == 0.f) p = -p;
+                if (dropout_scale(seed, offset, bh, row_offset + row, col_offset + col, drop_threshold, rp_keep) == 0.f)
+                    p = -p;  // Z_ij at the global (row, col): the offsets of a ring step
             }
             s.p[r * P_LD + c] = p;
         });
@@ -974,6 +975,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     long long stride_bias_k,
     long long stride_lse_b,
     long long stride_lse_h,
+    int row_offset,
+    int col_offset,
     float* dbias,
     long long stride_dbias_b,
     long long stride_dbias_h,
@@ -1037,7 +1040,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
             fa_sync();
 
-            pair_ds<true>(s, b, h, i0, col0, kind, mp, dm, sp, bh, seed, offset, drop_threshold, rp_keep, dbias_bh,
+            pair_ds<true>(s, b, h, i0, col0, kind, mp, dm, sp, bh, seed, offset, drop_threshold, rp_keep, row_offset,
+                          col_offset, dbias_bh,
                           stride_dbias_q, stride_dbias_k);
 
             // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM)

@@ -849,7 +849,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     long long stride_bias_q,
     long long stride_bias_k,
     long long stride_lse_b,
-    long long stride_lse_h)
+    long long stride_lse_h,
+    int row_offset,
+    int col_offset)
 
 {
     using namespace fa;
@@ -996,16 +998,28 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             // Z_ij: one Philox call covers keys 4c..4c+3 of one row. Lanes 2b and 2b+1 of a quad
             // hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8: each computes one row's
             // call and they swap the 4 keep bits.
+            // Global (row, col) = (row_offset + row, col_offset + col) (a ring step's block); a
+            // col_offset that is not a multiple of 4 splits the groups: one call per element then.
             const int hsel = t4 & 1;
+            if ((col_offset & 3) == 0) {
 #pragma unroll
             for (int n = 0; n < NT_C; ++n) {
-                const unsigned mine = mma_keep4(seed, offset, (unsigned)bh, (unsigned)(i0 + wrow + g + hsel * 8),
-                                                (unsigned)(j0 + n * 8 + 2 * t4), drop_threshold);
+                const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
+                                                (unsigned)(row_offset + i0 + wrow + g + hsel * 8),
+                                                (unsigned)(col_offset + j0 + n * 8 + 2 * t4), drop_threshold);
                 const unsigned other = mma_shfl_xor_u(mine, 1);
                 const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     if (!((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u)) sacc[n][e] = 0.f;  // 1/(1-p): at the end
+            }
+            } else {
+                for (int n = 0; n < NT_C; ++n)
+                    for (int e = 0; e < 4; ++e)  // element e: row g + (e >> 1) * 8, key 2 * t4 + (e & 1)
+                        if (!fa_dropout_keep(seed, offset, (unsigned)bh,
+                                             (unsigned)(row_offset + i0 + wrow + g + (e >> 1) * 8),
+                                             (unsigned)(col_offset + j0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+                            sacc[n][e] = 0.f;
             }
         }
 

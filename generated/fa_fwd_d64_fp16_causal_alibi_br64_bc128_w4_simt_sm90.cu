@@ -842,7 +842,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     long long stride_bias_q,
     long long stride_bias_k,
     long long stride_lse_b,
-    long long stride_lse_h)
+    long long stride_lse_h,
+    int row_offset,
+    int col_offset)
 
 {
     using namespace fa;
@@ -915,7 +917,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 const Acc sv = sr[c];
                 const Acc p = (sv == NEG_INF) ? Acc(0) : fa_exp(sv - m_new);
                 sum += p;
-                sr[c] = p * dropout_scale(seed, offset, bh, i0 + r, j0 + c, drop_threshold, rp_keep);
+                sr[c] = p * dropout_scale(seed, offset, bh, row_offset + i0 + r, col_offset + j0 + c, drop_threshold,
+                                          rp_keep);  // global (row, col): row_offset/col_offset
             }
             sum = fa_warp_sum(sum);
             if (lane == 0) {

@@ -127,6 +127,9 @@ class Family(Protocol):
         """The kernels of the module, in launch order (parameter lists from fagen.abi); the
         deterministic backward adds the ``dq`` role."""
 
+    def role_smem_bytes(self, spec: "KernelSpec", role: Role) -> int:
+        """Dynamic shared memory (bytes) one role is launched with."""
+
     def launch(self, spec: "KernelSpec", role: Role) -> Launch:
         """Block dims and rows per block of one role."""
 
@@ -186,6 +189,11 @@ class FamilyBase:
 
     def roles(self, direction: str, deterministic: bool = False) -> tuple[Role, ...]:
         return roles_for(direction, deterministic)
+
+    def role_smem_bytes(self, spec: "KernelSpec", role: Role) -> int:
+        """Dynamic shared memory of one role: the spec's layout for the main and dq kernels, none for
+        the others. A family whose dq kernel uses a prefix of the layout returns less."""
+        return spec.smem_bytes if role.name in ("main", "dq") else 0
 
     def launch(self, spec: "KernelSpec", role: Role) -> Launch:
         t = spec.tile

@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..layout import SmemLayout, place
+from ..abi import Role
+from ..layout import SmemLayout, align_up, place
 from . import FamilyBase, PairCost, lds_wavefronts, register
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,16 +53,17 @@ class SimtFamily(FamilyBase):
         if direction == "bwd":
             # Algorithm 4: K_j, V_j and the dK~_j, dV~_j accumulators stay on chip
             # for the whole inner loop; Q_i, dO_i, lse_i, D_i and P_ij/dS_ij per step.
+            # dK~, dV~ come last: the deterministic dq kernel uses the layout up to them.
             return place([
                 ("k", "T", bc * ld, itemsize),
                 ("v", "T", bc * ld, itemsize),
-                ("dk", acc, bc * d, asz),
-                ("dv", acc, bc * d, asz),
                 ("q", "T", br * ld, itemsize),
                 ("do_", "T", br * ld, itemsize),
                 ("p", acc, br * p_ld, asz),
                 ("lse", acc, br, asz),
                 ("delta", acc, br, asz),
+                ("dk", acc, bc * d, asz),
+                ("dv", acc, bc * d, asz),
             ])
         if direction == "fwd":
             # Forward (online softmax): Q_i and the O_i accumulator stay on chip,
@@ -77,6 +79,12 @@ class SimtFamily(FamilyBase):
                 ("alpha", acc, br, asz),
             ])
         raise ValueError(f"unknown direction {direction!r}")
+
+    def role_smem_bytes(self, spec: "KernelSpec", role: Role) -> int:
+        """The dq kernel carves the backward layout but never touches dK~, dV~ (its tail)."""
+        if role.name == "dq":
+            return align_up(next(b.offset for b in spec.smem_layout.buffers if b.name == "dk"))
+        return super().role_smem_bytes(spec, role)
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"bwd": ("simt/bwd.cu.j2",), "fwd": ("simt/fwd.cu.j2",)}[direction]
