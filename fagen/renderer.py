@@ -82,8 +82,8 @@ def _concrete(params: tuple[tuple[str, str], ...], ctype: str) -> tuple[tuple[st
 
 
 def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
-    """The module's entry points: the family's roles and launch geometry; the main kernel gets
-    the smem layout."""
+    """The module's entry points: the family's roles, launch geometry and each role's dynamic smem
+    (Family.role_smem_bytes: the main kernel gets the whole layout)."""
     fam = get_family(spec.impl)
     out = []
     for role in fam.roles(spec.direction, spec.deterministic):
