@@ -158,6 +158,27 @@ def test_logits_match_sdpa_padded(key: str, name: str, recorder: _Recorder) -> N
         assert any(m.window_left == 5 for m in recorder.masks)
 
 
+def test_gemma2_softcap_and_window_match_eager(name: str, recorder: _Recorder) -> None:
+    """Gemma-2: attn_logit_softcapping (sdpa refuses it, so eager is the reference), alternating
+    sliding-window and full layers, its own query scaling."""
+    cfg = tr.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=6,
+                          attn_logit_softcapping=0.05)  # small: random-init scores are small, the cap must bite
+    torch.manual_seed(0)
+    ref = tr.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = tr.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids, am = _batch()
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=am).logits, ours(ids, attention_mask=am).logits
+        for layer in ref.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = ref(ids, attention_mask=am).logits
+    valid = am.bool()
+    assert (uncapped - want)[valid].abs().max() > 1e-3  # the cap changes the result ...
+    assert (got - want)[valid].abs().max() <= 1e-4      # ... and fagen applies it
+    assert {m.window_left for m in recorder.masks} == {-1, 5} and all(m.dense is None for m in recorder.masks)
+
+
 def test_logits_right_padding_and_no_mask(name: str) -> None:
     ref, ours = _pair("llama-gqa", name)
     ids, am = _batch(left=False)
