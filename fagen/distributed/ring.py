@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-
 import torch.distributed.distributed_c10d as c10d
 
 from .. import functional as F
@@ -84,18 +83,12 @@ class _Exchange:
     (non-blocking; :meth:`wait` returns the received tensors)."""
 
     def __init__(self, ring: Ring, tensors: list[Tensor], tag0: int = 0):
-        self.recv = [torch.empty_like(t) for t in tensors]
-        self.works = []
-        if ring.world == 1:
-            self.recv = list(tensors)
-            return
-        for i, (t, r) in enumerate(zip(tensors, self.recv)):
-            # even ranks send first, odd ranks receive first: no pairwise wait cycle on blocking backends
-            ops = [(dist.isend, t.contiguous(), ring.next_rank), (dist.irecv, r, ring.prev_rank)]
-            if ring.rank % 2:
-                ops.reverse()
-            for fn, buf, peer in ops:
-                self.works.append(fn(buf, peer, group=ring.group, tag=tag0 + i))
+        self.sent = [t.contiguous() for t in tensors]  # alive until wait()
+        self.recv = [torch.empty_like(t) for t in self.sent]
+        self.works: list[Any] = []
+        for i, (t, r) in enumerate(zip(self.sent, self.recv)):  # posted at once: they overlap the compute
+            self.works.append(dist.isend(t, ring.next_rank, group=ring.group, tag=tag0 + i))
+            self.works.append(dist.irecv(r, ring.prev_rank, group=ring.group, tag=tag0 + i))
 
     def wait(self) -> list[Tensor]:
         for w in self.works:
@@ -210,6 +203,8 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
                 dq[:, rows] += g[0]
                 dk[:, keys] += g[1]
                 dv[:, keys] += g[2]
+        if ring.world == 1:
+            break
         grads = _Exchange(ring, [dk, dv], tag0=8)  # to the next rank; after W hops back at the owner
         if xchg is not None:
             held = xchg.wait()
@@ -221,10 +216,6 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
 def _ring_of(group_name: str, layout: str) -> Ring:
     pg = c10d._resolve_process_group(group_name)
     return Ring(pg, dist.get_rank(pg), dist.get_world_size(pg), layout)
-
-
-def _acc_of(q: Tensor) -> torch.dtype:
-    return _acc_dtype(q)
 
 
 @torch.library.custom_op("fagen::ring_fwd", mutates_args=(), **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
@@ -244,7 +235,7 @@ def _ring_fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[T
                    softmax_scale: Optional[float], causal: bool, layout: str,
                    group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     B, n, H, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty((B, H, n), dtype=_acc_of(q)),
+    return (q.new_empty(q.shape), q.new_empty((B, H, n), dtype=_acc_dtype(q)),
             torch.empty((2,), dtype=torch.int64, device="cpu"))
 
 
