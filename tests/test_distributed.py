@@ -2,6 +2,7 @@
 sequence (same dtype) and the float64 reference; the merge by lse; argument errors."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 import socket
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fagen.ops import draw_rng_state
+import fagen
 import fagen.functional as F
 from fagen import reference as R
 from fagen.distributed import ring_flash_attn_func
@@ -34,7 +36,7 @@ CASES = [
     ("dropout-zigzag", dict(n_local=4, causal=True, layout="zigzag", dropout_p=0.25)),
 ]
 #: Three ranks (odd world: the rank that both sends and receives first) run a subset, for time.
-WORLD_CASES = {2: [name for name, _ in CASES] + ["compile"], 3: ["causal", "zigzag", "padding", "dropout-zigzag"]}
+WORLD_CASES = {2: [name for name, _ in CASES] + ["compile", "ddp", "fsdp"], 3: ["zigzag", "padding", "dropout-zigzag"]}
 
 
 def _global_index(rank: int, world: int, n_local: int, layout: str) -> torch.Tensor:
@@ -123,6 +125,53 @@ def _check_keep_mask(rank: int, world: int, n_local: int, causal: bool, layout: 
     assert torch.equal(kept, want), f"keep mask of rank {rank}/{world} ({layout})"
 
 
+class _Attn(torch.nn.Module):
+    """A small attention block on fagen.flash_attn_func (causal)."""
+
+    def __init__(self, width: int = 32, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).unbind(2)
+        return self.out(fagen.flash_attn_func(q, k, v, causal=True).reshape(b, n, w))
+
+
+def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _check_training(rank: int, world: int, kind: str) -> None:
+    """DDP / FSDP2 (fully_shard) of a model on fagen.flash_attn_func, 3 steps, each rank a slice of
+    the batch: the parameters equal a single-process run on the whole batch."""
+    torch.manual_seed(5)
+    ref = _Attn()
+    x, y = torch.randn(2 * world, 6, 32), torch.randn(2 * world, 6, 32)
+    model, init = copy.deepcopy(ref), copy.deepcopy(ref)
+    _train(ref, x, y)
+    mine = slice(2 * rank, 2 * rank + 2)
+    if kind == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        _train(wrapped, x[mine], y[mine])
+        params = dict(model.named_parameters())
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        _train(model, x[mine], y[mine])
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p, atol=1e-5, rtol=1e-5, msg=lambda m: f"{kind} {name}: {m}")
+    assert not torch.allclose(params["qkv.weight"], init.qkv.weight)  # the steps did train
+
+
 def _check_compiled(rank: int, world: int) -> None:
     """torch.compile(fullgraph=True) traces the ring as opaque ops: same output and grads as eager."""
     q, k, v, do, _ = _inputs(world, 4)
@@ -149,6 +198,9 @@ def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errf
                 _check_case(rank, world, name, **kw)
         if "compile" in names:
             _check_compiled(rank, world)
+        for kind in ("ddp", "fsdp"):
+            if kind in names:
+                _check_training(rank, world, kind)
     except BaseException:
         Path(f"{errfile}.{rank}").write_text(traceback.format_exc())
         raise
