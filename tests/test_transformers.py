@@ -124,6 +124,16 @@ def test_mask_function_bidirectional_and_unknown_patterns() -> None:
     assert ft.mask_function(1, 4, 4, attention_mask=m) is m  # a prepared mask passes through
 
 
+def test_packed_sequences_become_varlen() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    ids = mu.find_packed_sequence_indices(pos)
+    for base, left in ((mu.causal_mask_function, -1), (mu.sliding_window_causal_mask_function(2), 1)):
+        fn = mu.and_masks(mu.remap_positions_for_packed_sequence(base, pos), mu.packed_sequence_mask_function(ids))
+        m = ft.mask_function(2, 6, 6, mask_function=fn)
+        assert m.dense is None and m.causal and m.window_left == left
+        assert m.cu_seqlens.dtype == torch.int32 and m.cu_seqlens.tolist() == [0, 3, 5, 6, 12] + [12] * 8
+
+
 def test_missing_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'fagen\[transformers\]'"):
@@ -177,6 +187,20 @@ def test_gemma2_softcap_and_window_match_eager(name: str, recorder: _Recorder) -
     assert (uncapped - want)[valid].abs().max() > 1e-3  # the cap changes the result ...
     assert (got - want)[valid].abs().max() <= 1e-4      # ... and fagen applies it
     assert {m.window_left for m in recorder.masks} == {-1, 5} and all(m.dense is None for m in recorder.masks)
+
+
+@pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
+def test_packed_sequences_match_sdpa(key: str, name: str, recorder: _Recorder) -> None:
+    """Several sequences in one row, told apart by position_ids: fagen's varlen kernels."""
+    ref, ours = _pair(key, name)
+    ids, _ = _batch()
+    pos = torch.tensor([list(range(5)) + list(range(9)), list(range(10)) + list(range(4))])
+    with torch.no_grad():
+        want = ref(ids, position_ids=pos, use_cache=False).logits  # packing is only looked for without a cache
+        err = (ours(ids, position_ids=pos, use_cache=False).logits - want).abs().max().item()
+    assert err <= 1e-4, err
+    assert recorder.masks and all(m.cu_seqlens is not None for m in recorder.masks), recorder.masks
+    assert ("window" in key) == any(m.window_left == 5 for m in recorder.masks)
 
 
 def test_logits_right_padding_and_no_mask(name: str) -> None:

@@ -40,17 +40,20 @@ class FagenMask:
     ``causal_align``: ``"top_left"`` or ``"bottom_right"`` (fagen's rule, see docs/api.md);
     ``window_left``: keys at most this far left of the diagonal (``-1`` = unbounded); ``dense``: a
     4-D bool ``[B, 1, Nq, Nk]`` mask for patterns the parameters cannot express (then the others are
-    unused). ``shape`` is the ``[B, 1, Nq, Nk]`` it stands for and ``ndim`` is 4, so transformers
+    unused); ``cu_seqlens``: int32 ``[B * N + 1]`` when the batch holds packed sequences (found by
+    transformers from ``position_ids``): the attention then runs fagen's varlen kernels over the
+    flattened tokens, causal (and windowed) within each sequence. ``shape`` is the ``[B, 1, Nq, Nk]`` it stands for and ``ndim`` is 4, so transformers
     treats it as a prepared mask when ``generate`` hands it back to the model (static cache).
     """
 
-    __slots__ = ("key_padding_mask", "causal", "causal_align", "window_left", "dense", "shape")
+    __slots__ = ("key_padding_mask", "causal", "causal_align", "window_left", "dense", "shape", "cu_seqlens")
     ndim = 4
 
     def __init__(self, shape: tuple[int, int, int, int], key_padding_mask: Optional[Tensor] = None,
                  causal: bool = False, causal_align: str = "bottom_right", window_left: int = -1,
-                 dense: Optional[Tensor] = None) -> None:
+                 dense: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None) -> None:
         self.shape = shape
+        self.cu_seqlens = cu_seqlens
         self.key_padding_mask = key_padding_mask
         self.causal = causal
         self.causal_align = causal_align
@@ -61,8 +64,9 @@ class FagenMask:
         if self.dense is not None:
             return f"FagenMask(dense={tuple(self.dense.shape)})"
         kpm = None if self.key_padding_mask is None else tuple(self.key_padding_mask.shape)
+        packed = "" if self.cu_seqlens is None else ", packed"
         return (f"FagenMask(key_padding_mask={kpm}, causal={self.causal}, causal_align={self.causal_align!r}, "
-                f"window_left={self.window_left})")
+                f"window_left={self.window_left}{packed})")
 
 
 def _transformers() -> Any:
@@ -115,6 +119,38 @@ def _pattern(mask_function: Callable[..., Any]) -> Optional[tuple[bool, int]]:
     return None
 
 
+@torch.compiler.assume_constant_result
+def _packed_pattern(mask_function: Callable[..., Any]) -> Optional[tuple[bool, int]]:
+    """``(causal, window)`` of the base pattern when ``mask_function`` is transformers' packed-sequence
+    form ``and_masks(remap_positions_for_packed_sequence(base, position_ids),
+    packed_sequence_mask_function(ids))`` with a standard causal base, else None."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not (isinstance(parts, tuple) and len(parts) == 2 and
+            getattr(parts[0], "__qualname__", "") == "remap_positions_for_packed_sequence.<locals>.inner_mask" and
+            getattr(parts[1], "__qualname__", "") == "packed_sequence_mask_function.<locals>.inner_mask"):
+        return None
+    base = _pattern(_closure(parts[0]).get("mask_function"))
+    return base if base is not None and base[0] else None
+
+
+def _cu_seqlens(packed_ids: Tensor) -> Tensor:
+    """Sequence ids ``[B, N]`` (transformers' ``find_packed_sequence_indices``) -> int32 cumulative
+    lengths ``[B * N + 1]`` of the flattened tokens: the real boundaries, then empty sequences (a fixed
+    size, so no host sync)."""
+    B, N = packed_ids.shape
+    T = B * N
+    first = torch.zeros_like(packed_ids, dtype=torch.bool)
+    first[:, 0] = True
+    starts = (first | torch.diff(packed_ids, dim=-1, prepend=packed_ids[:, :1]).ne(0)).reshape(T)
+    rank = torch.cumsum(starts, 0) - 1
+    pos = torch.arange(T, device=packed_ids.device)
+    cu = torch.full((T + 1,), T, dtype=torch.int64, device=packed_ids.device)
+    cu.scatter_(0, torch.where(starts, rank, T), torch.where(starts, pos, T))
+    return cu.to(torch.int32)
+
+
 def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
                   mask_function: Optional[Callable[..., Any]] = None, attention_mask: Optional[Tensor] = None,
                   **kwargs: Any) -> FagenMask:
@@ -132,6 +168,14 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any 
     shape = (batch_size, 1, q_length, kv_length)
     fn = mu.causal_mask_function if mask_function is None else mask_function
     pattern = _pattern(fn)
+    if pattern is None and attention_mask is None and q_length == kv_length and not torch.compiler.is_compiling() \
+            and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0:
+        packed = _packed_pattern(fn)
+        if packed is not None:  # packed sequences: fagen's varlen kernels, causal within each sequence
+            ids = _closure(_closure(fn)["mask_functions"][1])["packed_sequence_mask"]
+            if isinstance(ids, torch.Tensor) and tuple(ids.shape) == (batch_size, q_length):
+                return FagenMask(shape, causal=True, window_left=packed[1] - 1 if packed[1] else -1,
+                                 cu_seqlens=_cu_seqlens(ids))
     kpm = None
     if attention_mask is not None:
         if not isinstance(kv_offset, int):
@@ -188,6 +232,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Nq = q.shape[1]
     opts: dict[str, Any] = dict(key_padding_mask=None, causal=False, window_size=(-1, -1),
                                 causal_align="top_left")
+    if isinstance(attention_mask, FagenMask) and attention_mask.cu_seqlens is not None:
+        B, H, d = q.shape[0], q.shape[2], q.shape[3]
+        cu = attention_mask.cu_seqlens
+        out, _lse, _rng = _call(q.reshape(B * Nq, H, d), k.reshape(B * Nq, k.shape[2], d),
+                                v.reshape(B * Nq, v.shape[2], v.shape[3]), key_padding_mask=None,
+                                dropout_p=float(dropout), softmax_scale=scaling,
+                                softcap=0.0 if softcap is None else float(softcap), causal=True,
+                                window_size=(attention_mask.window_left, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=Nq, max_seqlen_k=Nq)
+        return out.reshape(B, Nq, H, out.shape[-1]), None
     if isinstance(attention_mask, FagenMask):
         if attention_mask.dense is not None:
             opts["attn_mask"] = attention_mask.dense
