@@ -24,7 +24,7 @@ CONFIGS: dict[str, Any] = {
     "llama-mha": lambda: tr.LlamaConfig(**SMALL, num_key_value_heads=4),
     "llama-gqa": lambda: tr.LlamaConfig(**SMALL, num_key_value_heads=2),
     "gpt2": lambda: tr.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0),
     "qwen2-window": lambda: tr.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                                            max_window_layers=1),
     "mistral-window": lambda: tr.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=6),
