@@ -18,7 +18,7 @@ from fagen.ops import draw_rng_state
 import fagen
 import fagen.functional as F
 from fagen import reference as R
-from fagen.distributed import ring_flash_attn_func
+from fagen.distributed import ring_flash_attn_func, step_times
 from fagen.distributed.ring import Ring, merge, pair_kind
 from fagen.errors import InputError
 
@@ -184,8 +184,12 @@ def _check_compiled(rank: int, world: int) -> None:
         return o, ql.grad, kl.grad, vl.grad
 
     attn = lambda q, k, v: ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")  # noqa: E731
-    for got, want in zip(run(torch.compile(attn, fullgraph=True, backend="aot_eager")), run(attn)):
+    compiled = run(torch.compile(attn, fullgraph=True, backend="aot_eager"))
+    with step_times() as t:
+        eager = run(attn)
+    for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert t.steps == {"fwd": world, "bwd": world} and min(t.compute.values()) > 0
 
 
 def _worker(rank: int, world: int, port: int, cache: str, names: list[str], errfile: str) -> None:

@@ -4,6 +4,6 @@
 shards travel around the ring by point-to-point messages while each rank runs fagen's
 kernels on the pair it holds. See docs/distributed.md.
 """
-from .ring import LAYOUTS, ring_flash_attn_func
+from .ring import LAYOUTS, StepTimes, ring_flash_attn_func, step_times
 
-__all__ = ["ring_flash_attn_func", "LAYOUTS"]
+__all__ = ["ring_flash_attn_func", "LAYOUTS", "step_times", "StepTimes"]

@@ -18,7 +18,10 @@ accumulator is back at its owner. Dropout uses the global row/column indices (th
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,7 +33,7 @@ from .. import functional as F
 from ..errors import InputError, InputTypeError, check_dropout_p
 from ..ops import _custom_op_kwargs, draw_rng_state
 
-__all__ = ["ring_flash_attn_func", "LAYOUTS"]
+__all__ = ["ring_flash_attn_func", "LAYOUTS", "step_times", "StepTimes"]
 
 LAYOUTS = ("contiguous", "zigzag")
 Tensor = torch.Tensor
@@ -96,6 +99,52 @@ class _Exchange:
         return self.recv
 
 
+# --------------------------------------------------------------------------- timing
+class StepTimes:
+    """Seconds spent per pass ("fwd"/"bwd") in compute (kernels and merges) and in waiting for
+    the ring's messages that compute did not hide; filled while :func:`step_times` is active."""
+
+    def __init__(self) -> None:
+        self.compute: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+        self.wait: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+        self.steps: dict[str, int] = {"fwd": 0, "bwd": 0}
+
+
+_TIMES: Optional[StepTimes] = None
+
+
+@contextlib.contextmanager
+def step_times() -> Iterator[StepTimes]:
+    """Measure the ring calls made inside the block (for benchmarks/ring.py): on CUDA tensors the
+    device is synchronised at each boundary, which removes some overlap."""
+    global _TIMES
+    old, _TIMES = _TIMES, StepTimes()
+    try:
+        yield _TIMES
+    finally:
+        _TIMES = old
+
+
+class _Clock:
+    def __init__(self, what: str, device: torch.device):
+        self.what, self.cuda = what, device.type == "cuda"
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if _TIMES is not None and self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, kind: str) -> None:
+        if _TIMES is None:
+            return
+        t = self._now()
+        getattr(_TIMES, kind)[self.what] += t - self.t
+        if kind == "compute":
+            _TIMES.steps[self.what] += 1
+        self.t = t
+
+
 # --------------------------------------------------------------------------- merging
 def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """Combine two partial softmax results over disjoint key sets by their lse.
@@ -159,6 +208,7 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Ten
     o_acc = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
     lse_acc = torch.full((B, H, n_local), -math.inf, dtype=_acc_dtype(q), device=q.device)
     held = _held(k, v, kpm)
+    clock = _Clock("fwd", q.device)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         xchg = _Exchange(ring, held) if step + 1 < ring.world else None
@@ -172,8 +222,10 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Ten
                                              **_kw(opts, kind, _chunk(hm, ki, nc), qc * csize, kc * csize))
                 rows = slice(qi * csize, (qi + 1) * csize)
                 o_acc[:, rows], lse_acc[:, :, rows] = merge(o_acc[:, rows], lse_acc[:, :, rows], o, lse)
+        clock.lap("compute")
         if xchg is not None:
             held = xchg.wait()
+        clock.lap("wait")
     return o_acc.to(q.dtype), lse_acc
 
 
@@ -186,6 +238,7 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
     held = _held(k, v, kpm)
     dk = torch.zeros(k.shape, dtype=_acc_dtype(q), device=k.device)
     dv = torch.zeros(v.shape, dtype=_acc_dtype(q), device=v.device)
+    clock = _Clock("bwd", q.device)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         last = step + 1 == ring.world
@@ -203,12 +256,14 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
                 dq[:, rows] += g[0]
                 dk[:, keys] += g[1]
                 dv[:, keys] += g[2]
+        clock.lap("compute")
         if ring.world == 1:
             break
         grads = _Exchange(ring, [dk, dv], tag0=8)  # to the next rank; after W hops back at the owner
         if xchg is not None:
             held = xchg.wait()
         dk, dv = grads.wait()
+        clock.lap("wait")
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -218,9 +273,11 @@ def _ring_of(group_name: str, layout: str) -> Ring:
     return Ring(pg, dist.get_rank(pg), dist.get_world_size(pg), layout)
 
 
-@torch.library.custom_op("fagen::ring_fwd", mutates_args=(), **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
+@torch.library.custom_op("fagen::ring_fwd", mutates_args=(),
+                         **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
 def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
-              softmax_scale: Optional[float], causal: bool, layout: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+              softmax_scale: Optional[float], causal: bool, layout: str,
+              group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     ring = _ring_of(group_name, layout)
     _check_same_shards(ring, q)
     rng_state = draw_rng_state() if dropout_p > 0 else torch.zeros(2, dtype=torch.int64)
