@@ -276,6 +276,9 @@ def test_greedy_generate_matches_sdpa(key: str, cache: str, name: str, recorder:
     got = ours.generate(ids, **kw)
     assert torch.equal(got, want), (got, want)
     assert all(m.dense is None for m in recorder.masks), recorder.masks
+    if cache == "static" and key == "llama-gqa":  # prefill against the whole cache: top-left, Nq < Nk
+        assert any(m.causal and m.causal_align == "top_left" and m.shape[2] < m.shape[3] for m in recorder.masks)
+        assert any(m.shape[2] == 1 and not m.causal for m in recorder.masks)  # decoding: folded into the key mask
 
 
 @pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
