@@ -20,7 +20,7 @@ import fagen.functional as F
 from fagen import reference as R
 from fagen.distributed import ring_flash_attn_func, step_times
 from fagen.distributed.ring import Ring, merge, pair_kind
-from fagen.errors import InputError
+from fagen.errors import InputError, InputTypeError
 
 B, H, D = 1, 2, 16
 
@@ -290,6 +290,24 @@ def test_pair_kinds_and_zigzag_chunks() -> None:
     work = [sum(pair_kind(qc, kc, True) != "skip" for s in range(3) for qc in ring.chunks(r) for kc in ring.chunks(s))
             for r in range(3)]
     assert len(set(work)) == 1
+
+
+@pytest.mark.parametrize("kw, argument", [
+    (dict(layout="ring"), "layout"),
+    (dict(layout="zigzag", n=5), "q"),
+    (dict(n_k=3), "k"),
+    (dict(key_padding_mask=torch.ones(1, 4)), "key_padding_mask"),
+    (dict(key_padding_mask=torch.ones(1, 3, dtype=torch.bool)), "key_padding_mask"),
+    (dict(dropout_p=1.0), "dropout_p"),
+    (dict(causal=1), "causal"),
+])
+def test_argument_errors_name_the_argument(kw: dict, argument: str) -> None:
+    n, n_k = kw.pop("n", 4), kw.pop("n_k", None)
+    q = torch.randn(1, n, 1, 8)
+    k = torch.randn(1, n_k or n, 1, 8)
+    with pytest.raises((InputError, InputTypeError)) as err:
+        ring_flash_attn_func(q, k, k, **kw)
+    assert err.value.argument == argument
 
 
 def test_needs_a_process_group() -> None:

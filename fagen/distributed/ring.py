@@ -331,7 +331,7 @@ def _backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Any, ...]:
 _ring_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(q: Any, k: Any, v: Any, kpm: Any, layout: Any, world: int) -> None:
+def _check(q: Any, k: Any, v: Any, kpm: Any, layout: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(name, "a torch.Tensor [B, N_local, H, d]", type(t).__name__)
@@ -378,11 +378,11 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0
     sequence keeps. Returns this rank's output shard (and its lse ``[B, H, N_local]`` with
     ``return_lse``). ``group``: the process group (None = the default group).
     """
-    rank, world = _group_info(group)
-    _check(q, k, v, key_padding_mask, layout, world)
+    _check(q, k, v, key_padding_mask, layout)
     p = check_dropout_p(dropout_p)
     if not isinstance(causal, bool):
         raise InputTypeError("causal", "a bool", type(causal).__name__)
+    _group_info(group)
     pg = group if group is not None else dist.group.WORLD
     o, lse, _ = _ring_fwd(q, k, v, key_padding_mask, p, softmax_scale, causal, layout, pg.group_name)
     return (o, lse) if return_lse else o
