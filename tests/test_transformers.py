@@ -14,8 +14,12 @@ import torch
 import fagen.integrations.transformers as ft
 from fagen.reference import mask_matrix
 
-tr = pytest.importorskip("transformers", reason="the transformers extra is not installed")
-mu = pytest.importorskip("transformers.masking_utils")
+try:
+    import transformers as tr
+    import transformers.masking_utils as mu
+except ImportError:  # the extra is not installed: only the tests of that case run
+    tr = mu = None
+needs_transformers = pytest.mark.skipif(tr is None, reason="the transformers extra is not installed")
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -33,6 +37,8 @@ CONFIGS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def name() -> str:
+    if tr is None:
+        pytest.skip("the transformers extra is not installed")
     return ft.register()
 
 
@@ -94,6 +100,7 @@ def _dense(m: ft.FagenMask, B: int, Nq: int, Nk: int) -> torch.Tensor:
     (1, 12, 4, 0),     # static cache decoding: neither alignment, folded into the key mask
     (2, 4, 9, 7),      # sliding-window cache: offset keys (bottom-right)
 ])
+@needs_transformers
 @pytest.mark.parametrize("tensor_offset", [False, True])
 def test_mask_function_matches_transformers_mask(window: int, q_len: int, kv_len: int, q_off: int, kv_off: int,
                                                  tensor_offset: bool) -> None:
@@ -112,6 +119,7 @@ def test_mask_function_matches_transformers_mask(window: int, q_len: int, kv_len
     assert (m.dense is None) == (not tensor_offset or q_len == 1), m
 
 
+@needs_transformers
 def test_mask_function_bidirectional_and_unknown_patterns() -> None:
     am = torch.tensor([[True] * 6, [False, False] + [True] * 4])
     m = ft.mask_function(2, 6, 6, mask_function=mu.bidirectional_mask_function, attention_mask=am)
@@ -124,6 +132,7 @@ def test_mask_function_bidirectional_and_unknown_patterns() -> None:
     assert ft.mask_function(1, 4, 4, attention_mask=m) is m  # a prepared mask passes through
 
 
+@needs_transformers
 def test_packed_sequences_become_varlen() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
     ids = mu.find_packed_sequence_indices(pos)
@@ -153,6 +162,7 @@ def test_position_bias_is_refused() -> None:
 
 
 # --------------------------------------------------------------------------- models (emulator kernels)
+@needs_transformers
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_logits_match_sdpa_padded(key: str, name: str, recorder: _Recorder) -> None:
     ref, ours = _pair(key, name)
@@ -168,6 +178,7 @@ def test_logits_match_sdpa_padded(key: str, name: str, recorder: _Recorder) -> N
         assert any(m.window_left == 5 for m in recorder.masks)
 
 
+@needs_transformers
 def test_gemma2_softcap_and_window_match_eager(name: str, recorder: _Recorder) -> None:
     """Gemma-2: attn_logit_softcapping (sdpa refuses it, so eager is the reference), alternating
     sliding-window and full layers, its own query scaling."""
@@ -189,6 +200,7 @@ def test_gemma2_softcap_and_window_match_eager(name: str, recorder: _Recorder) -
     assert {m.window_left for m in recorder.masks} == {-1, 5} and all(m.dense is None for m in recorder.masks)
 
 
+@needs_transformers
 @pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
 def test_packed_sequences_match_sdpa(key: str, name: str, recorder: _Recorder) -> None:
     """Several sequences in one row, told apart by position_ids: fagen's varlen kernels."""
@@ -203,6 +215,7 @@ def test_packed_sequences_match_sdpa(key: str, name: str, recorder: _Recorder) -
     assert ("window" in key) == any(m.window_left == 5 for m in recorder.masks)
 
 
+@needs_transformers
 def test_logits_right_padding_and_no_mask(name: str) -> None:
     ref, ours = _pair("llama-gqa", name)
     ids, am = _batch(left=False)
@@ -212,6 +225,7 @@ def test_logits_right_padding_and_no_mask(name: str) -> None:
     assert err <= 1e-4 and err_full <= 1e-4, (err, err_full)
 
 
+@needs_transformers
 def test_logits_bfloat16(name: str) -> None:
     """bf16 logits: within twice sdpa-bf16's own distance from the float32 model (flash-attn's criterion)."""
     ref32, _ = _pair("llama-gqa", name)
@@ -225,6 +239,7 @@ def test_logits_bfloat16(name: str) -> None:
     assert e_ours <= 2 * e_ref + 1e-2, (e_ours, e_ref)
 
 
+@needs_transformers
 @pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
 def test_training_steps_match_sdpa(key: str, name: str) -> None:
     ref, ours = _pair(key, name)
@@ -245,6 +260,7 @@ def test_training_steps_match_sdpa(key: str, name: str) -> None:
         opt_r.zero_grad(), opt_o.zero_grad()
 
 
+@needs_transformers
 def test_dropout_in_training_only(name: str) -> None:
     cfg = CONFIGS["llama-gqa"]()
     cfg.attention_dropout = 0.3
@@ -264,6 +280,7 @@ def test_dropout_in_training_only(name: str) -> None:
         assert torch.equal(model(ids, attention_mask=am).logits, model(ids, attention_mask=am).logits)
 
 
+@needs_transformers
 @pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_generate_matches_sdpa(key: str, cache: str, name: str, recorder: _Recorder) -> None:
@@ -281,6 +298,7 @@ def test_greedy_generate_matches_sdpa(key: str, cache: str, name: str, recorder:
         assert any(m.shape[2] == 1 and not m.causal for m in recorder.masks)  # decoding: folded into the key mask
 
 
+@needs_transformers
 @pytest.mark.parametrize("key", ["llama-gqa", "mistral-window"])
 def test_torch_compile_fullgraph(key: str, name: str, recorder: _Recorder) -> None:
     """No graph break: the mask function and the attention trace into fagen's custom ops."""
