@@ -216,6 +216,19 @@ def test_packed_sequences_match_sdpa(key: str, name: str, recorder: _Recorder) -
 
 
 @needs_transformers
+def test_from_pretrained(name: str, tmp_path: Any) -> None:
+    """A saved checkpoint loads with attn_implementation=name (no download: a local directory)."""
+    ref, _ = _pair("llama-gqa", name)
+    ref.save_pretrained(tmp_path)
+    ours = tr.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name).eval()
+    assert ours.config._attn_implementation == name
+    ids, am = _batch()
+    with torch.no_grad():
+        err = (ours(ids, attention_mask=am).logits - ref(ids, attention_mask=am).logits)[am.bool()].abs().max()
+    assert err <= 1e-4, err
+
+
+@needs_transformers
 def test_logits_right_padding_and_no_mask(name: str) -> None:
     ref, ours = _pair("llama-gqa", name)
     ids, am = _batch(left=False)
