@@ -325,3 +325,25 @@ def test_torch_compile_fullgraph(key: str, name: str, recorder: _Recorder) -> No
     assert torch.equal(got, want)
     assert recorder.masks and all(m.dense is None for m in recorder.masks), recorder.masks
     assert ("window" in key) == any(m.window_left == 5 for m in recorder.masks)
+
+
+@needs_transformers
+def test_compiled_decoding_step_with_static_cache(name: str, recorder: _Recorder) -> None:
+    """One decoding step compiled with fullgraph=True against a static cache (cache position in a tensor)."""
+    ref, ours = _pair("llama-gqa", name)
+    ids, am = _batch(N=8, pad=3)
+    am2 = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)
+    pos = (am2.cumsum(-1) - 1)[:, -1:]
+
+    def step(model: Any, compiled: bool) -> torch.Tensor:
+        cache = tr.StaticCache(config=model.config, max_cache_len=12)
+        with torch.no_grad():
+            tok = model(ids, attention_mask=am, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            fn = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
+            return fn(tok, attention_mask=am2, cache=cache, position_ids=pos, use_cache=True).logits
+
+    want = step(ref, False)
+    recorder.masks.clear()
+    got = step(ours, True)
+    assert (got - want).abs().max() <= 1e-4
+    assert [m.shape[2] for m in recorder.masks] == [8, 1] and all(m.dense is None for m in recorder.masks)
