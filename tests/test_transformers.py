@@ -149,6 +149,13 @@ def test_missing_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
         ft.register()
 
 
+@needs_transformers
+def test_old_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tr, "__version__", "4.57.1")
+    with pytest.raises(ImportError, match=r"transformers>=5.24,<6, found 4.57.1"):
+        ft.register()
+
+
 @pytest.mark.parametrize("bad", ["", "sdpa", "flash_attention_2", 3])
 def test_register_rejects_builtin_names(bad: Any) -> None:
     with pytest.raises(ValueError, match="name"):
