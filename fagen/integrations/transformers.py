@@ -5,9 +5,10 @@
 * a **mask function** (``AttentionMaskInterface``) that hands the attention a :class:`FagenMask` --
   the key-padding mask ``[B, Nk]`` sliced from the 2-D ``attention_mask``, whether the pattern is
   causal, its alignment and the sliding window -- instead of an ``Nq x Nk`` tensor. It recognises
-  transformers' causal, sliding-window causal and bidirectional patterns; any other pattern (packed
-  sequences found from ``position_ids``, chunked attention, custom ``or``/``and`` mask functions)
-  is built as transformers' own 4-D bool mask, which fagen's kernels read as ``attn_mask``.
+  transformers' causal, sliding-window causal and bidirectional patterns, and packed sequences
+  found from ``position_ids`` (run as fagen's varlen attention); any other pattern (chunked
+  attention, custom ``or``/``and`` mask functions) is built as transformers' own 4-D bool mask,
+  which fagen's kernels read as ``attn_mask``.
 * an **attention function** (``AttentionInterface``) that runs fagen's ``fagen::fwd`` / ``fagen::bwd``
   custom ops on the module's ``[B, H, N, d]`` query/key/value: native GQA (no ``repeat_kv``), the
   module's ``scaling``, ``dropout`` (training), ``softcap`` and the mask above.
