@@ -281,6 +281,26 @@ def test_training_steps_match_sdpa(key: str, name: str) -> None:
 
 
 @needs_transformers
+def test_training_bfloat16(name: str) -> None:
+    """bf16 loss and gradients: within twice sdpa-bf16's distance from the float32 model (+ a small atol)."""
+    ref32, _ = _pair("mistral-window", name)
+    ref, ours = _pair("mistral-window", name, torch.bfloat16)
+    ids, am = _batch()
+    labels = ids.masked_fill(am == 0, -100)
+    runs = []
+    for model in (ref32, ref, ours):
+        model.train()
+        loss = model(ids, attention_mask=am, labels=labels).loss
+        loss.backward()
+        runs.append((loss.item(), [(n, p.grad.float()) for n, p in model.named_parameters()]))
+    (l32, g32), (lref, gref), (lours, gours) = runs
+    assert abs(lours - l32) <= 2 * abs(lref - l32) + 1e-3, (lours, lref, l32)
+    for (n, a), (_, b), (_, c) in zip(g32, gref, gours):
+        e_ref, e_ours = (b - a).abs().max().item(), (c - a).abs().max().item()
+        assert e_ours <= 2 * e_ref + 1e-3 * a.abs().max().item() + 1e-6, (n, e_ours, e_ref)
+
+
+@needs_transformers
 def test_dropout_in_training_only(name: str) -> None:
     cfg = CONFIGS["llama-gqa"]()
     cfg.attention_dropout = 0.3
