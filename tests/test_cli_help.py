@@ -72,8 +72,11 @@ def test_help_shows_choices_and_defaults() -> None:
     res = run_cli("autotune", "--help")
     assert res.returncode == 0, res.stderr
     out = " ".join(res.stdout.split())
-    assert "--dtype {float16,bfloat16,float32}" in out and "(default: float16)" in out
-    assert "--arch {sm_80,sm_86,sm_89,sm_90}" in out and "(default: sm_90)" in out
+    fields = KernelSpec.model_fields
+    for option, field in (("--dtype", "dtype"), ("--arch", "arch")):
+        choices = "{" + ",".join(typing.get_args(fields[field].annotation)) + "}"
+        assert f"{option} {choices}" in out, option
+    assert "(default: float16)" in out and "(default: sm_90)" in out
     assert "candidates to time on the GPU, besides the default tile (default: 4)" in out
     assert "print the result as JSON (default: a table)" in out
 
