@@ -752,12 +752,21 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
-// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
-FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window), key padding
+// (kpm_b = kpm + b * seqlen_k) and attn_mask (mask_bh at (b, h), strides msq/msk; 0 = broadcast).
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b,
+                           const unsigned char* mask_bh = nullptr, long long msq = 0, long long msk = 0) {
     if (!allowed(row, col, mp)) return false;
-    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    if constexpr (HAS_KEY_PADDING) {
+        if (kpm_b[col] == 0) return false;
+    }
+    if constexpr (HAS_ATTN_MASK) return mask_bh[(long long)row * msq + (long long)col * msk] != 0;
     return true;
 }
+
+// Scores other than scale * q.k (softcap, ALiBi, bias): the kernels take score_fwd on the fp32
+// accumulator and fold log2 e in afterwards; without them scale * log2 e is one multiply.
+constexpr bool HAS_SCORE_MOD = HAS_SOFTCAP || HAS_ALIBI || HAS_BIAS;
 
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
@@ -993,6 +1002,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
         const float* lse_bh = lse + b * stride_lse_b + h * stride_lse_h;
         const float* delta_bh = delta + b * stride_lse_b + h * stride_lse_h;
+        // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
+        const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
+                                                 stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
         if (STAGES > 1 && i_begin < i_end) {
@@ -1099,6 +1111,37 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dlt[n][0] = d2.x;
                     dlt[n][1] = d2.y;
                 }
+                if constexpr (HAS_SCORE_MOD) {
+                    // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
+                    // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
+                    // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = i0 + c0 + n * 8 + 2 * t4 + (e & 1), col = col0 + wrow + g + (e >> 1) * 8;
+                            const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                            const float qk = st[n][e];
+                            const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2[n][e & 1])) : 0.f;
+                            float dp = dpt[n][e], pd = p;
+                            if constexpr (HAS_DROPOUT) {
+                                const bool keep = keep_bits[n][e] != 0u;
+                                pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
+                                dp = keep ? dp * rp_keep : 0.f;
+                            }
+                            float ds = ok ? p * (dp - dlt[n][e & 1]) : 0.f;
+                            if constexpr (HAS_BIAS_GRAD) {
+                                if (row < mp.seqlen_q && col < mp.seqlen_k)
+                                    dbias[(long long)b * stride_dbias_b + (long long)h * stride_dbias_h + (long long)row * stride_dbias_q +
+                                          (long long)col * stride_dbias_k] = ds;
+                            }
+                            if constexpr (HAS_SOFTCAP) {
+                                if (ok) ds = score_grad_raw<float>(ds, qk, sp);
+                            }
+                            st[n][e] = pd;
+                            dpt[n][e] = ds;
+                        }
+                } else {
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -1118,10 +1161,12 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            if (!mma_allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, mp, kpm_b)) {
+                            if (!mma_allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, mp, kpm_b,
+                                             mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k)) {
                                 st[n][e] = 0.f;
                                 dpt[n][e] = 0.f;
                             }
+                }
                 }
                 const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
                                         mma_pack(st[1][0], st[1][1]), mma_pack(st[1][2], st[1][3])};

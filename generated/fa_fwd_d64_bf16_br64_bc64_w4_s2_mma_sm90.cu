@@ -724,12 +724,21 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
-// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
-FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window), key padding
+// (kpm_b = kpm + b * seqlen_k) and attn_mask (mask_bh at (b, h), strides msq/msk; 0 = broadcast).
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b,
+                           const unsigned char* mask_bh = nullptr, long long msq = 0, long long msk = 0) {
     if (!allowed(row, col, mp)) return false;
-    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    if constexpr (HAS_KEY_PADDING) {
+        if (kpm_b[col] == 0) return false;
+    }
+    if constexpr (HAS_ATTN_MASK) return mask_bh[(long long)row * msq + (long long)col * msk] != 0;
     return true;
 }
+
+// Scores other than scale * q.k (softcap, ALiBi, bias): the kernels take score_fwd on the fp32
+// accumulator and fold log2 e in afterwards; without them scale * log2 e is one multiply.
+constexpr bool HAS_SCORE_MOD = HAS_SOFTCAP || HAS_ALIBI || HAS_BIAS;
 
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
@@ -874,6 +883,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
     const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
+    // softcap / ALiBi / bias (partials/score_mod.cuh); attn_mask addressed per element (stride 0 = broadcast).
+    const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
+                                             stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
     int j_begin, j_end;
     q_block_kv_range(i0, mp, &j_begin, &j_end);
 
@@ -947,16 +959,30 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             }
         }
         const bool full = tile_kind(i0, j0, mp) == TILE_FULL;
+        if constexpr (HAS_SCORE_MOD) {
+            // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
+            // elements outside the sequences (masked below) read no bias.
 #pragma unroll
-        for (int n = 0; n < NT_C; ++n)
+            for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[n][e] *= scale_log2;
+                for (int e = 0; e < 4; ++e) {
+                    const int row = i0 + wrow + g + (e >> 1) * 8, col = j0 + n * 8 + 2 * t4 + (e & 1);
+                    if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
+                        sacc[n][e] = score_fwd<float>(sacc[n][e], row, col, sp) * LOG2E;
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[n][e] *= scale_log2;
+        }
         if (!full) {
 #pragma unroll
             for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const bool ok = mma_allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b);
+                    const bool ok = mma_allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b,
+                                                mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
                     seen[e >> 1] |= ok ? 1u : 0u;
                     if (!ok) sacc[n][e] = NEG_INF;
                 }
@@ -1014,12 +1040,21 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                     if (!((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u)) sacc[n][e] = 0.f;  // 1/(1-p): at the end
             }
             } else {
+                // The keep bits first (bit 4n + e: element (n, e)), in a rolled loop: the fragments
+                // are indexed by constants only, so they stay in registers.
+                static_assert(NT_C * 4 <= 64, "keep bits of one tile row pair in 64 bits");
+                unsigned long long kb = 0ull;
+                for (int x = 0; x < NT_C * 4; ++x) {
+                    const int n = x >> 2, e = x & 3;  // element e: row g + (e >> 1) * 8, key 2 * t4 + (e & 1)
+                    if (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + wrow + g + (e >> 1) * 8),
+                                        (unsigned)(col_offset + j0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+                        kb |= 1ull << x;
+                }
+#pragma unroll
                 for (int n = 0; n < NT_C; ++n)
-                    for (int e = 0; e < 4; ++e)  // element e: row g + (e >> 1) * 8, key 2 * t4 + (e & 1)
-                        if (!fa_dropout_keep(seed, offset, (unsigned)bh,
-                                             (unsigned)(row_offset + i0 + wrow + g + (e >> 1) * 8),
-                                             (unsigned)(col_offset + j0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
-                            sacc[n][e] = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!((kb >> (4 * n + e)) & 1ull)) sacc[n][e] = 0.f;
             }
         }
 

@@ -252,7 +252,7 @@ def test_gqa_through_the_mma_kernels(dtype: str, causal: bool, p: float) -> None
 
 
 # ------------------------------------------------------------------ features
-MMA_FEATURE_CASES = [  # the spec features the family lists (window, top_left) and GQA, fp16/bf16 only
+MMA_FEATURE_CASES = [  # the spec features the family lists and GQA, fp16/bf16 only
     ("gqa-causal-fp16", dict(heads=6, heads_kv=2, seqlen_q=37, seqlen_k=61, causal=True, tile=(16, 16, 1))),
     ("mqa-window-bf16", dict(dtype="bfloat16", batch=1, heads=4, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=40,
                              window=(9, 4), tile=(16, 16, 2))),
@@ -264,6 +264,17 @@ MMA_FEATURE_CASES = [  # the spec features the family lists (window, top_left) a
                                      causal=True, window=(40, -1), dropout_p=0.2)),
     ("d256-gqa-window-fp16", dict(batch=1, heads=2, heads_kv=1, seqlen_q=20, seqlen_k=33, head_dim=256, causal=True,
                                   window=(12, -1))),
+    # score modifications (softcap, ALiBi, bias) on the fp32 accumulator, dBias = dS
+    ("bias-1hqk-grad-fp16", dict(bias=(1, 4, 37, 45))),
+    ("bias-b11k-grad-bf16", dict(dtype="bfloat16", bias=(2, 1, 1, 45), tile=(16, 16, 1))),
+    ("softcap-alibi-bias-gqa-causal-kpad-fp16", dict(heads=4, heads_kv=2, seqlen_q=50, seqlen_k=61, head_dim=64,
+                                                     causal=True, softcap=4.0, alibi="bh", bias=(1, 4, 50, 61),
+                                                     q_scale=2.0, tile=(16, 16, 1))),
+    ("combo-window-softcap-alibi-dropout-bf16", dict(dtype="bfloat16", heads=4, heads_kv=2, seqlen_q=41, seqlen_k=70,
+                                                     causal=True, window=(20, -1), softcap=4.0, alibi="h",
+                                                     dropout_p=0.2, q_scale=2.0, tile=(16, 16, 2))),
+    ("d128-softcap-bias-grad-topleft-fp16", dict(batch=1, heads=2, heads_kv=2, seqlen_q=70, seqlen_k=40, head_dim=128,
+                                                 causal=True, align="top_left", softcap=3.0, bias=(1, 2, 70, 40))),
 ]
 
 
@@ -277,8 +288,9 @@ def test_features_through_the_mma_kernels(name: str, kw: dict) -> None:
 
 
 def test_features_without_an_mma_path_fall_back_to_simt() -> None:
-    assert {"window", "top_left"} <= MMA.features
+    assert {"window", "top_left", "softcap", "alibi", "bias", "bias_grad"} <= MMA.features
     assert KernelSpec(head_dim=64, window=True, causal_align="top_left").impl == "mma"
-    assert KernelSpec(head_dim=64, softcap=True).impl == "simt"
-    with pytest.raises(ValidationError, match="softcap"):
-        KernelSpec(head_dim=64, softcap=True, impl="mma")
+    assert KernelSpec(head_dim=64, softcap=True, alibi=True, bias=True, bias_grad=True).impl == "mma"
+    assert KernelSpec(head_dim=64, attn_mask=True).impl == "simt"
+    with pytest.raises(ValidationError, match="attn_mask"):
+        KernelSpec(head_dim=64, attn_mask=True, impl="mma")

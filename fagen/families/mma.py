@@ -42,9 +42,10 @@ class MmaFamily(FamilyBase):
     max_block_c: int = 128
     math_unit: Literal["fp32", "tensor"] = "tensor"
     knobs: tuple[Knob, ...] = (STAGES,)
-    #: Spec features the templates implement (the masking rule's window and top-left alignment;
-    #: GQA needs no flag). The others (softcap, ALiBi, masks, bias, varlen, deterministic) take SIMT.
-    features: frozenset[str] = frozenset({"window", "top_left"})
+    #: Spec features the templates implement (the masking rule's window and top-left alignment, the
+    #: score modifications of partials/score_mod.cuh and dBias; GQA needs no flag). attn_mask (its
+    #: per-element check spills in the d = 128 backward), varlen and the deterministic backward take SIMT.
+    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "bias", "bias_grad"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.

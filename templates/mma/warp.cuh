@@ -49,12 +49,21 @@ FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0
     fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
-// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window) and key padding.
-FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b) {
+// The masking rule (partials/masking.cuh: bounds, causal with its alignment, window), key padding
+// (kpm_b = kpm + b * seqlen_k) and attn_mask (mask_bh at (b, h), strides msq/msk; 0 = broadcast).
+FA_DEVICE bool mma_allowed(int row, int col, const MaskParams& mp, const unsigned char* kpm_b,
+                           const unsigned char* mask_bh = nullptr, long long msq = 0, long long msk = 0) {
     if (!allowed(row, col, mp)) return false;
-    if constexpr (HAS_KEY_PADDING) return kpm_b[col] != 0;
+    if constexpr (HAS_KEY_PADDING) {
+        if (kpm_b[col] == 0) return false;
+    }
+    if constexpr (HAS_ATTN_MASK) return mask_bh[(long long)row * msq + (long long)col * msk] != 0;
     return true;
 }
+
+// Scores other than scale * q.k (softcap, ALiBi, bias): the kernels take score_fwd on the fp32
+// accumulator and fold log2 e in afterwards; without them scale * log2 e is one multiply.
+constexpr bool HAS_SCORE_MOD = HAS_SOFTCAP || HAS_ALIBI || HAS_BIAS;
 
 FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
