@@ -832,6 +832,9 @@ constexpr int DS_LD = BLOCK_R + 8;          // dS^T row stride (elements), ldmat
 constexpr bool ACC_IN_SMEM = DPAD > 128;    // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = DPAD <= 64;     // K_j / V_j A-fragments held in registers
 constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
+// The next step's lse_i / D_i: held in registers over the step and stored at its end (the load's
+// latency hidden), or, with the registers the score modifications and attn_mask need, stored at once.
+constexpr bool LSE_NOW = HAS_SCORE_MOD || HAS_ATTN_MASK;
 static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
@@ -1039,7 +1042,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, seqlen_q, stride_q_s, q_vec);
                 mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, seqlen_q, stride_do_s, do_vec);
                 const int row = i0 + BLOCK_R + tid;
-                if (tid < BLOCK_R && row < seqlen_q) { next_lse = lse_bh[row]; next_delta = delta_bh[row]; }
+                if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
+                    if (tid < BLOCK_R) {
+                        s.lse[nxt * BLOCK_R + tid] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                        s.delta[nxt * BLOCK_R + tid] = row < seqlen_q ? delta_bh[row] : 0.f;
+                    }
+                } else if (tid < BLOCK_R && row < seqlen_q) {
+                    next_lse = lse_bh[row];
+                    next_delta = delta_bh[row];
+                }
             }
             fa_cp_async_commit();
 
@@ -1079,7 +1090,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // Z_ij: one Philox call covers keys 4c..4c+3 of one Q row. The 4 lanes g = 4a..4a+3
                 // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
                 // the four share the keep bits.
-                unsigned keep_bits[2][4] = {};
+                unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
                 if constexpr (HAS_DROPOUT) {
                     const int m = g & 3;
                     if ((col_offset & 3) == 0) {  // global (row, col) = (row_offset + row, col_offset + col)
@@ -1091,14 +1102,14 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                                                         drop_threshold);
 #pragma unroll
                         for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
-                            keep_bits[n][e] = (mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u;
+                            keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
                     }
                     } else {  // the 4-key groups straddle Philox calls: one call per element
                         for (int n = 0; n < 2; ++n)
                             for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + 2*t4 + (e & 1), key wrow + g + (e >> 1)*8
-                                keep_bits[n][e] = fa_dropout_keep(
+                                keep_bits |= (fa_dropout_keep(
                                     seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (e & 1)),
-                                    (unsigned)(col_offset + col0 + wrow + g + (e >> 1) * 8), drop_threshold) ? 1u : 0u;
+                                    (unsigned)(col_offset + col0 + wrow + g + (e >> 1) * 8), drop_threshold) ? 1u : 0u) << (4 * n + e);
                     }
                 }
                 float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
@@ -1125,7 +1136,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                             const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2[n][e & 1])) : 0.f;
                             float dp = dpt[n][e], pd = p;
                             if constexpr (HAS_DROPOUT) {
-                                const bool keep = keep_bits[n][e] != 0u;
+                                const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
                                 pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
                                 dp = keep ? dp * rp_keep : 0.f;
                             }
@@ -1149,7 +1160,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
                         float dp = dpt[n][e], pd = p;
                         if constexpr (HAS_DROPOUT) {
-                            const bool keep = keep_bits[n][e] != 0u;
+                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
                             pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
                             dp = keep ? dp * rp_keep : 0.f;
                         }
@@ -1195,7 +1206,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     }
                 }
             }
-            if (has_next && tid < BLOCK_R) {
+            if (!LSE_NOW && has_next && tid < BLOCK_R) {
                 s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < seqlen_q ? mma_lse2(next_lse) : -fa_neg_inf();
                 s.delta[nxt * BLOCK_R + tid] = next_delta;
             }
