@@ -872,15 +872,16 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b = blockIdx.y, h = blockIdx.z;
     const int row = blockIdx.x * NUM_WARPS + warp;
-    if (row >= seqlen_q) return;  // uniform per warp
-    const T* o_row = o + b * stride_o_b + (long long)row * stride_o_s + h * stride_o_h;
-    const T* do_row = do_ + b * stride_do_b + (long long)row * stride_do_s + h * stride_do_h;
+    const SeqInfo si = fa_seq(b, seqlen_q, seqlen_q, cu_seqlens_q, cu_seqlens_q);  // varlen: the packed sequence
+    if (row >= si.len_q) return;  // uniform per warp
+    const T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
+    const T* do_row = do_ + fa_row_offset(si.q_tok0, b, row, h, stride_do_b, stride_do_s, stride_do_h);
     // Algorithm 4 line 19: D_i = rowsum(dO_i o O_i) (precomputed by the preprocess kernel, eq. 13)
     float acc = 0.f;
     for (int x = lane; x < HEAD_DIM; x += 32) acc = fmaf(fa_to_float(do_row[x]), fa_to_float(o_row[x]), acc);
     acc = fa_warp_sum(acc);
-    if (lane == 0) delta[b * stride_lse_b + h * stride_lse_h + row] = acc;
-    float* dqa = dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM;
+    if (lane == 0) delta[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = acc;
+    float* dqa = dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM;
     for (int x = lane; x < HEAD_DIM; x += 32) dqa[x] = 0.f;
 }
 
@@ -959,23 +960,28 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
     const int group = heads / heads_kv;  // q heads sharing this K/V head (GQA; 1 without)
     const int col0 = j * BLOCK_C;
+    // The sequence (varlen: packed, cu_seqlens; the seqlen args are the max lengths). A K/V block
+    // past its sequence's length returns before any barrier (uniform over the CTA).
+    const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
+    if (IS_VARLEN && col0 >= si.len_k) return;
+    const int len_q = si.len_q, len_k = si.len_k;
     const int wrow = warp * 16;  // this warp's K/V rows within the block
     const bool active = wrow < BLOCK_C;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float scale_log2 = scale * LOG2E;
 
-    const T* k_bh = k + b * stride_k_b + (long long)hk * stride_k_h;
-    const T* v_bh = v + b * stride_v_b + (long long)hk * stride_v_h;
+    const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
+    const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
 
     // Algorithm 4 line 9: for each Q block i -- only the Q blocks whose tiles with this K/V block are not all masked.
-    const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
+    const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
     int i_begin, i_end;
     kv_block_q_range(col0, mp, &i_begin, &i_end);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
-    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, seqlen_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s), kpm_b);
-    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, seqlen_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
+    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, len_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s), kpm_b);
+    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, len_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
     fa_cp_async_commit();
 
     // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order)
@@ -1000,23 +1006,23 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     // Every q head of the group adds to this K/V head's dK~, dV~.
     for (int h = hk * group; h < hk * group + group; ++h) {
         const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31 (the dropout stream's head index)
-        const T* q_bh = q + b * stride_q_b + (long long)h * stride_q_h;
-        const T* do_bh = do_ + b * stride_do_b + (long long)h * stride_do_h;
+        const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
+        const T* do_bh = do_ + fa_row_offset(si.q_tok0, b, 0, h, stride_do_b, stride_do_s, stride_do_h);
         const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
-        const float* lse_bh = lse + b * stride_lse_b + h * stride_lse_h;
-        const float* delta_bh = delta + b * stride_lse_b + h * stride_lse_h;
+        const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
+        const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
         if (STAGES > 1 && i_begin < i_end) {
-            mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, seqlen_q, stride_q_s, q_vec);
-            mma_copy_tile<BLOCK_R>(s.do_, do_bh, i_begin, seqlen_q, stride_do_s, do_vec);
+            mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, len_q, stride_q_s, q_vec);
+            mma_copy_tile<BLOCK_R>(s.do_, do_bh, i_begin, len_q, stride_do_s, do_vec);
             for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                 const int row = i_begin + r;
-                s.lse[r] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                s.delta[r] = row < seqlen_q ? delta_bh[row] : 0.f;
+                s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                s.delta[r] = row < len_q ? delta_bh[row] : 0.f;
             }
         }
         fa_cp_async_commit();
@@ -1025,13 +1031,13 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const int cur = it % STAGES, nxt = (it + 1) % STAGES;
             if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
                 fa_sync();
-                mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, q_vec);
-                mma_copy_tile<BLOCK_R>(s.do_, do_bh, i0, seqlen_q, stride_do_s, do_vec);
+                mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, q_vec);
+                mma_copy_tile<BLOCK_R>(s.do_, do_bh, i0, len_q, stride_do_s, do_vec);
                 fa_cp_async_commit();
                 for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                     const int row = i0 + r;
-                    s.lse[r] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                    s.delta[r] = row < seqlen_q ? delta_bh[row] : 0.f;
+                    s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                    s.delta[r] = row < len_q ? delta_bh[row] : 0.f;
                 }
             }
             fa_cp_async_wait_all();
@@ -1039,15 +1045,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
-                mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, seqlen_q, stride_q_s, q_vec);
-                mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, seqlen_q, stride_do_s, do_vec);
+                mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, len_q, stride_q_s, q_vec);
+                mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, len_q, stride_do_s, do_vec);
                 const int row = i0 + BLOCK_R + tid;
                 if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
                     if (tid < BLOCK_R) {
-                        s.lse[nxt * BLOCK_R + tid] = row < seqlen_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                        s.delta[nxt * BLOCK_R + tid] = row < seqlen_q ? delta_bh[row] : 0.f;
+                        s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] : 0.f;
                     }
-                } else if (tid < BLOCK_R && row < seqlen_q) {
+                } else if (tid < BLOCK_R && row < len_q) {
                     next_lse = lse_bh[row];
                     next_delta = delta_bh[row];
                 }
@@ -1207,7 +1213,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 }
             }
             if (!LSE_NOW && has_next && tid < BLOCK_R) {
-                s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < seqlen_q ? mma_lse2(next_lse) : -fa_neg_inf();
+                s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
                 s.delta[nxt * BLOCK_R + tid] = next_delta;
             }
             fa_sync();  // dS^T complete
@@ -1241,8 +1247,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int e = 0; e < 4; ++e) {
                         const int row = i0 + mt * 16 + g + (e >> 1) * 8;
                         const int x = nc * 16 + n * 8 + 2 * t4 + (e & 1);
-                        if (row < seqlen_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
-                            fa_atomic_add(dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
+                        if (row < len_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
+                            fa_atomic_add(dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
                     }
             }
         }
@@ -1263,11 +1269,11 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 dkv = dk_acc[n][e];
                 dvv = dv_acc[n][e];
             }
-            if (active && col < seqlen_k && x < HEAD_DIM) {
+            if (active && col < len_k && x < HEAD_DIM) {
                 // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
                 const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[b * stride_dk_b + (long long)col * stride_dk_s + (long long)hk * stride_dk_h + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
-                dv[b * stride_dv_b + (long long)col * stride_dv_s + (long long)hk * stride_dv_h + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
+                dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
             }
         }
 }
@@ -1290,8 +1296,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b = blockIdx.y, h = blockIdx.z;
     const int row = blockIdx.x * NUM_WARPS + warp;
-    if (row >= seqlen_q) return;
-    const float* src = dq_accum + (((long long)b * seqlen_q + row) * heads + h) * HEAD_DIM;
-    T* dst = dq + b * stride_dq_b + (long long)row * stride_dq_s + h * stride_dq_h;
+    const SeqInfo si = fa_seq(b, seqlen_q, seqlen_q, cu_seqlens_q, cu_seqlens_q);  // varlen: the packed sequence
+    if (row >= si.len_q) return;
+    const float* src = dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM;
+    T* dst = dq + fa_row_offset(si.q_tok0, b, row, h, stride_dq_b, stride_dq_s, stride_dq_h);
     for (int x = lane; x < HEAD_DIM; x += 32) dst[x] = fa_from_float<T>(src[x]);
 }

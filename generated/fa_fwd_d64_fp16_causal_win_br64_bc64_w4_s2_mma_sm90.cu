@@ -868,21 +868,26 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
     const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31
     const int i0 = i * BLOCK_R;
+    // The sequence (varlen: packed, cu_seqlens; the seqlen args are the max lengths). A Q block past
+    // its sequence's length returns before any barrier (uniform over the CTA).
+    const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
+    if (IS_VARLEN && i0 >= si.len_q) return;
+    const int len_q = si.len_q, len_k = si.len_k;
     const int wrow = warp * 16;  // this warp's Q rows within the block
     const bool active = wrow < BLOCK_R;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
     const float scale_log2 = scale * LOG2E;
 
-    const T* q_bh = q + b * stride_q_b + h * stride_q_h;
+    const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
-    const T* k_bh = k + b * stride_k_b + (long long)hk * stride_k_h;
-    const T* v_bh = v + b * stride_v_b + (long long)hk * stride_v_h;
+    const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
+    const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
     const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
-    const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
+    const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
     // softcap / ALiBi / bias (partials/score_mod.cuh); attn_mask addressed per element (stride 0 = broadcast).
     const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                              stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
@@ -890,10 +895,10 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     q_block_kv_range(i0, mp, &j_begin, &j_end);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
-    mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, seqlen_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
+    mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
     if (STAGES > 1 && j_begin < j_end) {
-        mma_copy_tile<BLOCK_C>(s.k, k_bh, j_begin, seqlen_k, stride_k_s, k_vec, kpm_b);
-        mma_copy_tile<BLOCK_C>(s.v, v_bh, j_begin, seqlen_k, stride_v_s, v_vec, kpm_b);
+        mma_copy_tile<BLOCK_C>(s.k, k_bh, j_begin, len_k, stride_k_s, k_vec, kpm_b);
+        mma_copy_tile<BLOCK_C>(s.v, v_bh, j_begin, len_k, stride_v_s, v_vec, kpm_b);
     }
     fa_cp_async_commit();
 
@@ -919,15 +924,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
-            mma_copy_tile<BLOCK_C>(s.k, k_bh, j0, seqlen_k, stride_k_s, k_vec, kpm_b);
-            mma_copy_tile<BLOCK_C>(s.v, v_bh, j0, seqlen_k, stride_v_s, v_vec, kpm_b);
+            mma_copy_tile<BLOCK_C>(s.k, k_bh, j0, len_k, stride_k_s, k_vec, kpm_b);
+            mma_copy_tile<BLOCK_C>(s.v, v_bh, j0, len_k, stride_v_s, v_vec, kpm_b);
             fa_cp_async_commit();
         }
         fa_cp_async_wait_all();
         fa_sync();  // stage cur has landed for every thread; step j-1 is done with stage nxt
         if (STAGES > 1 && j0 + BLOCK_C < j_end) {
-            mma_copy_tile<BLOCK_C>(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, seqlen_k, stride_k_s, k_vec, kpm_b);
-            mma_copy_tile<BLOCK_C>(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, seqlen_k, stride_v_s, v_vec, kpm_b);
+            mma_copy_tile<BLOCK_C>(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
+            mma_copy_tile<BLOCK_C>(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
         }
         fa_cp_async_commit();
         const T* sk = s.k + cur * BLOCK_C * LD;
@@ -1091,8 +1096,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         const bool empty = any == 0u, dead = !empty && m_r[r] == NEG_INF;
         const float inv = empty ? 0.f : (dead ? nan : rp / l);
         const int row = i0 + wrow + g + r * 8;
-        if (!active || row >= seqlen_q) continue;
-        T* o_row = o + b * stride_o_b + (long long)row * stride_o_s + h * stride_o_h;
+        if (!active || row >= len_q) continue;
+        T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
 #pragma unroll
         for (int n = 0; n < NT_D; ++n)
 #pragma unroll
@@ -1100,6 +1105,6 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 const int x = n * 8 + 2 * t4 + (e & 1);
                 if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[n][e] * inv);  // dead: NaN
             }
-        if (t4 == 0) lse[b * stride_lse_b + h * stride_lse_h + row] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
+        if (t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
     }
 }

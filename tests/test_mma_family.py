@@ -273,6 +273,12 @@ MMA_FEATURE_CASES = [  # the spec features the family lists and GQA, fp16/bf16 o
     ("combo-window-softcap-alibi-dropout-bf16", dict(dtype="bfloat16", heads=4, heads_kv=2, seqlen_q=41, seqlen_k=70,
                                                      causal=True, window=(20, -1), softcap=4.0, alibi="h",
                                                      dropout_p=0.2, q_scale=2.0, tile=(16, 16, 2))),
+    # varlen: packed sequences (lengths 0 and 1 included); blocks past a sequence's length return
+    ("varlen-gqa-causal-window-softcap-dropout-fp16", dict(heads=4, heads_kv=2, causal=True, window=(11, -1),
+                                                          softcap=4.0, dropout_p=0.25, q_scale=2.0, tile=(16, 16, 1),
+                                                          lens=((13, 20), (0, 5), (1, 1), (40, 33), (7, 0), (17, 17)))),
+    ("varlen-alibi-causal-bf16", dict(dtype="bfloat16", heads=2, heads_kv=1, head_dim=64, alibi="bh", causal=True,
+                                      lens=((40, 45), (3, 17), (25, 2)))),
     ("d128-softcap-bias-grad-topleft-fp16", dict(batch=1, heads=2, heads_kv=2, seqlen_q=70, seqlen_k=40, head_dim=128,
                                                  causal=True, align="top_left", softcap=3.0, bias=(1, 2, 70, 40))),
 ]
@@ -288,7 +294,7 @@ def test_features_through_the_mma_kernels(name: str, kw: dict) -> None:
 
 
 def test_features_without_an_mma_path_fall_back_to_simt() -> None:
-    assert {"window", "top_left", "softcap", "alibi", "bias", "bias_grad"} <= MMA.features
+    assert {"window", "top_left", "softcap", "alibi", "bias", "bias_grad", "varlen"} <= MMA.features
     assert KernelSpec(head_dim=64, window=True, causal_align="top_left").impl == "mma"
     assert KernelSpec(head_dim=64, softcap=True, alibi=True, bias=True, bias_grad=True).impl == "mma"
     assert KernelSpec(head_dim=64, attn_mask=True).impl == "simt"

@@ -43,9 +43,10 @@ class MmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     knobs: tuple[Knob, ...] = (STAGES,)
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
-    #: score modifications of partials/score_mod.cuh and dBias; GQA needs no flag). attn_mask (with every
-    #: other flag the d = 128 backward spills 4-8 bytes), varlen and the deterministic backward take SIMT.
-    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "bias", "bias_grad"})
+    #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
+    #: flag). attn_mask (with every other flag the d = 128 backward spills 4-8 bytes) and the deterministic
+    #: backward take SIMT.
+    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "bias", "bias_grad", "varlen"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.
