@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .families import (MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, default_family, family_names, feature_reason,
-                       get_family)
+from .families import (MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, combination_reason, default_family, family_names,
+                       feature_reason, get_family)
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
@@ -207,7 +207,7 @@ class KernelSpec(BaseModel):
         for name in family_names():
             fam = get_family(name)
             why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
-                feature_reason(fam, self.features)
+                feature_reason(fam, self.features) or combination_reason(fam, self)
             if why:
                 unsupported.append(f"{name}: {why}")
                 continue
@@ -228,7 +228,7 @@ class KernelSpec(BaseModel):
         """Resolve impl and knobs for ``fam`` and check the spec against it; the error, or None."""
         object.__setattr__(self, "impl", fam.name)
         why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
-            feature_reason(fam, self.features)
+            feature_reason(fam, self.features) or combination_reason(fam, self)
         if why:
             return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
         given = dict(self.knobs or ())

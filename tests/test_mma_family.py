@@ -281,6 +281,13 @@ MMA_FEATURE_CASES = [  # the spec features the family lists and GQA, fp16/bf16 o
                                       lens=((40, 45), (3, 17), (25, 2)))),
     ("d128-softcap-bias-grad-topleft-fp16", dict(batch=1, heads=2, heads_kv=2, seqlen_q=70, seqlen_k=40, head_dim=128,
                                                  causal=True, align="top_left", softcap=3.0, bias=(1, 2, 70, 40))),
+    # bool attn_mask with broadcast strides (per element; no tile is fully visible with it)
+    ("mask-b1qk-causal-fp16", dict(mask=(2, 1, 37, 45), causal=True, tile=(16, 16, 1))),
+    ("mask-1h1k-gqa-bf16", dict(dtype="bfloat16", heads=4, heads_kv=2, mask=(1, 4, 1, 45))),
+    ("mask-softcap-alibi-bias-dropout-fp16", dict(head_dim=64, mask=(2, 1, 37, 45), softcap=4.0, alibi="h",
+                                                  bias=(1, 4, 37, 45), dropout_p=0.2, q_scale=2.0, tile=(16, 16, 2))),
+    ("d128-mask-window-dropout-bf16", dict(dtype="bfloat16", batch=1, heads=2, heads_kv=2, head_dim=128,
+                                           mask=(1, 2, 1, 45), window=(15, 3), dropout_p=0.2)),
 ]
 
 
@@ -294,9 +301,31 @@ def test_features_through_the_mma_kernels(name: str, kw: dict) -> None:
 
 
 def test_features_without_an_mma_path_fall_back_to_simt() -> None:
-    assert {"window", "top_left", "softcap", "alibi", "bias", "bias_grad", "varlen"} <= MMA.features
+    assert {"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen"} <= MMA.features
     assert KernelSpec(head_dim=64, window=True, causal_align="top_left").impl == "mma"
     assert KernelSpec(head_dim=64, softcap=True, alibi=True, bias=True, bias_grad=True).impl == "mma"
-    assert KernelSpec(head_dim=64, attn_mask=True).impl == "simt"
-    with pytest.raises(ValidationError, match="attn_mask"):
-        KernelSpec(head_dim=64, attn_mask=True, impl="mma")
+    assert KernelSpec(head_dim=64, attn_mask=True).impl == "mma"
+    assert KernelSpec(direction="fwd", head_dim=64, deterministic=False).impl == "mma"
+    with pytest.raises(ValidationError, match="deterministic"):
+        KernelSpec(head_dim=64, deterministic=True, impl="mma")
+
+
+@pytest.mark.parametrize("d", [112, 128])
+def test_attn_mask_with_a_score_modification_declines_past_the_register_budget(d: int) -> None:
+    """The backward's dK~/dV~ accumulators (padded_dim registers) plus the masked score step pass the
+    launch bounds' register budget: impl=None takes SIMT, impl="mma" says why; the forward, the
+    mask alone, and head dims whose accumulators live in smem stay on mma."""
+    from fagen.autotune.candidates import enumerate_candidates
+    from fagen.families.mma import MASKED_SCORE_MOD_STEP_REGS
+
+    assert padded_dim(d) + MASKED_SCORE_MOD_STEP_REGS > MMA.min_regs_per_thread
+    spec = KernelSpec(head_dim=d, attn_mask=True, softcap=True)
+    assert spec.impl == "simt"
+    mma_cands = [c for c in enumerate_candidates(spec, sizes=(16, 64), warps=(4,)) if c.impl == "mma"]
+    assert mma_cands and all(c.status == "rejected" and "attn_mask with softcap" in c.reason for c in mma_cands)
+    with pytest.raises(ValidationError, match="attn_mask with softcap/alibi/bias"):
+        KernelSpec(head_dim=d, attn_mask=True, bias=True, impl="mma")
+    assert KernelSpec(head_dim=d, attn_mask=True, dropout=True, window=True).impl == "mma"
+    assert KernelSpec(direction="fwd", head_dim=d, attn_mask=True, softcap=True, alibi=True).impl == "mma"
+    assert KernelSpec(head_dim=256, attn_mask=True, softcap=True).impl == "mma"
+    assert KernelSpec(head_dim=96, attn_mask=True, softcap=True, alibi=True, bias=True).impl == "mma"

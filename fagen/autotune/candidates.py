@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from ..compiler import CompiledModule, compile as compile_spec
 from ..errors import CacheDirError, CompileError
-from ..families import Family, family_names, feature_reason, get_family
+from ..families import Family, combination_reason, family_names, feature_reason, get_family
 from ..spec import ARCH_SMEM_OPTIN, REGS_PER_SM, KernelSpec
 from . import sassloops
 from .sassloops import LoopMix
@@ -151,7 +151,7 @@ def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs
                   *, is_paper: bool, is_default: bool) -> Candidate:
     cand = Candidate(fam.name, br, bc, w, knobs, is_paper=is_paper, is_default=is_default)
     why = fam.unsupported_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch) or \
-        feature_reason(fam, spec.features)
+        feature_reason(fam, spec.features) or combination_reason(fam, spec)
     if why:
         return cand.reject(f"family {fam.name} unsupported: {why}")
     bad = fam.config_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch, br, bc, w, dict(knobs))

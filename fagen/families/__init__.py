@@ -160,6 +160,10 @@ class FamilyBase:
     def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
         return None
 
+    def combination_reason(self, spec: "KernelSpec") -> str | None:
+        """Why this family declines the spec's combination of features it implements one by one, or None."""
+        return None
+
     def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
                       num_warps: int, knobs: Mapping[str, int]) -> Reason | None:
         q = self.tile_multiple
@@ -235,6 +239,13 @@ def feature_reason(family: Family, wanted: frozenset[str]) -> str | None:
     if not missing:
         return None
     return f"its templates do not implement {', '.join(missing)} yet (implemented: {sorted(have) or 'none'})"
+
+
+def combination_reason(family: Family, spec: "KernelSpec") -> str | None:
+    """Why ``family`` declines this combination of features it implements one by one (its
+    ``combination_reason``, e.g. a register budget), or None."""
+    decline = getattr(family, "combination_reason", None)
+    return decline(spec) if decline is not None else None
 
 
 def default_family(direction: str, head_dim: int, dtype: str, arch: str) -> str | None:

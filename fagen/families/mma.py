@@ -26,6 +26,11 @@ STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed
 #: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
 MAX_REG_ACC_DIM = 128
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: Registers the backward step holds besides its dK~/dV~ accumulators when attn_mask meets a score
+#: modification (softcap, ALiBi, bias): the one-pass elementwise branch keeps the mask addressing and
+#: the ScoreParams live together. Measured with ptxas (sm_90, every flag on): 242 registers at d = 96,
+#: whose accumulators take 96.
+MASKED_SCORE_MOD_STEP_REGS = 146
 
 
 def padded_dim(head_dim: int) -> int:
@@ -45,8 +50,9 @@ class MmaFamily(FamilyBase):
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
     #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
     #: flag). attn_mask (with every other flag the d = 128 backward spills 4-8 bytes) and the deterministic
-    #: backward take SIMT.
-    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "bias", "bias_grad", "varlen"})
+    #: backward take SIMT; so do the combinations ``combination_reason`` declines.
+    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
+                                          "varlen"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.
@@ -58,6 +64,19 @@ class MmaFamily(FamilyBase):
                     "operands); use impl='simt'")
         if arch < "sm_80":  # pragma: no cover - the spec admits sm_80+ only
             return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
+        return None
+
+    def combination_reason(self, spec: "KernelSpec") -> str | None:
+        """Register budget of the backward: its dK~/dV~ accumulators live in registers up to
+        MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
+        modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
+        ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
+        dp = padded_dim(spec.head_dim)
+        if (spec.direction == "bwd" and spec.attn_mask and (spec.softcap or spec.alibi or spec.bias)
+                and dp <= MAX_REG_ACC_DIM and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
+            return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={spec.head_dim}: the dK~/dV~ "
+                    f"accumulators ({dp} registers) and the masked score step ({MASKED_SCORE_MOD_STEP_REGS}) "
+                    f"exceed {self.min_regs_per_thread} registers per thread")
         return None
 
     def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
