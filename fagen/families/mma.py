@@ -49,8 +49,8 @@ class MmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
     #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
-    #: flag). attn_mask (with every other flag the d = 128 backward spills 4-8 bytes) and the deterministic
-    #: backward take SIMT; so do the combinations ``combination_reason`` declines.
+    #: flag), the bool attn_mask. The deterministic backward takes SIMT; so do the combinations
+    #: ``combination_reason`` declines.
     features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
                                           "varlen"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
