@@ -5,6 +5,7 @@ CPU (emulator), no downloads: every model has head_dim 16, so all of them share 
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from typing import Any
 
@@ -151,7 +152,8 @@ def test_missing_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 @needs_transformers
 def test_old_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tr, "__version__", "4.57.1")
+    # the module register() imports now (another test may have re-imported transformers since this file did)
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"transformers>=5.24,<6, found 4.57.1"):
         ft.register()
 
