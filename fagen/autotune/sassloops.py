@@ -11,15 +11,10 @@ on throughput: a ceiling). ``fagen.sass`` disassembles
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from .. import sass
 
-_SECTION = re.compile(r"^\s*\.section\s+\.text\.([A-Za-z_$][\w$]*)")
-_ADDR = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/")
-_LABEL = re.compile(r"^([.\w$]+):\s*$")
-_TARGET = re.compile(r"`\(([.\w$]+)\)")
 
 Mix = tuple[tuple[str, int], ...]
 
@@ -46,44 +41,13 @@ class LoopMix:
         return out
 
 
-def _spans(text: str, kernel: str) -> list[tuple[int, int]]:
-    """(start, end) address spans closed by a backward branch in ``kernel``."""
-    labels: dict[str, int] = {}
-    pending: list[str] = []
-    branches: list[tuple[int, str]] = []
-    current = None
-    for line in text.splitlines():
-        m = _SECTION.match(line)
-        if m:
-            current = m.group(1)
-            pending = []
-            continue
-        if current != kernel:
-            continue
-        m = _LABEL.match(line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = _ADDR.match(line)
-        if m:
-            addr = int(m.group(1), 16)
-            for name in pending:
-                labels[name] = addr
-            pending = []
-            if " BRA " in line or " JMP " in line or "BRA `" in line:
-                t = _TARGET.search(line)
-                if t:
-                    branches.append((addr, t.group(1)))
-    return [(labels[t], a) for a, t in branches if t in labels and labels[t] <= a]
-
-
 def main_loop_mix(cubin: bytes, kernel: str) -> LoopMix | None:
     """The split mix of ``kernel``'s main loop, or None (no disassembler, no loop)."""
     text = sass.disassemble(cubin)
     if text is None:
         return None
     instrs = sass.parse(text).get(kernel)
-    spans = _spans(text, kernel)
+    spans = sass.loop_spans(text).get(kernel, [])
     if not instrs or not spans:
         return None
     main = max(spans, key=lambda s: (s[1] - s[0], -s[0]))
