@@ -3,10 +3,16 @@
 A recording stand-in for CuPy packs arguments the way CuPy does (numpy scalars by
 their own itemsize, a bare ``int`` as 8 bytes, a ``float`` as float64) and takes
 grid/block only as tuples, like its Cython signature.
+
+The expected bytes come from the kernels' C signatures, parsed here from the rendered
+CUDA source, and from a C type table written here (not from fagen.abi or the launcher's
+own table): a launcher that packed ``float`` as an integer, or passed two parameters
+in each other's places, fails.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 import sys
 import types
@@ -17,21 +23,51 @@ import numpy as np
 import pytest
 import torch
 
-from fagen.abi import ROLES
-from fagen.errors import InputError
+from fagen.errors import InputError, SpecError
 from fagen.renderer import render
 from fagen.runtime import gpu
 from fagen.spec import KernelSpec
 
-#: C parameter type -> struct format of its bytes in the kernel's parameter buffer (little-endian).
-_FORMAT = {"int": "<i", "unsigned int": "<I", "long long": "<q", "unsigned long long": "<Q", "float": "<f"}
-_NUMPY = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64,
-          "float": np.float32}
+#: C scalar type -> (struct format of its bytes in the kernel's parameter buffer, numpy type CuPy packs).
+_C_TYPES = {"int": ("<i", np.int32), "unsigned int": ("<I", np.uint32), "long long": ("<q", np.int64),
+            "unsigned long long": ("<Q", np.uint64), "float": ("<f", np.float32)}
+#: Element types a kernel pointer may point to (pointers are 64-bit device addresses).
+_POINTEES = {"__half", "__nv_bfloat16", "float", "int", "unsigned char"}
+_POINTER = ("<Q", np.uint64)
+_FORMAT = {t: f for t, (f, _) in _C_TYPES.items()}
+_NUMPY = {t: n for t, (_, n) in _C_TYPES.items()}
 _CUPY_SCALARS = {np.dtype(c).type for c in "?bhilqBHILQefdFD"}
+
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s+)?'
+                    r'([A-Za-z_]\w*)\s*\(([^()]*)\)')
+_PARAM = re.compile(r"^(const\s+)?([A-Za-z_][\w ]*?)\s*(\*?)\s*([A-Za-z_]\w*)$")
+
+
+def signatures(source: str) -> dict[str, list[tuple[str, str]]]:
+    """kernel name -> [(C type, parameter name)] of every ``extern "C" __global__`` entry point."""
+    out = {}
+    for name, params in _ENTRY.findall(source):
+        parsed = []
+        for p in params.split(","):
+            m = _PARAM.match(" ".join(p.split()))
+            assert m, (name, p)
+            const, base, star, pname = m.groups()
+            parsed.append((f"{const or ''}{base}{star}", pname))
+        assert name not in out, name
+        out[name] = parsed
+    return out
+
+
+def _layout(ctype: str) -> tuple[str, type]:
+    """(struct format, numpy type) of a C parameter type, from the tables above."""
+    if ctype.endswith("*"):
+        assert ctype.removeprefix("const ").removesuffix("*") in _POINTEES, ctype
+        return _POINTER
+    return _C_TYPES[ctype]
 
 
 def _fmt(ctype: str) -> str:
-    return "<Q" if ctype.endswith("*") else _FORMAT[ctype]
+    return _layout(ctype)[0]
 
 
 def _cupy_bytes(x: object) -> bytes:
@@ -55,22 +91,74 @@ def _sample(ctype: str, name: str) -> int | float:
             "unsigned long long": 2**64 - 1, "float": 0.125}[ctype]
 
 
+def _distinct(sig: list[tuple[str, str]]) -> dict[str, int | float]:
+    """A different value for every parameter, each using its type's full width (a swap of any two
+    parameters, or a value cut to 32 bits, changes the bytes); ``scale`` is 0.125."""
+    out: dict[str, int | float] = {}
+    for i, (ctype, name) in enumerate(sig):
+        if ctype.endswith("*"):
+            out[name] = (0xFFFF_FF00_0000_0000 if i % 2 else 0x7F00_0000_0000) + 0x100 * (i + 1)
+        elif ctype == "float":
+            out[name] = 0.125 if name == "scale" else 1.5 + i / 4  # exact in float32
+        else:
+            out[name] = {"int": -(2**30) - i, "unsigned int": 2**31 + i, "long long": -(2**40) - i,
+                         "unsigned long long": 2**63 + i}[ctype]
+    return out
+
+
 SPECS = [KernelSpec(direction=d, head_dim=64, dtype=dt, causal=True, key_padding=True, dropout=True, arch="sm_90")
          for d in ("bwd", "fwd") for dt in ("float16", "bfloat16", "float32")]
 
+#: Every role of every family (simt, mma; fwd, bwd, the deterministic bwd's dq), with feature flags.
+_ALL_FLAGS = dict(causal=True, key_padding=True, dropout=True, window=True, softcap=True, alibi=True,
+                  attn_mask=True, varlen=True)
+LAUNCH_SPECS = {
+    "simt-fwd-fp32": dict(direction="fwd", head_dim=16, dtype="float32", arch="sm_86", impl="simt"),
+    "simt-fwd-fp16-flags": dict(direction="fwd", head_dim=64, dtype="float16", impl="simt", **_ALL_FLAGS),
+    "simt-bwd-bf16-bias": dict(direction="bwd", head_dim=32, dtype="bfloat16", impl="simt", dropout=True,
+                               softcap=True, bias=True, bias_grad=True, varlen=True),
+    "simt-bwd-det-fp32": dict(direction="bwd", head_dim=32, dtype="float32", impl="simt", deterministic=True,
+                              causal=True, key_padding=True, attn_mask=True),
+    "mma-fwd-bf16-flags": dict(direction="fwd", head_dim=64, dtype="bfloat16", impl="mma", **_ALL_FLAGS),
+    "mma-fwd-fp16-bias": dict(direction="fwd", head_dim=64, dtype="float16", arch="sm_80", impl="mma", bias=True),
+    "mma-bwd-fp16-flags": dict(direction="bwd", head_dim=64, dtype="float16", impl="mma", causal=True, dropout=True,
+                               window=True, bias=True, bias_grad=True, varlen=True),
+    "mma-bwd-det-fp16": dict(direction="bwd", head_dim=64, dtype="float16", impl="mma", deterministic=True,
+                             causal=True, key_padding=True),
+}
+#: The kernels a spec launches, by the suffix of their entry points.
+_ROLES = {("fwd", False): {"main"}, ("bwd", False): {"pre", "main", "post"},
+          ("bwd", True): {"pre", "main", "dq", "post"}}
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_every_parameter_has_its_c_width_and_bytes(spec: KernelSpec) -> None:
-    kernels = render(spec).kernels
-    assert {k.role.name for k in kernels} == {r.name for r in ROLES[spec.direction]}
-    for k in kernels:
-        assert len(k.params) == len(k.role.params)
-        for ctype, name in k.params:
-            value = _sample(ctype, name)
-            arg = gpu.to_cuda_arg(ctype, value, name)
-            want = np.uint64 if ctype.endswith("*") else _NUMPY[ctype]
-            assert type(arg) is want, (k.name, name, ctype)
-            assert _cupy_bytes(arg) == struct.pack(_fmt(ctype), value), (k.name, name)
+
+def _launch_spec(case: str) -> KernelSpec:
+    try:
+        return KernelSpec(**LAUNCH_SPECS[case])
+    except (SpecError, ValueError) as exc:
+        if "do not implement" in str(exc):  # a family whose templates lack a feature so far
+            pytest.skip(f"{case}: {exc}")
+        raise
+
+
+def _signatures_of(spec: KernelSpec) -> dict[str, list[tuple[str, str]]]:
+    sigs = signatures(render(spec).source)
+    want = {f"{spec.name}_{r}" for r in _ROLES[(spec.direction, spec.deterministic)]}
+    assert set(sigs) == want == {k.name for k in render(spec).kernels}
+    return sigs
+
+
+@pytest.mark.parametrize("spec", SPECS + [pytest.param(c, id=c) for c in LAUNCH_SPECS], ids=lambda s: s.name)
+def test_every_parameter_has_its_c_width_and_bytes(spec: KernelSpec | str) -> None:
+    spec = _launch_spec(spec) if isinstance(spec, str) else spec
+    for kernel, sig in _signatures_of(spec).items():
+        assert [p for p in render(spec).kernel(kernel.rsplit("_", 1)[1]).params] == sig  # the launcher's list
+        for ctype, name in sig:
+            fmt, want = _layout(ctype)
+            for value in (_sample(ctype, name), _distinct(sig)[name]):
+                arg = gpu.to_cuda_arg(ctype, value, name)
+                assert type(arg) is want, (kernel, name, ctype)
+                assert _cupy_bytes(arg) == struct.pack(fmt, value), (kernel, name)
+    assert _cupy_bytes(gpu.to_cuda_arg("float", 0.125, "scale")) == bytes.fromhex("0000003e")  # 0x3E000000
 
 
 @pytest.mark.parametrize("ctype,value,match", [
@@ -145,7 +233,8 @@ class FakeCupy:
             def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
                 if type(grid) is not tuple or type(block) is not tuple or type(args) is not tuple:
                     raise TypeError("grid, block and args must be tuples")  # CuPy's Cython signature
-                log.append(("launch", self.name, grid, block, [_cupy_bytes(a) for a in args], shared_mem))
+                log.append(("launch", self.name, grid, block, [_cupy_bytes(a) for a in args],
+                            [type(a) for a in args], shared_mem))
 
         class RawModule:
             def __init__(self, *, path: str) -> None:
@@ -188,18 +277,16 @@ def _args(kern) -> dict:
     return {n: _sample(t, n) for t, n in kern.params}
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[4]], ids=lambda s: s.name)
-def test_launch_through_recording_cupy(fake_cupy, spec: KernelSpec) -> None:
-    fake = fake_cupy()
-    mod = gpu.GpuModule(spec)
-    for kern in mod.compiled.rendered.kernels:
-        mod.launch(kern, (3, 2, 1), _args(kern))
+def _check_recorded_launches(fake: FakeCupy, mod: gpu.GpuModule, grid: tuple[int, int, int]) -> None:
+    """Every kernel was launched once on (grid, its block, its smem) with, parameter by parameter in the
+    order of its C signature, exactly the bytes struct.pack gives for the value passed by name."""
     log = fake.log
     loads = [e for e in log if e[0] == "load"]
     assert len(loads) == 1 and Path(loads[0][1]).read_bytes() == mod.compiled.cubin
     assert ("getattr", 97, 0) in log
     first_launch = next(i for i, e in enumerate(log) if e[0] == "launch")
     static = {r.kernel: r.static_smem_bytes for r in mod.compiled.resources}
+    sigs = _signatures_of(mod.spec)
     for kern in mod.compiled.rendered.kernels:
         optin = ("attr", kern.name, "max_dynamic_shared_size_bytes", kern.smem_bytes)
         if static[kern.name] + kern.smem_bytes > 48 * 1024:
@@ -207,9 +294,26 @@ def test_launch_through_recording_cupy(fake_cupy, spec: KernelSpec) -> None:
         else:
             assert optin not in log
         (launch,) = [e for e in log if e[0] == "launch" and e[1] == kern.name]
-        assert launch[2:4] == ((3, 2, 1), kern.block) and launch[5] == kern.smem_bytes
-        assert launch[4] == [struct.pack(_fmt(t), _sample(t, n)) for t, n in kern.params]
+        assert launch[2:4] == (grid, kern.block) and launch[6] == kern.smem_bytes
+        sig, args = sigs[kern.name], _distinct(sigs[kern.name])
+        assert len(launch[4]) == len(sig), kern.name
+        for (ctype, name), got, kind in zip(sig, launch[4], launch[5]):
+            fmt, want = _layout(ctype)
+            assert (got, kind) == (struct.pack(fmt, args[name]), want), (kern.name, name, ctype)
+        if "scale" in args:
+            assert launch[4][[n for _, n in sig].index("scale")] == bytes.fromhex("0000003e")  # 0.125 as float32
     assert log.count(("stream", 0xABC)) == len(mod.compiled.rendered.kernels)
+
+
+@pytest.mark.parametrize("case", list(LAUNCH_SPECS))
+def test_launch_through_recording_cupy(fake_cupy, case: str) -> None:
+    spec = _launch_spec(case)
+    fake = fake_cupy()
+    mod = gpu.GpuModule(spec)
+    sigs = _signatures_of(spec)
+    for kern in mod.compiled.rendered.kernels:
+        mod.launch(kern, (3, 2, 1), _distinct(sigs[kern.name]))
+    _check_recorded_launches(fake, mod, (3, 2, 1))
 
 
 def test_static_smem_counts_toward_the_opt_in(fake_cupy) -> None:
