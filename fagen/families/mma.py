@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..layout import SmemLayout, place
+from ..abi import Role
+from ..layout import SmemLayout, align_up, place
 from . import FamilyBase, Knob, PairCost, Reason, register
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,10 +50,10 @@ class MmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
     #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
-    #: flag), the bool attn_mask. The deterministic backward takes SIMT; so do the combinations
-    #: ``combination_reason`` declines.
+    #: flag), the bool attn_mask and the deterministic backward (its ``dq`` kernel). The combinations
+    #: ``combination_reason`` declines take SIMT.
     features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
-                                          "varlen"})
+                                          "varlen", "deterministic"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.
@@ -128,6 +129,13 @@ class MmaFamily(FamilyBase):
                 ("v", "T", stages * block_c * ld, itemsize),
             ])
         raise ValueError(f"unknown direction {direction!r}")
+
+    def role_smem_bytes(self, spec: "KernelSpec", role: Role) -> int:
+        """The deterministic dq kernel carves the backward layout but uses its K/V tiles and Q/dO
+        stages only (K_j/V_j stage 1 in Q/dO stage 1): the prefix up to dS^T."""
+        if role.name == "dq":
+            return align_up(next(b.offset for b in spec.smem_layout.buffers if b.name == "ds"))
+        return super().role_smem_bytes(spec, role)
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
