@@ -16,6 +16,7 @@ from fagen.cli import main
 from fagen.families import default_family, family_names, get_family
 from fagen.families.mma import padded_dim
 from fagen.philox import drop_threshold
+from fagen.renderer import render
 from fagen.spec import ARCH_SMEM_OPTIN, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE
 
 MMA = get_family("mma")
@@ -193,6 +194,10 @@ def test_pair_cost_counts_exactly_the_tile_pairs_flops(direction: str, d: int, b
     assert pc.atomics == (block_r * d if direction == "bwd" else 0)
     assert pc.lds_wavefronts > 0 and pc.warp_instructions > pc.warp_iterations
     assert pc.warp_balance(num_warps) == pytest.approx(1.0, abs=0.2)
+    if direction == "bwd":  # deterministic: main 4 GEMMs (no dQ) + dq kernel 3 (S, dP recomputed, dQ), no atomics
+        det = MMA.pair_cost(spec.replace(deterministic=True), block_r, block_c)
+        assert det.warp_iterations * 2 * 16 * 8 * 16 == 7 * 2 * block_r * block_c * d
+        assert det.atomics == 0 and det.warp_instructions > pc.warp_instructions
 
 
 def test_pair_cost_sees_idle_warps() -> None:
@@ -301,13 +306,72 @@ def test_features_through_the_mma_kernels(name: str, kw: dict) -> None:
 
 
 def test_features_without_an_mma_path_fall_back_to_simt() -> None:
-    assert {"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen"} <= MMA.features
+    assert {"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen",
+            "deterministic"} <= MMA.features
     assert KernelSpec(head_dim=64, window=True, causal_align="top_left").impl == "mma"
     assert KernelSpec(head_dim=64, softcap=True, alibi=True, bias=True, bias_grad=True).impl == "mma"
     assert KernelSpec(head_dim=64, attn_mask=True).impl == "mma"
-    assert KernelSpec(direction="fwd", head_dim=64, deterministic=False).impl == "mma"
-    with pytest.raises(ValidationError, match="deterministic"):
-        KernelSpec(head_dim=64, deterministic=True, impl="mma")
+    assert KernelSpec(head_dim=64, deterministic=True).impl == "mma"
+    assert KernelSpec(head_dim=64, dtype="float32", deterministic=True).impl == "simt"
+    with pytest.raises(ValidationError, match="float64"):
+        KernelSpec(head_dim=64, dtype="float64", impl="mma")
+
+
+# ------------------------------------------------------------------ deterministic backward
+MMA_DET_CASES = [  # the dq kernel: head dims 59/111/128/256, every feature, passes and pipeline variants
+    ("d59-gqa-causal-fp16", dict(heads=4, heads_kv=2, seqlen_q=19, seqlen_k=23, head_dim=59, causal=True)),
+    ("d111-window-bf16", dict(dtype="bfloat16", batch=1, heads=2, heads_kv=2, seqlen_q=17, seqlen_k=30, head_dim=111,
+                              window=(8, 8))),
+    ("d128-causal-dropout-fp16", dict(batch=1, heads=2, heads_kv=2, seqlen_q=40, seqlen_k=70, head_dim=128,
+                                      causal=True, dropout_p=0.2)),
+    ("d256-gqa-window-fp16", dict(batch=1, heads=2, heads_kv=1, seqlen_q=20, seqlen_k=33, head_dim=256, causal=True,
+                                  window=(12, -1))),
+    ("varlen-gqa-window-causal-dropout-softcap-fp16",
+     dict(heads=4, heads_kv=2, causal=True, window=(11, -1), softcap=4.0, dropout_p=0.25, q_scale=2.0,
+          tile=(32, 32, 2), lens=((13, 20), (0, 5), (1, 1), (70, 53), (7, 0), (17, 17)))),
+    # block_c > block_r: one K/V stage; attn_mask with every score modification, dBias by the main kernel
+    ("mask-softcap-alibi-bias-dropout-1stage-bf16",
+     dict(dtype="bfloat16", head_dim=64, mask=(2, 1, 37, 45), softcap=4.0, alibi="bh", bias=(1, 4, 37, 45),
+          dropout_p=0.2, q_scale=2.0, tile=(16, 32, 2))),
+    ("topleft-causal-nq>nk-fp16", dict(seqlen_q=50, seqlen_k=29, head_dim=40, causal=True, align="top_left",
+                                       tile=(32, 16, 2))),
+]
+
+
+@pytest.mark.parametrize("name,kw", MMA_DET_CASES, ids=[n for n, _ in MMA_DET_CASES])
+def test_deterministic_backward_through_the_mma_kernels(name: str, kw: dict) -> None:
+    """The deterministic backward (dq kernel with Q outer, no dQ atomics) on the mma kernels, judged
+    by the feature suite's harness (float64 reference, flash-attn's criterion, fully masked rows zero)."""
+    from test_features_simt import FeatCase, check_case, specs
+
+    case = FeatCase(f"mma-det-{name}", deterministic=True, **kw)
+    assert [k.role.name for k in render(specs(case, "mma")[1]).kernels] == ["pre", "main", "dq", "post"]
+    check_case(case, "mma")
+
+
+def test_deterministic_dq_is_bitwise_independent_of_the_pipeline_and_dk_dv_of_the_mode() -> None:
+    """The dq kernel's summation order is fixed by the code: one or two cp.async stages, and a Q block
+    of 64 rows taken in two passes of 32 (2 warps) instead of one of 32, give the same dQ bits; dK/dV
+    come from the same main kernel arithmetic with or without the deterministic dq pass."""
+    g = torch.Generator().manual_seed(5)
+    B, Nq, Nk, H, Hk, d = 2, 45, 77, 4, 2, 48
+    q, do = (torch.randn(B, Nq, H, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(B, Nk, Hk, d, generator=g).half() for _ in range(2))
+    mask = torch.rand(B, Nk, generator=g) > 0.2
+    kw = dict(causal=True, key_padding_mask=mask, dropout_p=0.1, seed=9)
+    base = dict(head_dim=d, causal=True, key_padding=True, dropout=True, block_r=32, block_c=32, num_warps=2,
+                impl="mma")
+    o, lse = F.run_forward(KernelSpec(direction="fwd", **base), q, k, v, **kw)
+    det = [F.run_backward(KernelSpec(deterministic=True, knobs={"stages": s}, **base), do, q, k, v, o, lse, **kw)
+           for s in (1, 2)]
+    two_pass = F.run_backward(KernelSpec(deterministic=True, **{**base, "block_r": 64}), do, q, k, v, o, lse, **kw)
+    atomic = F.run_backward(KernelSpec(**base), do, q, k, v, o, lse, **kw)
+    assert torch.equal(det[0][0].view(torch.int16), two_pass[0].view(torch.int16))
+    for name, a, b, c in zip(("dq", "dk", "dv"), det[0], det[1], atomic):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+        if name != "dq":
+            assert torch.equal(a.view(torch.int16), c.view(torch.int16)), name
+    torch.testing.assert_close(det[0][0], atomic[0], rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("d", [112, 128])

@@ -59,3 +59,25 @@ def test_wide_head_dims_compile_without_spills(direction: str, d: int) -> None:
     mod = compile(spec)
     assert all(r.spill_bytes == 0 for r in mod.resources), [(r.kernel, r.spill_bytes) for r in mod.resources]
     assert sass.instruction_mix(mod.cubin)[mod.rendered.kernel("main").name].get("HMMA", 0) > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d,flags", [(64, dict(causal=True)), (128, dict(causal=True)),
+                                     (128, dict(causal=True, dropout=True, window=True, softcap=True, varlen=True)),
+                                     (256, dict(causal=True, key_padding=True, dropout=True, alibi=True))])
+def test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics(arch: str, d: int, flags: dict) -> None:
+    """The deterministic backward's dq kernel: HMMA, ldmatrix and cp.async, no spills or local memory,
+    and no global reduction or atomic (RED/ATOM) in any of the four kernels."""
+    spec = KernelSpec(head_dim=d, dtype="float16", deterministic=True, arch=arch, sram_bytes=ARCH_SMEM_OPTIN[arch],
+                      **flags)
+    assert spec.impl == "mma"
+    mod = compile(spec)
+    mix = sass.instruction_mix(mod.cubin)
+    assert [r.kernel.rsplit("_", 1)[1] for r in mod.resources] == ["pre", "main", "dq", "post"]
+    for res in mod.resources:
+        ops = mix[res.kernel]
+        assert res.spill_bytes == 0 and res.stack_frame_bytes == 0, (res.kernel, res)
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, (res.kernel, ops)
+        assert not [op for op in ops if op.startswith(("RED", "ATOM"))], (res.kernel, ops)
+    dq_ops = mix[mod.rendered.kernel("dq").name]
+    assert dq_ops.get("HMMA", 0) > 0 and dq_ops.get("LDSM", 0) > 0 and dq_ops.get("LDGSTS", 0) > 0, dq_ops

@@ -159,6 +159,19 @@ class MmaFamily(FamilyBase):
             ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
             elementwise = chunks * 8 * (12 + (20 if spec.dropout else 0))  # 8 elements per lane per chunk
             units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
+            if getattr(spec, "deterministic", False):
+                # main: S^T, dP^T, dV~, dK~ (no dS^T, no dQ); the dq kernel (16 Q rows per warp) recomputes
+                # S = Q K^T and dP = dO V^T and adds dQ += dS K: 3 of the pair's 7 GEMMs, 5 ldmatrix.x4
+                # per (k16 step, 16 keys) (Q, dO once per k16 step), its element-wise work on S/dP.
+                nc = block_c // 16
+                dq_hmma = chunks * 6 * nc * kd  # 3 GEMMs of 16 x 16nc x 16kd: 2 n8 tiles per (16 keys, k16 step)
+                dq_ldsm = chunks * (2 * kd + 2 * nc * kd + nc * kd)
+                busiest = hmma + math.ceil(chunks / w) * 6 * nc * kd
+                total_hmma = active * hmma + dq_hmma
+                total_ldsm = active * ldsm + dq_ldsm
+                instr = total_hmma + total_ldsm + 2 * active * elementwise
+                return PairCost(lds_wavefronts=4.0 * total_ldsm, warp_instructions=float(instr),
+                                warp_iterations=float(total_hmma), busiest_warp_iterations=float(busiest), atomics=0.0)
             dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
             busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
             stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk
