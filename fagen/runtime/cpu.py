@@ -1,29 +1,155 @@
-"""CPU backend: the rendered kernel text, built and run by the SIMT emulator."""
+"""CPU backend: the rendered kernel text, built and run by the SIMT emulator.
+
+Inside :func:`sanitized` every CPU launch is bounds-checked instead: the spec's
+AddressSanitizer build runs it in a child process (:meth:`EmuModule.run_sanitized`),
+each pointer argument copied into its own exact-size ``malloc``.
+"""
 from __future__ import annotations
 
+import bisect
+import contextlib
+import ctypes
 import functools
+import gc
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..renderer import KernelInfo, render
 from ..spec import KernelSpec
 from . import pack
 
-
 #: g++ flags of each emulator thread order (see fagen/emulator/runtime.h).
 SCHEDULE_FLAGS = {"forward": (), "reverse": ("-DFAGEN_EMU_REVERSE_SCHEDULE",)}
 
 
+@dataclass
+class SanitizedLaunches:
+    """What :func:`sanitized` yields: the launches made under AddressSanitizer so far."""
+
+    timeout: float | None
+    #: (spec name, kernel role, kernel name) per launch, in launch order.
+    launches: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def roles(self) -> set[str]:
+        return {role for _, role, _ in self.launches}
+
+
+_SANITIZE: ContextVar[SanitizedLaunches | None] = ContextVar("fagen_cpu_sanitize", default=None)
+
+
+@contextlib.contextmanager
+def sanitized(*, timeout: float | None = 600.0) -> Iterator[SanitizedLaunches]:
+    """Every CPU kernel launch inside the block runs bounds-checked under AddressSanitizer.
+
+    Each launch builds (once per spec, cached like any emulator build) the spec's source with
+    ``-fsanitize=address`` and runs it in a child process. Pointer arguments must lie inside
+    live torch CPU tensors (what :mod:`fagen.functional` passes): each becomes a ``malloc`` of
+    exactly the bytes from the pointer to the end of the tensor storage that holds it (the
+    allocation), so a read or write past that allocation is an :class:`EmulatorMemoryError`
+    naming the argument. Output buffers (non-``const`` pointers) are copied back; results are
+    the same as without the sanitizer. Yields a :class:`SanitizedLaunches` record.
+    """
+    record = SanitizedLaunches(timeout)
+    token = _SANITIZE.set(record)
+    try:
+        yield record
+    finally:
+        _SANITIZE.reset(token)
+
+
 class CpuModule:
     def __init__(self, spec: KernelSpec, schedule: str = "forward") -> None:
-        from ..emulator import build
-
         self.spec = spec
         self.rendered = render(spec)
-        self._emu = build(self.rendered.source, self.rendered.kernels, extra_flags=SCHEDULE_FLAGS[schedule])
+        self._flags = SCHEDULE_FLAGS[schedule]
+        self._builds: dict[bool, Any] = {}
+
+    def _build(self, *, sanitize: bool) -> Any:
+        """The plain (or AddressSanitizer) emulator build, made on first use."""
+        emu = self._builds.get(sanitize)
+        if emu is None:
+            from ..emulator import build
+
+            emu = build(self.rendered.source, self.rendered.kernels, sanitize=sanitize, extra_flags=self._flags)
+            self._builds[sanitize] = emu
+        return emu
 
     def launch(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any]) -> None:
+        record = _SANITIZE.get()
+        if record is not None:
+            self._launch_sanitized(kernel, grid, args, record)
+            return
         values = [v for _, v in pack(kernel, args)]
-        self._emu.launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
+        self._build(sanitize=False).launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
+
+    def _launch_sanitized(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any],
+                          record: SanitizedLaunches) -> None:
+        values = host_buffers(kernel, pack(kernel, args))
+        self._build(sanitize=True).run_sanitized(kernel.name, grid, kernel.block, kernel.smem_bytes, values,
+                                                 timeout=record.timeout)
+        record.launches.append((self.spec.name, kernel.role.name, kernel.name))
+
+
+def host_buffers(kernel: KernelInfo, packed: list[tuple[str, Any]]) -> list[Any]:
+    """The launch's values with each non-null pointer replaced by a numpy view of its allocation:
+    the bytes from the address to the end of the torch CPU tensor storage holding it (read-only
+    for ``const`` parameters). Raises EmulatorLaunchError for an address inside no live tensor and
+    for output buffers that overlap (their copies would overwrite each other)."""
+    import numpy as np
+
+    from ..emulator import EmulatorLaunchError
+
+    starts, ends = _allocations()
+    out: list[Any] = []
+    written: list[tuple[int, int, str]] = []
+    for (ctype, value), (_, name) in zip(packed, kernel.params):
+        if not ctype.rstrip().endswith("*"):
+            out.append(value)
+            continue
+        addr = int(value)
+        if addr == 0:
+            out.append(None)
+            continue
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or addr >= ends[i]:
+            raise EmulatorLaunchError(f"kernel '{kernel.name}' argument '{name}': address {addr:#x} is inside no live "
+                                      "torch CPU tensor (a sanitized launch copies the tensor's allocation)")
+        nbytes = ends[i] - addr
+        view = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
+        if ctype.lstrip().startswith("const"):
+            view.flags.writeable = False
+        else:
+            for lo, hi, other in written:
+                if addr < hi and lo < ends[i]:
+                    raise EmulatorLaunchError(f"kernel '{kernel.name}': output arguments '{other}' and '{name}' "
+                                              "share an allocation; a sanitized launch needs them apart")
+            written.append((addr, ends[i], name))
+        out.append(view)
+    return out
+
+
+def _allocations() -> tuple[list[int], list[int]]:
+    """(starts, ends) of the storages of every live strided torch CPU tensor, sorted by start."""
+    import torch
+
+    spans: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): no attribute access on odd objects
+            continue
+        try:
+            if obj.device.type != "cpu" or obj.layout != torch.strided:
+                continue
+            storage = obj.untyped_storage()
+            start, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without real storage
+            continue
+        if nbytes and start:
+            spans[start] = max(spans.get(start, 0), nbytes)
+    ordered = sorted(spans.items())
+    return [s for s, _ in ordered], [s + n for s, n in ordered]
 
 
 def cpu_module(spec: KernelSpec) -> CpuModule:
