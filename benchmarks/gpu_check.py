@@ -18,6 +18,8 @@ installed, ``OUTDIR/tflops_{fwd,bwd}.{png,svg}`` and the autotune plots (benchma
    skipped at N = 16k), for d in {64, 128}, fp16/bf16, causal or not, N in
    {1k, 4k, 16k} with B * N = 16k tokens and H = 16. CUDA events, warm-up, median.
    FLOPs: forward 4 B H Nq Nk d, backward 2.5x that, both halved when causal.
+   ``fagen_mma_det``: the same with the deterministic backward (its dq kernel's recomputation
+   is not counted as work: its TFLOP/s are comparable with the atomic backward's).
    Rows that would overrun the budget are skipped with a note.
 4. ``fagen.autotune.gpu_check_rows`` for one or two shapes, when it exists and time is left.
 
@@ -52,9 +54,11 @@ REQUIRED = {
 }
 TEST_REQUIRED = {"pytest": "pytest"}
 
-#: fagen_<family>: each kernel family through an explicit spec (forward and backward kernels alone).
+#: fagen_<family>: each kernel family through an explicit spec (forward and backward kernels alone);
+#: fagen_<family>_det: with the deterministic backward (dq kernel, no atomics).
 FAMILIES = ("mma", "simt")
-PROVIDERS = ("fagen_mma", "fagen_simt", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+DETERMINISTIC = ("mma",)
+PROVIDERS = ("fagen_mma", "fagen_simt", "fagen_mma_det", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 REFERENCE = "sdpa_flash"  # each row's ratios: reference ms / provider ms (> 1: faster than FlashAttention-2)
 TOKENS = 16 * 1024
 HEADS = 16
@@ -353,9 +357,10 @@ def _measure(forward: Callable[[], Any], inputs: tuple[Any, ...], warmup: int, i
     return Measurement(fwd_ms, bwd_ms)
 
 
-def fagen_provider(impl: str, warmup: int, iters: int) -> Provider:
-    """One kernel family: the forward kernel, then the backward kernels (pre, main, post) from the
-    forward's o and lse, each through an explicit spec (no autograd, no dispatch in the timing)."""
+def fagen_provider(impl: str, warmup: int, iters: int, deterministic: bool = False) -> Provider:
+    """One kernel family: the forward kernel, then the backward kernels (pre, main, post; dq too
+    when ``deterministic``) from the forward's o and lse, each through an explicit spec (no autograd,
+    no dispatch in the timing)."""
     def run(shape: Shape) -> Measurement:
         import fagen.functional as F
         from fagen.spec import KernelSpec
@@ -363,7 +368,8 @@ def fagen_provider(impl: str, warmup: int, iters: int) -> Provider:
         q, k, v, do = (t.detach() for t in _inputs(shape, "bnhd"))
         flags = dict(head_dim=shape.head_dim, dtype=shape.dtype, causal=shape.causal, impl=impl,
                      arch=F.default_arch(q.device))
-        fwd, bwd = KernelSpec(direction="fwd", **flags), KernelSpec(direction="bwd", **flags)
+        fwd = KernelSpec(direction="fwd", **flags)
+        bwd = KernelSpec(direction="bwd", deterministic=deterministic, **flags)
         fwd_ms = cuda_timer(lambda: F.run_forward(fwd, q, k, v), warmup=warmup, iters=iters)
         o, lse = F.run_forward(fwd, q, k, v)
         bwd_ms = cuda_timer(lambda: F.run_backward(bwd, do, q, k, v, o, lse), warmup=warmup, iters=iters)
@@ -399,6 +405,7 @@ def sdpa_provider(backend_name: str, warmup: int, iters: int, *, max_seqlen: int
 def providers(warmup: int, iters: int) -> dict[str, Provider]:
     return {
         **{f"fagen_{impl}": fagen_provider(impl, warmup, iters) for impl in FAMILIES},
+        **{f"fagen_{impl}_det": fagen_provider(impl, warmup, iters, deterministic=True) for impl in DETERMINISTIC},
         "sdpa_math": sdpa_provider("MATH", warmup, iters, max_seqlen=4096),
         "sdpa_flash": sdpa_provider("FLASH_ATTENTION", warmup, iters),
         "sdpa_efficient": sdpa_provider("EFFICIENT_ATTENTION", warmup, iters),
@@ -417,15 +424,18 @@ def cuda_health_check() -> None:
 
 # --------------------------------------------------------------------------- compile ahead
 def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
-    """The forward and backward specs the rows run (one per family, d, dtype, causal)."""
+    """The forward and backward specs the rows run (one per family, d, dtype, causal; the
+    deterministic backward of the DETERMINISTIC families)."""
     from fagen.spec import KernelSpec
 
     specs = {}
     for s in shapes:
         for impl in FAMILIES:
-            for direction in ("fwd", "bwd"):
+            for direction, det in (("fwd", False), ("bwd", False), ("bwd", True)):
+                if det and impl not in DETERMINISTIC:
+                    continue
                 spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch,
-                                  impl=impl)
+                                  impl=impl, deterministic=det)
                 specs[spec.name] = spec
     return list(specs.values())
 
