@@ -5,6 +5,10 @@ import pytest
 import torch
 
 import fagen.functional as F
+from fagen import reference as R
+from featref import flash_criterion
+
+EPS32 = torch.finfo(torch.float32).eps
 
 
 @pytest.mark.parametrize("p,seed,offset", [(0.1, 0, 0), (0.5, 2**40 + 5, 7), (0.83, 123, 2**33 + 1)])
@@ -23,7 +27,8 @@ def test_forward_kernel_applies_exactly_the_keep_mask(p: float, seed: int, offse
 
 
 def test_backward_replays_the_forward_mask() -> None:
-    # dV = (P o Z / (1-p))^T dO with uniform P and dO = identity rows: dV[j, i] = Z_ij / ((1-p) Nk)
+    # dV = (P o Z / (1-p))^T dO with uniform P (q = 0) and dO = identity rows: dV[j, h, i] = Z_ij / ((1-p) N),
+    # value for value; dQ against the float64 backward with the same mask; dK = 0 (q = 0)
     B, H, N, d = 1, 2, 64, 64
     p, seed, offset = 0.3, 99, 5
     q = torch.zeros(B, N, H, d)
@@ -31,9 +36,19 @@ def test_backward_replays_the_forward_mask() -> None:
     v = torch.randn(B, N, H, d)
     o, lse = F.attention_forward(q, k, v, dropout_p=p, seed=seed, offset=offset)
     do = torch.eye(d).expand(B, H, N, d).permute(0, 2, 1, 3).contiguous()
-    _, _, dv = F.attention_backward(do, q, k, v, o, lse, dropout_p=p, seed=seed, offset=offset)
-    applied = (dv.permute(0, 2, 3, 1) > 0)  # [B, H, i, j] from dv[b, j, h, i]
-    assert torch.equal(applied, F.dropout_keep_mask(B, H, N, N, p, seed=seed, offset=offset))
+    dq, dk, dv = F.attention_backward(do, q, k, v, o, lse, dropout_p=p, seed=seed, offset=offset)
+    keep = F.dropout_keep_mask(B, H, N, N, p, seed=seed, offset=offset)  # [B, H, i, j]
+    expected_dv = (keep.double() / ((1 - p) * N)).permute(0, 3, 1, 2)  # [B, j, H, i]
+    torch.testing.assert_close(dv.double(), expected_dv, rtol=4 * EPS32, atol=0)
+    assert not dk.any()
+
+    rkw = dict(keep_mask=keep, dropout_p=p)
+    o64, lse64 = R.attention_forward_ref(q, k, v, **rkw)
+    dq64, _, dv64 = R.attention_backward_ref(do, q, k, v, o64, lse64, **rkw)
+    torch.testing.assert_close(dv64, expected_dv, rtol=1e-12, atol=0)  # the closed form is the reference's
+    qt = q.clone().requires_grad_(True)
+    R.attention_ref_torch(qt, k, v, **rkw).backward(do)  # plain float32 PyTorch: flash-attn's criterion
+    flash_criterion("dq", dq, dq64, qt.grad, 2e-6 * max(1.0, dq64.abs().max().item()))
 
 
 def test_mask_statistics_and_tile_independence() -> None:
