@@ -1,5 +1,6 @@
 """The docs hold as written: every ```python block of README.md and docs/*.md runs (CPU, through
-the emulator), relative links and repository paths they name exist, and the Algorithm 4 table is
+the emulator) and checks its own result (an ``assert`` of the values it shows: against a
+reference, an invariant, a known value), relative links and repository paths they name exist, and the Algorithm 4 table is
 the one fagen/algorithm4.py generates.
 
 A block that cannot run on a CPU-only machine is preceded by the line
@@ -43,6 +44,16 @@ def test_block_parser_and_no_test_marker() -> None:
 def test_docs_have_python_blocks() -> None:
     assert len([b for b in BLOCKS if b[0] == "README.md"]) >= 2
     assert len(BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("doc, line, code, skip", BLOCKS, ids=[f"{d}:{n}" for d, n, _, _ in BLOCKS])
+def test_python_block_checks_its_result(doc: str, line: int, code: str, skip: str | None) -> None:
+    """Running without an error proves little (an example may compute nonsense): each block
+    asserts what it computes."""
+    import ast
+
+    asserts = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Assert)]
+    assert asserts, f"{doc}:{line}: the example asserts nothing about its result"
 
 
 def test_few_blocks_are_exempt() -> None:
