@@ -135,7 +135,8 @@ def run_pytest(copy: Path, tests: list[str], workers: int, cache: Path) -> tuple
 
 
 def _failed(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    """The short summary's failing tests, each with the start of its message."""
+    return [ln[:240] for ln in re.findall(r"^(?:FAILED|ERROR) (\S+.*)$", output, flags=re.M)]
 
 
 def _summary(output: str) -> str:
