@@ -298,6 +298,10 @@ def test_sanitized_runtime_reports_an_overrun_naming_the_tensor() -> None:
     o64, lse64 = R.attention_forward_ref(t["q"], t["k"], t["v"])
     torch.testing.assert_close(t["o"].double(), o64, rtol=0, atol=2e-6)
     torch.testing.assert_close(t["lse"].double(), lse64, rtol=LSE_RTOL, atol=LSE_RTOL)
+    sanitized_o, sanitized_lse = t["o"].clone(), t["lse"].clone()
+    t["o"].zero_(), t["lse"].zero_()
+    cpu_module(FWD32).launch(kern, kern.grid(B1, H1, NQ1, NK1), args)  # a plain launch: the same bits
+    assert torch.equal(t["o"], sanitized_o) and torch.equal(t["lse"], sanitized_lse)
 
 
 def test_run_sanitized_names_the_buffer_of_a_raw_launch() -> None:
