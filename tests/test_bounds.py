@@ -10,7 +10,8 @@ also a correct one.
 The sample (``ROWS``) is a strength-2 covering design per family: for every dtype the family
 supports, every flag it implements appears both on and off; every two flags appear in every
 on/off combination the API allows. Lengths are not multiples of the 16-row tiles and Nq != Nk
-(packed sequences include lengths 0 and 1); head dims include ones the kernels pad.
+(packed sequences include lengths 0 and 1); head dims include ones the kernels pad; tiles are
+16 x 16 (many tiles per sequence) except in one row per family, which takes the default tiles.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class Row:
     seqlen_k: int = 45
     head_dim: int = 16
     lens: tuple[tuple[int, int], ...] | None = None  # varlen: (len_q, len_k) per sequence
-    warps: int = 1
+    warps: int | None = 1  # None: the family's default tiles and warps (else 16 x 16 tiles)
 
     @property
     def on(self) -> frozenset[str]:
@@ -76,7 +77,7 @@ LENS_A = ((13, 20), (0, 5), (1, 1), (40, 33))
 LENS_B = ((17, 9), (3, 0), (33, 40))
 ROWS = [
     # SIMT: every dtype, every flag.
-    Row("simt", "float16", "", 45, 29, head_dim=24),
+    Row("simt", "float16", "", 45, 29, head_dim=24, warps=None),
     Row("simt", "bfloat16", "causal key_padding dropout window softcap alibi attn_mask bias bias_grad deterministic "
         "top_left gqa", warps=2),
     Row("simt", "float32", "window softcap alibi varlen deterministic top_left gqa", lens=LENS_A),
@@ -90,7 +91,7 @@ ROWS = [
     Row("simt", "float64", "key_padding window alibi bias", 23, 41, head_dim=8),
     Row("simt", "float16", "varlen", lens=((35, 19), (0, 7), (16, 16))),
     # Tensor cores (float16/bfloat16); deterministic rows count once the family implements it.
-    Row("mma", "float16", "", 45, 29, head_dim=24),
+    Row("mma", "float16", "", 45, 29, head_dim=24, warps=None),
     Row("mma", "bfloat16", "causal key_padding dropout window softcap alibi attn_mask bias bias_grad deterministic "
         "top_left gqa", warps=2),
     Row("mma", "float16", "window softcap alibi varlen deterministic top_left gqa", lens=LENS_A),
@@ -164,8 +165,8 @@ def specs(row: Row) -> tuple[KernelSpec, KernelSpec]:
     flags = {f: True for f in on - {"gqa", "top_left", "deterministic", "bias_grad"}}
     if "top_left" in on:
         flags["causal_align"] = "top_left"
-    common = dict(head_dim=-(-row.head_dim // 8) * 8, dtype=row.dtype, impl=row.impl, block_r=16, block_c=16,
-                  num_warps=row.warps, **flags)
+    tiles = {} if row.warps is None else dict(block_r=16, block_c=16, num_warps=row.warps)
+    common = dict(head_dim=-(-row.head_dim // 8) * 8, dtype=row.dtype, impl=row.impl, **tiles, **flags)
     return (KernelSpec(direction="fwd", **common),
             KernelSpec(direction="bwd", deterministic="deterministic" in on, bias_grad="bias_grad" in on, **common))
 
