@@ -27,6 +27,8 @@ import fagen.settings
 from fagen import KernelSpec
 from fagen import reference as R
 from fagen.families import family_names, get_family
+from featref import assert_lse_close, flash_criterion
+from featref import attention as attention_oracle
 
 IMPLS = list(family_names())  # a family runs the cases whose features it implements (the others skip)
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -188,8 +190,24 @@ def _keep(c: FeatCase, t: dict, opt: dict) -> torch.Tensor | None:
     return F.dropout_keep_mask(B, c.heads, Nq, Nk, c.dropout_p, seed=c.seed, offset=3)
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
+    """Plain PyTorch's float32 lse of the case (tests/featref.py's oracle; per sequence when packed):
+    the kernels keep lse in float32 whatever the input dtype."""
+    kw = dict(causal=c.causal, window=c.window or (-1, -1), softcap=c.softcap, align=c.align,
+              alibi=opt.get("alibi_slopes"))
+    q, k, v = (t[n].float() for n in "qkv")
+    if c.lens is None:
+        return attention_oracle(q, k, v, mask=opt.get("attn_mask"), bias=opt.get("attn_bias"), **kw)[1]
+    assert c.mask is None and c.bias is None and c.alibi != "bh", "per-sequence mask/bias/slopes: not needed yet"
+    cq, ck = opt["cu_seqlens_q"].tolist(), opt["cu_seqlens_k"].tolist()
+    out = []
+    for b in range(len(c.lens)):
+        qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]]
+        if ks.shape[1] == 0:
+            out.append(torch.full((c.heads, qs.shape[1]), float("-inf")))
+        else:
+            out.append(attention_oracle(qs, ks, vs, **kw)[1][0])
+    return torch.cat(out, dim=1)
 
 
 def check_case(c: FeatCase, impl: str) -> None:
@@ -221,15 +239,11 @@ def check_case(c: FeatCase, impl: str) -> None:
         same["dbias"] = leaves["bias"].grad
     mag = max((r.abs().max().item() if r.numel() else 0.0) for r in ref64.values())
     atol = ATOL[c.dtype] * max(1.0, mag)
-    for name, r in ref64.items():
-        e_ours, e_pt = _err(ours[name], r), _err(same[name], r)
-        assert e_ours <= 2 * e_pt + atol, f"{c}: {name} error {e_ours:.3g} > 2 x torch {e_pt:.3g} + {atol:.2g}"
+    for name, r in ref64.items():  # an all-zero reference fails: every case sees keys
+        flash_criterion(f"{c}: {name}", ours[name], r, same[name], atol)
 
+    assert_lse_close(f"{c}: lse", ours["lse"], lse64, _lse32(c, t, opt))
     finite = torch.isfinite(lse64)
-    assert torch.equal(torch.isfinite(ours["lse"]), finite), f"{c}: lse -inf pattern differs"
-    if finite.any():
-        e = (ours["lse"].double()[finite] - lse64[finite]).abs().max().item()
-        assert e <= 1e-3, f"{c}: lse error {e:.3g}"
     # fully masked rows (no allowed key): exactly zero output and dq
     dead = ~finite  # [B, H, Nq] or [H, total_q]
     if dead.any():
