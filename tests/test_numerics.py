@@ -101,6 +101,31 @@ def test_standard_matrix_sees_keys() -> None:
         assert vis["rows"] > 0 and vis["of_causal"] == 1.0, case
 
 
+def test_the_criteria_cannot_pass_vacuously() -> None:
+    """The shared comparisons: an all-zero float64 reference fails unless declared, and the lse
+    criterion (a few float32 roundings) rejects a 3e-5 bias that the old 1e-3 bound let through."""
+    import torch
+
+    from featref import assert_lse_close, flash_criterion
+
+    zero = torch.zeros(3, 4, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="all zero"):
+        flash_criterion("o", zero.half(), zero, zero.half(), 1e-3)
+    flash_criterion("dq", zero.half(), zero, zero.half(), 1e-3, zero_ok=True)
+    with pytest.raises(AssertionError, match="error"):  # a zeroed output against a live reference
+        flash_criterion("o", zero.half(), zero + 0.5, (zero + 0.5).half(), 1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    lse64 = torch.randn(2, 3, 50, generator=g, dtype=torch.float64) * 3 + 4
+    lse64[0, 0, :5] = float("-inf")
+    lse32 = lse64.float()  # one rounding: what plain float32 PyTorch gets at best
+    assert_lse_close("lse", lse32, lse64, lse32)
+    with pytest.raises(AssertionError, match="lse: error"):
+        assert_lse_close("lse", lse32 + 3e-5, lse64, lse32)
+    with pytest.raises(AssertionError, match="-inf pattern"):
+        assert_lse_close("lse", lse32.nan_to_num(neginf=-1e30), lse64, lse32)
+
+
 @pytest.mark.parametrize("B,Nq,Nk", [(0, 5, 5), (2, 0, 5), (2, 5, 0)])
 def test_empty_dimensions(B: int, Nq: int, Nk: int) -> None:
     import torch
