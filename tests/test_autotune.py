@@ -230,12 +230,11 @@ def test_cli_dry_run_table(small_result, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_cli_through_main(small_result, capsys: pytest.CaptureFixture[str]) -> None:
-    main_cli = pytest.importorskip("fagen.cli")
-    parser = main_cli.build_parser()
-    try:
-        parser.parse_args(["autotune", "--head-dim", "32", "--batch", "1", "--heads", "1", "--seqlen", "16"])
-    except BaseException:  # noqa: BLE001 - the subcommand is not wired yet
-        pytest.skip("fagen.cli has no autotune subcommand")
+    import fagen.cli as main_cli
+
+    ns = main_cli.build_parser().parse_args(["autotune", "--head-dim", "32", "--batch", "1", "--heads", "1",
+                                             "--seqlen", "16"])  # a parse failure (SystemExit) fails the test
+    assert (ns.command, ns.head_dim, ns.batch, ns.heads, ns.seqlen, ns.dry_run) == ("autotune", 32, 1, 1, 16, False)
     rc = main_cli.main(["autotune", "--head-dim", "32", "--dtype", "float16", "--arch", "sm_80",
                         "--sram-bytes", str(SMALL.sram_bytes), "--batch", "2", "--heads", "4", "--seqlen", "1000",
                         "--dry-run", "--json"])
@@ -369,18 +368,66 @@ def test_timed_search_with_fake_timer(store_dir: Path, small_result) -> None:
     assert r.tflops(r.best) is not None and r.tflops(r.best) > 0
 
 
+def _avg_ranks(xs: list[float]) -> list[float]:
+    """1 = smallest; tied values share the mean of their ranks (written here, not the tuner's)."""
+    return [sum(y < x for y in xs) + (sum(y == x for y in xs) + 1) / 2 for x in xs]
+
+
+def _pearson(a: list[float], b: list[float]) -> float:
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+
+
+def _check_row(row: dict, timer) -> list[dict]:
+    """The row's columns are the model's predictions, the timer's values and their ranks; its Spearman
+    is the rank correlation of those columns, computed here from scratch."""
+    cands = row["candidates"]
+    assert 3 <= len(cands) <= 6  # 2 points correlate at +-1 whatever the order; the bound below holds to 6
+    for c in cands:
+        spec = KernelSpec(head_dim=32, dtype="float16", arch="sm_80", impl=c["impl"], block_r=c["block_r"],
+                          block_c=c["block_c"], num_warps=c["num_warps"], knobs=tuple(sorted(c["knobs"].items())))
+        assert c["measured_ms"] == timer(spec, None)
+    pred, meas = [c["predicted_ms"] for c in cands], [c["measured_ms"] for c in cands]
+    assert [c["rank_predicted"] for c in cands] == _avg_ranks(pred)
+    assert [c["rank_measured"] for c in cands] == _avg_ranks(meas)
+    # Threshold from the data: the ranks are half-integers <= n, so every sum over them is exact in
+    # float64 and only the final sqrt and division round (a few ulp, ~1e-15 of a value in [-1, 1]). The
+    # distinct Spearman values of n points (ties included) lie at least 3.2e-3 apart for n = 4, 7.3e-5
+    # for n = 5 and 1.3e-5 for n = 6 (enumerated over all pairs of rankings), so 1e-12 admits rounding
+    # and nothing but the rank correlation of these very columns.
+    assert row["spearman"] == pytest.approx(_pearson(_avg_ranks(pred), _avg_ranks(meas)), abs=1e-12)
+    return cands
+
+
 def test_gpu_check_rows_with_fake_timer(store_dir: Path) -> None:
-    def timer(spec: KernelSpec, p: Workload) -> float:  # proportional to the block count: a made-up device
+    shape = [(2, 4, 512, 32, "float16", False)]
+    kw = dict(top=3, device=FAKE_DEVICE, sizes=(16, 32), warps=(4,))
+
+    def key(spec: KernelSpec) -> tuple:
+        return (spec.impl, spec.tile.block_r, spec.tile.block_c, spec.num_warps, spec.knobs)
+
+    def blocks(spec: KernelSpec, p: Workload | None) -> float:  # by the block count: a made-up device
         return 1.0 + 1.0 / (spec.tile.block_r * spec.tile.block_c)
 
-    rows = gpu_check_rows([(2, 4, 512, 32, "float16", False)], top=2, timer=timer, device=FAKE_DEVICE,
-                          sizes=(16, 32), warps=(4,))
-    (row,) = rows
+    (row,) = gpu_check_rows(shape, timer=blocks, **kw)
     assert row["spec"].startswith("fa_bwd_d32_fp16")
-    assert len(row["candidates"]) >= 2
-    for c in row["candidates"]:
+    cands = _check_row(row, blocks)
+    for c in cands:
         assert {"predicted_ms", "measured_ms", "rank_predicted", "rank_measured"} <= set(c)
-    assert row["spearman"] is None or -1.0 <= row["spearman"] <= 1.0
+    predicted = {(c["impl"], c["block_r"], c["block_c"], c["num_warps"], tuple(sorted(c["knobs"].items()))):
+                 c["predicted_ms"] for c in cands}
+    assert len(set(predicted.values())) >= 3  # a spread for the rank correlations below to measure
+
+    # A device that runs exactly as the model predicts (up to an increasing map) ranks the candidates as
+    # the model does: the rank columns are equal and Spearman is 1 exactly.
+    def agrees(spec: KernelSpec, p: Workload | None) -> float:
+        return 0.5 + 3.0 * predicted[key(spec)]
+
+    (row,) = gpu_check_rows(shape, timer=agrees, **kw)
+    cands = _check_row(row, agrees)
+    assert [c["rank_measured"] for c in cands] == [c["rank_predicted"] for c in cands]
+    assert row["spearman"] == pytest.approx(1.0, abs=1e-12)
     assert not store.store_path().exists()  # the check records nothing
 
 
