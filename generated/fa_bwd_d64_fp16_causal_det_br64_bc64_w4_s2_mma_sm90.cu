@@ -1252,8 +1252,23 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 namespace fa {
 constexpr int DQ_ROWS = BLOCK_R < 16 * NUM_WARPS ? BLOCK_R : 16 * NUM_WARPS;  // Q rows per pass
 constexpr int DQ_KV_STAGES = (STAGES > 1 && BLOCK_C <= BLOCK_R) ? 2 : 1;
-constexpr int DQ_NT_C = BLOCK_C / 8;  // n8 tiles of S / dP across the K/V block
-static_assert(DQ_NT_C * 4 <= 64, "dropout keep bits of one row pair of S in 64 bits");
+// Keys per sub-step of a K/V block: S, dP (DQ_KC / 2 registers each) and the dQ_i accumulator
+// (DPAD / 2) live in registers together; the widest multiple of 16 dividing BLOCK_C, at most 64,
+// whose fragments stay within DQ_FRAG_REGS (measured with ptxas, sm_80/sm_90, every flag: no
+// spills up to it; 128 keys at d = 64 spill on sm_80). fagen.families.mma.dq_key_chunk mirrors it.
+constexpr int DQ_FRAG_REGS = 160;
+template <int C>
+struct DqKeyChunk {  // the largest multiple of 16 <= C that fits
+    static constexpr int value = (BLOCK_C % C == 0 && DPAD / 2 + C <= DQ_FRAG_REGS) ? C : DqKeyChunk<C - 16>::value;
+};
+template <>
+struct DqKeyChunk<16> {
+    static constexpr int value = 16;
+};
+constexpr int DQ_KC = DqKeyChunk<(BLOCK_C < 64 ? BLOCK_C : 64)>::value;
+static_assert(DQ_KC == 64, "fagen.families.mma.dq_key_chunk states the same sub-step");
+constexpr int DQ_NT_K = DQ_KC / 8;  // n8 tiles of S / dP across a sub-step
+static_assert(DQ_NT_K * 4 <= 64, "dropout keep bits of one row pair of S in 64 bits");
 static_assert(DQ_KV_STAGES == 1 || SMEM_Q_COUNT >= BLOCK_R * LD + BLOCK_C * LD, "K_j stage 1 in Q_i stage 1");
 }  // namespace fa
 
@@ -1403,97 +1418,101 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             if (!active || kind == TILE_SKIP) continue;  // the loop's barriers are at its top
             const bool full = kind == TILE_FULL;  // mask math only on tiles that are not fully visible
 
-            // S = Q_i K_j^T and dP = dO_i V_j^T (the warp's 16 Q rows x BLOCK_C keys).
-            float sacc[DQ_NT_C][4], dpacc[DQ_NT_C][4];
+            // DQ_KC keys at a time (ascending: the same dQ summation order as one step over the block).
+#pragma unroll 1
+            for (int kc0 = 0; kc0 < BLOCK_C; kc0 += DQ_KC) {
+                // S = Q_i K_j^T and dP = dO_i V_j^T (the warp's 16 Q rows x DQ_KC keys).
+                float sacc[DQ_NT_K][4], dpacc[DQ_NT_K][4];
 #pragma unroll
-            for (int n = 0; n < DQ_NT_C; ++n)
+                for (int n = 0; n < DQ_NT_K; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) { sacc[n][e] = 0.f; dpacc[n][e] = 0.f; }
+                    for (int e = 0; e < 4; ++e) { sacc[n][e] = 0.f; dpacc[n][e] = 0.f; }
 #pragma unroll
-            for (int kk = 0; kk < DPAD / 16; ++kk) {
-                unsigned aq[4], ado[4];
-                mma_load_a(aq, s.q, LD, wrow, kk * 16, lane);
-                mma_load_a(ado, s.do_, LD, wrow, kk * 16, lane);
+                for (int kk = 0; kk < DPAD / 16; ++kk) {
+                    unsigned aq[4], ado[4];
+                    mma_load_a(aq, s.q, LD, wrow, kk * 16, lane);
+                    mma_load_a(ado, s.do_, LD, wrow, kk * 16, lane);
 #pragma unroll
-                for (int n2 = 0; n2 < DQ_NT_C / 2; ++n2) {
-                    unsigned bk[4], bv[4];
-                    mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
-                    mma_load_b_nmajor(bv, sv, LD, n2 * 16, kk * 16, lane);
-                    mma_tile(sacc[2 * n2], aq, bk[0], bk[1]);
-                    mma_tile(sacc[2 * n2 + 1], aq, bk[2], bk[3]);
-                    mma_tile(dpacc[2 * n2], ado, bv[0], bv[1]);
-                    mma_tile(dpacc[2 * n2 + 1], ado, bv[2], bv[3]);
-                }
-            }
-            // Z_ij at the global (row, col) = (row_offset + row, col_offset + col): bit 4n + e of kb is
-            // element (n, e) (row wrow + g + (e >> 1) * 8, key n * 8 + 2 * t4 + (e & 1)), as the forward.
-            unsigned long long kb = ~0ull;
-            if constexpr (HAS_DROPOUT) {
-                kb = 0ull;
-                const int hsel = t4 & 1;
-                if ((col_offset & 3) == 0) {  // lanes 2c, 2c+1 of a quad share one Philox call per row
-#pragma unroll
-                    for (int n = 0; n < DQ_NT_C; ++n) {
-                        const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
-                                                        (unsigned)(row_offset + r0 + wrow + g + hsel * 8),
-                                                        (unsigned)(col_offset + j0 + n * 8 + 2 * t4), drop_threshold);
-                        const unsigned other = mma_shfl_xor_u(mine, 1);
-                        const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            kb |= (unsigned long long)((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u) << (4 * n + e);
-                    }
-                } else {  // the 4-key groups straddle Philox calls: one call per element (rolled loop)
-                    for (int x = 0; x < DQ_NT_C * 4; ++x) {
-                        const int n = x >> 2, e = x & 3;
-                        if (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + r0 + wrow + g + (e >> 1) * 8),
-                                            (unsigned)(col_offset + j0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
-                            kb |= 1ull << x;
+                    for (int n2 = 0; n2 < DQ_NT_K / 2; ++n2) {
+                        unsigned bk[4], bv[4];
+                        mma_load_b_nmajor(bk, sk, LD, kc0 + n2 * 16, kk * 16, lane);
+                        mma_load_b_nmajor(bv, sv, LD, kc0 + n2 * 16, kk * 16, lane);
+                        mma_tile(sacc[2 * n2], aq, bk[0], bk[1]);
+                        mma_tile(sacc[2 * n2 + 1], aq, bk[2], bk[3]);
+                        mma_tile(dpacc[2 * n2], ado, bv[0], bv[1]);
+                        mma_tile(dpacc[2 * n2 + 1], ado, bv[2], bv[3]);
                     }
                 }
-            }
-            // P = exp2(s log2 e - lse), dS = P (dP Z/(1-p) - D) through the softcap; masked pairs exactly 0.
+                // Z_ij at the global (row, col) = (row_offset + row, col_offset + col): bit 4n + e of kb is
+                // element (n, e) (row wrow + g + (e >> 1) * 8, key n * 8 + 2 * t4 + (e & 1)), as the forward.
+                unsigned long long kb = ~0ull;
+                if constexpr (HAS_DROPOUT) {
+                    kb = 0ull;
+                    const int hsel = t4 & 1;
+                    if ((col_offset & 3) == 0) {  // lanes 2c, 2c+1 of a quad share one Philox call per row
 #pragma unroll
-            for (int n = 0; n < DQ_NT_C; ++n)
+                        for (int n = 0; n < DQ_NT_K; ++n) {
+                            const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
+                                                            (unsigned)(row_offset + r0 + wrow + g + hsel * 8),
+                                                            (unsigned)(col_offset + j0 + kc0 + n * 8 + 2 * t4), drop_threshold);
+                            const unsigned other = mma_shfl_xor_u(mine, 1);
+                            const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = r0 + wrow + g + (e >> 1) * 8, col = j0 + n * 8 + 2 * t4 + (e & 1);
-                    const float qk = sacc[n][e];
-                    float dp = dpacc[n][e];
-                    if constexpr (HAS_DROPOUT) {
-                        const bool keep = ((kb >> (4 * n + e)) & 1ull) != 0ull;
-                        dp = keep ? dp * rp_keep : 0.f;
-                    }
-                    float ds;
-                    if constexpr (HAS_SCORE_MOD) {  // the final score s = score_fwd(q.k); no bias read when masked
-                        const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
-                                                            stride_mask_q, stride_mask_k);
-                        const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse_r[e >> 1])) : 0.f;
-                        ds = ok ? p * (dp - dl_r[e >> 1]) : 0.f;
-                        if constexpr (HAS_SOFTCAP) {
-                            if (ok) ds = score_grad_raw<float>(ds, qk, sp);
+                            for (int e = 0; e < 4; ++e)
+                                kb |= (unsigned long long)((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u) << (4 * n + e);
                         }
-                    } else {
-                        const float p = mma_exp2(fmaf(qk, scale_log2, -lse_r[e >> 1]));  // NaN score/lse: NaN
-                        ds = p * (dp - dl_r[e >> 1]);
-                        if (!full && !mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
-                                                  stride_mask_q, stride_mask_k))
-                            ds = 0.f;
+                    } else {  // the 4-key groups straddle Philox calls: one call per element (rolled loop)
+                        for (int x = 0; x < DQ_NT_K * 4; ++x) {
+                            const int n = x >> 2, e = x & 3;
+                            if (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + r0 + wrow + g + (e >> 1) * 8),
+                                                (unsigned)(col_offset + j0 + kc0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+                                kb |= 1ull << x;
+                        }
                     }
-                    sacc[n][e] = ds;
                 }
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (A = dS from registers, B = K_j via ldmatrix.trans; tau at the store)
+                // P = exp2(s log2 e - lse), dS = P (dP Z/(1-p) - D) through the softcap; masked pairs exactly 0.
 #pragma unroll
-            for (int kc = 0; kc < BLOCK_C / 16; ++kc) {
-                const unsigned a[4] = {mma_pack(sacc[2 * kc][0], sacc[2 * kc][1]), mma_pack(sacc[2 * kc][2], sacc[2 * kc][3]),
-                                       mma_pack(sacc[2 * kc + 1][0], sacc[2 * kc + 1][1]),
-                                       mma_pack(sacc[2 * kc + 1][2], sacc[2 * kc + 1][3])};
+                for (int n = 0; n < DQ_NT_K; ++n)
 #pragma unroll
-                for (int nd = 0; nd < DPAD / 16; ++nd) {
-                    unsigned bk[4];
-                    mma_load_b_kmajor(bk, sk, LD, kc * 16, nd * 16, lane);
-                    mma_tile(dq_acc[2 * nd], a, bk[0], bk[1]);
-                    mma_tile(dq_acc[2 * nd + 1], a, bk[2], bk[3]);
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = r0 + wrow + g + (e >> 1) * 8, col = j0 + kc0 + n * 8 + 2 * t4 + (e & 1);
+                        const float qk = sacc[n][e];
+                        float dp = dpacc[n][e];
+                        if constexpr (HAS_DROPOUT) {
+                            const bool keep = ((kb >> (4 * n + e)) & 1ull) != 0ull;
+                            dp = keep ? dp * rp_keep : 0.f;
+                        }
+                        float ds;
+                        if constexpr (HAS_SCORE_MOD) {  // the final score s = score_fwd(q.k); no bias read when masked
+                            const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
+                                                                stride_mask_q, stride_mask_k);
+                            const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse_r[e >> 1])) : 0.f;
+                            ds = ok ? p * (dp - dl_r[e >> 1]) : 0.f;
+                            if constexpr (HAS_SOFTCAP) {
+                                if (ok) ds = score_grad_raw<float>(ds, qk, sp);
+                            }
+                        } else {
+                            const float p = mma_exp2(fmaf(qk, scale_log2, -lse_r[e >> 1]));  // NaN score/lse: NaN
+                            ds = p * (dp - dl_r[e >> 1]);
+                            if (!full && !mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
+                                                      stride_mask_q, stride_mask_k))
+                                ds = 0.f;
+                        }
+                        sacc[n][e] = ds;
+                    }
+                // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (A = dS from registers, B = K_j via ldmatrix.trans; tau at the store)
+#pragma unroll
+                for (int kc = 0; kc < DQ_KC / 16; ++kc) {
+                    const unsigned a[4] = {mma_pack(sacc[2 * kc][0], sacc[2 * kc][1]), mma_pack(sacc[2 * kc][2], sacc[2 * kc][3]),
+                                           mma_pack(sacc[2 * kc + 1][0], sacc[2 * kc + 1][1]),
+                                           mma_pack(sacc[2 * kc + 1][2], sacc[2 * kc + 1][3])};
+#pragma unroll
+                    for (int nd = 0; nd < DPAD / 16; ++nd) {
+                        unsigned bk[4];
+                        mma_load_b_kmajor(bk, sk, LD, kc0 + kc * 16, nd * 16, lane);
+                        mma_tile(dq_acc[2 * nd], a, bk[0], bk[1]);
+                        mma_tile(dq_acc[2 * nd + 1], a, bk[2], bk[3]);
+                    }
                 }
             }
         }

@@ -64,7 +64,10 @@ def test_wide_head_dims_compile_without_spills(direction: str, d: int) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("d,flags", [(64, dict(causal=True)), (128, dict(causal=True)),
                                      (128, dict(causal=True, dropout=True, window=True, softcap=True, varlen=True)),
-                                     (256, dict(causal=True, key_padding=True, dropout=True, alibi=True))])
+                                     (256, dict(causal=True, key_padding=True, dropout=True, alibi=True)),
+                                     # the widest S/dP fragments: 128 keys per step at d = 128 (255 registers)
+                                     (128, dict(causal=True, dropout=True, softcap=True, block_r=64, block_c=128,
+                                                num_warps=8))])
 def test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics(arch: str, d: int, flags: dict) -> None:
     """The deterministic backward's dq kernel: HMMA, ldmatrix and cp.async, no spills or local memory,
     and no global reduction or atomic (RED/ATOM) in any of the four kernels."""

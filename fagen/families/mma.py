@@ -39,6 +39,19 @@ def padded_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
+#: Registers the deterministic dq kernel's S/dP fragments and dQ accumulator may take together.
+DQ_FRAG_REGS = 160
+
+
+def dq_key_chunk(head_dim: int, block_c: int) -> int:
+    """Keys per sub-step of the deterministic dq kernel (templates/mma/bwd.cu.j2 ``DQ_KC``): the
+    widest multiple of 16 dividing block_c, at most 64, with padded_dim / 2 + keys <= DQ_FRAG_REGS."""
+    for c in range(min(block_c, 64), 15, -16):
+        if block_c % c == 0 and padded_dim(head_dim) // 2 + c <= DQ_FRAG_REGS:
+            return c
+    return 16
+
+
 @dataclass(frozen=True)
 class MmaFamily(FamilyBase):
     name: str = "mma"
@@ -102,7 +115,8 @@ class MmaFamily(FamilyBase):
         return own, 64 if padded_dim(head_dim) <= MAX_REG_ACC_DIM else 32
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
-        return {"strides": {"LD": padded_dim(spec.head_dim) + 8}}
+        return {"strides": {"LD": padded_dim(spec.head_dim) + 8}, "dq_frag_regs": DQ_FRAG_REGS,
+                "dq_key_chunk": dq_key_chunk(spec.head_dim, spec.tile.block_c)}
 
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
                     knobs: Mapping[str, int] | None = None) -> SmemLayout:
@@ -161,11 +175,13 @@ class MmaFamily(FamilyBase):
             units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
             if getattr(spec, "deterministic", False):
                 # main: S^T, dP^T, dV~, dK~ (no dS^T, no dQ); the dq kernel (16 Q rows per warp) recomputes
-                # S = Q K^T and dP = dO V^T and adds dQ += dS K: 3 of the pair's 7 GEMMs, 5 ldmatrix.x4
-                # per (k16 step, 16 keys) (Q, dO once per k16 step), its element-wise work on S/dP.
+                # S = Q K^T and dP = dO V^T and adds dQ += dS K: 3 of the pair's 7 GEMMs, 3 ldmatrix.x4
+                # per (k16 step, 16 keys) (K, V, K^T) and Q, dO once per (k16 step, key sub-step), its
+                # element-wise work on S/dP.
                 nc = block_c // 16
                 dq_hmma = chunks * 6 * nc * kd  # 3 GEMMs of 16 x 16nc x 16kd: 2 n8 tiles per (16 keys, k16 step)
-                dq_ldsm = chunks * (2 * kd + 2 * nc * kd + nc * kd)
+                sub_steps = block_c // dq_key_chunk(spec.head_dim, block_c)
+                dq_ldsm = chunks * (sub_steps * 2 * kd + 2 * nc * kd + nc * kd)
                 busiest = hmma + math.ceil(chunks / w) * 6 * nc * kd
                 total_hmma = active * hmma + dq_hmma
                 total_ldsm = active * ldsm + dq_ldsm
