@@ -408,3 +408,33 @@ def test_dq_key_sub_step(d: int, block_c: int, keys: int) -> None:
     spec = KernelSpec(head_dim=d, block_r=16, block_c=block_c, num_warps=8, deterministic=True, impl="mma",
                       arch="sm_90")
     assert f"static_assert(DQ_KC == {keys}," in render(spec).source
+
+
+def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:
+    """NaN in a q row poisons that row's dQ, NaN in a key the dQ of the rows that attend to it; a
+    padded key holding NaN poisons nothing and rows with no allowed key stay exactly zero: the dq
+    kernel gives the atomic backward's NaN pattern and agrees with it elsewhere."""
+    g = torch.Generator().manual_seed(12)
+    B, Nq, Nk, H, d = 1, 40, 29, 2, 32
+    q, do = (torch.randn(B, Nq, H, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(B, Nk, H, d, generator=g).half() for _ in range(2))
+    mask = torch.ones(B, Nk, dtype=torch.bool)
+    mask[0, 3] = False
+    k[0, 3, 0, 5] = float("nan")  # padded: takes no part
+    k[0, 20, 1, 0] = float("nan")  # attended by the rows of head 1 that see key 20 (causal, bottom-right)
+    q[0, 30, 0, 7] = float("nan")
+    kw = dict(causal=True, key_padding_mask=mask)
+    base = dict(head_dim=d, causal=True, key_padding=True, block_r=16, block_c=16, num_warps=1, impl="mma")
+    o, lse = F.run_forward(KernelSpec(direction="fwd", **base), q, k, v, **kw)
+    det = F.run_backward(KernelSpec(deterministic=True, **base), do, q, k, v, o, lse, **kw)[0]
+    atomic = F.run_backward(KernelSpec(**base), do, q, k, v, o, lse, **kw)[0]
+    nan = torch.isnan(det)
+    assert torch.equal(nan, torch.isnan(atomic))
+    rows_nan = nan.any(-1)[0]  # [Nq, H]
+    # (a NaN k_j also reaches the dQ of rows of its tile that do not attend to it, through dS K's
+    # 0 * NaN, as in plain PyTorch's dS @ K; the padded key's NaN reaches nothing)
+    assert rows_nan[30, 0] and rows_nan[Nq - Nk + 20:, 1].all()
+    assert not rows_nan[:30, 0].any() and not rows_nan[31:, 0].any()
+    dead = torch.isinf(lse[0]).transpose(0, 1)  # [Nq, H]: rows before the causal band
+    assert dead.any() and (det[0][dead] == 0).all()
+    torch.testing.assert_close(det[~nan], atomic[~nan], rtol=2e-3, atol=2e-3)
