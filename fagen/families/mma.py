@@ -3,7 +3,11 @@
 Backward: one CTA per (K/V block, batch, head), 16 K/V rows per warp (``block_c = 16 *
 num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline.
 Forward: one CTA per (Q block, batch, head), 16 Q rows per warp (``block_r = 16 *
-num_warps``); K_j / V_j stream through two stages. Every smem row has ``DPAD + 8``
+num_warps``); K_j / V_j stream through two stages. The deterministic backward adds a ``dq``
+kernel: one CTA per (Q block, batch, q head), 16 Q rows per warp (a Q block wider than the
+warps in passes), K_j / V_j streamed in ascending order through the main kernel's K/V tiles and
+Q/dO stage 1, S/dP/dS recomputed in sub-steps of ``dq_key_chunk`` keys and dQ_i accumulated in
+fp32 registers, stored once without atomics. Every smem row has ``DPAD + 8``
 elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, so the
 8 rows an ``ldmatrix`` phase reads fall in 8 different bank groups.
 """
