@@ -158,15 +158,23 @@ def test_attn_probs_is_the_documented_recomputation() -> None:
     t = make_inputs(case)
     out, lse, s_dmask, *_, rng = run_fagen(case, t, rng_seed=4)
     kw = oracle_kwargs(case, t, rng)
-    kw.pop("keep"), kw.pop("dropout_p")
-    q64, k64 = t["q"].double(), t["k"].double()
-    _, lse64 = R.attention(q64, k64, t["v"].double(), **kw)
+    keep, p = kw.pop("keep"), kw.pop("dropout_p")
     again = attn_probs(t["q"], t["k"], lse, rng, dropout_p=case.dropout_p, window_size=case.window,
                        softcap=case.softcap, alibi_slopes=t["alibi"])
     assert torch.equal(again, s_dmask)
-    # the kept probabilities reproduce the output: out = relu(S_dmask) / (1 - p) @ v
-    o_from_s = torch.einsum("bhij,bjhd->bihd", s_dmask.double().clamp(min=0) / (1 - case.dropout_p), t["v"].double())
-    assert R.max_err(o_from_s, out) <= 1e-4
+
+    # the oracle's probabilities: its output for v = the identity (o[b, i, h, j] = P[b, h, i, j])
+    def probs(dtype: torch.dtype) -> torch.Tensor:
+        eye = torch.eye(case.seqlen_k, dtype=dtype)[None, :, None, :].expand(case.batch, -1, case.heads_kv, -1)
+        o, _ = R.attention(t["q"].to(dtype), t["k"].to(dtype), eye, **kw)
+        return o.permute(0, 2, 1, 3) * torch.where(keep, 1.0, -1.0).to(dtype)  # dropped pairs negated
+
+    p64 = probs(torch.float64)
+    R.assert_close("S_dmask", s_dmask, p64, probs(case.dtype), case.dtype)
+    # the kept probabilities reproduce the output: out = relu(S_dmask) / (1 - p) @ v, as out itself does
+    o64, _ = R.attention(*(t[n].double() for n in "qkv"), keep=keep, dropout_p=p, **kw)
+    o_from_s = torch.einsum("bhij,bjhd->bihd", s_dmask.double().clamp(min=0) / (1 - p), t["v"].double())
+    R.assert_close("out from S_dmask", o_from_s, o64, out, case.dtype)
 
 
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
