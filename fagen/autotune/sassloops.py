@@ -11,6 +11,7 @@ on throughput: a ceiling). ``fagen.sass`` disassembles
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .. import sass
@@ -41,8 +42,10 @@ class LoopMix:
         return out
 
 
+@functools.lru_cache(maxsize=256)
 def main_loop_mix(cubin: bytes, kernel: str) -> LoopMix | None:
-    """The split mix of ``kernel``'s main loop, or None (no disassembler, no loop)."""
+    """The split mix of ``kernel``'s main loop, or None (no disassembler, no loop); remembered per
+    (cubin, kernel) for the process (a LoopMix is immutable)."""
     text = sass.disassemble(cubin)
     if text is None:
         return None
