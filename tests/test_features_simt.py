@@ -198,15 +198,18 @@ def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
     q, k, v = (t[n].float() for n in "qkv")
     if c.lens is None:
         return attention_oracle(q, k, v, mask=opt.get("attn_mask"), bias=opt.get("attn_bias"), **kw)[1]
-    assert c.mask is None and c.bias is None and c.alibi != "bh", "per-sequence mask/bias/slopes: not needed yet"
+    assert c.mask is None and c.bias is None, "per-sequence mask/bias: not needed yet"
     cq, ck = opt["cu_seqlens_q"].tolist(), opt["cu_seqlens_k"].tolist()
+    slopes = kw.pop("alibi")
     out = []
     for b in range(len(c.lens)):
         qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]]
+        # [B, H] slopes: sequence b takes row b (flash-attn's varlen convention); [H] slopes are shared.
+        alibi = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
         if ks.shape[1] == 0:
             out.append(torch.full((c.heads, qs.shape[1]), float("-inf")))
         else:
-            out.append(attention_oracle(qs, ks, vs, **kw)[1][0])
+            out.append(attention_oracle(qs, ks, vs, alibi=alibi, **kw)[1][0])
     return torch.cat(out, dim=1)
 
 
