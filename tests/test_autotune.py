@@ -119,6 +119,8 @@ def test_compile_error_is_a_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class _FakeModule:
+    spec = SMALL
+
     def __init__(self, regs: int, spills: int) -> None:
         self.resources = tuple(
             KernelResources(f"k_{role}", regs, spills, 0, 0, 0, 0, 1, 0.0) for role in ("pre", "main", "post"))
@@ -628,3 +630,156 @@ def test_one_problem_class() -> None:
     import fagen.functional as functional
 
     assert not hasattr(model, "Problem") and hasattr(functional, "Problem")
+
+
+
+# --------------------------------------------------------------------------- deterministic backward
+def _det_pair(impl: str) -> tuple[KernelSpec, KernelSpec]:
+    """(atomic, deterministic) backward specs of one family with the same tile."""
+    atomic = KernelSpec(direction="bwd", head_dim=64, dtype="float16", arch="sm_90", causal=True, impl=impl,
+                        block_r=64, block_c=64, num_warps=4)
+    return atomic, atomic.replace(deterministic=True)
+
+
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_deterministic_backward_counts_the_dq_kernels_flops(impl: str) -> None:
+    """Main (S, dP, dV, dK) + dq kernel (S, dP, dQ): 7 tile products per pair against 5."""
+    from fagen.autotune.model import kernel_gemms, nominal_flops, visited_flops
+
+    atomic, det = _det_pair(impl)
+    assert kernel_gemms(atomic) == {"main": 5} and kernel_gemms(det) == {"main": 4, "dq": 3}
+    assert kernel_gemms(atomic.replace(direction="fwd")) == {"main": 2}
+    dev = device_model("sm_90")
+    for p in (Workload(4, 16, 4096, 4096), Workload(2, 8, 1000, 3000), Workload(1, 2, 17, 33)):
+        fa, fd = visited_flops(atomic, p, 64, 64), visited_flops(det, p, 64, 64)
+        assert fd * 5 == fa * 7  # exact: integers in float64
+        assert fa == 4 * 2.5 * tile_pairs(atomic, p) * 64 * 64 * 64
+        pa, pd = predict(atomic, p, 128, dev), predict(det, p, 128, dev)
+        assert pd.flops == fd and pa.flops == fa
+        assert pd.terms["math"] == pytest.approx(pa.terms["math"] * 7 / 5, rel=1e-14)
+        assert pd.hbm_bytes > pa.hbm_bytes  # the dq kernel reloads K, V per visited pair
+        assert "atomics" in pa.terms and "atomics" not in pd.terms
+        # reported FLOPs keep the standard 2.5 convention in both modes
+        assert nominal_flops(det, p) == nominal_flops(atomic, p) == 4 * 2.5 * p.batch * p.heads * 0.5 * \
+            p.seqlen_q * p.seqlen_k * 64
+
+
+def tile_pairs(spec: KernelSpec, p: Workload) -> int:
+    from fagen.autotune.model import visited_pairs
+
+    return visited_pairs(spec, p, spec.tile.block_r, spec.tile.block_c)
+
+
+def test_deterministic_sass_issue_counts_both_kernels() -> None:
+    """The main kernel's loop carries 4 GEMMs' math per pair, the dq kernel's loop 3 (its own
+    mix); without either mix the model falls back to the family's pair_cost (which counts both)."""
+    from fagen.autotune.model import sass_issue_instructions
+    from fagen.autotune.sassloops import LoopMix, dynamic_instructions
+    from fagen.renderer import kernel_infos
+
+    atomic, det = _det_pair("simt")
+    assert {k.role.name: k.threads for k in kernel_infos(det)}["dq"] == 128  # 4 warps
+    main = LoopMix(outer=(("FFMA", 4), ("IMAD", 96)), inner=(("FFMA", 16), ("LDS", 8)))
+    dq = LoopMix(outer=(("FFMA", 8), ("IMAD", 40), ("STG", 4)), inner=(("FFMA", 32), ("LDS", 20), ("IADD3", 6)))
+    per_gemm_warp = 2 * 64 * 64 * 64 / 64 / 4  # FFMAs of one 64x64x64 product per warp (4 warps)
+    want_main = 4 * dynamic_instructions(main, "FFMA", 4 * per_gemm_warp)
+    want_dq = 4 * dynamic_instructions(dq, "FFMA", 3 * per_gemm_warp)
+    assert sass_issue_instructions(det, 64, 64, main, dq) == pytest.approx(want_main + want_dq, rel=1e-14)
+    assert sass_issue_instructions(atomic, 64, 64, main) == pytest.approx(
+        4 * dynamic_instructions(main, "FFMA", 5 * per_gemm_warp), rel=1e-14)
+    assert want_main < sass_issue_instructions(atomic, 64, 64, main)  # main has 4 products, not 5
+    assert sass_issue_instructions(det, 64, 64, main, None) is None
+    assert sass_issue_instructions(det, 64, 64, None, dq) is None
+    assert sass_issue_instructions(det, 64, 64, main, LoopMix((("LDS", 3),), ())) is None  # no math in dq's loop
+
+    dev, p = device_model("sm_90"), Workload(4, 16, 4096, 4096)
+    n, clocks = tile_pairs(det, p), 4 * dev.sm_count * dev.clock_hz
+    with_both = predict(det, p, 128, dev, main, dq)
+    assert with_both.terms["issue"] == pytest.approx(n * (want_main + want_dq) / clocks, rel=1e-12)
+    heavier = predict(det, p, 128, dev, main, LoopMix(dq.outer, dq.inner + (("IMAD", 40),)))
+    assert heavier.terms["issue"] > with_both.terms["issue"]
+    fallback = n * get_family("simt").pair_cost(det, 64, 64).warp_instructions / clocks
+    for one_missing in (predict(det, p, 128, dev, main, None), predict(det, p, 128, dev, None, dq)):
+        assert one_missing.terms["issue"] == pytest.approx(fallback, rel=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_fallback_pair_cost_includes_the_dq_kernel(impl: str) -> None:
+    atomic, det = _det_pair(impl)
+    fam = get_family(impl)
+    ca, cd = fam.pair_cost(atomic, 64, 64), fam.pair_cost(det, 64, 64)
+    assert cd.warp_iterations > ca.warp_iterations  # 7 products' math against 5
+    assert cd.atomics == 0 and ca.atomics == 64 * 64
+
+
+def test_deterministic_waves_count_the_dq_grid() -> None:
+    """Main: one block per (K/V block, batch, head); dq: one per (Q block, batch, head); the wave
+    factor weighs each kernel's quantisation by its share of the GEMMs (4 and 3 of 7)."""
+    from fagen.autotune.model import grid_blocks, occupancy
+
+    _, det = _det_pair("simt")
+    dev = device_model("sm_90")
+    p = Workload(1, 1, 64 * 200, 64)  # 1 main block, 200 dq blocks
+    assert grid_blocks(det, p, "main") == 1 and grid_blocks(det, p, "dq") == 200
+    occ = occupancy("sm_90", 4, 128, det.smem_bytes)
+    slots = dev.sm_count * occ.blocks_per_sm
+    q_main, q_dq = slots / 1, math.ceil(200 / slots) * slots / 200
+    pred = predict(det, p, 128, dev)
+    assert pred.blocks == 1 and pred.wave_factor == pytest.approx((4 * q_main + 3 * q_dq) / 7, rel=1e-14)
+    assert predict(det.replace(deterministic=False), p, 128, dev).wave_factor == pytest.approx(q_main)
+
+
+def test_gqa_workload_shapes_the_grid_and_traffic() -> None:
+    from fagen.autotune.model import grid_blocks
+
+    spec = KernelSpec(direction="bwd", head_dim=64, impl="simt", block_r=64, block_c=64)
+    full, gqa = Workload(2, 8, 1024, 1024), Workload(2, 8, 1024, 1024, heads_kv=2)
+    assert grid_blocks(spec, full) == 16 * 2 * 8 and grid_blocks(spec, gqa) == 16 * 2 * 2  # one CTA per kv head
+    assert hbm_bytes(spec, gqa, 64, 64) < hbm_bytes(spec, full, 64, 64)
+    assert Workload.bucketed(2, 8, 1000, heads_kv=4).heads_kv == 4
+    for bad in (0, 3, 16, True):
+        with pytest.raises(InputError, match="heads_kv"):
+            Workload(2, 8, 1024, 1024, heads_kv=bad)
+
+
+def test_check_resources_reads_the_dq_kernels_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deterministic backward's candidate carries the dq kernel's main-loop mix (by its kernel
+    name), and score() hands it to the model."""
+    from fagen import sass
+    from fagen.autotune import sassloops
+    from fagen.autotune.model import score
+    from fagen.autotune.sassloops import LoopMix
+    from fagen.compiler import compile as compile_spec
+
+    spec = KernelSpec(direction="bwd", head_dim=32, dtype="float16", arch="sm_80", deterministic=True, impl="simt",
+                      block_r=32, block_c=32, num_warps=4)
+    mod = compile_spec(spec)
+    names = {k.role.name: k.name for k in mod.rendered.kernels}
+    fake = {names["main"]: LoopMix((("FFMA", 16), ("IMAD", 16)), ()),
+            names["dq"]: LoopMix((("FFMA", 16), ("IMAD", 48)), ())}
+    asked: list[str] = []
+
+    def fake_mix(cubin: bytes, kernel: str) -> LoopMix:
+        asked.append(kernel)
+        return fake[kernel]
+
+    with monkeypatch.context() as m:
+        m.setattr(sassloops, "main_loop_mix", fake_mix)
+        c = check_resources(Candidate("simt", 32, 32, 4, spec=spec), mod)
+    assert sorted(asked) == sorted([names["main"], names["dq"]])
+    assert c.status == "ok" and c.sass_loop == fake[names["main"]] and c.dq_sass_loop == fake[names["dq"]]
+    dev, p = device_model("sm_80"), Workload(2, 4, 2048, 2048)
+    (scored,) = score([c], p, dev)
+    assert scored.predicted_ms == round(predict(spec, p, c.registers, dev, c.sass_loop, c.dq_sass_loop).ms, 6)
+    assert scored.predicted_ms != round(predict(spec, p, c.registers, dev, c.sass_loop).ms, 6)
+    atomic = spec.replace(deterministic=False)
+    asked.clear()
+    with monkeypatch.context() as m:
+        m.setattr(sassloops, "main_loop_mix", fake_mix)
+        fake[next(k.name for k in compile_spec(atomic).rendered.kernels if k.role.name == "main")] = fake[names["main"]]
+        a = check_resources(Candidate("simt", 32, 32, 4, spec=atomic), compile_spec(atomic))
+    assert len(asked) == 1 and a.dq_sass_loop is None  # no dq kernel
+    if sass.nvdisasm_path() is not None:  # the real disassembly: the dq kernel's own loop
+        real = check_resources(Candidate("simt", 32, 32, 4, spec=spec), mod)
+        assert real.dq_sass_loop is not None and real.dq_sass_loop != real.sass_loop
+        assert real.dq_sass_loop.count("FFMA", inner=True) + real.dq_sass_loop.count("FFMA", inner=False) > 0

@@ -73,6 +73,8 @@ class Candidate:
     measured_ms: float | None = None
     bound: str | None = None  # the model's limiting term
     sass_loop: LoopMix | None = field(default=None, compare=False, repr=False)  # the main loop's SASS
+    #: the deterministic backward's dq kernel's main loop (None for other specs or without SASS)
+    dq_sass_loop: LoopMix | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple:
@@ -171,20 +173,23 @@ def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs
     return replace(cand, spec=cspec)
 
 
-def main_loop_mix(mod: CompiledModule) -> LoopMix | None:
-    """The main kernel's main-loop SASS mix (``sassloops.main_loop_mix``); None without a
-    disassembler or when it fails."""
+def main_loop_mix(mod: CompiledModule, role: str = "main") -> LoopMix | None:
+    """The main-loop SASS mix of the module's ``role`` kernel (``sassloops.main_loop_mix``);
+    None without a disassembler or when it fails."""
     try:
-        return sassloops.main_loop_mix(mod.cubin, mod.rendered.kernel("main").name)
+        return sassloops.main_loop_mix(mod.cubin, mod.rendered.kernel(role).name)
     except Exception:  # noqa: BLE001 - SASS is optional evidence for the model
         return None
 
 
 def check_resources(cand: Candidate, mod: CompiledModule) -> Candidate:
-    """Step 5: spills and launch bounds from the ptxas report (and the main loop's SASS mix)."""
+    """Step 5: spills and launch bounds from the ptxas report (and the SASS mix of the main loop,
+    and of the dq kernel's for a deterministic backward)."""
     main = mod.resource("main")
     spills = sum(r.spill_bytes for r in mod.resources)
-    cand = replace(cand, registers=main.registers, spill_bytes=spills, sass_loop=main_loop_mix(mod))
+    dq_loop = main_loop_mix(mod, "dq") if mod.spec.direction == "bwd" and mod.spec.deterministic else None
+    cand = replace(cand, registers=main.registers, spill_bytes=spills, sass_loop=main_loop_mix(mod),
+                   dq_sass_loop=dq_loop)
     threads = 32 * cand.num_warps
     if spills:
         worst = max(mod.resources, key=lambda r: r.spill_bytes)

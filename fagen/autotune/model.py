@@ -7,20 +7,24 @@ bytes       HBM traffic of the paper's IO analysis (Theorem 2 / 5), counted per
             tile pair actually visited (``fagen.masking.tile_counts``: closed form,
             so the model costs the same at N = 2**40 as at N = 1024);
 flops       the FLOPs of the visited tiles (masked elements inside a visited
-            tile still cost), at the peak of the family's math unit (FP32 FMA
-            lanes for SIMT, tensor cores for ``math_unit == "tensor"``);
+            tile still cost), summed over the kernels of the module (``kernel_gemms``:
+            the deterministic backward's dq kernel recomputes S and dP), at the
+            peak of the family's math unit (FP32 FMA lanes for SIMT, tensor cores
+            for ``math_unit == "tensor"``);
 wavefronts  shared-memory load wavefronts of one tile pair, bank conflicts
             included (the family's ``pair_cost``);
-instrs      issued warp instructions: from the main kernel's own SASS when the
-            disassembler is installed (the main loop once per tile pair, its
-            innermost loops as often as the FLOPs, known exactly, require:
-            ``sassloops``), else the family's ``pair_cost``;
+instrs      issued warp instructions: from the kernels' own SASS when the
+            disassembler is installed (each kernel's main loop once per tile pair,
+            its innermost loops as often as that kernel's FLOPs, known exactly,
+            require: ``sassloops``; the main kernel and, deterministic backward,
+            the dq kernel), else the family's ``pair_cost`` (which counts both);
 atomics     fp32 atomic adds of dQ (Algorithm 4 line 21) at the L2's rate;
 h           latency hiding at the achieved occupancy: min(1, busy warps per SM / 16),
             where busy warps = resident warps x the family's warp balance (a tile
             too small for the block leaves warps idle); for shared memory
             min(1, busy warps x wavefronts per iteration / 32);
-q           wave quantisation: waves * slots / blocks, slots = SMs * blocks per SM.
+q           wave quantisation: waves * slots / blocks, slots = SMs * blocks per SM,
+            per kernel with its own grid, weighted by the kernel's share of the GEMMs.
 
 docs/autotune.md gives every formula and constant with its source.
 """
@@ -51,7 +55,10 @@ SATURATION_WARPS = 16
 SMEM_LATENCY_CLOCKS = 32
 #: Cost of one kernel launch on a busy stream (seconds).
 LAUNCH_SECONDS = 4e-6
-BWD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward matmul FLOPs (FlashAttention paper, sec. 4)
+#: Reported backward FLOPs = 2.5 x forward (five matmuls vs two; FlashAttention paper, sec. 4): the
+#: convention TFLOP/s figures use, also for the deterministic backward (whose dq kernel recomputes
+#: S and dP: the model's ``visited_flops`` counts that work, the reported figure does not).
+BWD_FLOP_FACTOR = 2.5
 #: fp32 atomic adds the L2 retires per SM per clock (an estimate: one 32-byte sector per L2 slice
 #: per clock, about as many slices as SMs, and warps' dQ adds coalesce 8 floats to a sector at best).
 ATOMICS_PER_SM_CLOCK = 4
@@ -73,19 +80,26 @@ class Workload:
     heads: int
     seqlen_q: int
     seqlen_k: int
+    heads_kv: int | None = None  # K/V heads (GQA / MQA); None: as many as ``heads``
 
     def __post_init__(self) -> None:
         for name, v, hi in (("batch", self.batch, MAX_GRID_YZ), ("heads", self.heads, MAX_GRID_YZ),
                             ("seqlen_q", self.seqlen_q, 2 * MAX_SEQLEN), ("seqlen_k", self.seqlen_k, 2 * MAX_SEQLEN)):
             check_size(name, v, hi)
+        if self.heads_kv is not None:
+            check_size("heads_kv", self.heads_kv, self.heads)
+            if self.heads % self.heads_kv:
+                raise InputError("heads_kv", f"a divisor of heads ({self.heads})", self.heads_kv)
 
     @classmethod
-    def bucketed(cls, batch: int, heads: int, seqlen_q: int, seqlen_k: int | None = None) -> "Workload":
+    def bucketed(cls, batch: int, heads: int, seqlen_q: int, seqlen_k: int | None = None,
+                 heads_kv: int | None = None) -> "Workload":
         """The representative workload: seqlens rounded up to a power of two."""
         for name, v in (("seqlen", seqlen_q), ("seqlen_k", seqlen_k)):
             if v is not None:
                 check_size(name, v, MAX_SEQLEN)
-        return cls(batch, heads, seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_q if seqlen_k is None else seqlen_k))
+        return cls(batch, heads, seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_q if seqlen_k is None else seqlen_k),
+                   heads_kv)
 
 
 def check_size(name: str, v: object, hi: int) -> int:
@@ -176,13 +190,18 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
     tc = tile_counts(nq, nk, block_r, block_c, spec.causal, spec.key_padding,
                      top_left=spec.causal_align == "top_left", attn_mask=spec.attn_mask)
     kpm = nk if spec.key_padding else 0
+    kv_share = (p.heads_kv or p.heads) / p.heads  # GQA: one K/V head per group of q heads
     if spec.direction == "bwd":
         per_head = (
-            2 * nk * d * e  # K_j, V_j read once
-            + 2 * nk * d * e  # dK_j, dV_j written once
+            2 * nk * d * e * kv_share  # K_j, V_j read once (per K/V head)
+            + 2 * nk * d * e * kv_share  # dK_j, dV_j written once
             + tc["rows_visited"] * (2 * d * e + 2 * f32)  # Q_i, dO_i, lse_i, D_i per visited tile pair
-            + nq * d * f32 * 2  # dQ accumulator: the atomics reduce in L2 (the "atomics" term); it
-            # reaches HBM about once per head, read and written back
+            + (nq * (2 * d * e + 2 * f32)  # deterministic: the dq kernel reads Q, dO, lse, D once,
+               + tc["cols_visited"] * 2 * d * e  # K_j, V_j per visited tile pair
+               + nq * d * f32 + kpm  # stores dQ acc once (no atomics); key-padding mask again
+               if spec.deterministic else
+               nq * d * f32 * 2)  # else the dQ atomics reduce in L2 (the "atomics" term); the
+            # accumulator reaches HBM about once per head, read and written back
             + nq * (2 * d * e + f32 + d * f32)  # preprocess: read O, dO; write D; zero dQ acc
             + nq * d * (f32 + e)  # postprocess: read dQ acc, write dQ
             + kpm  # key-padding mask bytes
@@ -193,8 +212,21 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
     return float(p.batch * p.heads * per_head)
 
 
+def kernel_gemms(spec: KernelSpec) -> dict[str, int]:
+    """Tile products (2 B_r B_c d FLOPs each) per visited tile pair, per kernel of the module:
+    forward S = Q K^T and O += P V; backward S, dP, dV, dK and dQ (Algorithm 4); the
+    deterministic backward's main kernel S, dP, dV, dK and its dq kernel S, dP (recomputed)
+    and dQ += dS K -- seven instead of five."""
+    if spec.direction == "fwd":
+        return {"main": 2}
+    if spec.deterministic:
+        return {"main": 4, "dq": 3}
+    return {"main": 5}
+
+
 def nominal_flops(spec: KernelSpec, p: Workload) -> float:
-    """FLOPs for TFLOP/s reporting: 4 B H Nq Nk d (x 2.5 backward), halved for causal."""
+    """FLOPs for TFLOP/s reporting: 4 B H Nq Nk d (x 2.5 backward, deterministic or not: the
+    standard convention, so throughputs compare across modes), halved for causal."""
     f = 4.0 * p.batch * p.heads * p.seqlen_q * p.seqlen_k * spec.head_dim
     if spec.direction == "bwd":
         f *= BWD_FLOP_FACTOR
@@ -209,18 +241,25 @@ def visited_pairs(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> 
 
 
 def visited_flops(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
-    """FLOPs of the visited tile pairs (padding and masked elements inside them included)."""
-    f = 4.0 * visited_pairs(spec, p, block_r, block_c) * block_r * block_c * spec.head_dim
-    return f * BWD_FLOP_FACTOR if spec.direction == "bwd" else f
+    """FLOPs the kernels spend on the visited tile pairs (padding and masked elements inside
+    them included): 2 B_r B_c d per tile product, ``kernel_gemms`` products per pair (7/2 of
+    the forward's for the deterministic backward, 5/2 otherwise)."""
+    gemms = sum(kernel_gemms(spec).values())
+    return 2.0 * visited_pairs(spec, p, block_r, block_c) * block_r * block_c * spec.head_dim * gemms
+
+
+def grid_blocks(spec: KernelSpec, p: Workload, role: str = "main") -> int:
+    """Thread blocks of one kernel's grid (the family's launch geometry, ``KernelInfo.grid``)."""
+    from ..renderer import kernel_infos
+
+    info = next(k for k in kernel_infos(spec) if k.role.name == role)
+    gx, gy, gz = info.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.heads_kv)
+    return gx * gy * gz
 
 
 def main_grid_blocks(spec: KernelSpec, p: Workload) -> int:
-    """Thread blocks of the main kernel's grid (the family's launch geometry, ``KernelInfo.grid``)."""
-    from ..renderer import kernel_infos
-
-    main = next(k for k in kernel_infos(spec) if k.role.name == "main")
-    gx, gy, gz = main.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k)
-    return gx * gy * gz
+    """Thread blocks of the main kernel's grid."""
+    return grid_blocks(spec, p, "main")
 
 
 def simt_pair_cost(spec: KernelSpec, br: int, bc: int) -> PairCost:
@@ -236,21 +275,31 @@ def as_loop_mix(loop: LoopMix | Mapping[str, int] | None) -> LoopMix | None:
 
 
 def sass_issue_instructions(spec: KernelSpec, block_r: int, block_c: int,
-                            loop: LoopMix | Mapping[str, int] | None) -> float | None:
-    """Warp instructions the main kernel issues per visited tile pair, from its SASS: each warp
-    issues FLOPs / FLOPS_PER_MATH_INSTRUCTION / warps math instructions per pair, and the main
-    loop's mix says how many instructions come with them (``sassloops.dynamic_instructions``).
-    None without SASS or without math instructions in the loop."""
-    mix = as_loop_mix(loop)
-    if mix is None:
-        return None
+                            loop: LoopMix | Mapping[str, int] | None,
+                            dq_loop: LoopMix | Mapping[str, int] | None = None) -> float | None:
+    """Warp instructions the module's kernels issue per visited tile pair, from their SASS: each
+    warp of a kernel issues that kernel's FLOPs (``kernel_gemms``) / FLOPS_PER_MATH_INSTRUCTION /
+    warps math instructions per pair, and the kernel's main-loop mix says how many instructions
+    come with them (``sassloops.dynamic_instructions``). ``loop`` is the main kernel's mix,
+    ``dq_loop`` the deterministic backward's dq kernel's. None when a kernel's mix is missing or
+    has no math instruction (the model then uses the family's ``pair_cost`` for all kernels)."""
     from ..renderer import kernel_infos
 
     unit = get_family(spec.impl).math_unit
-    warps = max(1, next(k for k in kernel_infos(spec) if k.role.name == "main").threads // 32)
-    flops = 4.0 * block_r * block_c * spec.head_dim * (BWD_FLOP_FACTOR if spec.direction == "bwd" else 1.0)
-    per_warp = dynamic_instructions(mix, MATH_OPCODE[unit], flops / FLOPS_PER_MATH_INSTRUCTION[unit] / warps)
-    return None if per_warp is None else per_warp * warps
+    loops = {"main": as_loop_mix(loop), "dq": as_loop_mix(dq_loop)}
+    threads = {k.role.name: k.threads for k in kernel_infos(spec)}
+    total = 0.0
+    for role, gemms in kernel_gemms(spec).items():
+        mix = loops[role]
+        if mix is None:
+            return None
+        warps = max(1, threads[role] // 32)
+        flops = 2.0 * block_r * block_c * spec.head_dim * gemms
+        per_warp = dynamic_instructions(mix, MATH_OPCODE[unit], flops / FLOPS_PER_MATH_INSTRUCTION[unit] / warps)
+        if per_warp is None:
+            return None
+        total += per_warp * warps
+    return total
 
 
 @dataclass(frozen=True)
@@ -270,10 +319,25 @@ class Prediction:
         return self.seconds * 1e3
 
 
+def wave_factor(spec: KernelSpec, p: Workload, slots: int) -> float:
+    """Wave quantisation of the module: per kernel with tile-pair work (``kernel_gemms``),
+    waves * slots / blocks of its own grid, weighted by its share of the GEMMs (the kernels run
+    one after the other, each taking its share of the limiting term). The dq kernel launches
+    the main kernel's block with at most its shared memory: the same slots."""
+    gemms = kernel_gemms(spec)
+    q = 0.0
+    for role, n in gemms.items():
+        blocks = grid_blocks(spec, p, role)
+        q += n * math.ceil(blocks / slots) * slots / blocks
+    return q / sum(gemms.values())
+
+
 def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
-            sass_loop: LoopMix | Mapping[str, int] | None = None) -> Prediction:
+            sass_loop: LoopMix | Mapping[str, int] | None = None,
+            dq_sass_loop: LoopMix | Mapping[str, int] | None = None) -> Prediction:
     """Predicted wall time of one call of ``spec``'s module on workload ``p``; ``sass_loop`` is the
-    main kernel's main-loop SASS mix (``sassloops.main_loop_mix``) when known."""
+    main kernel's main-loop SASS mix (``sassloops.main_loop_mix``) when known, ``dq_sass_loop``
+    the deterministic backward's dq kernel's (both needed for the SASS issue term)."""
     t = spec.tile
     fam = get_family(spec.impl)
     occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
@@ -285,7 +349,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
         return Prediction(math.inf, traffic, flops, occ, blocks, 0, math.inf, "occupancy", {})
     slots = dev.sm_count * occ.blocks_per_sm
     waves = math.ceil(blocks / slots)
-    q = waves * slots / blocks
+    q = wave_factor(spec, p, slots)
     loop = as_loop_mix(sass_loop)
     pc = fam.pair_cost(spec, t.block_r, t.block_c, None if loop is None else loop.merged())
     balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
@@ -295,7 +359,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     hidden = {"hbm": terms["hbm"] / hide, "math": terms["math"] / hide}
     n = visited_pairs(spec, p, t.block_r, t.block_c)
     sm_clocks = dev.sm_count * dev.clock_hz
-    from_sass = sass_issue_instructions(spec, t.block_r, t.block_c, sass_loop)
+    from_sass = sass_issue_instructions(spec, t.block_r, t.block_c, sass_loop, dq_sass_loop)
     if from_sass is not None:
         terms["issue"] = n * from_sass / (4 * sm_clocks)
     elif pc is not None:
@@ -318,9 +382,10 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
 
 
 def ceiling_tflops(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
-                   sass_loop: LoopMix | Mapping[str, int] | None = None) -> float:
+                   sass_loop: LoopMix | Mapping[str, int] | None = None,
+                   dq_sass_loop: LoopMix | Mapping[str, int] | None = None) -> float:
     """The model's predicted throughput (nominal FLOPs / predicted time), TFLOP/s."""
-    return nominal_flops(spec, p) / predict(spec, p, registers, dev, sass_loop).seconds / 1e12
+    return nominal_flops(spec, p) / predict(spec, p, registers, dev, sass_loop, dq_sass_loop).seconds / 1e12
 
 
 def score(cands: list[Candidate], p: Workload, dev: DeviceModel) -> list[Candidate]:
@@ -328,7 +393,7 @@ def score(cands: list[Candidate], p: Workload, dev: DeviceModel) -> list[Candida
     out = []
     for c in cands:
         if c.status == "ok" and c.spec is not None and c.registers is not None:
-            pred = predict(c.spec, p, c.registers, dev, c.sass_loop)
+            pred = predict(c.spec, p, c.registers, dev, c.sass_loop, c.dq_sass_loop)
             c = replace(c, occupancy=round(pred.occupancy.fraction, 4), predicted_ms=round(pred.ms, 6),
                         bound=pred.bound)
         out.append(c)

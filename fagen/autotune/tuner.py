@@ -50,7 +50,8 @@ class TuneResult:
         return {
             "spec": self.spec.model_dump(),
             "problem": {"batch": self.problem.batch, "heads": self.problem.heads,
-                        "seqlen_q": self.problem.seqlen_q, "seqlen_k": self.problem.seqlen_k},
+                        "seqlen_q": self.problem.seqlen_q, "seqlen_k": self.problem.seqlen_k,
+                        **({"heads_kv": self.problem.heads_kv} if self.problem.heads_kv else {})},
             "device_model": {"name": self.device.name, "sm_count": self.device.sm_count,
                              "hbm_bytes_per_s": self.device.hbm_bytes_per_s,
                              "fp32_flops_per_s": self.device.fp32_flops_per_s},
@@ -61,16 +62,17 @@ class TuneResult:
 
 
 def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int | None = None,
-         dry_run: bool = True, top: int = 4, timer: Timer | None = None, device: DeviceInfo | None = None,
+         heads_kv: int | None = None, dry_run: bool = True, top: int = 4, timer: Timer | None = None, device: DeviceInfo | None = None,
          persist: bool = True, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
          workers: int | None = None, progress: bool | None = None) -> TuneResult:
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
     default) and record the fastest for ``device`` (the current CUDA device when None).
 
     ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in
-    1..``fagen.spec.SEQLEN_MAX`` (the kernels' int32 lengths); anything else is an InputError
-    naming the argument."""
-    problem = Workload.bucketed(batch, heads, seqlen, seqlen_k)
+    1..``fagen.spec.SEQLEN_MAX`` (the kernels' int32 lengths), ``heads_kv`` (GQA / MQA: K/V
+    heads, None = ``heads``) a divisor of ``heads``; anything else is an InputError naming the
+    argument."""
+    problem = Workload.bucketed(batch, heads, seqlen, seqlen_k, heads_kv)
     if not dry_run and device is None:
         if not cuda_available():
             raise InputError("dry_run", "a CUDA GPU to time candidates on", "no CUDA GPU; use --dry-run")
