@@ -783,3 +783,123 @@ def test_check_resources_reads_the_dq_kernels_loop(monkeypatch: pytest.MonkeyPat
         real = check_resources(Candidate("simt", 32, 32, 4, spec=spec), mod)
         assert real.dq_sass_loop is not None and real.dq_sass_loop != real.sass_loop
         assert real.dq_sass_loop.count("FFMA", inner=True) + real.dq_sass_loop.count("FFMA", inner=False) > 0
+
+
+# --------------------------------------------------------------------------- timing inputs
+#: Flags every family takes besides its ``features``; "gqa" is the Workload's heads_kv.
+BASE_FLAGS = ("causal", "key_padding", "dropout", "gqa")
+FEATURE_CASES = [(impl, flag) for impl in family_names()
+                 for flag in BASE_FLAGS + tuple(sorted(get_family(impl).features))]
+
+
+def _feature_case(impl: str, flag: str) -> tuple[KernelSpec, Workload]:
+    """A tiny backward spec with ``flag`` on (Nq != Nk, so the causal alignment matters)."""
+    fields: dict = dict(direction="bwd", head_dim=32, dtype="float16", impl=impl)
+    p = Workload(2, 2, 24, 40)
+    if flag == "gqa":
+        p = Workload(2, 2, 24, 40, heads_kv=1)
+    elif flag == "top_left":
+        fields.update(causal=True, causal_align="top_left")
+    elif flag == "bias_grad":
+        fields.update(bias=True, bias_grad=True)
+    elif flag == "float64":
+        fields["dtype"] = "float64"
+    elif flag in {"causal", "key_padding", "dropout", "window", "softcap", "alibi", "attn_mask", "bias", "varlen",
+                  "deterministic"}:
+        fields[flag] = True
+    else:
+        raise AssertionError(f"no timing-input case for the feature {flag!r}: add one")
+    return KernelSpec(**fields), p
+
+
+def _oracle_check(spec: KernelSpec, p: Workload, inputs, out: tuple) -> None:
+    """The timed call against the float64 oracle (tests/featref.py): it did the spec's real work."""
+    import torch
+
+    import featref
+    from fagen.functional import dropout_keep_mask
+
+    def unpack(t: torch.Tensor, n: int) -> torch.Tensor:  # packed equal-length sequences -> [B, N, h, d]
+        return t.reshape(p.batch, n, *t.shape[1:]) if spec.varlen else t
+
+    kw = inputs.kw
+    t = {"q": unpack(inputs.q, p.seqlen_q), "k": unpack(inputs.k, p.seqlen_k), "v": unpack(inputs.v, p.seqlen_k)}
+    grads_of = ("q", "k", "v")
+    if spec.bias:
+        t["bias"] = kw["attn_bias"]
+        grads_of += ("bias",) if spec.bias_grad else ()
+    opt = dict(causal=spec.causal, window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
+               alibi=kw.get("alibi_slopes"), kpm=kw.get("key_padding_mask"), mask=kw.get("attn_mask"),
+               align=spec.causal_align)
+    if spec.dropout:
+        opt.update(dropout_p=kw["dropout_p"],
+                   keep=dropout_keep_mask(p.batch, p.heads, p.seqlen_q, p.seqlen_k, kw["dropout_p"]))
+    do = unpack(inputs.do, p.seqlen_q)
+    dt = getattr(torch, spec.dtype)
+    _, _, g64 = featref.run_oracle(t, grads_of, do, torch.float64, **opt)
+    _, _, gdt = featref.run_oracle(t, grads_of, do, dt, **opt)
+    ours = {"q": unpack(out[0], p.seqlen_q), "k": unpack(out[1], p.seqlen_k), "v": unpack(out[2], p.seqlen_k)}
+    if spec.bias_grad:
+        ours["bias"] = out[3]
+    assert set(ours) == set(grads_of)
+    # float64: the kernels keep lse, D and the dQ accumulator in fp32 (as tests/test_features_simt.py)
+    atol = 2e-6 if dt == torch.float64 else featref.ATOL[dt]
+    for n in grads_of:
+        featref.flash_criterion(f"d{n}", ours[n], g64[n], gdt[n], atol * max(1.0, g64[n].abs().max().item()))
+
+
+@pytest.mark.parametrize("impl, flag", FEATURE_CASES, ids=[f"{i}-{f}" for i, f in FEATURE_CASES])
+def test_timing_inputs_carry_every_feature(impl: str, flag: str) -> None:
+    """The GPU timer's inputs, built on the CPU (the emulator runs the same kernels): one timed
+    call of a backward with ``flag`` runs with the flag's runtime arguments and computes the
+    spec's real gradients."""
+    import torch
+
+    from fagen.autotune.timing import _Inputs, alibi_slopes
+
+    spec, p = _feature_case(impl, flag)
+    inputs = _Inputs(spec, p, device="cpu")
+    kw = inputs.kw
+    hkv = p.heads_kv or p.heads
+    if spec.varlen:
+        assert inputs.q.shape == (p.batch * p.seqlen_q, p.heads, 32) and inputs.k.shape == (p.batch * p.seqlen_k, hkv, 32)
+        assert kw["cu_seqlens_q"].dtype == torch.int32 and kw["cu_seqlens_q"].tolist() == [0, 24, 48]
+        assert kw["cu_seqlens_k"].tolist() == [0, 40, 80] and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (24, 40)
+    else:
+        assert inputs.q.shape == (p.batch, p.seqlen_q, p.heads, 32) and inputs.k.shape == (p.batch, p.seqlen_k, hkv, 32)
+    assert inputs.q.dtype == getattr(torch, spec.dtype) and inputs.q.device.type == "cpu"
+    expect = {"key_padding": "key_padding_mask", "dropout": "dropout_p", "window": "window_size", "softcap": "softcap",
+              "alibi": "alibi_slopes", "attn_mask": "attn_mask", "bias": "attn_bias", "varlen": "cu_seqlens_q"}
+    for f, arg in expect.items():
+        assert (arg in kw) == bool(getattr(spec, f)), (f, sorted(kw))
+    if spec.window:
+        assert kw["window_size"] == (5, 0)  # Nk / 8 keys to the left: a real band, not unbounded
+    if spec.softcap:
+        assert kw["softcap"] == 30.0
+    if spec.alibi:
+        assert kw["alibi_slopes"].dtype == torch.float32 and kw["alibi_slopes"].tolist() == alibi_slopes(2) == [
+            2.0 ** -4, 2.0 ** -8]
+    if spec.attn_mask:
+        m = kw["attn_mask"]
+        assert m.dtype == torch.bool and m.shape == (2, 1, 24, 40) and m.any() and not m.all()
+    if spec.bias:
+        assert kw["attn_bias"].dtype == inputs.q.dtype and kw["attn_bias"].shape == (1, 2, 24, 40)
+    out = inputs.call(spec)()
+    assert len(out) == (4 if spec.bias_grad else 3)
+    assert all(torch.isfinite(g).all() for g in out)
+    _oracle_check(spec, p, inputs, out)
+
+
+@pytest.mark.parametrize("impl", family_names())
+def test_timing_inputs_of_a_forward_with_every_flag(impl: str) -> None:
+    import torch
+
+    from fagen.autotune.timing import _Inputs
+
+    spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", impl=impl, causal=True, key_padding=True,
+                      window=True, softcap=True, alibi=True, attn_mask=True, bias=True)
+    p = Workload(2, 2, 24, 40)
+    inputs = _Inputs(spec, p, device="cpu")
+    assert not hasattr(inputs, "o")  # a forward needs no forward of its own
+    o, lse = inputs.call(spec)()
+    assert o.shape == inputs.q.shape and lse.shape == (2, 2, 24) and torch.isfinite(o).all()
