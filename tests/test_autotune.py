@@ -862,7 +862,8 @@ def test_timing_inputs_carry_every_feature(impl: str, flag: str) -> None:
     kw = inputs.kw
     hkv = p.heads_kv or p.heads
     if spec.varlen:
-        assert inputs.q.shape == (p.batch * p.seqlen_q, p.heads, 32) and inputs.k.shape == (p.batch * p.seqlen_k, hkv, 32)
+        assert inputs.q.shape == (p.batch * p.seqlen_q, p.heads, 32)
+        assert inputs.k.shape == (p.batch * p.seqlen_k, hkv, 32)
         assert kw["cu_seqlens_q"].dtype == torch.int32 and kw["cu_seqlens_q"].tolist() == [0, 24, 48]
         assert kw["cu_seqlens_k"].tolist() == [0, 40, 80] and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (24, 40)
     else:
@@ -903,3 +904,12 @@ def test_timing_inputs_of_a_forward_with_every_flag(impl: str) -> None:
     assert not hasattr(inputs, "o")  # a forward needs no forward of its own
     o, lse = inputs.call(spec)()
     assert o.shape == inputs.q.shape and lse.shape == (2, 2, 24) and torch.isfinite(o).all()
+
+
+def test_tune_takes_heads_kv() -> None:
+    res = tune(SMALL.replace(direction="bwd"), batch=2, heads=8, seqlen=1000, heads_kv=2, dry_run=True,
+               sizes=(32,), warps=(4,), progress=False)
+    assert res.problem == Workload(2, 8, 1024, 1024, heads_kv=2)
+    assert res.as_dict()["problem"]["heads_kv"] == 2
+    with pytest.raises(InputError, match="heads_kv"):
+        tune(SMALL, batch=2, heads=8, seqlen=1000, heads_kv=3, dry_run=True, sizes=(32,), warps=(4,))

@@ -62,7 +62,8 @@ class TuneResult:
 
 
 def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int | None = None,
-         heads_kv: int | None = None, dry_run: bool = True, top: int = 4, timer: Timer | None = None, device: DeviceInfo | None = None,
+         heads_kv: int | None = None, dry_run: bool = True, top: int = 4, timer: Timer | None = None,
+         device: DeviceInfo | None = None,
          persist: bool = True, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
          workers: int | None = None, progress: bool | None = None) -> TuneResult:
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
