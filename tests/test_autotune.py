@@ -229,6 +229,9 @@ def test_cli_dry_run_table(small_result, capsys: pytest.CaptureFixture[str]) -> 
     assert at_cli.run(_args("--batch", "2", "--heads", "4", "--seqlen", "1000", "--dry-run"), SMALL) == 0
     out = capsys.readouterr().out
     assert "predicted ms" in out and "rejected (" in out and f"> sram_bytes {SMALL.sram_bytes}" in out and "best:" in out
+    assert at_cli.run(_args("--batch", "2", "--heads", "4", "--heads-kv", "2", "--seqlen", "1000", "--dry-run"),
+                      SMALL) == 0
+    assert "heads 4 (K/V 2)" in capsys.readouterr().out
 
 
 def test_cli_through_main(small_result, capsys: pytest.CaptureFixture[str]) -> None:
@@ -249,6 +252,10 @@ def test_cli_bad_options() -> None:
         at_cli.run(_args("--batch", "0", "--heads", "4", "--seqlen", "16", "--dry-run"), SMALL)
     with pytest.raises(InputError, match="--top"):
         at_cli.run(_args("--batch", "1", "--heads", "4", "--seqlen", "16", "--top", "-1", "--dry-run"), SMALL)
+    with pytest.raises(InputError, match="--heads-kv: expected a divisor of --heads"):
+        at_cli.run(_args("--batch", "1", "--heads", "4", "--heads-kv", "3", "--seqlen", "16", "--dry-run"), SMALL)
+    with pytest.raises(InputError, match="--heads-kv: expected a positive integer"):
+        at_cli.run(_args("--batch", "1", "--heads", "4", "--heads-kv", "0", "--seqlen", "16", "--dry-run"), SMALL)
 
 
 @pytest.mark.skipif(_cuda(), reason="checks the no-GPU message")

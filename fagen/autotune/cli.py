@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("autotune (the problem to tune for)")
     g.add_argument("--batch", type=int, required=True, metavar="B", help="batch size (required)")
     g.add_argument("--heads", type=int, required=True, metavar="H", help="number of heads (required)")
+    g.add_argument("--heads-kv", type=int, default=None, metavar="H_KV",
+                   help="K/V heads for grouped-query attention, a divisor of --heads "
+                        "(default: as many as --heads)")
     g.add_argument("--seqlen", type=int, required=True, metavar="N",
                    help="sequence length, tuned for its power-of-two bucket (required)")
     g.add_argument("--dry-run", action="store_true",
@@ -45,6 +48,9 @@ def run(args: argparse.Namespace, spec: KernelSpec) -> int:
     heads = _positive(args, "heads", "--heads")
     seqlen = _positive(args, "seqlen", "--seqlen")
     top = _positive(args, "top", "--top")
+    heads_kv = None if getattr(args, "heads_kv", None) is None else _positive(args, "heads_kv", "--heads-kv")
+    if heads_kv is not None and heads % heads_kv:
+        raise InputError(argument="--heads-kv", expected=f"a divisor of --heads ({heads})", got=heads_kv)
     dry_run = bool(getattr(args, "dry_run", False))
     as_json = bool(getattr(args, "json", False))
     device = None
@@ -57,7 +63,8 @@ def run(args: argparse.Namespace, spec: KernelSpec) -> int:
             raise InputError(argument="--arch", expected=f"{device.arch or 'a supported arch'} (the arch of "
                              f"{device.name}, compute capability {device.capability[0]}.{device.capability[1]})",
                              got=spec.arch)
-    result = tune(spec, batch=batch, heads=heads, seqlen=seqlen, dry_run=dry_run, top=top, device=device)
+    result = tune(spec, batch=batch, heads=heads, seqlen=seqlen, heads_kv=heads_kv, dry_run=dry_run, top=top,
+                  device=device)
     if as_json:
         json.dump(_jsonable(result.as_dict()), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -91,7 +98,8 @@ def _print_table(result: TuneResult) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     p = result.problem
-    title = (f"{result.spec.name}: batch {p.batch}, heads {p.heads}, seqlen {p.seqlen_q}x{p.seqlen_k} "
+    heads = f"{p.heads} (K/V {p.heads_kv})" if p.heads_kv else f"{p.heads}"
+    title = (f"{result.spec.name}: batch {p.batch}, heads {heads}, seqlen {p.seqlen_q}x{p.seqlen_k} "
              f"(model: {result.device.name})")
     table = Table(title=title)
     for col in ("#", "tile", "warps", "family", "smem B", "regs", "spills", "occupancy", "predicted ms"):
