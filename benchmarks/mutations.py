@@ -122,6 +122,7 @@ def run_pytest(copy: Path, tests: list[str], workers: int, cache: Path) -> tuple
     env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
     env["FAGEN_CACHE_DIR"] = str(cache)
     env["FAGEN_TEST_CACHE_DIR"] = str(cache)  # tests/conftest.py: the run's shared cache
+    env["COLUMNS"] = "400"  # pytest's short summary keeps the start of each failure's message
     where = subprocess.run([sys.executable, "-c", "import fagen; print(fagen.__file__)"], cwd=copy, env=env,
                            capture_output=True, text=True, check=False).stdout.strip()
     if not where.startswith(str(copy)):
@@ -136,7 +137,7 @@ def run_pytest(copy: Path, tests: list[str], workers: int, cache: Path) -> tuple
 
 def _failed(output: str) -> list[str]:
     """The short summary's failing tests, each with the start of its message."""
-    return [ln[:240] for ln in re.findall(r"^(?:FAILED|ERROR) (\S+.*)$", output, flags=re.M)]
+    return [ln[:400] for ln in re.findall(r"^(?:FAILED|ERROR) (\S+.*)$", output, flags=re.M)]
 
 
 def _summary(output: str) -> str:
