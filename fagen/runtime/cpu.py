@@ -135,9 +135,15 @@ def _allocations() -> tuple[list[int], list[int]]:
     """(starts, ends) of the storages of every live strided torch CPU tensor, sorted by start."""
     import torch
 
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - a torch without fake tensors
+        FakeTensor = ()  # noqa: N806
     spans: dict[int, int] = {}
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor):  # type(): no attribute access on odd objects
+            continue
+        if issubclass(type(obj), FakeTensor):  # tracing leftovers: no storage of their own
             continue
         try:
             if obj.device.type != "cpu" or obj.layout != torch.strided:
