@@ -297,7 +297,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     ``dropout_row_offset``/``dropout_col_offset``: q row i and key j draw the keep-mask bit of
     (row_offset + i, col_offset + j), as when these tensors are a block of a longer sequence
     (ring attention, :mod:`fagen.distributed`); masks and scores keep the local indices."""
-    return _forward(q, k, v, spec, _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+    return _forward(q, k, v, spec, _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal,
+                    key_padding_mask=key_padding_mask, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, seed=seed, offset=offset, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -308,13 +309,19 @@ def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 causal: bool | None = None, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward with an explicit spec (used by the autotuner and for experiments with tiles);
     ``causal`` defaults to the spec's; the other options as :func:`attention_forward`'s."""
+    return _forward(q, k, v, spec, **_explicit_options("run_forward", spec, causal, options))
+
+
+def _explicit_options(caller: str, spec: KernelSpec, causal: bool | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of :func:`run_forward`/:func:`run_backward`: unknown names refused like a
+    Python call would, the rest defaulted, ``causal`` and ``causal_align`` from the spec unless given."""
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
-        raise TypeError(f"run_forward() got an unexpected keyword argument {unknown[0]!r}")
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
     kw = {**_DEFAULTS, **options, "causal": spec.causal if causal is None else causal}
     if "causal_align" not in options:
         kw["causal_align"] = _spec_flag(spec, "causal_align")
-    return _forward(q, k, v, spec, **kw)
+    return kw
 
 
 # --------------------------------------------------------------------------- backward
@@ -402,12 +409,7 @@ def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.T
                  bias_requires_grad: bool | None = None, **options: Any) -> tuple[torch.Tensor, ...]:
     """Backward with an explicit spec (used by the autotuner and for experiments with tiles);
     ``causal``, ``deterministic`` and ``bias_requires_grad`` default to the spec's flags."""
-    unknown = sorted(set(options) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"run_backward() got an unexpected keyword argument {unknown[0]!r}")
-    kw = {**_DEFAULTS, **options, "causal": spec.causal if causal is None else causal}
-    if "causal_align" not in options:
-        kw["causal_align"] = _spec_flag(spec, "causal_align")
+    kw = _explicit_options("run_backward", spec, causal, options)
     det = _spec_flag(spec, "deterministic") if deterministic is None else deterministic
     bg = _spec_flag(spec, "bias_grad") if bias_requires_grad is None else bias_requires_grad
     return _backward(do, q, k, v, o, lse, spec, det, bg, **kw)
