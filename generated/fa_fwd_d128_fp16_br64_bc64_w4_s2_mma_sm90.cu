@@ -756,6 +756,42 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
            ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
 }
 
+// Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
+// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + g + (e >> 1) * 8 and key
+// col0 + n * 8 + 2 * t4 + (e & 1), both global (the caller adds row_offset / col_offset). With
+// col0 a multiple of 4 one Philox call covers keys 4c..4c+3 of one row: lanes 2b and 2b+1 of a
+// quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8, each computes one row's call and
+// they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a
+// rolled loop (the caller's fragments stay indexed by constants, so they stay in registers).
+template <int NT>
+FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned long long offset, unsigned bh, int row0,
+                                           int col0, unsigned drop_threshold, int lane) {
+    static_assert(NT * 4 <= 64, "keep bits of one fragment row pair in 64 bits");
+    const int g = lane >> 2, t4 = lane & 3;
+    unsigned long long kb = 0ull;
+    if ((col0 & 3) == 0) {  // warp-uniform
+        const int hsel = t4 & 1;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const unsigned mine = mma_keep4(seed, offset, bh, (unsigned)(row0 + g + hsel * 8),
+                                            (unsigned)(col0 + n * 8 + 2 * t4), drop_threshold);
+            const unsigned other = mma_shfl_xor_u(mine, 1);
+            const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                kb |= (unsigned long long)((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u) << (4 * n + e);
+        }
+    } else {
+        for (int x = 0; x < NT * 4; ++x) {
+            const int n = x >> 2, e = x & 3;
+            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + g + (e >> 1) * 8),
+                                (unsigned)(col0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+                kb |= 1ull << x;
+        }
+    }
+    return kb;
+}
+
 // 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
 // 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
 #ifndef FAGEN_EMULATOR
@@ -1026,41 +1062,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             }
         }
         if constexpr (HAS_DROPOUT) {
-            // Z_ij: one Philox call covers keys 4c..4c+3 of one row. Lanes 2b and 2b+1 of a quad
-            // hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8: each computes one row's
-            // call and they swap the 4 keep bits.
-            // Global (row, col) = (row_offset + row, col_offset + col) (a ring step's block); a
-            // col_offset that is not a multiple of 4 splits the groups: one call per element then.
-            const int hsel = t4 & 1;
-            if ((col_offset & 3) == 0) {
+            // Z_ij (mma_keep_bits: bit 4n + e is element (n, e)) at the global (row, col) =
+            // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
+            const unsigned long long kb = mma_keep_bits<NT_C>(seed, offset, (unsigned)bh, row_offset + i0 + wrow,
+                                                              col_offset + j0, drop_threshold, lane);
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n) {
-                const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
-                                                (unsigned)(row_offset + i0 + wrow + g + hsel * 8),
-                                                (unsigned)(col_offset + j0 + n * 8 + 2 * t4), drop_threshold);
-                const unsigned other = mma_shfl_xor_u(mine, 1);
-                const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
+            for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (!((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u)) sacc[n][e] = 0.f;  // 1/(1-p): at the end
-            }
-            } else {
-                // The keep bits first (bit 4n + e: element (n, e)), in a rolled loop: the fragments
-                // are indexed by constants only, so they stay in registers.
-                static_assert(NT_C * 4 <= 64, "keep bits of one tile row pair in 64 bits");
-                unsigned long long kb = 0ull;
-                for (int x = 0; x < NT_C * 4; ++x) {
-                    const int n = x >> 2, e = x & 3;  // element e: row g + (e >> 1) * 8, key 2 * t4 + (e & 1)
-                    if (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + wrow + g + (e >> 1) * 8),
-                                        (unsigned)(col_offset + j0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
-                        kb |= 1ull << x;
-                }
-#pragma unroll
-                for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!((kb >> (4 * n + e)) & 1ull)) sacc[n][e] = 0.f;
-            }
+                    if (!((kb >> (4 * n + e)) & 1ull)) sacc[n][e] = 0.f;
         }
 
         // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans.
