@@ -1,7 +1,9 @@
 """Render a KernelSpec into CUDA C++ source (Jinja2, StrictUndefined).
 
-Python decides the specialisation; templates stay thin and receive constexprs.
-Output is byte-identical across runs for the same spec.
+Python decides the specialisation; templates stay thin and receive constexprs:
+the context (:func:`template_context`) holds no spec, only named constants (the
+spec's sizes and flags, the family's decisions), the smem layout, the knobs and
+the kernels' signatures. Output is byte-identical across runs for the same spec.
 """
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import functools
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
 from .abi import Role
 from .algorithm4 import ALG4
-from .families import get_family
+from .families import Constant, get_family, spec_constants
 from .spec import KernelSpec
 
 
@@ -94,20 +97,37 @@ def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
     return tuple(out)
 
 
+def template_context(spec: KernelSpec, kernels: tuple[KernelInfo, ...] | None = None) -> dict[str, Any]:
+    """Everything the templates see: the spec's constants (fagen.families.spec_constants), the
+    family's decisions (Family.template_context: ``strides``, ``constants`` and extra values; each
+    Constant also under its name), the smem layout, the knobs and the kernels. No ``spec``."""
+    fam = get_family(spec.impl)
+    kernels = kernel_infos(spec) if kernels is None else kernels
+    ctx: dict[str, Any] = {
+        "spec_name": spec.name,
+        "spec_json": spec.model_dump_json(),
+        "T": spec.ctype,
+        "layout": spec.smem_layout,
+        "knobs": spec.knob_values,
+        "kernels": {k.role.name: k for k in kernels},
+        **spec_constants(spec),
+    }
+    extra = fam.template_context(spec)
+    constants: tuple[Constant, ...] = tuple(extra.get("constants", ()))
+    extra = {**extra, "constants": constants}
+    extra.setdefault("strides", {})
+    named = {c.name: c.value for c in constants}
+    clash = sorted((set(extra) | set(named)) & set(ctx) | set(named) & set(extra) | set(extra["strides"]) & set(named))
+    if clash or len(named) != len(constants):
+        raise ValueError(f"family {spec.impl!r}: template context names {clash or 'a constant twice'} more than once")
+    return {**ctx, **extra, **named}
+
+
 @functools.lru_cache(maxsize=256)
 def render(spec: KernelSpec) -> Rendered:
     """Render ``spec`` into one CUDA translation unit with all its entry points."""
     fam = get_family(spec.impl)
     kernels = kernel_infos(spec)
-    ctx = {
-        "spec": spec,
-        "spec_json": spec.model_dump_json(),
-        "T": spec.ctype,
-        "tile": spec.tile,
-        "layout": spec.smem_layout,
-        "knobs": spec.knob_values,
-        "kernels": {k.role.name: k for k in kernels},
-        **fam.template_context(spec),  # at least "strides"
-    }
+    ctx = template_context(spec, kernels)
     parts = [_env().get_template(name).render(**ctx) for name in fam.templates(spec.direction)]
     return Rendered(spec, "".join(parts), kernels)

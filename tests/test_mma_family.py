@@ -400,14 +400,14 @@ def test_attn_mask_with_a_score_modification_declines_past_the_register_budget(d
                                             (256, 48, 16), (192, 48, 48), (128, 80, 16)])
 def test_dq_key_sub_step(d: int, block_c: int, keys: int) -> None:
     """The dq kernel's key sub-step: at most 64 keys, a multiple of 16 dividing block_c, S/dP plus the
-    dQ accumulator within DQ_FRAG_REGS registers; the template static_asserts its own rule equals
-    fagen.families.mma.dq_key_chunk (so every compile checks the mirror)."""
+    dQ accumulator within DQ_FRAG_REGS registers; the family emits it (DQ_KC) and the template
+    static_asserts the rule's bounds (so every compile checks it)."""
     from fagen.families.mma import dq_key_chunk
 
     assert dq_key_chunk(d, block_c) == keys
     spec = KernelSpec(head_dim=d, block_r=16, block_c=block_c, num_warps=8, deterministic=True, impl="mma",
                       arch="sm_90")
-    assert f"static_assert(DQ_KC == {keys}," in render(spec).source
+    assert f"constexpr int DQ_KC = {keys};" in render(spec).source
 
 
 def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:

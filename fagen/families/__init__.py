@@ -52,6 +52,39 @@ class Reason(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Constant:
+    """A decision the family made in Python, emitted as ``constexpr {ctype} {name} = {literal};``
+    (partials/header.cuh.j2) and given to the templates under its name (a Jinja branch may read it)."""
+
+    name: str  # C++ identifier, upper case
+    ctype: str  # "int" or "bool"
+    value: int | bool
+    doc: str  # the line comment
+
+    @property
+    def literal(self) -> str:
+        if isinstance(self.value, bool):
+            return "true" if self.value else "false"
+        return str(int(self.value))
+
+
+def spec_constants(spec: "KernelSpec") -> dict[str, Any]:
+    """The constants every family's module declares (partials/header.cuh.j2), by their C++ names:
+    the spec's sizes and flags, the launch bound's blocks per SM, and the family's name."""
+    t = spec.tile
+    return {
+        "family": spec.impl,
+        "HEAD_DIM": spec.head_dim, "BLOCK_R": t.block_r, "BLOCK_C": t.block_c, "NUM_WARPS": spec.num_warps,
+        "MIN_BLOCKS_PER_SM": spec.min_blocks_per_sm,
+        "IS_CAUSAL": spec.causal, "HAS_KEY_PADDING": spec.key_padding, "HAS_DROPOUT": spec.dropout,
+        "IS_TOP_LEFT": spec.causal_align == "top_left", "HAS_WINDOW": spec.window, "HAS_SOFTCAP": spec.softcap,
+        "HAS_ALIBI": spec.alibi, "HAS_ATTN_MASK": spec.attn_mask, "HAS_BIAS": spec.bias,
+        "HAS_BIAS_GRAD": spec.bias_grad, "IS_VARLEN": spec.varlen, "IS_DETERMINISTIC": spec.deterministic,
+        "SRAM_BYTES": spec.sram_bytes,
+    }
+
+
+@dataclass(frozen=True)
 class Launch:
     """How one kernel role is launched: threads per block and the rows of its tiled seqlen per block."""
 
@@ -118,7 +151,10 @@ class Family(Protocol):
         """Largest (block_r, block_c) a default tile starts from, before shrinking to fit smem."""
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
-        """Extra Jinja context; must hold ``strides``: named smem row strides emitted as constexprs."""
+        """The family's decisions for its templates: ``strides`` (named smem row strides, emitted as
+        constexprs) and ``constants`` (a tuple of :class:`Constant`, emitted after them and each also
+        given to the templates by name); other keys are extra Jinja values (e.g. a C++ type name).
+        Templates never read the spec: what they branch on is decided here."""
 
     def templates(self, direction: str) -> tuple[str, ...]:
         """Template files (under templates/) rendered, in order, for this direction."""
@@ -186,7 +222,7 @@ class FamilyBase:
         return self.max_block_r, self.max_block_c
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
-        return {"strides": {}}
+        return {"strides": {}, "constants": ()}
 
     def templates(self, direction: str) -> tuple[str, ...]:  # pragma: no cover - every family has some
         raise NotImplementedError

@@ -18,18 +18,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..abi import Role
-from ..layout import SmemLayout, align_up, place
-from . import FamilyBase, Knob, PairCost, Reason, register
+from fagen.abi import Role
+from fagen.families import Constant, FamilyBase, Knob, PairCost, Reason, register
+from fagen.layout import SmemLayout, align_up, place
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import KernelSpec
+    from fagen.spec import KernelSpec
 
 F32 = 4
 STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
               "2 prefetches the next step while computing this one, 1 halves their shared memory")
 #: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
 MAX_REG_ACC_DIM = 128
+#: The backward holds the K_j / V_j A-fragments in registers up to this padded head dim.
+MAX_REG_KV_DIM = 64
+#: The forward holds the Q_i A-fragments in registers up to this padded head dim.
+MAX_REG_Q_DIM = 128
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 #: Registers the backward step holds besides its dK~/dV~ accumulators when attn_mask meets a score
 #: modification (softcap, ALiBi, bias): the one-pass elementwise branch keeps the mask addressing and
@@ -43,17 +47,49 @@ def padded_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
+def acc_in_smem(head_dim: int) -> bool:
+    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers."""
+    return padded_dim(head_dim) > MAX_REG_ACC_DIM
+
+
+def kv_in_regs(head_dim: int) -> bool:
+    """Backward: the K_j / V_j A-fragments held in registers over the inner loop."""
+    return padded_dim(head_dim) <= MAX_REG_KV_DIM
+
+
+def q_in_regs(head_dim: int) -> bool:
+    """Forward: the Q_i A-fragments held in registers over the inner loop."""
+    return padded_dim(head_dim) <= MAX_REG_Q_DIM
+
+
+def ds_ld(block_r: int) -> int:
+    """Row stride (elements) of the backward's dS^T tile: block_r + 8, ldmatrix conflict-free."""
+    return block_r + 8
+
+
 #: Registers the deterministic dq kernel's S/dP fragments and dQ accumulator may take together.
 DQ_FRAG_REGS = 160
 
 
 def dq_key_chunk(head_dim: int, block_c: int) -> int:
-    """Keys per sub-step of the deterministic dq kernel (templates/mma/bwd.cu.j2 ``DQ_KC``): the
-    widest multiple of 16 dividing block_c, at most 64, with padded_dim / 2 + keys <= DQ_FRAG_REGS."""
+    """Keys per sub-step of the deterministic dq kernel (``DQ_KC``; the template static_asserts the
+    rule's bounds): the widest multiple of 16 dividing block_c, at most 64, with
+    padded_dim / 2 + keys <= DQ_FRAG_REGS."""
     for c in range(min(block_c, 64), 15, -16):
         if block_c % c == 0 and padded_dim(head_dim) // 2 + c <= DQ_FRAG_REGS:
             return c
     return 16
+
+
+def dq_rows(block_r: int, num_warps: int) -> int:
+    """Q rows per pass of the deterministic dq kernel: 16 per warp, at most the Q block."""
+    return min(block_r, 16 * num_warps)
+
+
+def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
+    """K_j / V_j stages of the dq kernel: stage 1 lives in the Q_i / dO_i stage 1 buffers, so two
+    only with two stages and a K/V block no taller than the Q block."""
+    return 2 if stages > 1 and block_c <= block_r else 1
 
 
 @dataclass(frozen=True)
@@ -91,7 +127,7 @@ class MmaFamily(FamilyBase):
         ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
         dp = padded_dim(spec.head_dim)
         if (spec.direction == "bwd" and spec.attn_mask and (spec.softcap or spec.alibi or spec.bias)
-                and dp <= MAX_REG_ACC_DIM and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
+                and not acc_in_smem(spec.head_dim) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
             return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={spec.head_dim}: the dK~/dV~ "
                     f"accumulators ({dp} registers) and the masked score step ({MASKED_SCORE_MOD_STEP_REGS}) "
                     f"exceed {self.min_regs_per_thread} registers per thread")
@@ -119,8 +155,35 @@ class MmaFamily(FamilyBase):
         return own, 64 if padded_dim(head_dim) <= MAX_REG_ACC_DIM else 32
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
-        return {"strides": {"LD": padded_dim(spec.head_dim) + 8}, "dq_frag_regs": DQ_FRAG_REGS,
-                "dq_key_chunk": dq_key_chunk(spec.head_dim, spec.tile.block_c)}
+        """The smem row strides and the templates' decisions (Constant): which fragments and
+        accumulators live in registers, when the next step's lse/delta are stored, and the
+        deterministic dq kernel's rows per pass, K/V stages and key sub-step."""
+        d, t = spec.head_dim, spec.tile
+        dp = padded_dim(d)
+        strides = {"LD": dp + 8}
+        consts = [Constant("DPAD", "int", dp, "head dim padded to the MMA k extent (zero columns)")]
+        if spec.direction == "bwd":
+            strides["DS_LD"] = ds_ld(t.block_r)
+            consts += [
+                Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
+                Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
+                # held in registers over the step and stored at its end (the load's latency hidden), or,
+                # with the registers the score modifications and attn_mask need, stored at once
+                Constant("LSE_NOW", "bool", spec.softcap or spec.alibi or spec.bias or spec.attn_mask,
+                         "the next step's lse_i / D_i stored at once, not at the step's end"),
+            ]
+            if spec.deterministic:
+                stages = spec.knob_values.get(STAGES.name, STAGES.default)
+                consts += [
+                    Constant("DQ_ROWS", "int", dq_rows(t.block_r, spec.num_warps), "dq kernel: Q rows per pass"),
+                    Constant("DQ_KV_STAGES", "int", dq_kv_stages(stages, t.block_r, t.block_c),
+                             "dq kernel: K_j / V_j stages (stage 1 in Q_i / dO_i stage 1)"),
+                    Constant("DQ_FRAG_REGS", "int", DQ_FRAG_REGS, "dq kernel: registers of S/dP and the dQ accumulator"),
+                    Constant("DQ_KC", "int", dq_key_chunk(d, t.block_c), "dq kernel: keys per sub-step"),
+                ]
+        else:
+            consts.append(Constant("Q_IN_REGS", "bool", q_in_regs(d), "Q_i A-fragments held in registers"))
+        return {"strides": strides, "constants": tuple(consts)}
 
     def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
                     knobs: Mapping[str, int] | None = None) -> SmemLayout:
@@ -133,11 +196,11 @@ class MmaFamily(FamilyBase):
                 ("v", "T", block_c * ld, itemsize),
                 ("q", "T", stages * block_r * ld, itemsize),
                 ("do_", "T", stages * block_r * ld, itemsize),
-                ("ds", "T", block_c * (block_r + 8), itemsize),
+                ("ds", "T", block_c * ds_ld(block_r), itemsize),
                 ("lse", "float", stages * block_r, F32),
                 ("delta", "float", stages * block_r, F32),
             ]
-            if dp > MAX_REG_ACC_DIM:
+            if acc_in_smem(head_dim):
                 entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dp, F32)]
             return place(entries)
         if direction == "fwd":
@@ -172,7 +235,7 @@ class MmaFamily(FamilyBase):
         if spec.direction == "bwd":
             active = block_c // 16  # warps owning K/V rows
             chunks = block_r // 16  # 16 Q rows at a time
-            kv_ldsm = 0 if dp <= 64 else 2 * kd  # K/V A-fragments from registers up to d = 64
+            kv_ldsm = 0 if kv_in_regs(spec.head_dim) else 2 * kd  # K/V A-fragments from registers (KV_IN_REGS)
             hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
             ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
             elementwise = chunks * 8 * (12 + (20 if spec.dropout else 0))  # 8 elements per lane per chunk
@@ -202,7 +265,7 @@ class MmaFamily(FamilyBase):
                             warp_instructions=float(instr), warp_iterations=float(total_hmma),
                             busiest_warp_iterations=float(busiest), atomics=float(block_r * spec.head_dim))
         active = block_r // 16  # warps owning Q rows
-        q_ldsm = 0 if dp <= 128 else kd  # Q A-fragments from registers up to d = 128
+        q_ldsm = 0 if q_in_regs(spec.head_dim) else kd  # Q A-fragments from registers (Q_IN_REGS)
         hmma = kd * (block_c // 8) + (block_c // 16) * (dp // 8)  # S = Q K^T, O += P V
         ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
         elementwise = (block_c // 8) * 4 * (10 + (10 if spec.dropout else 0)) + (dp // 8) * 4  # softmax, O rescale

@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..abi import Role
-from ..layout import SmemLayout, align_up, place
-from . import FamilyBase, PairCost, lds_wavefronts, register
+from fagen.abi import Role
+from fagen.families import FamilyBase, PairCost, lds_wavefronts, register
+from fagen.layout import SmemLayout, align_up, place
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import KernelSpec
+    from fagen.spec import KernelSpec
 
 F32 = 4
 
