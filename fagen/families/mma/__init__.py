@@ -13,83 +13,23 @@ elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, 
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fagen.abi import Role
-from fagen.families import Constant, FamilyBase, Knob, PairCost, Reason, register
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
+from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
+                                      MAX_REG_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk,
+                                      dq_kv_stages, dq_rows, ds_ld, kv_in_regs, padded_dim, q_in_regs)
+from fagen.families.mma.cost import pair_cost
 from fagen.layout import SmemLayout, align_up, place
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fagen.spec import KernelSpec
+__all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM", "MMA",
+           "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk", "dq_kv_stages", "dq_rows",
+           "ds_ld", "kv_in_regs", "padded_dim", "pair_cost", "q_in_regs"]
 
 F32 = 4
-STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
-              "2 prefetches the next step while computing this one, 1 halves their shared memory")
-#: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
-MAX_REG_ACC_DIM = 128
-#: The backward holds the K_j / V_j A-fragments in registers up to this padded head dim.
-MAX_REG_KV_DIM = 64
-#: The forward holds the Q_i A-fragments in registers up to this padded head dim.
-MAX_REG_Q_DIM = 128
-SUPPORTED_DTYPES = ("float16", "bfloat16")
-#: Registers the backward step holds besides its dK~/dV~ accumulators when attn_mask meets a score
-#: modification (softcap, ALiBi, bias): the one-pass elementwise branch keeps the mask addressing and
-#: the ScoreParams live together. Measured with ptxas (sm_90, every flag on): 242 registers at d = 96,
-#: whose accumulators take 96.
-MASKED_SCORE_MOD_STEP_REGS = 146
-
-
-def padded_dim(head_dim: int) -> int:
-    """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
-    return -(-head_dim // 16) * 16
-
-
-def acc_in_smem(head_dim: int) -> bool:
-    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers."""
-    return padded_dim(head_dim) > MAX_REG_ACC_DIM
-
-
-def kv_in_regs(head_dim: int) -> bool:
-    """Backward: the K_j / V_j A-fragments held in registers over the inner loop."""
-    return padded_dim(head_dim) <= MAX_REG_KV_DIM
-
-
-def q_in_regs(head_dim: int) -> bool:
-    """Forward: the Q_i A-fragments held in registers over the inner loop."""
-    return padded_dim(head_dim) <= MAX_REG_Q_DIM
-
-
-def ds_ld(block_r: int) -> int:
-    """Row stride (elements) of the backward's dS^T tile: block_r + 8, ldmatrix conflict-free."""
-    return block_r + 8
-
-
-#: Registers the deterministic dq kernel's S/dP fragments and dQ accumulator may take together.
-DQ_FRAG_REGS = 160
-
-
-def dq_key_chunk(head_dim: int, block_c: int) -> int:
-    """Keys per sub-step of the deterministic dq kernel (``DQ_KC``; the template static_asserts the
-    rule's bounds): the widest multiple of 16 dividing block_c, at most 64, with
-    padded_dim / 2 + keys <= DQ_FRAG_REGS."""
-    for c in range(min(block_c, 64), 15, -16):
-        if block_c % c == 0 and padded_dim(head_dim) // 2 + c <= DQ_FRAG_REGS:
-            return c
-    return 16
-
-
-def dq_rows(block_r: int, num_warps: int) -> int:
-    """Q rows per pass of the deterministic dq kernel: 16 per warp, at most the Q block."""
-    return min(block_r, 16 * num_warps)
-
-
-def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
-    """K_j / V_j stages of the dq kernel: stage 1 lives in the Q_i / dO_i stage 1 buffers, so two
-    only with two stages and a K/V block no taller than the Q block."""
-    return 2 if stages > 1 and block_c <= block_r else 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +52,8 @@ class MmaFamily(FamilyBase):
     #: the whole register file rather than spilling to reach an occupancy.
     min_regs_per_thread: int = 255
 
-    def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
+    def unsupported_reason(self, fs: FamilySpec) -> str | None:
+        dtype, arch = fs.dtype, fs.arch
         if dtype not in SUPPORTED_DTYPES:
             return (f"dtype={dtype} has no tensor-core path here (mma.sync m16n8k16 takes float16/bfloat16 "
                     "operands); use impl='simt'")
@@ -120,62 +61,64 @@ class MmaFamily(FamilyBase):
             return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
         return None
 
-    def combination_reason(self, spec: "KernelSpec") -> str | None:
+    def combination_reason(self, fs: FamilySpec) -> str | None:
         """Register budget of the backward: its dK~/dV~ accumulators live in registers up to
         MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
         modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
         ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
-        dp = padded_dim(spec.head_dim)
-        if (spec.direction == "bwd" and spec.attn_mask and (spec.softcap or spec.alibi or spec.bias)
-                and not acc_in_smem(spec.head_dim) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
-            return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={spec.head_dim}: the dK~/dV~ "
+        dp = padded_dim(fs.head_dim)
+        score_mod = fs.has("softcap") or fs.has("alibi") or fs.has("bias")
+        if (fs.direction == "bwd" and fs.has("attn_mask") and score_mod
+                and not acc_in_smem(fs.head_dim) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
+            return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={fs.head_dim}: the dK~/dV~ "
                     f"accumulators ({dp} registers) and the masked score step ({MASKED_SCORE_MOD_STEP_REGS}) "
                     f"exceed {self.min_regs_per_thread} registers per thread")
         return None
 
-    def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
-                      num_warps: int, knobs: Mapping[str, int]) -> Reason | None:
-        bad = super().config_reason(direction, head_dim, dtype, arch, block_r, block_c, num_warps, knobs)
+    def config_reason(self, fs: FamilySpec) -> Reason | None:
+        bad = super().config_reason(fs)
         if bad is not None:
             return bad
         # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward).
-        field, rows = ("block_c", block_c) if direction == "bwd" else ("block_r", block_r)
+        direction, num_warps = fs.direction, fs.num_warps
+        field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
         if rows > 16 * num_warps:
             return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
                                  f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
         return None
 
-    def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
+    def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
         (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
         the forward beyond d = 128, where the O accumulator takes half the registers."""
-        own = 16 * num_warps
-        if direction == "bwd":
+        own = 16 * fs.num_warps
+        if fs.direction == "bwd":
             return 64, own
-        return own, 64 if padded_dim(head_dim) <= MAX_REG_ACC_DIM else 32
+        return own, 64 if padded_dim(fs.head_dim) <= MAX_REG_ACC_DIM else 32
 
-    def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
+    def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The smem row strides and the templates' decisions (Constant): which fragments and
         accumulators live in registers, when the next step's lse/delta are stored, and the
         deterministic dq kernel's rows per pass, K/V stages and key sub-step."""
-        d, t = spec.head_dim, spec.tile
+        d, t = fs.head_dim, fs.tile
+        assert t is not None
         dp = padded_dim(d)
         strides = {"LD": dp + 8}
         consts = [Constant("DPAD", "int", dp, "head dim padded to the MMA k extent (zero columns)")]
-        if spec.direction == "bwd":
+        if fs.direction == "bwd":
             strides["DS_LD"] = ds_ld(t.block_r)
             consts += [
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
                 Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
                 # held in registers over the step and stored at its end (the load's latency hidden), or,
                 # with the registers the score modifications and attn_mask need, stored at once
-                Constant("LSE_NOW", "bool", spec.softcap or spec.alibi or spec.bias or spec.attn_mask,
+                Constant("LSE_NOW", "bool", any(fs.has(f) for f in ("softcap", "alibi", "bias", "attn_mask")),
                          "the next step's lse_i / D_i stored at once, not at the step's end"),
             ]
-            if spec.deterministic:
-                stages = spec.knob_values.get(STAGES.name, STAGES.default)
+            if fs.has("deterministic"):
+                stages = fs.knob_values.get(STAGES.name, STAGES.default)
                 consts += [
-                    Constant("DQ_ROWS", "int", dq_rows(t.block_r, spec.num_warps), "dq kernel: Q rows per pass"),
+                    Constant("DQ_ROWS", "int", dq_rows(t.block_r, fs.num_warps), "dq kernel: Q rows per pass"),
                     Constant("DQ_KV_STAGES", "int", dq_kv_stages(stages, t.block_r, t.block_c),
                              "dq kernel: K_j / V_j stages (stage 1 in Q_i / dO_i stage 1)"),
                     Constant("DQ_FRAG_REGS", "int", DQ_FRAG_REGS, "dq kernel: registers of S/dP and the dQ accumulator"),
@@ -185,11 +128,11 @@ class MmaFamily(FamilyBase):
             consts.append(Constant("Q_IN_REGS", "bool", q_in_regs(d), "Q_i A-fragments held in registers"))
         return {"strides": strides, "constants": tuple(consts)}
 
-    def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
-                    knobs: Mapping[str, int] | None = None) -> SmemLayout:
+    def smem_layout(self, fs: FamilySpec) -> SmemLayout:
+        direction, head_dim, itemsize, block_r, block_c = fs.direction, fs.head_dim, fs.itemsize, fs.block_r, fs.block_c
         dp = padded_dim(head_dim)
         ld = dp + 8
-        stages = (knobs or {}).get(STAGES.name, STAGES.default)
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
         if direction == "bwd":
             entries = [
                 ("k", "T", block_c * ld, itemsize),
@@ -211,66 +154,18 @@ class MmaFamily(FamilyBase):
             ])
         raise ValueError(f"unknown direction {direction!r}")
 
-    def role_smem_bytes(self, spec: "KernelSpec", role: Role) -> int:
+    def role_smem_bytes(self, fs: FamilySpec, role: Role) -> int:
         """The deterministic dq kernel carves the backward layout but uses its K/V tiles and Q/dO
         stages only (K_j/V_j stage 1 in Q/dO stage 1): the prefix up to dS^T."""
         if role.name == "dq":
-            return align_up(next(b.offset for b in spec.smem_layout.buffers if b.name == "ds"))
-        return super().role_smem_bytes(spec, role)
+            return align_up(next(b.offset for b in self.smem_layout(fs).buffers if b.name == "ds"))
+        return super().role_smem_bytes(fs, role)
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
 
-    # ------------------------------------------------------------------ autotuner cost
-    def pair_cost(self, spec: "KernelSpec", block_r: int, block_c: int,
-                  sass: Mapping[str, int] | None = None) -> PairCost:
-        """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
-        dependent math op each), ldmatrix.x4 (4 conflict-free wavefronts each: 8 rows of 16 B
-        in 8 different bank groups), the dS^T stores, and the element-wise work on the
-        accumulators (exp2, mask, dropout, conversions). The model takes the issued
-        instructions from the kernel's own SASS when it has it; these counts are its fallback
-        and the source of the shared-memory and warp-balance terms."""
-        dp, w = padded_dim(spec.head_dim), spec.num_warps
-        kd = dp // 16  # k16 steps across the head dim
-        if spec.direction == "bwd":
-            active = block_c // 16  # warps owning K/V rows
-            chunks = block_r // 16  # 16 Q rows at a time
-            kv_ldsm = 0 if kv_in_regs(spec.head_dim) else 2 * kd  # K/V A-fragments from registers (KV_IN_REGS)
-            hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
-            ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
-            elementwise = chunks * 8 * (12 + (20 if spec.dropout else 0))  # 8 elements per lane per chunk
-            units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
-            if getattr(spec, "deterministic", False):
-                # main: S^T, dP^T, dV~, dK~ (no dS^T, no dQ); the dq kernel (16 Q rows per warp) recomputes
-                # S = Q K^T and dP = dO V^T and adds dQ += dS K: 3 of the pair's 7 GEMMs, 3 ldmatrix.x4
-                # per (k16 step, 16 keys) (K, V, K^T) and Q, dO once per (k16 step, key sub-step), its
-                # element-wise work on S/dP.
-                nc = block_c // 16
-                dq_hmma = chunks * 6 * nc * kd  # 3 GEMMs of 16 x 16nc x 16kd: 2 n8 tiles per (16 keys, k16 step)
-                sub_steps = block_c // dq_key_chunk(spec.head_dim, block_c)
-                dq_ldsm = chunks * (sub_steps * 2 * kd + 2 * nc * kd + nc * kd)
-                busiest = hmma + math.ceil(chunks / w) * 6 * nc * kd
-                total_hmma = active * hmma + dq_hmma
-                total_ldsm = active * ldsm + dq_ldsm
-                instr = total_hmma + total_ldsm + 2 * active * elementwise
-                return PairCost(lds_wavefronts=4.0 * total_ldsm, warp_instructions=float(instr),
-                                warp_iterations=float(total_hmma), busiest_warp_iterations=float(busiest), atomics=0.0)
-            dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
-            busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
-            stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk
-            total_hmma = active * hmma + dq_hmma
-            total_ldsm = active * ldsm + dq_ldsm
-            instr = total_hmma + total_ldsm + stores + active * elementwise + dq_hmma * 2  # + dQ atomics
-            return PairCost(lds_wavefronts=4.0 * total_ldsm + stores + active * chunks * 4,
-                            warp_instructions=float(instr), warp_iterations=float(total_hmma),
-                            busiest_warp_iterations=float(busiest), atomics=float(block_r * spec.head_dim))
-        active = block_r // 16  # warps owning Q rows
-        q_ldsm = 0 if q_in_regs(spec.head_dim) else kd  # Q A-fragments from registers (Q_IN_REGS)
-        hmma = kd * (block_c // 8) + (block_c // 16) * (dp // 8)  # S = Q K^T, O += P V
-        ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
-        elementwise = (block_c // 8) * 4 * (10 + (10 if spec.dropout else 0)) + (dp // 8) * 4  # softmax, O rescale
-        return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
-                        warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)
+    def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
+        return pair_cost(fs, sass)
 
 
-MMA = register(MmaFamily())
+MMA = MmaFamily()
