@@ -140,8 +140,8 @@ def template_context(spec: KernelSpec, kernels: tuple[KernelInfo, ...] | None = 
     fam: Family = get_family(spec.impl)
     kernels = kernel_infos(spec) if kernels is None else kernels
     ctx: dict[str, Any] = {
-        "spec_name": spec.name,
-        "spec_json": spec.model_dump_json(),
+        "module_name": spec.name,
+        "module_json": spec.model_dump_json(),  # the KernelSpec, for the header comment
         "T": spec.ctype,
         "layout": spec.smem_layout,
         "knobs": spec.knob_values,
