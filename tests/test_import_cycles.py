@@ -16,12 +16,12 @@ import fagen
 
 PACKAGE = Path(fagen.__file__).resolve().parent
 
-def _module_name(path: Path) -> str:
+def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def imports_in(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement in ``tree``, wherever it stands (``if TYPE_CHECKING:`` included)."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -29,12 +29,12 @@ def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in imports_in(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name in files)
             elif isinstance(node, ast.ImportFrom):
@@ -95,5 +95,6 @@ def test_no_import_cycles() -> None:
 def test_type_checking_imports_and_own_package_count() -> None:
     """An import under ``if TYPE_CHECKING:`` and a submodule's import of its own package are edges."""
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fagen.spec import KernelSpec\n")
-    assert [n.module for n in _imports(tree) if isinstance(n, ast.ImportFrom)] == ["typing", "fagen.spec"]
+    assert [n.module for n in imports_in(tree) if isinstance(n, ast.ImportFrom)] == ["typing", "fagen.spec"]
     assert find_cycle({"p": {"p.child"}, "p.child": {"p"}}) == ["p", "p.child", "p"]
+
