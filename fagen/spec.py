@@ -11,12 +11,12 @@ import functools
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+# NUM_WARPS_CHOICES and Tile are re-exported here (the CLI and callers read them from fagen.spec).
 from .families import (NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
                        warp_choices)
 from .layout import SmemLayout

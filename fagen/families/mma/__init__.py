@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from fagen.abi import Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
+from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
                                       MAX_REG_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, kv_in_regs, padded_dim, q_in_regs)
-from fagen.families.mma.cost import pair_cost
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM", "MMA",
