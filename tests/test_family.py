@@ -166,3 +166,21 @@ def test_family_base_rejects_bad_configs() -> None:
     assert fam.config_reason(fs.with_tile(16, 16, knobs=(("stages", 3),))) is None
     with pytest.raises(ValueError, match="no tile"):
         fam.config_reason(fs)
+
+
+def test_family_spec_is_what_a_family_sees() -> None:
+    """KernelSpec builds one frozen FamilySpec: its fields, flags and tile; families take nothing else."""
+    s = KernelSpec(head_dim=96, dtype="bfloat16", causal=True, causal_align="top_left", dropout=True,
+                   deterministic=True, num_warps=8, arch="sm_80")
+    fs = s.family_spec
+    assert (fs.direction, fs.head_dim, fs.dtype, fs.arch, fs.num_warps) == ("bwd", 96, "bfloat16", "sm_80", 8)
+    assert fs.flags == {"causal", "top_left", "dropout", "deterministic"} and fs.has("dropout") and not fs.has("window")
+    assert fs.features == s.features == {"top_left", "deterministic"}
+    assert fs.tile == s.tile and (fs.block_r, fs.block_c) == (s.tile.block_r, s.tile.block_c)
+    assert fs.knob_values == s.knob_values and fs.itemsize == s.itemsize == 2 and fs.num_threads == 256
+    assert get_family(s.impl).smem_layout(fs) == s.smem_layout
+    assert FamilySpec("fwd", 64, "float64", "sm_90").features == {"float64"}
+    assert [FamilySpec("fwd", 64, d, "sm_90").itemsize for d in ("float16", "float32", "float64")] == [2, 4, 8]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fs.head_dim = 64  # type: ignore[misc]
+    assert hash(fs) == hash(s.family_spec)  # a cache key (tile resolution is keyed by it)
