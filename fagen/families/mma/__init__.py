@@ -22,12 +22,13 @@ from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
                                       MAX_REG_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk,
-                                      dq_kv_stages, dq_rows, ds_ld, kv_in_regs, padded_dim, q_in_regs)
+                                      dq_kv_stages, dq_rows, ds_ld, kv_in_regs, lse_now, padded_dim,
+                                      q_in_regs)
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM", "MMA",
            "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk", "dq_kv_stages", "dq_rows",
-           "ds_ld", "kv_in_regs", "padded_dim", "pair_cost", "q_in_regs"]
+           "ds_ld", "kv_in_regs", "lse_now", "padded_dim", "pair_cost", "q_in_regs"]
 
 F32 = 4
 
@@ -110,9 +111,7 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
                 Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
-                # held in registers over the step and stored at its end (the load's latency hidden), or,
-                # with the registers the score modifications and attn_mask need, stored at once
-                Constant("LSE_NOW", "bool", any(fs.has(f) for f in ("softcap", "alibi", "bias", "attn_mask")),
+                Constant("LSE_NOW", "bool", lse_now(fs.flags),
                          "the next step's lse_i / D_i stored at once, not at the step's end"),
             ]
             if fs.has("deterministic"):

@@ -60,6 +60,13 @@ def dq_key_chunk(head_dim: int, block_c: int) -> int:
     return 16
 
 
+def lse_now(flags: frozenset[str]) -> bool:
+    """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
+    the step and stored at its end (the load's latency hidden) when the score modifications or
+    attn_mask need those registers."""
+    return bool(flags & {"softcap", "alibi", "bias", "attn_mask"})
+
+
 def dq_rows(block_r: int, num_warps: int) -> int:
     """Q rows per pass of the deterministic dq kernel: 16 per warp, at most the Q block."""
     return min(block_r, 16 * num_warps)
