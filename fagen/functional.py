@@ -240,11 +240,20 @@ def _as_tensors(tensors: Any) -> Tensors:
     return tensors
 
 
-def validate(q: Any, k: Any, v: Any, options: AttentionOptions, tensors: Tensors | None = None, *,
-             max_seqlen_q: Any = None, max_seqlen_k: Any = None, check_values: bool = True) -> Problem:
-    """Check the inputs and options of :func:`forward` without launching anything; the runtime
-    shape. ``check_values=False`` skips reading cu_seqlens (fake tensors under tracing)."""
-    p, _ = _prepare(q, k, v, _as_options(options), _as_tensors(tensors), max_seqlen_q, max_seqlen_k, check_values)
+def validate(q: Any, k: Any, v: Any, options: AttentionOptions | None = None, tensors: Tensors | None = None, *,
+             max_seqlen_q: Any = None, max_seqlen_k: Any = None, check_values: bool = True, **kwargs: Any) -> Problem:
+    """Check the inputs and options of :func:`attention_forward` without launching anything; the
+    runtime shape. The options either as :func:`attention_forward`'s keywords or as one
+    :class:`AttentionOptions` (with the optional tensors as one :class:`Tensors`).
+    ``check_values=False`` skips reading cu_seqlens (fake tensors under tracing)."""
+    if options is None:
+        opts, rest = _explicit("validate", None, kwargs.pop("causal", False), kwargs)
+        tensors = rest["tensors"]
+    else:
+        if kwargs:
+            raise TypeError(f"validate() got an unexpected keyword argument {sorted(kwargs)[0]!r} with options")
+        opts = _as_options(options)
+    p, _ = _prepare(q, k, v, opts, _as_tensors(tensors), max_seqlen_q, max_seqlen_k, check_values)
     return p
 
 
@@ -267,7 +276,6 @@ def _select(direction: str, p: Problem, flags: dict[str, Any], spec: KernelSpec 
 @dataclass(frozen=True)
 class _Plan:
     p: Problem
-    f: Features
     spec: KernelSpec
     launches: tuple[tuple[KernelInfo, tuple[int, int, int]], ...]  # () for empty inputs, no keys, meta
     args: dict[str, Any]  # non-pointer kernel arguments
@@ -323,7 +331,7 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     spec = _select("fwd", p, f.spec_fields(p), spec)
     kern = _kernel(spec, "main")
     lse_dtype = _acc_dtype(kern, "lse")
-    common = dict(p=p, f=f, lse_dtype=lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
+    common = dict(p=p, lse_dtype=lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
                   alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)
     if p.empty or p.no_keys or p.device.type == "meta":
@@ -419,16 +427,20 @@ _TENSOR_NAMES = frozenset(Tensors._fields) | {"max_seqlen_q", "max_seqlen_k", "s
 _OPTION_NAMES = frozenset(f for f in AttentionOptions.__dataclass_fields__ if f != "deterministic")
 
 
-def _explicit(caller: str, spec: KernelSpec, causal: bool | None, options: dict[str, Any],
+def _explicit(caller: str, spec: KernelSpec | None, causal: bool | None, options: dict[str, Any],
               deterministic: Any = False) -> tuple[AttentionOptions, dict[str, Any]]:
-    """The options of :func:`run_forward`/:func:`run_backward`: unknown names refused like a
-    Python call would, ``causal`` and ``causal_align`` from the spec unless given."""
+    """Keyword options as one :class:`AttentionOptions` and the rest: unknown names refused like
+    a Python call would; with a spec (:func:`run_forward`/:func:`run_backward`) ``causal`` and
+    ``causal_align`` come from it unless given."""
     unknown = sorted(set(options) - _OPTION_NAMES - _TENSOR_NAMES)
     if unknown:
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
     kw = {n: options[n] for n in _OPTION_NAMES if n in options}
-    kw["causal"] = spec.causal if causal is None else causal
-    kw.setdefault("causal_align", _spec_flag(spec, "causal_align"))
+    if causal is None:
+        causal = spec.causal if spec is not None else False
+    kw["causal"] = causal
+    if spec is not None:
+        kw.setdefault("causal_align", _spec_flag(spec, "causal_align"))
     opts = AttentionOptions.of(**kw, deterministic=deterministic)
     rest = {n: v for n, v in options.items() if n in _TENSOR_NAMES}
     tensors = Tensors(**{n: rest.pop(n) for n in Tensors._fields if n in rest})
@@ -457,7 +469,7 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
     spec = _select("bwd", p, f.spec_fields(p, "bwd", bias_grad), spec)
     main = _kernel(spec, "main")
     lse_dtype = _acc_dtype(main, "lse")
-    common = dict(p=p, f=f, lse_dtype=lse_dtype, acc_dtype=_acc_dtype(main, "dq_accum"),
+    common = dict(p=p, lse_dtype=lse_dtype, acc_dtype=_acc_dtype(main, "dq_accum"),
                   lse_ready=lse.is_contiguous() and lse.dtype == lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
                   alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)

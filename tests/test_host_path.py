@@ -347,3 +347,16 @@ def test_ops_take_the_mask_rule_from_masking_not_from_the_oracle() -> None:
 
 def test_public_exports() -> None:
     assert fagen.AttentionOptions is AttentionOptions and "AttentionOptions" in fagen.__all__
+
+
+def test_plans_keep_no_tensor_of_the_call_alive(recorder: Recorder) -> None:
+    import gc
+    import weakref
+
+    q, k, v, _ = _inputs(N=16)
+    bias = torch.randn(2, 4, 16, 16).half()
+    alive = weakref.ref(bias)
+    F.attention_forward(q, k, v, attn_bias=bias, alibi_slopes=torch.ones(4))
+    del bias
+    gc.collect()
+    assert alive() is None
