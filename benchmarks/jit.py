@@ -23,6 +23,11 @@ Rows (each in a private, empty cache dir unless stated):
   and of ``dq_accum`` (zeroed on the CPU here, a memset on a GPU). On a GPU the
   spec lookup also asks torch for the device's compute capability (memoised by
   torch) and CuPy's launch adds its own few microseconds.
+* ``bare custom-op pair``: the same forward + backward through a bare
+  ``torch.library.custom_op`` pair (forward and backward ops, ``register_autograd``)
+  that allocates the same outputs and launches nothing -- the floor of any binding of
+  this shape (flash-attn's is one). Measured in the same process, interleaved with the
+  fagen rows (best of the rounds for each), and printed as the ratio fagen / bare.
 
 Spec: backward, d=64, fp16, causal, sm_90 (the family the default picks).
 Numbers are medians over ``--repeat`` runs (fresh-process rows) or many calls.
@@ -39,6 +44,7 @@ import tempfile
 import textwrap
 import timeit
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = 'KernelSpec(direction="bwd", head_dim=64, dtype="float16", causal=True, arch="sm_90")'
@@ -118,10 +124,47 @@ def memo_hit_seconds() -> float:
     return min(timeit.repeat(lambda: fagen.compile(spec), number=n, repeat=5)) / n
 
 
-def host_call_seconds() -> tuple[float, float]:
-    """(one flash_attn_func forward + backward with a launcher that does the GPU launcher's
+def _bare_pair() -> "Callable[..., Any]":
+    """A bare custom-op forward/backward pair with flash-attn's arguments: allocates the
+    outputs fagen allocates (o, lse; dq, dk, dv) and launches nothing."""
+    import torch
+
+    def fwd(q, k, v, dropout_p, softmax_scale, causal):
+        return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def bwd(do, q, k, v, o, lse, dropout_p, softmax_scale, causal):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    # the schemas infer_schema would give these signatures (this file's annotations are strings)
+    bare_fwd = torch.library.custom_op(
+        "fagen_bench::bare_fwd", fwd, mutates_args=(),
+        schema="(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, bool causal) -> (Tensor, Tensor)")
+    bare_bwd = torch.library.custom_op(
+        "fagen_bench::bare_bwd", bwd, mutates_args=(),
+        schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, float dropout_p, float softmax_scale, "
+               "bool causal) -> (Tensor, Tensor, Tensor)")
+
+    def setup(ctx, inputs, output):
+        q, k, v, dropout_p, scale, causal = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (dropout_p, scale, causal)
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = bare_bwd(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+    bare_fwd.register_autograd(backward, setup_context=setup)
+    return bare_fwd
+
+
+def host_call_seconds(rounds: int = 7) -> dict[str, float]:
+    """One flash_attn_func forward + backward with a launcher that does the GPU launcher's
     Python work -- pack, limit checks, numpy scalars -- and launches nothing; the part of it
-    spent in that launch preparation, replayed on the recorded launches)."""
+    spent in that launch preparation (replayed on the recorded launches); and the same step
+    through a bare custom-op pair, interleaved round by round (best round of each)."""
     import torch
 
     import fagen
@@ -140,19 +183,26 @@ def host_call_seconds() -> tuple[float, float]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 128, 4, 64, generator=g).half().requires_grad_(True) for _ in range(3))
     do = torch.randn(2, 128, 4, 64, generator=g).half()
+    bare = _bare_pair()
 
     def step() -> None:
-        out = fagen.flash_attn_func(q, k, v, causal=True)
-        out.backward(do)
+        fagen.flash_attn_func(q, k, v, causal=True).backward(do)
+
+    def bare_step() -> None:
+        bare(q, k, v, 0.0, 0.125, True)[0].backward(do)
 
     launcher = HostOnlyLauncher()
     real = F.get_module
     F.get_module = lambda spec, device_type: launcher
+    n = 200
     try:
         for _ in range(20):
             step()
-        n = 200
-        total = min(timeit.repeat(step, number=n, repeat=5)) / n
+            bare_step()
+        ours, floor = [], []
+        for _ in range(rounds):  # interleaved: a busy machine slows both alike
+            ours.append(timeit.timeit(step, number=n) / n)
+            floor.append(timeit.timeit(bare_step, number=n) / n)
     finally:
         F.get_module = real
 
@@ -161,14 +211,26 @@ def host_call_seconds() -> tuple[float, float]:
             gpu.prepare_launch(kernel, grid, args)
 
     packing = min(timeit.repeat(replay, number=2000, repeat=5)) / 2000
-    return total, packing
+    return {"fagen": min(ours), "bare": min(floor), "packing": packing, "ratio": min(ours) / min(floor)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7, help="fresh processes per row (default 7)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--host-only", action="store_true", help="only the per-call host rows (fagen, bare pair, ratio)")
     args = ap.parse_args(argv)
+    if args.host_only:
+        sys.path.insert(0, str(REPO))
+        host = host_call_seconds()
+        if args.json:
+            print(json.dumps(host, indent=2))
+        else:
+            print(f"flash_attn_func fwd+bwd host  {1e6 * host['fagen']:.0f} us per call "
+                  f"({1e6 * host['packing']:.0f} us of it prepares the 4 launches)")
+            print(f"bare custom-op pair fwd+bwd   {1e6 * host['bare']:.0f} us per call")
+            print(f"host cost ratio               {host['ratio']:.2f} x the bare custom-op pair (target <= 1.3)")
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="fagen-jit-") as d:
         imports = import_time(args.repeat, d)
@@ -176,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         cold, hits, loaded = compile_times(args.repeat)
         sys.path.insert(0, str(REPO))
         memo = memo_hit_seconds()
-        host, packing = host_call_seconds()
+        host = host_call_seconds()
         first = [_child(_FIRST_CALL, d) for _ in range(3)]
     result = {
         "import_fagen_s": {"median": statistics.median(imports), "min": min(imports)},
@@ -184,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         "compile_disk_hit_s": {"median": statistics.median(hits), "min": min(hits), "max": max(hits)},
         "disk_hit_loaded_cupy_or_nvrtc": loaded,
         "compile_memo_hit_s": memo,
-        "flash_attn_fwd_bwd_host_s": host,
-        "flash_attn_fwd_bwd_launch_preparation_s": packing,
+        "flash_attn_fwd_bwd_host_s": host["fagen"],
+        "flash_attn_fwd_bwd_launch_preparation_s": host["packing"],
+        "bare_custom_op_fwd_bwd_host_s": host["bare"],
+        "host_cost_ratio_vs_bare_custom_op": host["ratio"],
         "first_flash_attn_fwd_bwd_s": statistics.median(float(f[0]) for f in first),
         "first_call_renders": int(first[0][1]),
     }
@@ -200,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{1e3 * min(hits):.2f} ms min, {1e3 * max(hits):.2f} ms max"
                                              + ("  (loaded CuPy/NVRTC!)" if loaded else "")),
         ("compile memo hit", f"{1e6 * memo:.2f} us"),
-        ("flash_attn_func fwd+bwd host", f"{1e6 * host:.0f} us per call (4 launches replaced by host-only packing; "
-                                         f"{1e6 * packing:.0f} us of it prepares the 4 launches)"),
+        ("flash_attn_func fwd+bwd host", f"{1e6 * host['fagen']:.0f} us per call (4 launches replaced by host-only "
+                                         f"packing; {1e6 * host['packing']:.0f} us of it prepares the 4 launches)"),
+        ("bare custom-op pair fwd+bwd", f"{1e6 * host['bare']:.0f} us per call (allocates, launches nothing)"),
+        ("host cost ratio", f"{host['ratio']:.2f} x the bare custom-op pair (target <= 1.3)"),
     ]
     rows.append(("first flash_attn_func fwd+bwd", f"{1e3 * result['first_flash_attn_fwd_bwd_s']:.0f} ms in a fresh process "
                  f"(torch's first custom-op dispatch included; {result['first_call_renders']} template renders)"))

@@ -30,7 +30,7 @@ _LAZY = {
     "attention_forward": "functional", "attention_backward": "functional", "dropout_keep_mask": "functional",
     "run_forward": "functional", "run_backward": "functional",
     "flash_attn_func": "ops", "flash_attn_varlen_func": "ops", "scaled_dot_product_attention": "ops",
-    "draw_rng_state": "ops",
+    "draw_rng_state": "ops", "AttentionOptions": "inputs",
 }
 
 __all__ = [

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import ValidationError
 
 from .choices import tuned_or_default
 from .errors import InputError, InputTypeError
-from .inputs import (SEQLEN_MAX, Features, Problem, check_like, check_lse, reduce_to_shape,  # noqa: F401
-                     validate_features, validate_flag, validate_key_padding_mask, validate_qkv,
+from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
+                     check_lse, check_seed_offset, reduce_to_shape, validate_features, validate_flag, validate_qkv,
                      validate_softmax_scale, validate_varlen)
-from .philox import drop_threshold, keep_mask
+from .philox import keep_mask
 from .renderer import KernelInfo, kernel_infos
 from .runtime import get_module
 from .spec import KernelSpec
 
-__all__ = ["attention_forward", "attention_backward", "run_forward", "run_backward", "dropout_keep_mask",
-           "spec_for", "default_arch", "Problem", "SEQLEN_MAX"]
+__all__ = ["attention_forward", "attention_backward", "forward", "backward", "run_forward", "run_backward",
+           "dropout_keep_mask", "spec_for", "default_arch", "validate", "AttentionOptions", "Tensors", "Problem",
+           "SEQLEN_MAX"]
 
 #: spec field -> the argument a caller passes for it (errors name the argument).
 FIELD_ARGUMENT = {
@@ -130,9 +132,12 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _strides(name: str, t: torch.Tensor, varlen: bool) -> dict[str, int]:
+    """The batch/sequence/head strides; a size-1 dimension's is 0 (only index 0 is read, so
+    whatever stride torch reports for it never matters)."""
+    s = [0 if n == 1 else x for n, x in zip(t.shape, t.stride())]
     if varlen:  # [total, H, d]: the sequence offset comes from cu_seqlens, stride_b is ignored
-        return {f"stride_{name}_b": 0, f"stride_{name}_s": t.stride(0), f"stride_{name}_h": t.stride(1)}
-    return {f"stride_{name}_b": t.stride(0), f"stride_{name}_s": t.stride(1), f"stride_{name}_h": t.stride(2)}
+        return {f"stride_{name}_b": 0, f"stride_{name}_s": s[0], f"stride_{name}_h": s[1]}
+    return {f"stride_{name}_b": s[0], f"stride_{name}_s": s[1], f"stride_{name}_h": s[2]}
 
 
 def _bhqk(name: str, t: torch.Tensor | None) -> dict[str, int]:
@@ -140,27 +145,17 @@ def _bhqk(name: str, t: torch.Tensor | None) -> dict[str, int]:
     return {f"stride_{name}_{x}": int(v) for x, v in zip("bhqk", s)}
 
 
-def _feature_args(p: Problem, f: Features, lse: torch.Tensor, dbias: torch.Tensor | None = None) -> dict[str, Any]:
-    """Every feature parameter of the ABI (fagen.abi): the values when used, neutral ones otherwise
-    (null pointers, window -1, softcap 0, zero strides)."""
+def _feature_args(p: Problem, f: Features, lse_strides: tuple[int, ...],
+                  dbias: torch.Tensor | None = None) -> dict[str, Any]:
+    """The feature parameters of the ABI (fagen.abi) that do not change from call to call:
+    heads, strides of the masks and biases (the pointers are set per call)."""
     slopes = f.alibi_slopes
-    window = f.window if f.uses_window else (-1, -1)
-    if p.varlen:
-        lse_b, lse_h = 0, lse.stride(0)
-    else:
-        lse_b, lse_h = lse.stride(0), lse.stride(1)
+    lse_b, lse_h = (0, lse_strides[0]) if p.varlen else lse_strides[:2]
     return {
-        "heads_kv": p.heads_kv, "cu_seqlens_q": _ptr(f.cu_seqlens_q), "cu_seqlens_k": _ptr(f.cu_seqlens_k),
-        "window_left": window[0], "window_right": window[1], "softcap": f.softcap,
-        "alibi_slopes": _ptr(slopes), "stride_alibi_b": slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        "mask": _ptr(f.attn_mask), **_bhqk("mask", f.attn_mask), "bias": _ptr(f.attn_bias), **_bhqk("bias", f.attn_bias),
-        "stride_lse_b": lse_b, "stride_lse_h": lse_h, "dbias": _ptr(dbias), **_bhqk("dbias", dbias),
+        "heads_kv": p.heads_kv, "stride_alibi_b": slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+        **_bhqk("mask", f.attn_mask), **_bhqk("bias", f.attn_bias), "stride_lse_b": lse_b, "stride_lse_h": lse_h,
+        **_bhqk("dbias", dbias),
     }
-
-
-def _dropout_args(dropout_p: float, seed: int, offset: int, offsets: tuple[int, int] = (0, 0)) -> dict[str, Any]:
-    return {"seed": seed, "offset": offset, "drop_threshold": drop_threshold(dropout_p),
-            "rp_keep": 1.0 / (1.0 - dropout_p), "row_offset": offsets[0], "col_offset": offsets[1]}
 
 
 def _dropout_offsets(row: Any, col: Any) -> tuple[int, int]:
@@ -200,43 +195,66 @@ def _unpad(t: torch.Tensor, p: Problem) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- problem + options
-def _prepare(q: Any, k: Any, v: Any, *, causal: Any, key_padding_mask: Any, dropout_p: Any, softmax_scale: Any,
-             seed: Any, offset: Any, window_size: Any, softcap: Any, alibi_slopes: Any, attn_mask: Any,
-             attn_bias: Any, causal_align: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-             max_seqlen_k: Any, check_values: bool = True) -> tuple[Problem, Features]:
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+class Tensors(NamedTuple):
+    """The optional tensor inputs of one call (data next to the :class:`AttentionOptions`)."""
+
+    key_padding_mask: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    attn_bias: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+
+
+def _problem(q: Any, k: Any, v: Any, t: Tensors, max_seqlen_q: Any, max_seqlen_k: Any,
+             check_values: bool) -> Problem:
+    if t.cu_seqlens_q is not None or t.cu_seqlens_k is not None:
+        if t.cu_seqlens_q is None or t.cu_seqlens_k is None:
+            missing = "cu_seqlens_q" if t.cu_seqlens_q is None else "cu_seqlens_k"
             raise InputError(missing, "int32 cumulative lengths [B + 1] (both cu_seqlens_q and cu_seqlens_k)", None)
-        p = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=check_values)
-    else:
-        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if m is not None:
-                raise InputError(name, "None without cu_seqlens (the lengths come from the tensors)", m)
-        p = validate_qkv(q, k, v)
-    f = validate_features(p, q.dtype, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                          softmax_scale=softmax_scale, seed=seed, offset=offset, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias,
-                          causal_align=causal_align, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return p, f
+        return validate_varlen(q, k, v, t.cu_seqlens_q, t.cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               check_values=check_values)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None:
+            raise InputError(name, "None without cu_seqlens (the lengths come from the tensors)", m)
+    return validate_qkv(q, k, v)
 
 
-def validate(q: Any, k: Any, v: Any, *, check_values: bool = True, **options: Any) -> Problem:
+def _prepare(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, max_seqlen_q: Any, max_seqlen_k: Any,
+             check_values: bool = True) -> tuple[Problem, Features]:
+    p = _problem(q, k, v, t, max_seqlen_q, max_seqlen_k, check_values)
+    return p, validate_features(p, q.dtype, opts, **t._asdict())
+
+
+def _as_options(options: Any) -> AttentionOptions:
+    if not isinstance(options, AttentionOptions):
+        raise InputTypeError("options", "a fagen.AttentionOptions", type(options).__name__)
+    return options
+
+
+def _as_tensors(tensors: Any) -> Tensors:
+    if tensors is None:
+        return Tensors()
+    if not isinstance(tensors, Tensors):
+        raise InputTypeError("tensors", "a fagen.functional.Tensors (or None)", type(tensors).__name__)
+    return tensors
+
+
+def validate(q: Any, k: Any, v: Any, options: AttentionOptions | None = None, tensors: Tensors | None = None, *,
+             max_seqlen_q: Any = None, max_seqlen_k: Any = None, check_values: bool = True, **kwargs: Any) -> Problem:
     """Check the inputs and options of :func:`attention_forward` without launching anything; the
-    runtime shape. ``check_values=False`` skips reading cu_seqlens (fake tensors under tracing)."""
-    p, _ = _prepare(q, k, v, **{**_DEFAULTS, **options}, check_values=check_values)
+    runtime shape. The options either as :func:`attention_forward`'s keywords or as one
+    :class:`AttentionOptions` (with the optional tensors as one :class:`Tensors`).
+    ``check_values=False`` skips reading cu_seqlens (fake tensors under tracing)."""
+    if options is None:
+        opts, rest = _explicit("validate", None, kwargs.pop("causal", False), kwargs)
+        tensors = rest["tensors"]
+    else:
+        if kwargs:
+            raise TypeError(f"validate() got an unexpected keyword argument {sorted(kwargs)[0]!r} with options")
+        opts = _as_options(options)
+    p, _ = _prepare(q, k, v, opts, _as_tensors(tensors), max_seqlen_q, max_seqlen_k, check_values)
     return p
-
-
-def _flags(direction: str, p: Problem, f: Features, deterministic: bool = False,
-           bias_grad: bool = False) -> dict[str, Any]:
-    flags = f.spec_fields(p)
-    if direction == "bwd":
-        if deterministic:
-            flags["deterministic"] = True
-        if bias_grad:
-            flags["bias_grad"] = True
-    return flags
 
 
 def _select(direction: str, p: Problem, flags: dict[str, Any], spec: KernelSpec | None) -> KernelSpec:
@@ -248,37 +266,137 @@ def _select(direction: str, p: Problem, flags: dict[str, Any], spec: KernelSpec 
     return spec
 
 
+# --------------------------------------------------------------------------- launch plans
+# A plan is everything a call needs that depends only on the tensors' metadata (dtype, device,
+# shape, strides, which optional inputs are present) and the options: the validated problem,
+# the spec, the launches with their grids and every non-pointer kernel argument. It is built
+# (with every check) the first time such a call is seen and replayed afterwards: a repeated
+# call validates nothing twice, reads no tensor value on the host and only allocates its
+# outputs, sets the pointers and launches.
+@dataclass(frozen=True)
+class _Plan:
+    p: Problem
+    spec: KernelSpec
+    launches: tuple[tuple[KernelInfo, tuple[int, int, int]], ...]  # () for empty inputs, no keys, meta
+    args: dict[str, Any]  # non-pointer kernel arguments
+    lse_dtype: torch.dtype
+    acc_dtype: torch.dtype = torch.float32
+    kpm_copy: bool = False  # key_padding_mask / alibi_slopes need a contiguous copy
+    alibi_copy: bool = False
+    check_cu: bool = False  # CPU varlen: cu_seqlens values are read (no device to synchronise)
+    lse_ready: bool = True  # the backward's lse is contiguous and of the kernels' dtype
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_MAX = 1024
+
+
+def _meta(t: Any) -> Any:
+    """A tensor's plan-relevant metadata (a non-tensor raises AttributeError: no plan)."""
+    if t is None:
+        return None
+    return type(t), t.dtype, t.device, t.shape, t.stride()
+
+
+def _lookup(key: Any) -> tuple[Any, _Plan | None]:
+    """(key, its plan or None); the key None when it cannot key a plan (unhashable: symbolic
+    sizes under tracing), so that the plan is built and not remembered."""
+    if key is None:
+        return None, None
+    try:
+        return key, _PLANS.get(key)
+    except TypeError:
+        return None, None
+
+
+def _remember(key: tuple[Any, ...] | None, plan: _Plan) -> _Plan:
+    if key is not None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _cu_check(p: Problem, t: Tensors) -> None:
+    """CPU varlen: the cu_seqlens values (host memory, nothing to synchronise) against the
+    totals and max_seqlen; the emulator would read out of bounds otherwise. On a GPU the
+    bounds stay on the device, the caller's contract as in flash-attn."""
+    check_cu_values(p, t.cu_seqlens_q, t.cu_seqlens_k)
+
+
 # --------------------------------------------------------------------------- forward
-def _launch_forward(spec: KernelSpec, p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    f: Features, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward on padded q, k, v: (o, lse) with o padded like q."""
+def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, max_seqlen_q: Any, max_seqlen_k: Any,
+                  spec: KernelSpec | None, offsets: tuple[int, int]) -> _Plan:
+    p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
+    spec = _select("fwd", p, f.spec_fields(p), spec)
     kern = _kernel(spec, "main")
+    lse_dtype = _acc_dtype(kern, "lse")
+    common = dict(p=p, lse_dtype=lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
+                  kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
+                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)
+    if p.empty or p.no_keys or p.device.type == "meta":
+        return _Plan(spec=spec, launches=(), args={}, **common)
+    shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
+    shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
+    meta = {n: (x if not p.padded else torch.empty(s, device="meta"))
+            for n, x, s in (("q", q, shape_q), ("k", k, shape_k), ("v", v, shape_k))}
+    meta["o"] = torch.empty(shape_q, device="meta")
+    lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides)}
+    for name, x in meta.items():
+        args.update(_strides(name, x, p.varlen))
+    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, **common)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+            tensors: Tensors | None = None, *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+            seed: int = 0, offset: int = 0, spec: KernelSpec | None = None,
+            dropout_row_offset: int = 0, dropout_col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_forward` with its options as one validated :class:`AttentionOptions`
+    and the optional tensors as one :class:`Tensors`: (o, lse)."""
+    t = Tensors() if tensors is None else tensors
+    offsets = (dropout_row_offset, dropout_col_offset)
+    try:
+        key = ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
+               offsets) if type(t) is Tensors and type(options) is AttentionOptions else None
+    except AttributeError:  # not a tensor: the checks name it
+        key = None
+    key, plan = _lookup(key)
+    if plan is None:
+        opts, t = _as_options(options), _as_tensors(tensors)
+        _dropout_offsets(*offsets)
+        plan = _remember(key, _forward_plan(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, spec, offsets))
+    seed, offset = check_seed_offset(seed, offset)
+    if plan.check_cu:
+        _cu_check(plan.p, t)
+    p = plan.p
+    if p.padded:
+        q, k, v = _pad(q, p), _pad(k, p), _pad(v, p)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(p.lse_shape, dtype=_acc_dtype(kern, "lse"), device=q.device)
-    if p.empty or p.device.type == "meta":  # meta: shapes only
-        return o, lse
-    if p.no_keys:
-        return o.zero_(), lse.fill_(-math.inf)
-    args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "kpm": _ptr(f.key_padding_mask),
-            "o": o.data_ptr(), "lse": lse.data_ptr(), "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k,
-            "scale": f.scale, **_strides("q", q, p.varlen), **_strides("k", k, p.varlen), **_strides("v", v, p.varlen),
-            **_strides("o", o, p.varlen), **_dropout_args(f.dropout_p, f.seed, f.offset, offsets), **_feature_args(p, f, lse)}
-    get_module(spec, p.device.type).launch(kern, _grid(kern, p), args)
-    return o, lse
-
-
-def _forward(q: Any, k: Any, v: Any, spec: KernelSpec | None, offsets: tuple[int, int] = (0, 0),
-             **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    p, f = _prepare(q, k, v, **options)
-    spec = _select("fwd", p, _flags("fwd", p, f), spec)
-    o, lse = _launch_forward(spec, p, _pad(q, p), _pad(k, p), _pad(v, p), f, offsets)
+    lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
+    if not plan.launches:
+        if p.no_keys and not p.empty and p.device.type != "meta":
+            o.zero_()
+            lse.fill_(-math.inf)
+        return _unpad(o, p), lse
+    kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
+    slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
+    args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
+            "lse": lse.data_ptr(), "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask),
+            "bias": _ptr(t.attn_bias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
+            "seed": seed, "offset": offset, "dbias": 0}
+    mod = get_module(plan.spec, p.device.type)
+    for kern, grid in plan.launches:
+        mod.launch(kern, grid, args)
     return _unpad(o, p), lse
 
 
-_DEFAULTS: dict[str, Any] = dict(
-    causal=False, key_padding_mask=None, dropout_p=0.0, softmax_scale=None, seed=0, offset=0, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, attn_mask=None, attn_bias=None, causal_align="bottom_right", cu_seqlens_q=None,
-    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+def _options_of(causal: Any, dropout_p: Any, softmax_scale: Any, window_size: Any, softcap: Any,
+                causal_align: Any, deterministic: Any = False) -> AttentionOptions:
+    return AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                               window_size=window_size, softcap=softcap, causal_align=causal_align,
+                               deterministic=deterministic)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -297,85 +415,143 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     ``dropout_row_offset``/``dropout_col_offset``: q row i and key j draw the keep-mask bit of
     (row_offset + i, col_offset + j), as when these tensors are a block of a longer sequence
     (ring attention, :mod:`fagen.distributed`); masks and scores keep the local indices."""
-    return _forward(q, k, v, spec, _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal,
-                    key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                    softmax_scale=softmax_scale, seed=seed, offset=offset, window_size=window_size, softcap=softcap,
-                    alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k)
+    opts = _options_of(causal, dropout_p, softmax_scale, window_size, softcap, causal_align)
+    return forward(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q,
+                                          cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   seed=seed, offset=offset, spec=spec, dropout_row_offset=dropout_row_offset,
+                   dropout_col_offset=dropout_col_offset)
+
+
+_TENSOR_NAMES = frozenset(Tensors._fields) | {"max_seqlen_q", "max_seqlen_k", "seed", "offset",
+                                              "dropout_row_offset", "dropout_col_offset"}
+_OPTION_NAMES = frozenset(f for f in AttentionOptions.__dataclass_fields__ if f != "deterministic")
+
+
+def _explicit(caller: str, spec: KernelSpec | None, causal: bool | None, options: dict[str, Any],
+              deterministic: Any = False) -> tuple[AttentionOptions, dict[str, Any]]:
+    """Keyword options as one :class:`AttentionOptions` and the rest: unknown names refused like
+    a Python call would; with a spec (:func:`run_forward`/:func:`run_backward`) ``causal`` and
+    ``causal_align`` come from it unless given."""
+    unknown = sorted(set(options) - _OPTION_NAMES - _TENSOR_NAMES)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    kw = {n: options[n] for n in _OPTION_NAMES if n in options}
+    if causal is None:
+        causal = spec.causal if spec is not None else False
+    kw["causal"] = causal
+    if spec is not None:
+        kw.setdefault("causal_align", _spec_flag(spec, "causal_align"))
+    opts = AttentionOptions.of(**kw, deterministic=deterministic)
+    rest = {n: v for n, v in options.items() if n in _TENSOR_NAMES}
+    tensors = Tensors(**{n: rest.pop(n) for n in Tensors._fields if n in rest})
+    return opts, {"tensors": tensors, **rest}
 
 
 def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 causal: bool | None = None, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward with an explicit spec (used by the autotuner and for experiments with tiles);
     ``causal`` defaults to the spec's; the other options as :func:`attention_forward`'s."""
-    return _forward(q, k, v, spec, **_explicit_options("run_forward", spec, causal, options))
-
-
-def _explicit_options(caller: str, spec: KernelSpec, causal: bool | None, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of :func:`run_forward`/:func:`run_backward`: unknown names refused like a
-    Python call would, the rest defaulted, ``causal`` and ``causal_align`` from the spec unless given."""
-    unknown = sorted(set(options) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
-    kw = {**_DEFAULTS, **options, "causal": spec.causal if causal is None else causal}
-    if "causal_align" not in options:
-        kw["causal_align"] = _spec_flag(spec, "causal_align")
-    return kw
+    opts, kw = _explicit("run_forward", spec, causal, options)
+    return forward(q, k, v, opts, spec=spec, **kw)
 
 
 # --------------------------------------------------------------------------- backward
-def _launch_backward(spec: KernelSpec, p: Problem, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, f: Features,
-                     bias_grad: bool, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, ...]:
-    """Algorithm 4 on padded tensors: preprocess (D, dQ accumulator = 0), main (and dq when
-    deterministic), postprocess (dQ -> dtype); dbias fp32 [B, H, Nq, Nk] when ``bias_grad``."""
+def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: AttentionOptions, t: Tensors,
+                   max_seqlen_q: Any, max_seqlen_k: Any, bias_grad: Any, spec: KernelSpec | None,
+                   offsets: tuple[int, int]) -> _Plan:
+    p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
+    check_like("o", o, q)
+    check_like("do", do, q)
+    bias_grad = validate_flag("bias_requires_grad", bias_grad)
+    if bias_grad and f.attn_bias is None:
+        raise InputError("bias_requires_grad", "False without attn_bias", True)
+    check_lse(lse, p)
+    spec = _select("bwd", p, f.spec_fields(p, "bwd", bias_grad), spec)
+    main = _kernel(spec, "main")
+    lse_dtype = _acc_dtype(main, "lse")
+    common = dict(p=p, lse_dtype=lse_dtype, acc_dtype=_acc_dtype(main, "dq_accum"),
+                  lse_ready=lse.is_contiguous() and lse.dtype == lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
+                  kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
+                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)
+    if p.empty or p.no_keys or p.device.type == "meta":
+        return _Plan(spec=spec, launches=(), args={}, **common)
+    shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
+    shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
+    meta = {n: (x if not p.padded else torch.empty(s, device="meta"))
+            for n, x, s in (("q", q, shape_q), ("k", k, shape_k), ("v", v, shape_k), ("o", o, shape_q),
+                            ("do", do, shape_q))}
+    meta.update(dq=torch.empty(shape_q, device="meta"), dk=torch.empty(shape_k, device="meta"),
+                dv=torch.empty(shape_k, device="meta"))
+    dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None
+    lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias)}
+    for name, x in meta.items():
+        args.update(_strides(name, x, p.varlen))
+    launches = tuple((kern, _grid(kern, p)) for kern in _kernels(spec))  # pre, main, (dq,) post
+    return _Plan(spec=spec, launches=launches, args=args, **common)
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor, options: AttentionOptions, tensors: Tensors | None = None, *,
+             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seed: int = 0, offset: int = 0,
+             bias_requires_grad: bool = False, spec: KernelSpec | None = None, dropout_row_offset: int = 0,
+             dropout_col_offset: int = 0) -> tuple[torch.Tensor, ...]:
+    """:func:`attention_backward` with its options as one :class:`AttentionOptions` (its
+    ``deterministic`` chooses the backward) and the optional tensors as one :class:`Tensors`."""
+    t = Tensors() if tensors is None else tensors
+    offsets = (dropout_row_offset, dropout_col_offset)
+    try:
+        key = ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
+               max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets
+               ) if type(t) is Tensors and type(options) is AttentionOptions else None
+    except AttributeError:  # not a tensor: the checks name it
+        key = None
+    key, plan = _lookup(key)
+    if plan is None:
+        opts, t = _as_options(options), _as_tensors(tensors)
+        _dropout_offsets(*offsets)
+        plan = _remember(key, _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k,
+                                             bias_requires_grad, spec, offsets))
+    seed, offset = check_seed_offset(seed, offset)
+    if plan.check_cu:
+        _cu_check(plan.p, t)
+    p = plan.p
+    bias_grad = bool(bias_requires_grad)
+    if p.padded:
+        do, q, k, v, o = _pad(do, p), _pad(q, p), _pad(k, p), _pad(v, p), _pad(o, p)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    # The main kernel writes every element of dK and dV (each K/V block's rows below Nk, every
+    # head-dim column, zeros for padded keys and for keys no query sees; GQA: one CTA per K/V
+    # head sums its group), so they need no zero-fill -- except packed sequences, where tokens
+    # outside every sequence (cu_seqlens bounds stay on the device, unchecked on a GPU) get 0.
+    alloc = torch.zeros if p.varlen or not plan.launches else torch.empty
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     dbias = None
     if bias_grad:
         dbias = torch.zeros((p.batch, p.heads, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=q.device)
-    if p.device.type == "meta":  # shapes only
-        return dq, dk, dv, dbias
-    if p.empty or p.no_keys:
-        return dq.zero_(), dk, dv, dbias
-    main = _kernel(spec, "main")
-    acc = _acc_dtype(main, "dq_accum")
-    delta = torch.empty(p.lse_shape, dtype=_acc_dtype(main, "delta"), device=q.device)
-    dq_accum = torch.empty(q.shape, dtype=acc, device=q.device)  # [B, Nq, H, d] or [total_q, H, d]
-    args = {
-        "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),
-        "lse": lse.data_ptr(), "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(),
-        "kpm": _ptr(f.key_padding_mask), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
-        "heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "scale": f.scale,
-        **{k_: v_ for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk),
-                                   ("dv", dv)) for k_, v_ in _strides(name, t, p.varlen).items()},
-        **_dropout_args(f.dropout_p, f.seed, f.offset, offsets), **_feature_args(p, f, lse, dbias),
-    }
-    mod = get_module(spec, p.device.type)
-    for kern in _kernels(spec):  # pre, main, (dq,) post
-        mod.launch(kern, _grid(kern, p), args)
-    return dq, dk, dv, dbias
-
-
-def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, spec: KernelSpec | None, deterministic: Any,
-              bias_requires_grad: Any, offsets: tuple[int, int] = (0, 0), **options: Any) -> tuple[torch.Tensor, ...]:
-    p, f = _prepare(q, k, v, **options)
-    check_like("o", o, q)
-    check_like("do", do, q)
-    deterministic = validate_flag("deterministic", deterministic)
-    bias_grad = validate_flag("bias_requires_grad", bias_requires_grad)
-    if bias_grad and f.attn_bias is None:
-        raise InputError("bias_requires_grad", "False without attn_bias", True)
-    lse_t = check_lse(lse, p)
-    spec = _select("bwd", p, _flags("bwd", p, f, deterministic, bias_grad), spec)
-    lse_t = lse_t.to(_acc_dtype(_kernel(spec, "main"), "lse"))
-    dq, dk, dv, dbias = _launch_backward(spec, p, _pad(do, p), _pad(q, p), _pad(k, p), _pad(v, p), _pad(o, p),
-                                         lse_t, f, bias_grad, offsets)
+    if not plan.launches:
+        if p.device.type != "meta":
+            dq.zero_()
+    else:
+        lse_t = lse if plan.lse_ready else lse.contiguous().to(plan.lse_dtype)
+        delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
+        dq_accum = torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device)  # zeroed by the preprocess kernel
+        kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
+        slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
+        args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
+                "do_": do.data_ptr(), "lse": lse_t.data_ptr(), "delta": delta.data_ptr(),
+                "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
+                "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
+                "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
+                "seed": seed, "offset": offset}
+        mod = get_module(plan.spec, p.device.type)
+        for kern, grid in plan.launches:
+            mod.launch(kern, grid, args)
     out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p))
     if bias_grad:
-        bias = options["attn_bias"]
+        bias = t.attn_bias
         return out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)
     return out
 
@@ -396,12 +572,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     o and lse and the same options. ``deterministic``: no order-dependent atomics (a separate
     dQ kernel), bitwise-reproducible dq on a GPU. ``dropout_row_offset``/``dropout_col_offset``: as
     :func:`attention_forward`'s."""
-    return _backward(do, q, k, v, o, lse, spec, deterministic, bias_requires_grad,
-                     _dropout_offsets(dropout_row_offset, dropout_col_offset), causal=causal,
-                     key_padding_mask=key_padding_mask, dropout_p=dropout_p, softmax_scale=softmax_scale, seed=seed,
-                     offset=offset, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, cu_seqlens_q=cu_seqlens_q,
-                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    opts = _options_of(causal, dropout_p, softmax_scale, window_size, softcap, causal_align, deterministic)
+    return backward(do, q, k, v, o, lse, opts, Tensors(key_padding_mask, alibi_slopes, attn_mask, attn_bias,
+                                                       cu_seqlens_q, cu_seqlens_k),
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seed=seed, offset=offset,
+                    bias_requires_grad=bias_requires_grad, spec=spec, dropout_row_offset=dropout_row_offset,
+                    dropout_col_offset=dropout_col_offset)
 
 
 def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -409,10 +585,10 @@ def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.T
                  bias_requires_grad: bool | None = None, **options: Any) -> tuple[torch.Tensor, ...]:
     """Backward with an explicit spec (used by the autotuner and for experiments with tiles);
     ``causal``, ``deterministic`` and ``bias_requires_grad`` default to the spec's flags."""
-    kw = _explicit_options("run_backward", spec, causal, options)
     det = _spec_flag(spec, "deterministic") if deterministic is None else deterministic
     bg = _spec_flag(spec, "bias_grad") if bias_requires_grad is None else bias_requires_grad
-    return _backward(do, q, k, v, o, lse, spec, det, bg, **kw)
+    opts, kw = _explicit("run_backward", spec, causal, options, det)
+    return backward(do, q, k, v, o, lse, opts, bias_requires_grad=bg, spec=spec, **kw)
 
 
 def dropout_keep_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, *,

@@ -10,19 +10,21 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import InputError, InputTypeError, check_dropout_p
+from .masking import CAUSAL_ALIGNS, check_causal_align, check_window
+from .philox import drop_threshold
 from .spec import HEAD_DIM_MAX, HEAD_DIM_MULTIPLE, SEQLEN_MAX
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 _U64 = 2**64
 GRID_YZ_MAX = 65535
-CAUSAL_ALIGNS = ("bottom_right", "top_left")
 
 
 def padded_head_dim(d: int) -> int:
@@ -129,29 +131,12 @@ def _is_int(x: Any) -> bool:
 
 
 def validate_window_size(window_size: Any) -> tuple[int, int]:
-    """``(left, right)``: two ints >= -1 (-1 = unbounded on that side)."""
-    if isinstance(window_size, (list, tuple)) and len(window_size) == 2 and all(_is_int(w) for w in window_size):
-        left, right = (int(w) for w in window_size)
-        if left >= -1 and right >= -1:
-            return left, right
-        raise InputError("window_size", "two ints >= -1 (-1 = unbounded)", tuple(window_size))
-    raise InputTypeError("window_size", "a tuple of two ints (left, right), -1 = unbounded", repr(window_size))
+    """``(left, right)``: two ints >= -1 (-1 = unbounded on that side); :func:`fagen.masking.check_window`."""
+    return check_window(window_size, "window_size")
 
 
 def validate_causal_align(causal_align: Any) -> str:
-    if causal_align not in CAUSAL_ALIGNS:
-        raise InputError("causal_align", f"one of {CAUSAL_ALIGNS}", repr(causal_align))
-    return str(causal_align)
-
-
-def check_scalars(dropout_p: Any, softmax_scale: Any, seed: Any, offset: Any, head_dim: int) -> float:
-    """Validate dropout_p, seed, offset and the scale; the scale (default ``1/sqrt(head_dim)``)."""
-    check_dropout_p(dropout_p)
-    for name, val in (("seed", seed), ("offset", offset)):
-        if not _is_int(val) or not (0 <= int(val) < _U64):
-            raise InputError(name, "an integer in [0, 2**64)", val)
-    scale = validate_softmax_scale(softmax_scale)
-    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return check_causal_align(causal_align, "causal_align")
 
 
 # --------------------------------------------------------------------------- q, k, v
@@ -186,7 +171,7 @@ def _check_heads_and_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layo
         raise InputError("q", f"head_dim in 1..{HEAD_DIM_MAX} (padded internally to a multiple of "
                          f"{HEAD_DIM_MULTIPLE})", d)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel() and t.stride(-1) != 1:
+        if t.numel() and t.shape[-1] != 1 and t.stride(-1) != 1:  # a size-1 dim: any stride
             raise InputError(name, "a contiguous last dimension (stride 1)", f"stride {t.stride(-1)}")
     if H > GRID_YZ_MAX:  # heads are the grid's z
         raise InputError("q", f"heads at most {GRID_YZ_MAX} (CUDA grid z limit)", H)
@@ -213,17 +198,31 @@ def validate_qkv(q: Any, k: Any, v: Any) -> Problem:
                    true_head_dim=d)
 
 
-def _cu_values(name: str, cu: torch.Tensor) -> list[int] | None:
-    """The cumulative lengths as ints (None on meta: no values to check)."""
-    if cu.device.type == "meta":
-        return None
-    return [int(x) for x in cu.tolist()]
+def check_cu_values(p: Problem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+    """The cumulative lengths of a packed call: 0 first, non-decreasing, last = the total tokens,
+    no sequence longer than max_seqlen. Read on the host only for CPU tensors (through numpy,
+    no copy); meta tensors have no values. CUDA ones are never read (no synchronisation):
+    their bounds are the caller's contract, as in flash-attn."""
+    for name, cu, total, mname, mval in (("cu_seqlens_q", cu_seqlens_q, p.total_q, "max_seqlen_q", p.seqlen_q),
+                                         ("cu_seqlens_k", cu_seqlens_k, p.total_k, "max_seqlen_k", p.seqlen_k)):
+        if cu.device.type != "cpu":
+            continue
+        vals = cu.detach().numpy()
+        if vals[0] != 0 or vals[-1] != total:
+            raise InputError(name, f"cumulative lengths from 0 to the total tokens ({total})",
+                             f"first {int(vals[0])}, last {int(vals[-1])}")
+        lengths = np.diff(vals.astype(np.int64))
+        if (lengths < 0).any():
+            raise InputError(name, "non-decreasing cumulative lengths", [int(x) for x in vals])
+        if lengths.size and int(lengths.max()) > mval:
+            raise InputError(mname, f"at least the longest sequence ({int(lengths.max())})", mval)
 
 
 def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                     max_seqlen_k: Any, *, check_values: bool = True) -> Problem:
     """Packed sequences: q [total_q, H, d], k/v [total_k, H_kv, d], cu_seqlens int32 [B + 1] on q's
-    device (0 first, non-decreasing, last = total), max_seqlen_* ints at least every length."""
+    device (0 first, non-decreasing, last = total), max_seqlen_* ints at least every length
+    (the values are checked by :func:`check_cu_values` when ``check_values``: CPU tensors only)."""
     _common_checks(q, k, v, 3, "[total_tokens, heads, head_dim] (packed sequences)")
     H, Hkv, d = _check_heads_and_dim(q, k, v, "[total_k, H_kv, d]")
     batch = None
@@ -247,22 +246,11 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
             raise InputError(name, "an int >= 0 (the longest sequence)", repr(m))
         _check_seqlen(name, int(m))
         maxes.append(int(m))
-    for (name, cu, total), mname, mval in zip((("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
-                                               ("cu_seqlens_k", cu_seqlens_k, k.shape[0])),
-                                              ("max_seqlen_q", "max_seqlen_k"), maxes):
-        vals = _cu_values(name, cu) if check_values else None
-        if vals is None:
-            continue
-        if vals[0] != 0 or vals[-1] != total:
-            raise InputError(name, f"cumulative lengths from 0 to the total tokens ({total})",
-                             f"first {vals[0]}, last {vals[-1]}")
-        lengths = [b - a for a, b in zip(vals, vals[1:])]
-        if any(n < 0 for n in lengths):
-            raise InputError(name, "non-decreasing cumulative lengths", vals)
-        if lengths and max(lengths) > mval:
-            raise InputError(mname, f"at least the longest sequence ({max(lengths)})", mval)
-    return Problem(batch, H, maxes[0], maxes[1], padded_head_dim(d), DTYPES[q.dtype], q.device, heads_kv=Hkv,
-                   true_head_dim=d, total_q=q.shape[0], total_k=k.shape[0])
+    p = Problem(batch, H, maxes[0], maxes[1], padded_head_dim(d), DTYPES[q.dtype], q.device, heads_kv=Hkv,
+                true_head_dim=d, total_q=q.shape[0], total_k=k.shape[0])
+    if check_values:
+        check_cu_values(p, cu_seqlens_q, cu_seqlens_k)
+    return p
 
 
 def check_like(name: str, t: Any, ref: torch.Tensor) -> torch.Tensor:
@@ -273,7 +261,7 @@ def check_like(name: str, t: Any, ref: torch.Tensor) -> torch.Tensor:
         raise InputTypeError(name, f"dtype {ref.dtype} (like q)", t.dtype)
     if t.device != ref.device:
         raise InputError(name, f"the same device as q ({ref.device})", t.device)
-    if t.numel() and t.stride(-1) != 1:
+    if t.numel() and t.shape[-1] != 1 and t.stride(-1) != 1:  # a size-1 dim: any stride
         raise InputError(name, "a contiguous last dimension (stride 1)", f"stride {t.stride(-1)}")
     return t
 
@@ -369,6 +357,125 @@ def reduce_to_shape(full: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return g.reshape(shape)
 
 
+_OP = "op"  # dataclass field metadata: the field's arguments in the custom ops' schema
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The scalar options of one attention call, validated once when built.
+
+    Every entry point builds one (typed errors naming the argument); from it come the spec's
+    feature flags (:meth:`Features.spec_fields`), the kernels' scalar arguments
+    (:meth:`kernel_args`), the custom ops' schema (:meth:`schema`, :meth:`op_args`,
+    :meth:`from_op_args`) and the reference's arguments (:meth:`reference_kwargs`).
+    ``deterministic`` only changes the backward. The tensors of a call (masks, biases, slopes,
+    cu_seqlens) are data, not options: they travel next to it.
+    """
+
+    causal: bool = field(default=False, metadata={_OP: (("bool", "causal", "False"),)})
+    dropout_p: float = field(default=0.0, metadata={_OP: (("float", "dropout_p", "0."),)})
+    softmax_scale: float | None = field(default=None, metadata={_OP: (("float?", "softmax_scale", "None"),)})
+    window_size: tuple[int, int] = field(default=(-1, -1), metadata={
+        _OP: (("SymInt", "window_left", "-1"), ("SymInt", "window_right", "-1"))})
+    softcap: float = field(default=0.0, metadata={_OP: (("float", "softcap", "0."),)})
+    causal_align: str = field(default="bottom_right", metadata={_OP: (("str", "causal_align", '"bottom_right"'),)})
+    deterministic: bool = field(default=False, metadata={_OP: (("bool", "deterministic", "False"),)})
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "causal", validate_flag("causal", self.causal))
+        put(self, "dropout_p", check_dropout_p(self.dropout_p))
+        put(self, "softmax_scale", validate_softmax_scale(self.softmax_scale))
+        put(self, "window_size", validate_window_size(self.window_size))
+        put(self, "softcap", validate_softcap(self.softcap))
+        put(self, "causal_align", validate_causal_align(self.causal_align))
+        put(self, "deterministic", validate_flag("deterministic", self.deterministic))
+
+    @classmethod
+    def of(cls, **options: Any) -> AttentionOptions:
+        """``AttentionOptions(**options)``, remembered for hashable arguments (keyed by type and
+        value, so ``causal=1`` is refused even after ``causal=True`` was seen)."""
+        if torch.compiler.is_compiling():  # traced: built (and checked) while tracing, no memo
+            return cls(**options)
+        try:
+            return _options_memo(tuple((n, type(v), v) for n, v in options.items()))
+        except TypeError as err:  # unhashable (a list window): built and checked every time
+            if "unhashable" not in str(err):
+                raise
+            return cls(**options)
+
+    # ----------------------------------------------------------------- custom-op schema
+    @classmethod
+    def schema_fields(cls) -> tuple[tuple[str, str, str], ...]:
+        """(schema type, argument name, default) of each custom-op argument of the options, in
+        field order (the window is two: window_left, window_right)."""
+        return tuple(x for f in fields(cls) for x in f.metadata[_OP])
+
+    @classmethod
+    def op_names(cls) -> tuple[str, ...]:
+        """The names of :meth:`op_args`, in order."""
+        return tuple(n for _, n, _ in cls.schema_fields())
+
+    def op_args(self) -> tuple[Any, ...]:
+        """The values of :meth:`schema`'s arguments, in order."""
+        return (self.causal, self.dropout_p, self.softmax_scale, *self.window_size, self.softcap, self.causal_align,
+                self.deterministic)
+
+    @classmethod
+    def from_op_args(cls, *args: Any) -> AttentionOptions:
+        """The inverse of :meth:`op_args` (validated: the ops may be called directly). The values
+        come through the dispatcher, which gives each the schema's type, so they key a memo."""
+        try:
+            return _from_op_args_memo(tuple((type(a), a) for a in args))
+        except TypeError as err:
+            if "unhashable" not in str(err):
+                raise
+            return _from_op_args_memo.__wrapped__(tuple((type(a), a) for a in args))
+
+    # ----------------------------------------------------------------- derived values
+    def scale(self, head_dim: int) -> float:
+        """The softmax scale: the given one, else ``1 / sqrt(head_dim)`` (the caller's head dim)."""
+        return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
+
+    def window(self, seqlen_k: int) -> tuple[int, int]:
+        """The effective window, flash-attn's rules: a side >= Nk (max_seqlen_k when packed) is
+        unbounded; causal means right = 0; (-1, -1) when nothing bounds it."""
+        left, right = self.window_size
+        if left >= seqlen_k:
+            left = -1
+        if right >= seqlen_k:
+            right = -1
+        if self.causal:
+            right = 0
+        return (left, right) if left >= 0 or right >= 0 else (-1, -1)
+
+    def kernel_args(self, p: Problem) -> dict[str, Any]:
+        """The kernels' scalar option arguments (fagen.abi): scale, window, softcap, dropout."""
+        left, right = self.window(p.seqlen_k)
+        if self.causal and left < 0:  # causal alone: the causal flag bounds it, no window
+            left, right = -1, -1
+        p_drop = self.dropout_p
+        return {"scale": self.scale(p.true_head_dim), "window_left": left, "window_right": right,
+                "softcap": self.softcap, "drop_threshold": drop_threshold(p_drop), "rp_keep": 1.0 / (1.0 - p_drop)}
+
+    def reference_kwargs(self) -> dict[str, Any]:
+        """The arguments of :mod:`fagen.reference`'s functions that these options set."""
+        return {"causal": self.causal, "dropout_p": self.dropout_p, "softmax_scale": self.softmax_scale,
+                "window_size": self.window_size, "softcap": self.softcap, "causal_align": self.causal_align}
+
+
+@functools.lru_cache(maxsize=256)
+def _from_op_args_memo(typed: tuple[tuple[type, Any], ...]) -> AttentionOptions:
+    causal, dropout_p, softmax_scale, left, right, softcap, causal_align, deterministic = (a for _, a in typed)
+    return AttentionOptions(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=(left, right),
+                            softcap=softcap, causal_align=causal_align, deterministic=deterministic)
+
+
+@functools.lru_cache(maxsize=256)
+def _options_memo(key: tuple[tuple[str, type, Any], ...]) -> AttentionOptions:
+    return AttentionOptions(**{n: v for n, _, v in key})
+
+
 @dataclass(frozen=True)
 class Features:
     """The validated optional inputs of one call (runtime values; flags derive from them)."""
@@ -385,14 +492,13 @@ class Features:
     cu_seqlens_k: torch.Tensor | None = None
     dropout_p: float = 0.0
     scale: float = 1.0
-    seed: int = 0
-    offset: int = 0
+    deterministic: bool = False
 
     @property
     def uses_window(self) -> bool:
         return self.window != (-1, -1) and not (self.causal and self.window[0] < 0)
 
-    def spec_fields(self, p: Problem) -> dict[str, Any]:
+    def spec_fields(self, p: Problem, direction: str = "fwd", bias_grad: bool = False) -> dict[str, Any]:
         """The spec's feature flags (non-default ones only, so a spec without them stays as it was)."""
         flags: dict[str, Any] = {
             "causal": self.causal, "key_padding": self.key_padding_mask is not None, "dropout": self.dropout_p > 0,
@@ -401,6 +507,8 @@ class Features:
             "window": self.uses_window, "softcap": self.softcap > 0, "alibi": self.alibi_slopes is not None,
             "attn_mask": self.attn_mask is not None, "bias": self.attn_bias is not None, "varlen": p.varlen,
         }
+        if direction == "bwd":
+            extra.update(deterministic=self.deterministic, bias_grad=bias_grad)
         flags.update({k: True for k, on in extra.items() if on})
         # the alignment only matters where the diagonal does, and not at all when Nq == Nk
         diagonal = self.causal or self.uses_window or self.alibi_slopes is not None
@@ -409,24 +517,24 @@ class Features:
         return flags
 
 
-def validate_features(p: Problem, dtype: torch.dtype, *, causal: Any, key_padding_mask: Any, dropout_p: Any,
-                      softmax_scale: Any, seed: Any, offset: Any, window_size: Any, softcap: Any,
-                      alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any,
+def validate_features(p: Problem, dtype: torch.dtype, opts: AttentionOptions, *, key_padding_mask: Any = None,
+                      alibi_slopes: Any = None, attn_mask: Any = None, attn_bias: Any = None,
                       cu_seqlens_q: Any = None, cu_seqlens_k: Any = None) -> Features:
-    """Every optional argument checked against the problem; flash-attn's window rules applied:
-    causal means right = 0; a side >= Nk (max_seqlen_k when packed) is unbounded."""
-    scale = check_scalars(dropout_p, softmax_scale, seed, offset, p.true_head_dim)
-    causal = validate_flag("causal", causal)
-    left, right = validate_window_size(window_size)
-    if left >= p.seqlen_k:
-        left = -1
-    if right >= p.seqlen_k:
-        right = -1
-    if causal:
-        right = 0
+    """Every optional tensor checked against the problem, with the options resolved for it
+    (flash-attn's window rules: causal means right = 0; a side >= Nk is unbounded)."""
     return Features(
-        causal=causal, causal_align=validate_causal_align(causal_align), window=(left, right) if left >= 0 or right >= 0
-        else (-1, -1), softcap=validate_softcap(softcap), alibi_slopes=validate_alibi_slopes(alibi_slopes, p),
+        causal=opts.causal, causal_align=opts.causal_align, window=opts.window(p.seqlen_k), softcap=opts.softcap,
+        alibi_slopes=validate_alibi_slopes(alibi_slopes, p),
         key_padding_mask=validate_key_padding_mask(key_padding_mask, p), attn_mask=validate_attn_mask(attn_mask, p),
         attn_bias=validate_attn_bias(attn_bias, p, dtype), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        dropout_p=float(dropout_p), scale=scale, seed=int(seed), offset=int(offset))
+        dropout_p=opts.dropout_p, scale=opts.scale(p.true_head_dim), deterministic=opts.deterministic)
+
+
+def check_seed_offset(seed: Any, offset: Any) -> tuple[int, int]:
+    """The dropout key: two ints in [0, 2**64)."""
+    if type(seed) is int and type(offset) is int and 0 <= seed < _U64 and 0 <= offset < _U64:
+        return seed, offset
+    for name, val in (("seed", seed), ("offset", offset)):
+        if not _is_int(val) or not (0 <= int(val) < _U64):
+            raise InputError(name, "an integer in [0, 2**64)", val)
+    return int(seed), int(offset)

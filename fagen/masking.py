@@ -24,11 +24,16 @@ count.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import Any
+
+from .errors import InputError, InputTypeError
 
 Window = tuple[int, int]
 NO_WINDOW: Window = (-1, -1)
+CAUSAL_ALIGNS = ("bottom_right", "top_left")
 
 
 class TileKind(IntEnum):
@@ -37,16 +42,39 @@ class TileKind(IntEnum):
     FULL = 2  # visited, every element allowed: no mask math
 
 
-def check_window(window: Sequence[int]) -> Window:
-    """``(left, right)`` as two ints (negative = unbounded, normalised to -1)."""
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right) of ints, got {window!r}") from None
-    for name, v in (("left", left), ("right", right)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"window {name} must be an int (-1 = unbounded), got {v!r}")
-    return (max(int(left), -1), max(int(right), -1))
+def check_window(window: Any, argument: str = "window_size") -> Window:
+    """``(left, right)``: two ints >= -1 (-1 = unbounded on that side), as a tuple.
+
+    The one validator of a window (the functional API, the reference and the explain page
+    call it): not a pair of ints is :class:`~fagen.errors.InputTypeError`, a pair of the
+    wrong length or a side below -1 :class:`~fagen.errors.InputError`, naming ``argument``."""
+    if not isinstance(window, (list, tuple)):
+        raise InputTypeError(argument, "a tuple of two ints (left, right), -1 = unbounded", repr(window))
+    if len(window) != 2:
+        raise InputError(argument, "a pair (left, right) of ints, -1 = unbounded", repr(window))
+    if not all(_is_int(w) for w in window):
+        raise InputTypeError(argument, "a tuple of two ints (left, right), -1 = unbounded", repr(window))
+    left, right = (int(w) for w in window)
+    if left < -1 or right < -1:
+        raise InputError(argument, "two ints >= -1 (-1 = unbounded)", (left, right))
+    return left, right
+
+
+def check_causal_align(causal_align: Any, argument: str = "causal_align") -> str:
+    """``"bottom_right"`` (flash-attn: the diagonal ends at the last key) or ``"top_left"``
+    (torch SDPA's ``is_causal``); anything else is an :class:`~fagen.errors.InputError`."""
+    if not isinstance(causal_align, str) or causal_align not in CAUSAL_ALIGNS:
+        raise InputError(argument, f"one of {CAUSAL_ALIGNS}", repr(causal_align))
+    return causal_align
+
+
+def _is_int(x: Any) -> bool:
+    """An integer that is not a bool (numpy and torch integers included, by their ``__index__``)."""
+    if isinstance(x, bool):  # numpy's bool_ is not Integral either
+        return False
+    if isinstance(x, numbers.Integral):
+        return True
+    return type(x).__name__ == "SymInt"  # torch.SymInt (torch is not imported here)
 
 
 def band(seqlen_q: int, seqlen_k: int, *, causal: bool, window: Sequence[int] = NO_WINDOW,
@@ -241,5 +269,5 @@ def tile_counts(seqlen_q: int, seqlen_k: int, block_r: int, block_c: int, causal
             "rows_visited": rows_visited, "cols_visited": cols_visited}
 
 
-__all__ = ["TileKind", "Window", "NO_WINDOW", "check_window", "band", "allowed", "tile_kind", "kv_block_q_range",
+__all__ = ["TileKind", "Window", "NO_WINDOW", "CAUSAL_ALIGNS", "check_window", "check_causal_align", "band", "allowed", "tile_kind", "kv_block_q_range",
            "q_block_kv_range", "floor_sum", "tile_counts"]

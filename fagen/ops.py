@@ -1,15 +1,16 @@
 """Autograd ops: ``flash_attn_func``, ``flash_attn_varlen_func`` and ``scaled_dot_product_attention``.
 
-All three are thin wrappers over two ``torch.library`` custom ops, so eager mode,
-autograd and ``torch.compile(fullgraph=True)`` all see the same opaque kernels:
+All three run two ``torch.library`` custom ops, so eager mode, autograd and
+``torch.compile(fullgraph=True)`` all see the same opaque kernels. Their schemas come from
+:class:`fagen.AttentionOptions` (the scalar options) and :class:`fagen.functional.Tensors`
+(the optional tensors):
 
-* ``fagen::fwd(q, k, v, key_padding_mask, dropout_p, softmax_scale, causal, window_left=-1,
-  window_right=-1, softcap=0., alibi_slopes=None, attn_mask=None, attn_bias=None,
-  causal_align="bottom_right", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-  max_seqlen_k=None, deterministic=False) -> (o, lse, rng_state)``
-* ``fagen::bwd(do, q, k, v, o, lse, key_padding_mask, dropout_p, softmax_scale, causal,
-  rng_state, <the same options>, bias_requires_grad=False) -> (dq, dk, dv, dbias)``
-  (``dbias`` is empty unless ``bias_requires_grad``).
+* ``fagen::fwd(q, k, v, key_padding_mask=None, alibi_slopes=None, attn_mask=None,
+  attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+  causal=False, dropout_p=0., softmax_scale=None, window_left=-1, window_right=-1, softcap=0.,
+  causal_align="bottom_right", deterministic=False) -> (o, lse, rng_state)``
+* ``fagen::bwd(do, q, k, v, o, lse, rng_state, <the same optional tensors and options>,
+  bias_requires_grad=False) -> (dq, dk, dv, dbias)`` (``dbias`` is empty unless ``bias_requires_grad``).
 
 Layout of the ops: q, o [B, Nq, H, d]; k, v [B, Nk, H_kv, d]; lse float32 [B, H, Nq]
 (packed: q [total_q, H, d], lse [H, total_q]); see :mod:`fagen.functional`. ``rng_state`` is
@@ -19,20 +20,24 @@ otherwise), so ``torch.manual_seed`` reproduces a run. Autograd saves q, k, v, o
 rng_state and the optional inputs -- never an N x N tensor -- and the backward replays the
 same mask. The draw happens inside ``fagen::fwd`` (tagged ``nondeterministic_seeded``), so a
 compiled graph draws a fresh state on every call instead of baking one in as a constant.
+
+The public functions validate their options once (:class:`~fagen.AttentionOptions`) and run
+the ops through one ``torch.autograd.Function`` (:func:`attention`), as flash-attn binds its
+kernels; the ops also carry the same autograd formula for callers of ``torch.ops.fagen.fwd``.
+Nothing on the launch path reads a tensor value on the host or synchronises a device.
 """
-import inspect
 import math
 from typing import Any, Optional, Union
 
 import torch
 
 from . import functional as F
-from .errors import FagenError, InputError, InputTypeError, check_dropout_p
-from .inputs import validate_softcap, validate_window_size
-from .reference import mask_matrix
+from .errors import FagenError, InputError, InputTypeError
+from .functional import AttentionOptions, Tensors
+from .masking import band
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "draw_rng_state",
-           "attn_probs"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "attention",
+           "draw_rng_state", "attn_probs", "custom_op_tags", "op_arguments", "OP_ORDER", "FWD_SCHEMA", "BWD_SCHEMA"]
 
 Tensor = torch.Tensor
 
@@ -48,65 +53,115 @@ def draw_rng_state() -> Tensor:
 
 
 def _lc(t: Optional[Tensor]) -> Optional[Tensor]:
-    """The kernels need stride 1 in the head dimension; other strides pass through."""
-    return t if t is None or t.numel() == 0 or t.stride(-1) == 1 else t.contiguous()
+    """The kernels need stride 1 in the head dimension (a size-1 one has no stride that
+    matters); other strides pass through."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 or t.numel() == 0:
+        return t
+    return t.contiguous()
 
 
 def _seed_offset(rng_state: Tensor) -> tuple[int, int]:
-    seed, offset = (int(x) for x in rng_state.tolist())
-    return seed, offset
+    """The key's two ints, read from the CPU tensor's memory (no device is involved)."""
+    seed, offset = rng_state.numpy()
+    return int(seed), int(offset)
 
 
-def _custom_op_kwargs(*tags: torch.Tag) -> dict[str, Any]:
-    """``tags=`` where this torch's ``custom_op`` accepts it (2.5+)."""
+def custom_op_tags(*tags: torch.Tag) -> dict[str, Any]:
+    """``torch.library.custom_op``'s ``tags=`` keyword where this torch accepts it (2.5+)."""
+    import inspect
+
     return {"tags": tags} if "tags" in inspect.signature(torch.library.custom_op).parameters else {}
-
-
-def _options(window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-             attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], causal_align: str,
-             cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
-             max_seqlen_k: Optional[int]) -> dict[str, Any]:
-    return dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-                attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+# --------------------------------------------------------------------------- schemas
+#: The ops' arguments after q, k, v (fagen::bwd puts rng_state after ``causal``): the options of
+#: :class:`AttentionOptions`, the tensors of :class:`Tensors` and the packed bounds. The order
+#: is stable -- the first schema's positional prefix (key_padding_mask, dropout_p,
+#: softmax_scale, causal) still works -- and every type and default comes from those two.
+OP_ORDER = ("key_padding_mask", "dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap",
+            "alibi_slopes", "attn_mask", "attn_bias", "causal_align", "cu_seqlens_q", "cu_seqlens_k",
+            "max_seqlen_q", "max_seqlen_k", "deterministic")
+_PREFIX = 4  # arguments without defaults (the first schema's)
+
+
+def _declarations() -> dict[str, tuple[str, str]]:
+    """name -> (schema type, default) for every name of :data:`OP_ORDER`."""
+    decl = {n: ("Tensor?", "None") for n in Tensors._fields}
+    decl.update(max_seqlen_q=("SymInt?", "None"), max_seqlen_k=("SymInt?", "None"))
+    decl.update({n: (t, d) for t, n, d in AttentionOptions.schema_fields()})
+    missing = set(decl) ^ set(OP_ORDER)
+    if missing:
+        raise AssertionError(f"OP_ORDER and the options/tensors disagree on {sorted(missing)}")
+    return decl
+
+
+def _schema_args(names: tuple[str, ...], decl: dict[str, tuple[str, str]]) -> str:
+    return ", ".join(f"{decl[n][0]} {n}" + ("" if OP_ORDER.index(n) < _PREFIX else f"={decl[n][1]}") for n in names)
+
+
+_DECL = _declarations()
+FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_schema_args(OP_ORDER, _DECL)}) -> (Tensor, Tensor, Tensor)"
+BWD_SCHEMA = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, {_schema_args(OP_ORDER[:_PREFIX], _DECL)}, "
+              f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:], _DECL)}, bool bias_requires_grad=False) "
+              "-> (Tensor, Tensor, Tensor, Tensor)")
+_TENSOR_POS = tuple(OP_ORDER.index(n) for n in Tensors._fields)
+_OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
+_MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
+_SCALAR_POS = tuple(i for i, n in enumerate(OP_ORDER) if n not in Tensors._fields)
+_BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's inputs
+
+
+def op_arguments(options: AttentionOptions, tensors: Tensors, max_seqlen_q: Any = None,
+                 max_seqlen_k: Any = None) -> tuple[Any, ...]:
+    """fagen::fwd's arguments after q, k, v, in :data:`OP_ORDER`."""
+    t, o = tensors, options
+    return (t.key_padding_mask, o.dropout_p, o.softmax_scale, o.causal, o.window_size[0], o.window_size[1],
+            o.softcap, t.alibi_slopes, t.attn_mask, t.attn_bias, o.causal_align, t.cu_seqlens_q, t.cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, o.deterministic)
+
+
+def _unpack(rest: tuple[Any, ...]) -> tuple[Tensors, Any, Any, AttentionOptions]:
+    """The inverse of :func:`op_arguments` (the dispatcher drops trailing defaults: restored)."""
+    if len(rest) < len(OP_ORDER):
+        rest = rest + _DEFAULTS[len(rest):]
+    return (Tensors(*(rest[i] for i in _TENSOR_POS)), rest[_MAX_POS[0]], rest[_MAX_POS[1]],
+            AttentionOptions.from_op_args(*(rest[i] for i in _OPTION_POS)))
+
+
+def _defaults() -> tuple[Any, ...]:
+    return tuple(a.default_value for a in torch._C.parse_schema("fagen::x" + FWD_SCHEMA).arguments[3:])
+
+
+_DEFAULTS = _defaults()
+
+
 # --------------------------------------------------------------------------- fagen::fwd
-@torch.library.custom_op("fagen::fwd", mutates_args=(),
-                         **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
-def _fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
-         softmax_scale: Optional[float], causal: bool, window_left: int = -1, window_right: int = -1,
-         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-         attn_bias: Optional[Tensor] = None, causal_align: str = "bottom_right",
-         cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-         max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-         deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    rng_state = draw_rng_state() if dropout_p > 0 else torch.zeros(2, dtype=torch.int64)
-    seed, offset = _seed_offset(rng_state)
-    o, lse = F.attention_forward(
-        _lc(q), _lc(k), _lc(v), causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, seed=seed, offset=offset,
-        **_options(window_left, window_right, softcap, alibi_slopes, attn_mask, attn_bias, causal_align,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return o, lse.to(_lse_dtype(q)), rng_state
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+    tensors, max_q, max_k, opts = _unpack(rest)
+    if opts.dropout_p > 0:
+        rng_state = draw_rng_state()
+        seed, offset = _seed_offset(rng_state)
+    else:
+        rng_state, seed, offset = torch.zeros(2, dtype=torch.int64), 0, 0
+    o, lse = F.forward(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                       seed=seed, offset=offset)
+    lse_dtype = _lse_dtype(q)
+    return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state
+
+
+_fwd = torch.library.custom_op("fagen::fwd", _fwd_impl, mutates_args=(), schema=FWD_SCHEMA,
+                               **custom_op_tags(torch.Tag.nondeterministic_seeded))
+_FWD = torch.ops.fagen.fwd.default
 
 
 @_fwd.register_fake
-def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
-              softmax_scale: Optional[float], causal: bool, window_left: int = -1, window_right: int = -1,
-              softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-              attn_bias: Optional[Tensor] = None, causal_align: str = "bottom_right",
-              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-              deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    p = F.validate(_lc(q), _lc(k), _lc(v), check_values=False, causal=causal, key_padding_mask=key_padding_mask,
-                   dropout_p=dropout_p, softmax_scale=softmax_scale,
-                   **_options(window_left, window_right, softcap, alibi_slopes, attn_mask, attn_bias, causal_align,
-                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+    tensors, max_q, max_k, opts = _unpack(rest)
+    p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
     o = q.new_empty(q.shape)
     lse = q.new_empty(p.lse_shape, dtype=_lse_dtype(q))
     rng_state = q.new_empty((2,), dtype=torch.int64, device="cpu")
@@ -114,109 +169,142 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
 
 
 # --------------------------------------------------------------------------- fagen::bwd
-@torch.library.custom_op("fagen::bwd", mutates_args=())
-def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-         key_padding_mask: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float],
-         causal: bool, rng_state: Tensor, window_left: int = -1, window_right: int = -1,
-         softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-         attn_bias: Optional[Tensor] = None, causal_align: str = "bottom_right",
-         cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-         max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-         deterministic: bool = False, bias_requires_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    seed, offset = _seed_offset(rng_state)
-    grads = F.attention_backward(
-        _lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, causal=causal, key_padding_mask=key_padding_mask,
-        dropout_p=dropout_p, softmax_scale=softmax_scale, seed=seed, offset=offset, deterministic=deterministic,
-        bias_requires_grad=bias_requires_grad,
-        **_options(window_left, window_right, softcap, alibi_slopes, attn_mask, attn_bias, causal_align,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    dbias = grads[3] if bias_requires_grad else q.new_empty((0,))
+def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool]:
+    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad)."""
+    n = len(OP_ORDER)
+    full = rest[:_PREFIX] + rest[_PREFIX + 1:]
+    bias_grad = full[n] if len(full) > n else False
+    return rest[_PREFIX], full[:n], bias_grad
+
+
+def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rng_state, args, bias_grad = _bwd_split(rest)
+    tensors, max_q, max_k, opts = _unpack(args)
+    seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
+    grads = F.backward(_lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, opts, tensors, max_seqlen_q=max_q,
+                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad)
+    dbias = grads[3] if bias_grad else q.new_empty((0,))
     return grads[0], grads[1], grads[2], dbias
+
+
+_bwd = torch.library.custom_op("fagen::bwd", _bwd_impl, mutates_args=(), schema=BWD_SCHEMA)
+_BWD = torch.ops.fagen.bwd.default
 
 
 @_bwd.register_fake
 def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-              key_padding_mask: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float],
-              causal: bool, rng_state: Tensor, window_left: int = -1, window_right: int = -1,
-              softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-              attn_bias: Optional[Tensor] = None, causal_align: str = "bottom_right",
-              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-              deterministic: bool = False, bias_requires_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    F.validate(_lc(q), _lc(k), _lc(v), check_values=False, causal=causal, key_padding_mask=key_padding_mask,
-               dropout_p=dropout_p, softmax_scale=softmax_scale,
-               **_options(window_left, window_right, softcap, alibi_slopes, attn_mask, attn_bias, causal_align,
-                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad and attn_bias is not None else q.new_empty((0,))
+              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _rng, args, bias_grad = _bwd_split(rest)
+    tensors, max_q, max_k, opts = _unpack(args)
+    F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
+    bias = tensors.attn_bias
+    dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 # --------------------------------------------------------------------------- autograd
-_OPTION_NAMES = ("window_left", "window_right", "softcap", "alibi_slopes", "attn_mask", "attn_bias", "causal_align",
-                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "deterministic")
-_FWD_PARAMS = tuple(inspect.signature(_fwd_fake).parameters)
-_TENSOR_OPTIONS = ("alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    args = dict(zip(_FWD_PARAMS, inputs))
-    for name in _FWD_PARAMS[len(inputs):]:  # defaults not passed
-        args[name] = inspect.signature(_fwd_fake).parameters[name].default
+def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    """What the backward needs, from fagen::fwd's inputs and outputs (no N x N tensor)."""
     o, lse, rng_state = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, rng_state, args["key_padding_mask"],
-                          *(args[n] for n in _TENSOR_OPTIONS))
-    ctx.scalars = {n: args[n] for n in ("dropout_p", "softmax_scale", "causal") + _OPTION_NAMES
-                   if n not in _TENSOR_OPTIONS}
-    ctx.bias_index = _FWD_PARAMS.index("attn_bias")
-    ctx.n_inputs = len(inputs)
+    rest = inputs[3:]
+    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *(rest[i] for i in _TENSOR_POS))
+    ctx.scalars = tuple(rest[i] for i in _SCALAR_POS)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx: Any, do: Tensor, _dlse: Optional[Tensor], _drng: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-    q, k, v, o, lse, rng_state, key_padding_mask, *tensor_opts = ctx.saved_tensors
-    s = ctx.scalars
-    opts = dict(zip(_TENSOR_OPTIONS, tensor_opts))
-    bias_grad = opts["attn_bias"] is not None and ctx.needs_input_grad[ctx.bias_index]
-    dq, dk, dv, dbias = _bwd(do, q, k, v, o, lse, key_padding_mask, s["dropout_p"], s["softmax_scale"], s["causal"],
-                             rng_state, s["window_left"], s["window_right"], s["softcap"], opts["alibi_slopes"],
-                             opts["attn_mask"], opts["attn_bias"], s["causal_align"], opts["cu_seqlens_q"],
-                             opts["cu_seqlens_k"], s["max_seqlen_q"], s["max_seqlen_k"], s["deterministic"], bias_grad)
-    grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * (ctx.n_inputs - 3)
+def _grads(ctx: Any, do: Tensor) -> tuple[Optional[Tensor], ...]:
+    """fagen::fwd's input gradients: dq, dk, dv, and dbias where attn_bias requires grad."""
+    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+    rest: list[Any] = [None] * len(OP_ORDER)
+    for i, x in zip(_TENSOR_POS, data):
+        rest[i] = x
+    for i, x in zip(_SCALAR_POS, ctx.scalars):
+        rest[i] = x
+    bias_grad = rest[_BIAS_INDEX - 3] is not None and bool(ctx.needs_input_grad[_BIAS_INDEX])
+    args = (do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad)
+    dq, dk, dv, dbias = _bwd_impl(*args) if _direct(args[:7] + tuple(data)) else _BWD(*args)
+    grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
     if bias_grad:
-        grads[ctx.bias_index] = dbias
+        grads[_BIAS_INDEX] = dbias
     return tuple(grads)
 
 
-_fwd.register_autograd(_backward, setup_context=_setup_context)
+_fwd.register_autograd(lambda ctx, do, _dlse, _drng: _grads(ctx, do),
+                       setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output))
 
 
-# --------------------------------------------------------------------------- scalar validation
-_check_scale = F.validate_softmax_scale  # None, or finite in float32
-_check_bool = F.validate_flag  # Python bool or numpy bool_
+class _Attention(torch.autograd.Function):
+    """fagen::fwd / fagen::bwd as flash-attn binds its kernels: the op runs under the Function
+    (no autograd dispatch of its own), the backward runs fagen::bwd."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        output = _fwd_impl(*inputs) if _direct(inputs[:3] + tuple(inputs[3 + i] for i in _TENSOR_POS)) \
+            else _FWD(*inputs)
+        _save(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return _grads(ctx, do)
+
+
+# --------------------------------------------------------------------------- validation
+_PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
 
 
 def _check_tensors(**tensors: Any) -> None:
+    """Tensors (or None), naming the argument. A tensor subclass with its own
+    ``__torch_function__`` (a mask type such as torch's ``CausalBias``, ``MaskedTensor``) means
+    more than its memory, so it is refused; subclasses that only dispatch (Parameter, the fake
+    and functional tensors of tracing, DTensor) go through the ops like plain tensors."""
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None or type(t) is torch.Tensor:
+            continue
+        if not isinstance(t, torch.Tensor):
             raise InputTypeError(name, "a torch.Tensor", type(t).__name__)
+        if getattr(type(t).__torch_function__, "__func__", type(t).__torch_function__) not in _PLAIN_TORCH_FUNCTION:
+            raise InputTypeError(name, "a plain torch.Tensor (a tensor subclass with its own __torch_function__ "
+                                 "is not read as data)", type(t).__name__)
 
 
-def _call(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor], dropout_p: Any,
-          softmax_scale: Any, causal: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
-          alibi_slopes: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-          attn_bias: Optional[Tensor] = None, causal_align: str = "bottom_right",
-          cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-          max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-          deterministic: Any = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Python-side validation of the scalars (so the op gets plain ints/floats/bools), then fagen::fwd."""
-    left, right = validate_window_size(window_size)
+def _direct(tensors: tuple[Any, ...]) -> bool:
+    """True when calling fagen::fwd / fagen::bwd through the dispatcher would only reach their
+    implementation: eager mode (not compiling or tracing), no torch function or dispatch mode,
+    no functorch transform, and plain CPU/CUDA tensors. Then the Function calls the
+    implementation itself, saving the dispatcher's per-argument work; anything else runs the ops."""
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+        return False
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def _check_max_seqlen(max_seqlen_q: Any, max_seqlen_k: Any) -> None:
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, torch.SymInt))):
             raise InputError(name, "an int (the longest sequence)", repr(m))
-    return _fwd(q, k, v, key_padding_mask, check_dropout_p(dropout_p), _check_scale(softmax_scale, "softmax_scale"),
-                _check_bool("causal", causal), left, right, validate_softcap(softcap), alibi_slopes, attn_mask,
-                attn_bias, causal_align, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                _check_bool("deterministic", deterministic))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensors: Optional[Tensors] = None, *,
+              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Differentiable attention with every option: ``(o, lse, rng_state)`` in the layout of
+    :func:`fagen.functional.forward` (q [B, Nq, H, d] or packed [total_q, H, d]). ``options``:
+    a validated :class:`~fagen.AttentionOptions`; ``tensors``: the optional inputs
+    (:class:`fagen.functional.Tensors`). The entry point of the integrations."""
+    if type(options) is not AttentionOptions:
+        raise InputTypeError("options", "a fagen.AttentionOptions", type(options).__name__)
+    t = Tensors() if tensors is None else tensors
+    if type(t) is not Tensors:
+        raise InputTypeError("tensors", "a fagen.functional.Tensors (or None)", type(t).__name__)
+    _check_tensors(q=q, k=k, v=v, **t._asdict())
+    _check_max_seqlen(max_seqlen_q, max_seqlen_k)
+    return _Attention.apply(q, k, v, *op_arguments(options, t, max_seqlen_q, max_seqlen_k))
 
 
 # --------------------------------------------------------------------------- attention probabilities
@@ -229,7 +317,7 @@ def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, *, dropout_
     """flash-attn's ``S_dmask`` for testing: the softmax probabilities [B, H, Nq, Nk] (packed:
     [B, H, max_seqlen_q, max_seqlen_k], zero past each sequence), negated where dropout drops
     the pair. Recomputed in torch from q, k, the forward's lse and rng_state with the masking
-    rule of :func:`fagen.reference.mask_matrix` (materialises N x N; no autograd)."""
+    rule of :func:`fagen.masking.band` (materialises N x N; no autograd)."""
     with torch.no_grad():
         if cu_seqlens_q is None:
             B, Nq, H, _ = q.shape
@@ -276,8 +364,15 @@ def _probs_dense(q: Tensor, k: Tensor, lse: Tensor, keep: Optional[Tensor], soft
         dist = (torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq) - torch.arange(Nk, device=q.device)).abs()
         s = s - alibi_slopes.to(acc).reshape(-1, H)[:, :, None, None] * dist.to(acc)
     left, right = (-1 if w >= window_norm else w for w in window_size)  # flash-attn: a side >= Nk is unbounded
-    allowed = mask_matrix(B, Nq, Nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device,
-                          window_size=(left, right))
+    shift, lo, hi = band(Nq, Nk, causal=causal, window=(left, right))
+    offs = torch.arange(Nk, device=q.device)[None, :] - torch.arange(Nq, device=q.device)[:, None] - shift
+    allowed = torch.ones((B, 1, Nq, Nk), dtype=torch.bool, device=q.device)
+    if lo is not None:
+        allowed = allowed & (offs >= lo)
+    if hi is not None:
+        allowed = allowed & (offs <= hi)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.to(torch.bool)[:, None, None, :]
     lse_ = lse.to(acc)[..., None]
     p = torch.where(allowed & torch.isfinite(lse_), torch.exp(s - lse_), torch.zeros_like(s))
     if keep is not None:
@@ -312,10 +407,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     Returns ``out`` [B, Nq, H, d], or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs``.
     """
     _check_tensors(q=q, k=k, v=v, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes)
-    want_probs = _check_bool("return_attn_probs", return_attn_probs)
-    o, lse, rng_state = _call(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, deterministic=deterministic)
+    want_probs = F.validate_flag("return_attn_probs", return_attn_probs)
+    opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                               window_size=window_size, softcap=softcap, deterministic=deterministic)
+    o, lse, rng_state = _Attention.apply(q, k, v, *op_arguments(opts, Tensors(key_padding_mask, alibi_slopes)))
     if not want_probs:
         return o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -340,11 +435,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     S_dmask [B, H, max_seqlen_q, max_seqlen_k])`` with ``return_attn_probs``.
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    want_probs = _check_bool("return_attn_probs", return_attn_probs)
-    o, lse, rng_state = _call(q, k, v, key_padding_mask=None, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                              causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, deterministic=deterministic)
+    want_probs = F.validate_flag("return_attn_probs", return_attn_probs)
+    _check_max_seqlen(max_seqlen_q, max_seqlen_k)
+    opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                               window_size=window_size, softcap=softcap, deterministic=deterministic)
+    o, lse, rng_state = _Attention.apply(q, k, v, *op_arguments(
+        opts, Tensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
+        max_seqlen_q, max_seqlen_k))
     if not want_probs:
         return o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -403,14 +500,30 @@ def _sdpa_mask(attn_mask: Tensor, query: Tensor, full: tuple[int, ...]) -> tuple
     lead, (H, Nq, Nk) = full[:-3], full[-3:]
     padded = (1,) * (len(full) - len(shape)) + shape
     if attn_mask.dtype == torch.bool and padded[-3] == 1 and padded[-2] == 1:
-        kpm = attn_mask.reshape(padded).expand(lead + (1, 1, Nk)).reshape(-1, Nk)
+        kpm = attn_mask.reshape(padded).expand(lead + (1, 1, Nk)).reshape(math.prod(lead), Nk)
         return kpm.contiguous(), None, None
     m = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(query.dtype)
     if len(lead) > 1:  # several leading dims: flattened (a copy only when their strides do not merge)
-        m = m.reshape(padded).expand(full).reshape((-1, H, Nq, Nk))
+        m = m.reshape(padded).expand(full).reshape((math.prod(lead), H, Nq, Nk))
     elif not lead and len(shape) == 3:
         m = m.unsqueeze(0)
     return (None, m, None) if m.dtype == torch.bool else (None, None, m)
+
+
+def _causal_bias(attn_mask: Any, is_causal: bool, Nq: int, Nk: int) -> Optional[str]:
+    """torch's ``CausalBias`` (``torch.nn.attention.bias.causal_upper_left/lower_right``) as
+    torch's SDPA reads it: the alignment of a causal mask (no N x N mask), or None for other masks."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    if not isinstance(attn_mask, CausalBias):
+        return None
+    if is_causal:
+        raise InputError("is_causal", "False with a CausalBias attn_mask (the bias is the causal mask)", True)
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Nq, Nk):
+        raise InputError("attn_mask", f"a CausalBias of [Nq, Nk] = [{Nq}, {Nk}] (the query and key lengths)",
+                         f"[{attn_mask.seq_len_q}, {attn_mask.seq_len_kv}]")
+    upper_left = attn_mask.variant == CausalVariant.UPPER_LEFT or Nq == Nk
+    return "top_left" if upper_left else "bottom_right"
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
@@ -422,25 +535,48 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     ``enable_gqa``) -> [..., H, Nq, d]. ``is_causal`` is top-left aligned as torch's (query i sees
     keys j <= i). ``attn_mask`` broadcastable to [..., H, Nq, Nk]: bool (True = take part) or an
     additive float bias (differentiable), read with its own strides (broadcast dims are stride 0,
-    never expanded in memory). It may be combined with ``is_causal`` (torch refuses).
+    never expanded in memory); or torch's ``CausalBias`` (``causal_upper_left`` /
+    ``causal_lower_right`` of [Nq, Nk]): a causal mask aligned top-left / bottom-right, as torch
+    reads it, with no N x N mask. Other tensor subclasses are refused. A bool mask may be combined
+    with ``is_causal`` (torch refuses). A query row that may attend to no key gets 0 (and zero
+    gradients), as torch's fused CUDA kernels and its math backend return. Empty inputs (any
+    size 0) give the empty or zero results torch gives.
     """
+    if attn_mask is not None and type(attn_mask) is not torch.Tensor:
+        _check_tensors(query=query, key=key, value=value)
+        _sdpa_check(query, key, value, _bool_arg("enable_gqa", enable_gqa))
+        align = _causal_bias(attn_mask, _bool_arg("is_causal", is_causal), query.shape[-2], key.shape[-2])
+        if align is not None:
+            return _sdpa(query, key, value, None, dropout_p, True, scale, enable_gqa, align)
+        _check_tensors(attn_mask=attn_mask)
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "top_left")
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    return F.validate_flag(name, value)
+
+
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: Any, is_causal: Any,
+          scale: Any, enable_gqa: Any, causal_align: str) -> Tensor:
     _check_tensors(query=query, key=key, value=value, attn_mask=attn_mask)
-    enable_gqa = _check_bool("enable_gqa", enable_gqa)
-    is_causal = _check_bool("is_causal", is_causal)
+    enable_gqa = _bool_arg("enable_gqa", enable_gqa)
+    is_causal = _bool_arg("is_causal", is_causal)
     _sdpa_check(query, key, value, enable_gqa)
     lead = tuple(query.shape[:-3])
     H, Nq, d = query.shape[-3:]
     Hk, Nk = key.shape[-3], key.shape[-2]
-    q4 = query.reshape((-1, H, Nq, d)) if lead else query.unsqueeze(0)
-    k4 = key.reshape((-1, Hk, Nk, d)) if lead else key.unsqueeze(0)
-    v4 = value.reshape((-1, Hk, Nk, d)) if lead else value.unsqueeze(0)
+    B = math.prod(lead)  # explicit: -1 cannot be inferred for empty tensors
+    q4 = query.reshape((B, H, Nq, d))
+    k4 = key.reshape((B, Hk, Nk, d))
+    v4 = value.reshape((B, Hk, Nk, d))
     kpm = mask = bias = None
     if attn_mask is not None:
         kpm, mask, bias = _sdpa_mask(attn_mask, query, lead + (H, Nq, Nk))
     try:
-        o, _lse, _rng = _call(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), key_padding_mask=kpm,
-                              dropout_p=dropout_p, softmax_scale=_check_scale(scale, "scale"), causal=is_causal,
-                              attn_mask=mask, attn_bias=bias, causal_align="top_left")
+        opts = AttentionOptions.of(causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
+                                   causal_align=causal_align)
+        o, _lse, _rng = _Attention.apply(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
+                                         *op_arguments(opts, Tensors(kpm, None, mask, bias)))
     except (InputError, InputTypeError) as err:
         raise _renamed(err) from None
     return o.transpose(1, 2).reshape(query.shape)

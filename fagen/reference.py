@@ -55,6 +55,8 @@ import numpy as np
 import torch
 
 from .errors import check_dropout_p
+from .inputs import validate_softcap as _check_softcap
+from .masking import check_causal_align, check_window
 
 __all__ = [
     "mask_matrix",
@@ -128,31 +130,9 @@ def _check_qkv(
     return q, k, v
 
 
-def _check_window(window_size: Any) -> tuple[int, int]:
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
-    for val in (left, right):
-        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
-            raise ValueError(f"window_size must be a pair (left, right) of ints (-1 = unbounded), got {window_size!r}")
-    return max(int(left), -1), max(int(right), -1)
-
-
 def _check_align(causal_align: Any) -> bool:
-    """True for top-left alignment."""
-    if causal_align not in ("bottom_right", "top_left"):
-        raise ValueError(f"causal_align must be 'bottom_right' or 'top_left', got {causal_align!r}")
-    return causal_align == "top_left"
-
-
-def _check_softcap(softcap: Any) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0 = off), got {softcap!r}")
-    c = float(softcap)
-    if not math.isfinite(c) or c < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {c}")
-    return c
+    """True for top-left alignment (the one alignment validator, :func:`fagen.masking.check_causal_align`)."""
+    return check_causal_align(causal_align) == "top_left"
 
 
 def _broadcast(name: str, x: Optional[ArrayLike], shape: tuple[int, ...], *, boolean: bool,
@@ -268,7 +248,7 @@ def mask_matrix(
         if isinstance(val, bool) or not isinstance(val, numbers.Integral) or int(val) <= 0:
             raise ValueError(f"{name} must be a positive integer, got {val!r}")
     B, Nq, Nk = int(B), int(Nq), int(Nk)
-    left, right = _check_window(window_size)
+    left, right = check_window(window_size)
     shift = 0 if _check_align(causal_align) else Nk - Nq
     if device is None:
         device = key_padding_mask.device if isinstance(key_padding_mask, torch.Tensor) else "cpu"

@@ -134,3 +134,53 @@ def test_value_head_dim_must_match() -> None:
     with pytest.raises(InputError) as err:
         sdpa(q, k, v[..., :8])
     assert err.value.argument == "value"
+
+
+# --------------------------------------------------------------------------- torch's own mask types
+@pytest.mark.filterwarnings("ignore:Lower right causal bias:UserWarning")
+@pytest.mark.parametrize("variant", ["causal_upper_left", "causal_lower_right"])
+@pytest.mark.parametrize("nq,nk", [(64, 64), (23, 56), (40, 24)], ids=str)
+def test_causal_bias_as_torch_reads_it(variant: str, nq: int, nk: int) -> None:
+    """torch.nn.attention.bias.CausalBias: upper-left = top-left causal, lower-right =
+    bottom-right; values and gradients as torch's SDPA, a plain tensor out, no N x N mask."""
+    from torch.nn.attention import bias as tb
+
+    q, k, v, do = qkv(B, nq=nq, nk=nk)
+    mask = getattr(tb, variant)(nq, nk)
+    results = []
+    for fn, dtype in ((sdpa, torch.float32), (TF.scaled_dot_product_attention, torch.float64)):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, attn_mask=mask)
+        out.backward(do.to(dtype))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert type(results[0][0]) is torch.Tensor
+    rows_without_keys = variant == "causal_lower_right" and nq > nk  # torch's math path gives NaN there
+    for name, ours, ref in zip(("out", "dq", "dk", "dv"), *results):
+        if rows_without_keys and name in ("out", "dq"):
+            ours, ref = ours[..., nq - nk:, :], ref[..., nq - nk:, :]
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-4, atol=2e-5, msg=name)
+
+
+def test_causal_bias_errors() -> None:
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v, _ = qkv(B)
+    with pytest.raises(InputError, match="^is_causal"):
+        sdpa(q, k, v, attn_mask=causal_upper_left(NQ, NK), is_causal=True)
+    with pytest.raises(InputError, match="^attn_mask: .*CausalBias of \\[Nq, Nk\\] = \\[24, 40\\]"):
+        sdpa(q, k, v, attn_mask=causal_lower_right(NQ, NK + 1))
+
+
+def test_fully_masked_rows_are_zero_as_torch_fused_kernels_give() -> None:
+    """A query row that may attend to no key: 0 out and zero gradients through it, what torch's
+    fused CUDA kernels and (since _safe_softmax) its math backend return."""
+    q, k, v, do = qkv(B)
+    mask = torch.rand(NQ, NK, generator=torch.Generator().manual_seed(5)) > 0.5
+    mask[3] = False
+    mask[:, 0] = mask[:, 0] | (torch.arange(NQ) != 3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = sdpa(*leaves, attn_mask=mask)
+    out.backward(do)
+    assert not out[..., 3, :].any() and not leaves[0].grad[..., 3, :].any()
+    ref = TF.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.detach()[..., 3, :], ref[..., 3, :])

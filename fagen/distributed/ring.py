@@ -31,7 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .. import functional as F
 from ..errors import InputError, InputTypeError, check_dropout_p
-from ..ops import _custom_op_kwargs, draw_rng_state
+from ..ops import custom_op_tags, draw_rng_state
 
 __all__ = ["ring_flash_attn_func", "LAYOUTS", "step_times", "StepTimes"]
 
@@ -274,7 +274,7 @@ def _ring_of(group_name: str, layout: str) -> Ring:
 
 
 @torch.library.custom_op("fagen::ring_fwd", mutates_args=(),
-                         **_custom_op_kwargs(torch.Tag.nondeterministic_seeded))
+                         **custom_op_tags(torch.Tag.nondeterministic_seeded))
 def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
               softmax_scale: Optional[float], causal: bool, layout: str,
               group_name: str) -> tuple[Tensor, Tensor, Tensor]:

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import InputError
-from ..ops import _call  # the autograd op with every option (window, alignment, masks)
+from ..functional import AttentionOptions, Tensors
+from ..ops import attention  # the autograd op with every option (window, alignment, masks)
 
 __all__ = ["register", "FagenMask", "attention_forward", "mask_function", "SUPPORTED_TRANSFORMERS"]
 
@@ -231,24 +232,25 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                          "(use attn_implementation='eager' for this model)", "a tensor")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     Nq = q.shape[1]
-    opts: dict[str, Any] = dict(key_padding_mask=None, causal=False, window_size=(-1, -1),
-                                causal_align="top_left")
+    opts: dict[str, Any] = dict(causal=False, window_size=(-1, -1), causal_align="top_left")
+    data: dict[str, Any] = {}
     if isinstance(attention_mask, FagenMask) and attention_mask.cu_seqlens is not None:
         B, H, d = q.shape[0], q.shape[2], q.shape[3]
         cu = attention_mask.cu_seqlens
-        out, _lse, _rng = _call(q.reshape(B * Nq, H, d), k.reshape(B * Nq, k.shape[2], d),
-                                v.reshape(B * Nq, v.shape[2], v.shape[3]), key_padding_mask=None,
-                                dropout_p=float(dropout), softmax_scale=scaling,
-                                softcap=0.0 if softcap is None else float(softcap), causal=True,
-                                window_size=(attention_mask.window_left, -1), cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                max_seqlen_q=Nq, max_seqlen_k=Nq)
+        packed = AttentionOptions.of(dropout_p=float(dropout), softmax_scale=scaling,
+                                     softcap=0.0 if softcap is None else float(softcap), causal=True,
+                                     window_size=(attention_mask.window_left, -1))
+        out, _lse, _rng = attention(q.reshape(B * Nq, H, d), k.reshape(B * Nq, k.shape[2], d),
+                                    v.reshape(B * Nq, v.shape[2], v.shape[3]), packed,
+                                    Tensors(cu_seqlens_q=cu, cu_seqlens_k=cu), max_seqlen_q=Nq, max_seqlen_k=Nq)
         return out.reshape(B, Nq, H, out.shape[-1]), None
     if isinstance(attention_mask, FagenMask):
         if attention_mask.dense is not None:
-            opts["attn_mask"] = attention_mask.dense
+            data["attn_mask"] = attention_mask.dense
         else:
-            opts.update(key_padding_mask=attention_mask.key_padding_mask, causal=attention_mask.causal,
-                        causal_align=attention_mask.causal_align, window_size=(attention_mask.window_left, -1))
+            data["key_padding_mask"] = attention_mask.key_padding_mask
+            opts.update(causal=attention_mask.causal, causal_align=attention_mask.causal_align,
+                        window_size=(attention_mask.window_left, -1))
     elif isinstance(attention_mask, torch.Tensor):
         if attention_mask.dim() != 4:
             raise InputError("attention_mask", "a 4-D [B, 1 or H, Nq, Nk] bool or float mask for "
@@ -256,9 +258,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                              f"shape {tuple(attention_mask.shape)}")
         m = attention_mask[..., :k.shape[1]]
         if m.dtype == torch.bool:
-            opts["attn_mask"] = m
+            data["attn_mask"] = m
         else:
-            opts["attn_bias"] = m.to(q.dtype)
+            data["attn_bias"] = m.to(q.dtype)
     elif attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         opts["causal"] = bool(causal) and Nq > 1
@@ -266,7 +268,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         raise InputError("attention_mask", "a FagenMask (from the 'fagen' mask function), a 4-D tensor or None",
                          type(attention_mask).__name__)
     cap = 0.0 if softcap is None else float(softcap)
-    out, _lse, _rng = _call(q, k, v, dropout_p=float(dropout), softmax_scale=scaling, softcap=cap, **opts)
+    options = AttentionOptions.of(dropout_p=float(dropout), softmax_scale=scaling, softcap=cap, **opts)
+    out, _lse, _rng = attention(q, k, v, options, Tensors(**data))
     return out, None
 
 
