@@ -157,6 +157,24 @@ def test_decision_stops_with_one_line_naming_the_fix(versions: CudaVersions, fix
     assert str(e.value).endswith(fix) and "\n" not in str(e.value)
 
 
+def test_two_cupy_wheels_are_named_with_the_one_to_remove() -> None:
+    both = ("cupy-cuda12x", "cupy-cuda13x")
+    with pytest.raises(CudaSetupError, match=r"2 CuPy wheels are installed \(cupy-cuda12x, cupy-cuda13x\), which breaks "
+                                             r"import cupy; keep the one for the CUDA 12.4 driver: "
+                                             r"pip uninstall -y cupy-cuda13x$"):
+        decide_nvrtc(CudaVersions((12, 4), ((12, 9),), None, None, both))
+    with pytest.raises(CudaSetupError, match=r"pip uninstall -y cupy-cuda12x$"):
+        decide_nvrtc(CudaVersions((13, 0), ((13, 5),), None, None, both))
+    assert decide_nvrtc(CudaVersions((12, 4), ((12, 9),), (12, 9), None, ("cupy-cuda12x",))) == 12
+
+
+def test_a_system_nvrtc_counts_when_no_wheel_set_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvrtc, "toolkits", lambda: ())
+    monkeypatch.setattr(nvrtc, "version", lambda: (12, 6))
+    got = gpu.installed_versions((12, 8))
+    assert got.nvrtc == ((12, 6),) and decide_nvrtc(CudaVersions((12, 8), got.nvrtc, (12, 6), None)) == 12
+
+
 def test_a_pinned_nvrtc_the_driver_cannot_load_is_refused() -> None:
     assert decide_nvrtc(_v(driver=(13, 0), cupy=(13, 0)), pinned=12) == 12
     with pytest.raises(CudaSetupError, match="FAGEN_NVRTC names NVRTC 13, whose cubins a CUDA 12.4 driver cannot load"):
@@ -178,6 +196,10 @@ def test_first_use_selects_the_decided_nvrtc(monkeypatch: pytest.MonkeyPatch, fr
     picked: list[int | None] = []
     monkeypatch.setattr(gpu, "_driver_version", lambda: (12, 2))
     monkeypatch.setattr(gpu, "installed_versions", lambda driver: _v(driver=driver))
+    sets = (nvrtc.Toolkit(13, Path("/x/libnvrtc.so.13"), Path("/x/inc"), "13.5.37"),
+            nvrtc.Toolkit(12, Path("/y/libnvrtc.so.12"), Path("/y/inc"), "12.9.86"))
+    monkeypatch.setattr(nvrtc, "toolkits", lambda: sets)
+    monkeypatch.setattr(nvrtc, "chosen_toolkit", lambda: sets[0])  # the default: the newest
     monkeypatch.setattr(nvrtc, "select", picked.append)
     assert gpu.ensure_toolchain() == 12 and gpu.ensure_toolchain() == 12
     assert picked == [12]  # once per process, and only because the default (13) does not fit

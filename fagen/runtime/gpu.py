@@ -37,6 +37,7 @@ import functools
 import math
 import operator
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ class CudaVersions:
     nvrtc: tuple[Version, ...]  # the installed NVRTC wheel sets, newest first
     cupy: Version | None  # CuPy's CUDA runtime
     torch: Version | None  # torch.version.cuda
+    cupy_wheels: tuple[str, ...] = ()  # the cupy-cuda* distributions installed (more than one breaks CuPy)
 
 
 def _v(v: Version) -> str:
@@ -109,6 +111,12 @@ def decide_nvrtc(v: CudaVersions, pinned: int | None = None) -> int:
     """
     drv = v.driver
     extra = f"pip install 'fagen[cuda{drv[0]}]'"
+    if len(v.cupy_wheels) > 1:
+        keep = f"cupy-cuda{drv[0]}x"
+        drop = [w for w in v.cupy_wheels if w != keep] if keep in v.cupy_wheels else list(v.cupy_wheels)
+        fix = f"pip uninstall -y {' '.join(drop)}" + ("" if keep in v.cupy_wheels else f" && {extra}")
+        raise CudaSetupError(f"{len(v.cupy_wheels)} CuPy wheels are installed ({', '.join(v.cupy_wheels)}), which "
+                             f"breaks import cupy; keep the one for the CUDA {_v(drv)} driver: {fix}")
     if v.cupy is None:
         raise CudaSetupError(f"CuPy is not installed (the CUDA {_v(drv)} driver wants CuPy for CUDA {drv[0]}): {extra}")
     if v.cupy[0] > drv[0]:
@@ -165,15 +173,28 @@ def _torch_version() -> Version | None:
     return major, minor
 
 
+def _cupy_wheels() -> tuple[str, ...]:
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    return tuple(sorted(n for n in names if re.fullmatch(r"cupy-cuda\d+x?", n)))
+
+
 def installed_versions(driver: Version) -> CudaVersions:
-    """The :class:`CudaVersions` of this process (NVRTC minors from the wheels' versions)."""
+    """The :class:`CudaVersions` of this process (NVRTC minors from the wheels' versions; without
+    any wheel set, the version of the NVRTC cuda-pathfinder finds, e.g. a system CUDA install)."""
     from .. import nvrtc
 
     found = []
     for tk in nvrtc.toolkits():
         minor = int(tk.release.split(".")[1]) if tk.release else 0
         found.append((tk.major, minor))
-    return CudaVersions(driver, tuple(found), _cupy_version(), _torch_version())
+    if not found:
+        try:
+            found.append(nvrtc.version())
+        except Exception:  # noqa: BLE001 - no NVRTC at all: decide_nvrtc names the install
+            pass
+    return CudaVersions(driver, tuple(found), _cupy_version(), _torch_version(), _cupy_wheels())
 
 
 _decided: list[int | None] = []
@@ -193,7 +214,8 @@ def ensure_toolchain() -> int | None:
     pinned_tk = nvrtc.chosen_toolkit() if nvrtc.get_pinned_folder() is not None else None
     major = decide_nvrtc(installed_versions(driver), pinned_tk.major if pinned_tk is not None else None)
     current = nvrtc.chosen_toolkit()
-    if current is None or current.major != major:
+    wheel_set = any(tk.major == major for tk in nvrtc.toolkits())
+    if wheel_set and (current is None or current.major != major):
         nvrtc.select(major)
         compiler.clear_memo()
     _decided.append(major)
