@@ -1,30 +1,46 @@
 """One prepared GPU check: the GPU tests, then fagen vs torch SDPA, within a time budget.
 
-    python benchmarks/gpu_check.py OUTDIR [--quick] [--skip-tests] [--budget-s 450] [--iters 5]
+    python benchmarks/gpu_check.py OUTDIR [--quick] [--skip-tests] [--budget-s 450] [--iters 5] [--wheels DIR]
 
-Writes ``OUTDIR/gpu_check.json`` (everything) and ``OUTDIR/gpu_check.txt`` (a
-readable summary), plus ``OUTDIR/gpu_tests.log`` (pytest's output) and, when matplotlib is
-installed, ``OUTDIR/tflops_{fwd,bwd}.{png,svg}`` and the autotune plots (benchmarks/plots.py).
+Writes at most 8 files, all directly in OUTDIR: ``gpu_check.json`` (everything),
+``gpu_check.txt`` (a readable summary), ``gpu_tests.log`` (pytest's output) and, when
+matplotlib is installed, PNG plots (``tflops_fwd.png``, ``tflops_bwd.png``, one
+``autotune_*.png`` per tuned shape; benchmarks/plots.py); the JSON lists them.
+
+Offline GPU machine (torch, CuPy, jinja2, filelock, rich and cuda-pathfinder present, no
+package index): ``--wheels DIR`` unzips the wheels of DIR that fit this Python into a fresh
+folder under the temp dir and puts it first on the import path of the check and of its
+pytest run -- the rest fagen needs (pydantic, pydantic-core, annotated-types,
+typing-inspection, platformdirs, typing-extensions; ../shared/gpu-wheels holds them for
+CPython 3.12). Nothing is installed, and the checkout needs no ``pip install -e``. The
+same by hand: ``pip install --no-index --no-deps --target SITE DIR/*.whl`` and
+``PYTHONPATH=SITE:$PWD python benchmarks/gpu_check.py OUTDIR``.
 
 1. Preflight: the packages fagen needs at run time (torch, cupy, jinja2, pydantic,
    numpy, cuda-pathfinder, filelock, platformdirs; pytest for the tests), a CUDA
-   device, NVRTC. No GPU: the JSON says so and the exit status is 0. Missing
-   packages: the JSON and stderr name them (with the pip command) and the exit
-   status is 2.
+   device, the CUDA versions (driver, CuPy, torch, NVRTC: fagen's decision at first
+   use, or the one-line fix). No GPU: the JSON says so and the exit status is 0.
+   Missing packages: the JSON and stderr name them (with the pip command) and the
+   exit status is 2.
 2. ``pytest tests/test_gpu.py -m gpu`` in a subprocess (its summary line is kept),
    sharing fagen's cubin cache with the benchmark.
 3. Benchmark rows: forward and backward time and TFLOP/s of fagen and of torch's
    SDPA backends (math, flash, efficient, cuDNN; each "n/a" when unavailable, math
    skipped at N = 16k), for d in {64, 128}, fp16/bf16, causal or not, N in
-   {1k, 4k, 16k} with B * N = 16k tokens and H = 16. CUDA events, warm-up, median.
+   {1k, 4k, 16k} with B * N = 16k tokens and H = 16. Every provider is timed the same
+   way: the forward op, and the backward through ``torch.autograd.grad``; CUDA events
+   around k back-to-back calls (k chosen so one repetition spans >= 2 ms), the host
+   synchronised once after all repetitions, median (fagen.autotune.timing.measure).
    FLOPs: forward 4 B H Nq Nk d, backward 2.5x that, both halved when causal.
    ``fagen_mma_det``: the same with the deterministic backward (its dq kernel's recomputation
    is not counted as work: its TFLOP/s are comparable with the atomic backward's).
    Rows that would overrun the budget are skipped with a note.
-4. ``fagen.autotune.gpu_check_rows`` for one or two shapes, when it exists and time is left.
+4. ``fagen.autotune.gpu_check_rows`` for one or two shapes, when it exists and time is
+   left; candidates reached after the budget are not run (they time as inf, noted).
 
 Exit status: 0 when everything that ran passed (or there is no GPU), 1 when a test
-failed or the benchmark hit a CUDA error, 2 for missing packages.
+failed, the CUDA setup does not fit together or the benchmark hit a CUDA error, 2 for
+missing packages.
 """
 from __future__ import annotations
 
@@ -37,7 +53,9 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,17 +83,25 @@ HEADS = 16
 FINAL_RESERVE_S = 15.0  # writing the outputs
 AUTOTUNE_RESERVE_S = 75.0
 AUTOTUNE_MIN_S = 45.0
+MAX_OUTPUT_FILES = 8  # everything the check writes into OUTDIR
 
 
 # --------------------------------------------------------------------------- arguments
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("outdir", type=Path, help="directory for gpu_check.json, gpu_check.txt and gpu_tests.log")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("outdir", type=Path, help="directory for gpu_check.json, gpu_check.txt, gpu_tests.log and the "
+                                              f"plots (at most {MAX_OUTPUT_FILES} files)")
     ap.add_argument("--quick", action="store_true", help="fewer benchmark rows and iterations")
     ap.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (s)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (median)")
+    ap.add_argument("--wheels", type=Path, default=None, metavar="DIR",
+                    help="offline: a folder of wheels for the packages the GPU machine lacks (unzipped into a temp "
+                         "folder put first on the import path; nothing is installed)")
     args = ap.parse_args(argv)
+    if args.wheels is not None and not args.wheels.is_dir():
+        ap.error(f"--wheels {args.wheels}: not a folder")
     if args.budget_s <= 0:
         ap.error("--budget-s must be positive")
     if args.iters is not None and args.iters < 1:
@@ -99,6 +125,47 @@ class Deadline:
 
     def elapsed(self) -> float:
         return self._clock() - self.start
+
+
+# --------------------------------------------------------------------------- offline wheels
+def wheel_fits(filename: str, version: tuple[int, int] | None = None, machine: str | None = None) -> str | None:
+    """None when the wheel ``filename`` can be imported by this interpreter (its Python, ABI and
+    platform tags), else why not."""
+    v = version or sys.version_info[:2]
+    machine = machine or platform.machine()
+    parts = filename.removesuffix(".whl").split("-")
+    if len(parts) < 5 or not filename.endswith(".whl"):
+        return "not a wheel file name"
+    py, abi, plat = parts[-3], parts[-2], parts[-1]
+    cp = f"cp{v[0]}{v[1]}"
+    if not set(py.split(".")) & {"py3", cp, f"py{v[0]}{v[1]}"}:
+        return f"built for {py}, this is Python {v[0]}.{v[1]}"
+    if not set(abi.split(".")) & {"none", "abi3", cp}:
+        return f"ABI {abi}, this is {cp}"
+    if plat != "any" and not any(machine in p for p in plat.split(".")):
+        return f"platform {plat}, this is {machine}"
+    return None
+
+
+def unpack_wheels(folder: Path, site: Path | None = None) -> dict[str, Any]:
+    """Unzip every wheel of ``folder`` that fits this interpreter into ``site`` (a fresh temp
+    folder when None) -- a wheel is a zip of its importable tree, so no pip is needed -- and put
+    ``site`` first on ``sys.path`` and on the ``PYTHONPATH`` the pytest subprocess inherits."""
+    site = site or Path(tempfile.mkdtemp(prefix="fagen-site-"))
+    installed, skipped = [], {}
+    for whl in sorted(folder.glob("*.whl")):
+        why = wheel_fits(whl.name)
+        if why:
+            skipped[whl.name] = why
+            continue
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(site)
+        installed.append(whl.name)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)] +
+                                               ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return {"folder": str(folder), "site": str(site), "unpacked": installed, "skipped": skipped}
 
 
 # --------------------------------------------------------------------------- preflight
@@ -167,7 +234,23 @@ def nvrtc_info() -> dict[str, Any]:
     try:
         from fagen import nvrtc
 
-        return {"version": list(nvrtc.version()), "include_dir": str(nvrtc.include_dir())}
+        return {"version": list(nvrtc.version()), "include_dir": str(nvrtc.include_dir()),
+                "toolchain": nvrtc.toolchain_id(), "supported_archs": sorted(nvrtc.supported_archs()),
+                "installed": [{"major": t.major, "release": t.release, "library": str(t.library)}
+                              for t in nvrtc.toolkits()]}
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def toolchain_decision() -> dict[str, Any]:
+    """fagen's first-use decision (driver, CuPy, torch vs NVRTC); ``error``: the one-line fix."""
+    try:
+        from fagen.runtime import gpu
+
+        driver = gpu._driver_version()  # noqa: SLF001 - the same reading the runtime does
+        versions = gpu.installed_versions(driver) if driver else None
+        major = gpu.ensure_toolchain()
+        return {"driver": driver, "versions": asdict(versions) if versions else None, "nvrtc_major": major}
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -357,23 +440,45 @@ def _measure(forward: Callable[[], Any], inputs: tuple[Any, ...], warmup: int, i
     return Measurement(fwd_ms, bwd_ms)
 
 
+def _explicit_attention(fwd: Any, bwd: Any) -> Callable[..., Any]:
+    """An autograd op on fixed specs (one kernel family, no dispatch): the forward kernel, and
+    the backward kernels (pre, main, post; dq when deterministic) from the forward's o and lse."""
+    import torch
+
+    import fagen.functional as F
+
+    class Explicit(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any) -> Any:
+            o, lse = F.run_forward(fwd, q, k, v)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
+
+        @staticmethod
+        def backward(ctx: Any, do: Any) -> Any:
+            q, k, v, o, lse = ctx.saved_tensors
+            return F.run_backward(bwd, do, q, k, v, o, lse)
+
+    return Explicit.apply
+
+
 def fagen_provider(impl: str, warmup: int, iters: int, deterministic: bool = False) -> Provider:
-    """One kernel family: the forward kernel, then the backward kernels (pre, main, post; dq too
-    when ``deterministic``) from the forward's o and lse, each through an explicit spec (no autograd,
-    no dispatch in the timing)."""
+    """One kernel family through explicit specs, timed as SDPA is (:func:`_measure`: the forward,
+    then the backward through ``torch.autograd.grad``)."""
     def run(shape: Shape) -> Measurement:
         import fagen.functional as F
         from fagen.spec import KernelSpec
 
-        q, k, v, do = (t.detach() for t in _inputs(shape, "bnhd"))
+        inputs = _inputs(shape, "bnhd")
+        q, k, v, _ = inputs
         flags = dict(head_dim=shape.head_dim, dtype=shape.dtype, causal=shape.causal, impl=impl,
                      arch=F.default_arch(q.device))
         fwd = KernelSpec(direction="fwd", **flags)
         bwd = KernelSpec(direction="bwd", deterministic=deterministic, **flags)
-        fwd_ms = cuda_timer(lambda: F.run_forward(fwd, q, k, v), warmup=warmup, iters=iters)
-        o, lse = F.run_forward(fwd, q, k, v)
-        bwd_ms = cuda_timer(lambda: F.run_backward(bwd, do, q, k, v, o, lse), warmup=warmup, iters=iters)
-        return Measurement(fwd_ms, bwd_ms, note=fwd.name.replace("fa_fwd_", "").rsplit("_", 1)[0])
+        attention = _explicit_attention(fwd, bwd)
+        m = _measure(lambda: attention(q, k, v), inputs, warmup, iters)
+        m.note = fwd.name.replace("fa_fwd_", "").rsplit("_", 1)[0]
+        return m
 
     return run
 
@@ -460,20 +565,30 @@ def precompile(specs: Sequence[Any], deadline: Deadline, stop_at_left_s: float) 
 
 
 # --------------------------------------------------------------------------- autotune
-def run_autotune(shapes: Sequence[Shape], deadline: Deadline) -> dict[str, Any]:
+def run_autotune(shapes: Sequence[Shape], deadline: Deadline, timer: Any = None) -> dict[str, Any]:
+    """``gpu_check_rows`` per shape while the budget allows; inside a shape, the timer stops running
+    candidates once the deadline is reached (they time as inf and are counted in the notes)."""
     try:
         from fagen.autotune import gpu_check_rows
+        from fagen.autotune.timing import CudaTimer
     except (ImportError, AttributeError) as e:
         return {"status": "unavailable", "note": f"autotune: unavailable ({type(e).__name__}: {e})"}
+    if timer is None:
+        timer = CudaTimer(warmup=2, reps=5, stop_at=time.monotonic() + max(deadline.left(), 0.0))
     rows, notes = [], []
     for s in shapes:
         if deadline.left() < AUTOTUNE_MIN_S:
             notes.append(f"{s.label}: skipped (time budget)")
             continue
+        before = getattr(timer, "skipped", 0)
         try:
-            rows += gpu_check_rows(shapes=[(s.batch, s.heads, s.seqlen, s.head_dim, s.dtype, s.causal)], top=4)
+            rows += gpu_check_rows(shapes=[(s.batch, s.heads, s.seqlen, s.head_dim, s.dtype, s.causal)], top=4,
+                                   timer=timer)
         except Exception as e:  # noqa: BLE001
             notes.append(f"{s.label}: {type(e).__name__}: {str(e)[:200]}")
+        cut = getattr(timer, "skipped", 0) - before
+        if cut:
+            notes.append(f"{s.label}: {cut} candidate(s) not timed (time budget; shown as inf)")
     return {"status": "ran" if rows else "no rows", "rows": rows, "notes": notes}
 
 
@@ -540,6 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = Deadline(args.budget_s)
     args.outdir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"status": "ok", "budget_s": args.budget_s, "quick": args.quick}
+    if args.wheels is not None:
+        result["wheels"] = unpack_wheels(args.wheels)
     missing = missing_packages({**REQUIRED, **({} if args.skip_tests else TEST_REQUIRED)})
     result["environment"] = environment()
     if missing:
@@ -555,7 +672,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _gpu_check(args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]) -> None:
     """Tests, benchmark and autotune rows on the GPU; fills ``result``."""
     result["cupy"] = cupy_info()
+    result["toolchain"] = toolchain_decision()
     result["nvrtc"] = nvrtc_info()
+    if "error" in result["toolchain"]:
+        result.update(status="failed", reason=f"CUDA setup: {result['toolchain']['error']}")
+        return
     try:
         arch = detect_arch()
     except Exception as e:  # noqa: BLE001
@@ -585,24 +706,37 @@ def _cache_dir() -> str:
     return str(get_settings().cache_dir)
 
 
-def write_plots(outdir: Path, result: dict[str, Any]) -> list[Path]:
-    """TFLOP/s and autotune plots (benchmarks/plots.py, PNG + SVG) when matplotlib is installed."""
-    if importlib.util.find_spec("matplotlib") is None:
+def write_plots(outdir: Path, result: dict[str, Any], slots: int) -> list[Path]:
+    """TFLOP/s and autotune plots (benchmarks/plots.py, PNG) when matplotlib is installed: at most
+    ``slots`` files (the rest are left out, with a note in the JSON)."""
+    if importlib.util.find_spec("matplotlib") is None or slots <= 0:
         return []
     spec = importlib.util.spec_from_file_location("fagen_bench_plots", Path(__file__).resolve().parent / "plots.py")
     plots = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plots)
-    try:
-        return plots.plot_gpu_check(result, outdir)
-    except Exception as e:  # noqa: BLE001 - a plot never fails the check
-        print(f"[gpu_check] plots: {type(e).__name__}: {e}", file=sys.stderr)
-        return []
+    with tempfile.TemporaryDirectory(prefix="fagen-plots-") as tmp:
+        try:
+            made = plots.plot_gpu_check(result, Path(tmp), formats=("png",))
+        except Exception as e:  # noqa: BLE001 - a plot never fails the check
+            print(f"[gpu_check] plots: {type(e).__name__}: {e}", file=sys.stderr)
+            return []
+        kept = []
+        for path in made[:slots]:
+            dest = outdir / path.name
+            dest.write_bytes(path.read_bytes())
+            kept.append(dest)
+        if len(made) > slots:
+            result["plots_left_out"] = [p.name for p in made[slots:]]
+        return kept
 
 
 def _finish(args: argparse.Namespace, deadline: Deadline, result: dict[str, Any]) -> int:
     result["elapsed_s"] = round(deadline.elapsed(), 1)
+    base = ["gpu_check.json", "gpu_check.txt"] + (["gpu_tests.log"] if (args.outdir / "gpu_tests.log").exists() else [])
+    plots = write_plots(args.outdir, result, MAX_OUTPUT_FILES - len(base))
+    result["outputs"] = base + [p.name for p in plots]
     write_outputs(args.outdir, result)
-    for plot in write_plots(args.outdir, result):
+    for plot in plots:
         print(f"[gpu_check] wrote {plot}")
     print(summary_text(result), end="")
     print(f"[gpu_check] wrote {args.outdir / 'gpu_check.json'} and {args.outdir / 'gpu_check.txt'}")

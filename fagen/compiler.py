@@ -73,6 +73,9 @@ class CompiledModule:
     compile_seconds: float  # wall time of the NVRTC call that produced the cubin
     cached: bool  # True when this process did not run NVRTC for it
     key: str
+    #: None: ``cubin`` is SASS for ``spec.arch``; "compute_XY": ``cubin`` holds PTX for that
+    #: virtual arch, JIT-compiled by the driver at load (no ptxas report: ``resources`` is empty).
+    ptx_target: str | None = None
 
     @property
     def rendered(self) -> Rendered:
@@ -84,9 +87,32 @@ class CompiledModule:
         return next(r for r in self.resources if r.kernel == name)
 
 
-def options_for(spec: KernelSpec) -> list[str]:
-    """The defaults plus the spec's family's own NVRTC options."""
-    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v", *get_family(spec.impl).nvrtc_options(spec.family_spec)]
+def options_for(spec: KernelSpec, ptx_target: str | None = None) -> list[str]:
+    """The defaults plus the spec's family's own NVRTC options; ``ptx_target`` ("compute_XY"):
+    PTX for that virtual arch instead of a cubin for ``spec.arch``."""
+    arch = ptx_target if ptx_target is not None else spec.arch
+    verbose = [] if ptx_target is not None else ["-Xptxas=-v"]
+    return [f"-arch={arch}", "-std=c++17", *verbose, *get_family(spec.impl).nvrtc_options(spec.family_spec)]
+
+
+def check_target(spec: KernelSpec, ptx_target: str | None = None) -> None:
+    """:class:`CompileError`-free refusal, before rendering, of a target the loaded NVRTC
+    cannot emit: one line naming the arch, the NVRTC release and the install that can."""
+    from .arch import ARCHS, arch_info
+
+    if ptx_target is not None:
+        if not re.fullmatch(r"compute_\d+a?", ptx_target) or \
+                ptx_target.replace("compute_", "sm_") not in ARCHS:
+            raise ValueError(f"ptx_target must be compute_XY for a target in {list(ARCHS)}, got {ptx_target!r}")
+        name = ptx_target.replace("compute_", "sm_")
+    else:
+        name = spec.arch
+    if name not in nvrtc.supported_archs():
+        need = arch_info(name).nvrtc_min
+        have = nvrtc.version()
+        hint = nvrtc.install_hint(need[0]) if need[0] > have[0] else nvrtc.install_hint(have[0], need)
+        raise nvrtc.NvrtcError(f"NVRTC {have[0]}.{have[1]} cannot target {name} (it needs NVRTC "
+                               f"{need[0]}.{need[1]} or newer): {hint}")
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -122,22 +148,32 @@ def parse_ptxas(log: str, dynamic_smem: dict[str, int]) -> tuple[KernelResources
     return tuple(sorted(out, key=lambda r: order.get(r.kernel, len(order))))
 
 
-_memo: dict[Path, dict[KernelSpec, CompiledModule]] = {}  # cache dir -> spec -> module
+_memo: dict[Path, dict[tuple[KernelSpec, str | None], CompiledModule]] = {}  # cache dir -> (spec, ptx) -> module
 _memo_lock = threading.Lock()
 
 
-def cache_key(rendered: Rendered, options: list[str]) -> str:
+def cache_key(rendered: Rendered, options: list[str], ptx_target: str | None = None) -> str:
     """sha256 of everything that determines the cubin: source, options, fagen version,
-    the NVRTC release and build, and the CUDA headers the source can include."""
-    return cache.digest(rendered.source, nvrtc.toolchain_id(), rendered.spec.arch, "\0".join(options),
+    the NVRTC major, release and build (NVRTC 12 and 13 never share an entry), the output
+    (cubin, or PTX for ``ptx_target``) and the CUDA headers the source can include."""
+    return cache.digest(rendered.source, f"nvrtc-major {nvrtc.version()[0]}", nvrtc.toolchain_id(),
+                        rendered.spec.arch, f"output {ptx_target or 'cubin'}", "\0".join(options),
                         __version__, nvrtc.headers_digest())
 
 
-def _usable(arch: str):
-    """Entry check: the stored cubin is complete (as long as NVRTC said) and for ``arch``."""
+def _usable(arch: str, ptx_target: str | None = None):
+    """Entry check: the stored cubin is complete (as long as NVRTC said) and for ``arch``
+    (its ELF's SM: sm_90 for sm_90a); PTX: as long as NVRTC said, for ``ptx_target``."""
+    from .arch import arch_info
+
+    arch = arch_info(arch).cubin_arch
+
     def valid(meta: dict, cubin: bytes) -> bool:
         if meta.get("cubin_size") != len(cubin):
             return False
+        if ptx_target is not None:
+            return meta.get("ptx_target") == ptx_target and f".target {ptx_target.replace('compute_', 'sm_')}" \
+                in cubin.decode(errors="replace")
         try:
             elf.check_cubin(cubin, arch)
         except elf.ElfError:
@@ -209,7 +245,7 @@ def fast_key(spec: KernelSpec, options: list[str]) -> str:
     s = get_settings()
     env = "\0".join(os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH"))
     return cache.digest(spec.model_dump_json(), __version__, "\0".join(options), _source_digest(),
-                        str(s.cuda_include or ""), sys.prefix, env)
+                        str(s.cuda_include or ""), sys.prefix, env, nvrtc.selection_id())
 
 
 def _stat_record(path: Path) -> list:
@@ -255,9 +291,15 @@ def _from_index(spec: KernelSpec, root: Path, options: list[str]) -> CompiledMod
     if not (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key)) or not _unchanged(files):
         return None
     hit = cache.read_entry(root / f"{key}.bin")
-    if hit is None or not _usable(spec.arch)(*hit):
+    ptx_target = _ptx_target_of(options)
+    if hit is None or not _usable(spec.arch, ptx_target)(*hit):
         return None
     return _module(spec, key, hit[0], hit[1], cached=True)
+
+
+def _ptx_target_of(options: list[str]) -> str | None:
+    arch = next(o for o in options if o.startswith("-arch="))[len("-arch="):]
+    return arch if arch.startswith("compute_") else None
 
 
 def _module(spec: KernelSpec, key: str, meta: dict, cubin: bytes, *, cached: bool) -> CompiledModule:
@@ -268,49 +310,57 @@ def _module(spec: KernelSpec, key: str, meta: dict, cubin: bytes, *, cached: boo
     return CompiledModule(
         spec=spec, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
         resources=parse_ptxas(meta["log"], dyn), compile_seconds=float(meta["compile_seconds"]),
-        cached=cached, key=key,
+        cached=cached, key=key, ptx_target=meta.get("ptx_target"),
     )
 
 
 # --------------------------------------------------------------------------- compile
-def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's verb
-    """Compile every kernel of ``spec`` to a cubin for ``spec.arch`` (cached)."""
+def compile(spec: KernelSpec, *, ptx_target: str | None = None) -> CompiledModule:  # noqa: A001 - the package's verb
+    """Compile every kernel of ``spec`` to a cubin for ``spec.arch`` (cached). ``ptx_target``
+    ("compute_XY"): PTX for that virtual arch instead, which the driver JIT-compiles for a
+    device newer than every arch the loaded NVRTC knows (``fagen.runtime.gpu``)."""
     cache_dir = get_settings().cache_dir
     per_dir = _memo.get(cache_dir)
+    memo_key = (spec, ptx_target)
     if per_dir is not None:
-        hit = per_dir.get(spec)
+        hit = per_dir.get(memo_key)
         if hit is not None:
             return hit
     root = cache.cache_root("cubin")
-    options = options_for(spec)
+    options = options_for(spec, ptx_target)
     # The index vouches for templates/ and fagen's own files only: a family registered from
     # elsewhere (Family.template_dir) always takes the full path (render, hash the source).
     mod = _from_index(spec, root, options) if get_family(spec.impl).template_dir is None else None
     if mod is None:
-        mod = _compile_full(spec, root, options)
+        check_target(spec, ptx_target)
+        mod = _compile_full(spec, root, options, ptx_target)
     with _memo_lock:
-        _memo.setdefault(cache_dir, {})[spec] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
+        _memo.setdefault(cache_dir, {})[memo_key] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
     return mod
 
 
-def _compile_full(spec: KernelSpec, root: Path, options: list[str]) -> CompiledModule:
+def _compile_full(spec: KernelSpec, root: Path, options: list[str], ptx_target: str | None = None) -> CompiledModule:
+    from .arch import arch_info
+
     rendered = render(spec)
-    key = cache_key(rendered, options)
+    key = cache_key(rendered, options, ptx_target)
     dyn = {k.name: k.smem_bytes for k in rendered.kernels}
 
     def build() -> tuple[dict, bytes]:
-        _log.info("compiling %s for %s with NVRTC", spec.name, spec.arch)
+        _log.info("compiling %s for %s with NVRTC", spec.name, ptx_target or spec.arch)
         t0 = time.perf_counter()
-        res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options, spec.arch)
+        res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options, arch_info(spec.arch).cubin_arch,
+                                  ptx=ptx_target is not None)
         secs = time.perf_counter() - t0
         _log.debug("compiled %s in %.2f s", spec.name, secs)
         if not res.ok:
             raise CompileError(spec.name, res.log)
         return {"log": res.log, "options": options, "compile_seconds": secs, "spec": spec.name,
-                "cubin_size": len(res.cubin), "dynamic_smem": [[k, n] for k, n in dyn.items()]}, res.cubin
+                "cubin_size": len(res.cubin), "dynamic_smem": [[k, n] for k, n in dyn.items()],
+                "ptx_target": ptx_target, "nvrtc_major": nvrtc.version()[0]}, res.cubin
 
     cache.make_dir(root)  # in case it was removed since this process first used it
-    meta, cubin, cached = cache.get_or_build(root / f"{key}.bin", build, _usable(spec.arch))
+    meta, cubin, cached = cache.get_or_build(root / f"{key}.bin", build, _usable(spec.arch, ptx_target))
     _write_index(_index_path(root, spec, options), key)
     return _module(spec, key, meta, cubin, cached=cached)
 

@@ -13,6 +13,7 @@ _ENV = {
     "cxx": "FAGEN_CXX",  # host C++17 compiler of the emulator (default g++)
     "cuda_include": "FAGEN_CUDA_INCLUDE",  # directory with cuda_fp16.h (default: the pip wheel's)
     "emu_schedule": "FAGEN_EMU_SCHEDULE",  # "forward" or "reverse": the emulator's thread order
+    "nvrtc": "FAGEN_NVRTC",  # folder of NVRTC wheels (pip install --target) to compile with
 }
 EMU_SCHEDULES = ("forward", "reverse")
 
@@ -24,6 +25,7 @@ class Settings:
     cxx: str = "g++"
     cuda_include: Path | None = None
     emu_schedule: str = "forward"
+    nvrtc: Path | None = None
 
     def __post_init__(self) -> None:
         if self.emu_schedule not in EMU_SCHEDULES:
@@ -37,7 +39,8 @@ class Settings:
         inc = os.environ.get(_ENV["cuda_include"])
         return cls(cache_dir=cache, autotune_lookup=lookup, cxx=os.environ.get(_ENV["cxx"]) or "g++",
                    cuda_include=Path(inc) if inc else None,
-                   emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward")
+                   emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward",
+                   nvrtc=Path(os.environ[_ENV["nvrtc"]]) if os.environ.get(_ENV["nvrtc"]) else None)
 
 
 _current: Settings | None = None

@@ -16,25 +16,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from .arch import ARCHS, arch_for_capability  # noqa: F401 - re-exported
 # NUM_WARPS_CHOICES and Tile are re-exported here (the CLI and callers read them from fagen.spec).
 from .families import (NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
                        warp_choices)
 from .layout import SmemLayout
 
-Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
+Arch = Literal["sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121"]
 DType = Literal["float16", "bfloat16", "float32", "float64"]
 CausalAlign = Literal["bottom_right", "top_left"]
 Direction = Literal["bwd", "fwd"]
 
-#: Maximum opt-in dynamic shared memory per block (bytes), CUDA C Programming
-#: Guide, "Technical Specifications per Compute Capability" (8.0: 163 KB,
-#: 8.6/8.9: 99 KB, 9.0: 227 KB). See docs/architecture.md.
-ARCH_SMEM_OPTIN: dict[str, int] = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
-#: Shared memory per SM (bytes) and resident limits, for occupancy estimates.
-ARCH_SMEM_PER_SM: dict[str, int] = {"sm_80": 167936, "sm_86": 102400, "sm_89": 102400, "sm_90": 233472}
-ARCH_MAX_THREADS_PER_SM: dict[str, int] = {"sm_80": 2048, "sm_86": 1536, "sm_89": 1536, "sm_90": 2048}
-ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {"sm_80": 32, "sm_86": 16, "sm_89": 24, "sm_90": 32}
-REGS_PER_SM = 65536
+#: Per-arch facts, read from the one table in fagen/arch.py (CUDA C++ Programming Guide,
+#: "Technical Specifications per Compute Capability"; see docs/architecture.md):
+#: maximum opt-in dynamic shared memory per block (bytes), shared memory per SM and resident limits.
+ARCH_SMEM_OPTIN: dict[str, int] = {n: a.smem_optin_per_block for n, a in ARCHS.items()}
+ARCH_SMEM_PER_SM: dict[str, int] = {n: a.smem_per_sm for n, a in ARCHS.items()}
+ARCH_MAX_THREADS_PER_SM: dict[str, int] = {n: a.max_threads_per_sm for n, a in ARCHS.items()}
+ARCH_MAX_BLOCKS_PER_SM: dict[str, int] = {n: a.max_blocks_per_sm for n, a in ARCHS.items()}
+REGS_PER_SM = 65536  # every arch in the table (ArchInfo.regs_per_sm)
 DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 DTYPE_SHORT: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 DTYPE_CTYPE: dict[str, str] = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
@@ -51,22 +51,6 @@ NAME_FLAGS: tuple[tuple[str, str], ...] = (
     ("deterministic", "det"))
 #: Boolean flags that are optional features (a family lists those it implements).
 FLAG_FEATURES = ("window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic")
-
-
-def arch_for_capability(capability: tuple[int, int]) -> str | None:
-    """The spec arch whose cubins run on a device of this compute capability, or None.
-
-    A cubin for sm_XY runs on devices of compute capability X.Z with Z >= Y (CUDA C
-    Programming Guide, "Binary Compatibility"): the newest target arch of the same major
-    whose minor is not above the device's (8.7 -> sm_86, 8.9 -> sm_89, 9.0 -> sm_90).
-    """
-    major, minor = int(capability[0]), int(capability[1])
-    best: str | None = None
-    for arch in ARCH_SMEM_OPTIN:  # sm_XY, ascending
-        a_major, a_minor = int(arch[3:-1]), int(arch[-1])
-        if a_major == major and a_minor <= minor:
-            best = arch
-    return best
 
 
 Knobs = tuple[tuple[str, int], ...]

@@ -584,10 +584,13 @@ def test_one_capability_to_arch_mapping(monkeypatch: pytest.MonkeyPatch) -> None
     from fagen.spec import arch_for_capability
 
     assert timing.arch_for_capability is arch_for_capability
-    assert [arch_for_capability(c) for c in ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (7, 5), (10, 0), (12, 0))] == \
-        ["sm_80", "sm_86", "sm_86", "sm_89", "sm_90", None, None, None]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 7))
-    assert gpu.device_arch(0) == "sm_86"  # the runtime agrees with the autotuner on 8.7
+    caps = ((8, 0), (8, 6), (8, 7), (8, 8), (8, 9), (9, 0), (7, 5), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1),
+            (13, 0))
+    assert [arch_for_capability(c) for c in caps] == \
+        ["sm_80", "sm_86", "sm_87", "sm_87", "sm_89", "sm_90", None, "sm_100", "sm_103", "sm_110", "sm_120",
+         "sm_121", None]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 8))
+    assert gpu.device_arch(0) == "sm_87"  # the runtime agrees with the autotuner on 8.8
 
 
 def _imports(module: str) -> set[str]:

@@ -121,7 +121,8 @@ def test_renderer_takes_alg4_from_the_one_module() -> None:
 
 # --------------------------------------------------------------------------- install instructions
 def test_bench_extra_covers_what_the_gpu_check_needs_beyond_the_install() -> None:
-    """README: `pip install -e '.[bench]'` then `python benchmarks/gpu_check.py OUTDIR`."""
+    """README: `pip install -e '.[cuda13,bench]'` then `python benchmarks/gpu_check.py OUTDIR`: the
+    bench extra brings pytest, the CUDA extra the one CuPy the check imports."""
     tomllib = pytest.importorskip("tomllib")
     import importlib.util
 
@@ -132,5 +133,7 @@ def test_bench_extra_covers_what_the_gpu_check_needs_beyond_the_install() -> Non
     sys.modules[spec.name] = gpu_check  # its dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(gpu_check)
     assert set(gpu_check.TEST_REQUIRED.values()) <= bench
+    cuda13 = {re.split(r"[<>=!~ \[]", r, 1)[0].lower() for r in project["optional-dependencies"]["cuda13"]}
+    assert "cupy" in gpu_check.REQUIRED and "cupy-cuda13x" in cuda13
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "pip install -e '.[bench]'" in readme and "benchmarks/gpu_check.py OUTDIR" in readme
+    assert "pip install -e '.[cuda13,bench]'" in readme and "benchmarks/gpu_check.py OUTDIR" in readme

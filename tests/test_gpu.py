@@ -1,8 +1,15 @@
 """fagen on a CUDA GPU: the op layer against the float64 reference, streams, memory.
 
-Every test is marked ``gpu`` and skipped without CUDA. ``benchmarks/gpu_check.py``
-runs this file as ``pytest tests/test_gpu.py -m gpu``. References are computed on
-the CPU from the same inputs (float64, and plain PyTorch in the input dtype).
+Every test is marked ``gpu`` and skipped without CUDA, and skipped with the reason on a
+device fagen has no kernel for (below sm_80). ``benchmarks/gpu_check.py`` runs this file
+as ``pytest tests/test_gpu.py -m gpu``. References are computed on the CPU from the same
+inputs (float64, and plain PyTorch in the input dtype).
+
+Repeated runs of the atomic backward agree in o, dK and dV bit for bit (each written by
+one CTA) but not in dQ: its fp32 atomic adds from the K/V-block CTAs land in a different
+order from run to run, so dQ is compared with a tolerance of a few ulps of the dtype
+(:func:`assert_same_up_to_atomic_order`); bit-equality of dQ is the deterministic
+backward's test.
 """
 from __future__ import annotations
 
@@ -21,6 +28,33 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _device_has_kernels() -> None:
+    """Skip, with the reason, on a device whose arch fagen has no kernel for."""
+    from fagen.errors import SpecError
+    from fagen.runtime.gpu import device_arch
+
+    try:
+        device_arch(torch.cuda.current_device())
+    except SpecError as e:
+        pytest.skip(f"no fagen kernel for this device: {e}")
+
+
+def assert_same_up_to_atomic_order(a: tuple, b: tuple, what: str = "") -> None:
+    """(o, dq, dk, dv) of two runs of the same call: o, dk, dv equal bit for bit; dq (fp32 atomics
+    summed in a run-dependent order, then rounded to the dtype) within a few ulps."""
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype, (what, name)
+        if name != "dq":
+            assert torch.equal(x, y), f"{what}: {name} differs"
+            continue
+        eps = torch.finfo(x.dtype).eps
+        atol = ATOL[str(x.dtype).removeprefix("torch.")] * max(1.0, y.abs().max().item())
+        err = (x.double() - y.double()).abs()
+        bound = 4 * eps * y.double().abs() + atol
+        assert bool((err <= bound).all()), f"{what}: dq differs by {err.max().item():.3g} (beyond atomic reordering)"
 
 # Odd lengths (not multiples of any tile), every dtype, d in {32, 64, 128, 256}, Nq != Nk both ways.
 GPU_CASES = [
@@ -88,8 +122,9 @@ def test_gpu_dropout_reproducible() -> None:
     first = run_flash(case, q, k, v, do, mask, rng_seed=7)
     again = run_flash(case, q, k, v, do, mask, rng_seed=7)
     other = run_flash(case, q, k, v, do, mask, rng_seed=8)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert_same_up_to_atomic_order(first, again, "same seed")  # the same dropout mask
     assert not any(torch.equal(a, b) for a, b in zip(first, other))
+    assert max_err(first[0], other[0]) > 100 * ATOL[case.dtype]  # another mask, not rounding
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])  # the mma family, the SIMT family
@@ -122,7 +157,7 @@ def test_gpu_runs_on_the_current_stream() -> None:
         got = run_flash(case, q, k, v, do, None)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert_same_up_to_atomic_order(want, got, "side stream")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -131,7 +166,8 @@ def test_gpu_second_device() -> None:
     inputs = make_inputs(case)
     want = run_flash(case, *cuda(*inputs))
     got = run_flash(case, *[None if t is None else t.to("cuda:1") for t in inputs])
-    assert all(b.device.index == 1 and torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got))
+    assert all(b.device.index == 1 for b in got)
+    assert_same_up_to_atomic_order(tuple(t.cpu() for t in want), tuple(t.cpu() for t in got), "second device")
 
 
 def test_gpu_sdpa_layout_and_compile() -> None:
@@ -149,8 +185,8 @@ def test_gpu_sdpa_layout_and_compile() -> None:
         torch.manual_seed(3)
         out = fn(qs, ks, vs)
         out.backward(do.transpose(1, 2))
-        for a, b in zip(flash, (out, qs.grad, ks.grad, vs.grad)):
-            assert torch.equal(a, b.transpose(1, 2))
+        assert_same_up_to_atomic_order(flash, tuple(t.transpose(1, 2) for t in (out.detach(), qs.grad, ks.grad,
+                                                                                 vs.grad)), "sdpa layout")
 
 
 def test_gpu_extra_memory_is_linear_in_seqlen() -> None:

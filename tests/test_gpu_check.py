@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -212,3 +214,178 @@ def test_gpu_path_end_to_end_with_fake_device(tmp_path: Path, monkeypatch: pytes
     assert len(data["benchmark"]["rows"]) == len(gc.plan(quick=True))
     assert data["autotune"]["notes"]  # gpu_check_rows needs a real GPU: recorded, not raised
     assert (tmp_path / "o" / "gpu_tests.log").read_text().strip()
+
+
+# --------------------------------------------------------------------------- offline mode, outputs
+def test_help_documents_the_offline_mode() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    out = " ".join(proc.stdout.split())
+    assert "--wheels DIR" in out and "Offline GPU machine" in out and "no ``pip install -e``" in out
+    assert "PYTHONPATH=SITE:$PWD python benchmarks/gpu_check.py OUTDIR" in out
+    assert "at most 8 files" in out
+
+
+@pytest.mark.parametrize("name,why", [
+    ("pydantic-2.14.4-py3-none-any.whl", None),
+    ("pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl", None),
+    ("pydantic_core-2.50.5-cp311-cp311-manylinux2014_x86_64.whl", "built for cp311, this is Python 3.12"),
+    ("x-1.0-cp312-cp312-manylinux2014_aarch64.whl", "platform manylinux2014_aarch64, this is x86_64"),
+    ("x-1.0-cp312-abi3-manylinux2014_x86_64.whl", None),
+    ("notes.txt", "not a wheel file name"),
+])
+def test_wheel_tags_decide_what_is_unpacked(name: str, why: str | None) -> None:
+    assert gc.wheel_fits(name, (3, 12), "x86_64") == why
+
+
+def test_the_shared_wheel_folder_fits_cpython_3_12() -> None:
+    cands = [Path(os.environ["FAGEN_TEST_GPU_WHEELS"])] if os.environ.get("FAGEN_TEST_GPU_WHEELS") else []
+    cands += [REPO / "shared" / "gpu-wheels", REPO.parent / "shared" / "gpu-wheels"]
+    folder = next((c for c in cands if c.is_dir()), None)
+    if folder is None:
+        pytest.skip(f"no gpu-wheels folder at {[str(c) for c in cands]}")
+    names = sorted(p.name for p in folder.glob("*.whl"))
+    assert names and all(gc.wheel_fits(n, (3, 12), "x86_64") is None for n in names)
+    dists = {n.split("-")[0].lower() for n in names}
+    assert {"pydantic", "pydantic_core", "annotated_types", "typing_inspection", "platformdirs",
+            "typing_extensions"} <= dists
+
+
+def _wheel(folder: Path, name: str, body: str) -> Path:
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", body)
+        z.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    return path
+
+
+def test_wheels_are_importable_in_the_check_and_its_pytest_run(tmp_path: Path) -> None:
+    """--wheels on a fresh interpreter: a package only the folder has imports in the script and in the
+    pytest subprocess it starts (PYTHONPATH), without pip and without installing anything."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "offline_probe", "VALUE = 42\n")
+    (wheels / "other-1.0-cp27-cp27mu-linux_x86_64.whl").write_bytes(b"")  # never opened: wrong Python
+    code = ("import sys, subprocess, runpy; sys.argv = ['gpu_check.py', '--help']; "
+            f"gc = runpy.run_path({str(SCRIPT)!r}, run_name='gpu_check_probe'); "
+            f"info = gc['unpack_wheels'](__import__('pathlib').Path({str(wheels)!r})); "
+            "import offline_probe; print('in-process', offline_probe.VALUE); "
+            "print(subprocess.run([sys.executable, '-c', 'import offline_probe; print(offline_probe.VALUE)'], "
+            "capture_output=True, text=True).stdout.strip()); print(sorted(info['skipped']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines == ["in-process 42", "42", "['other-1.0-cp27-cp27mu-linux_x86_64.whl']"]
+
+
+def test_outputs_are_at_most_eight_files_in_one_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    shapes = gc.plan(quick=False)
+    rows = [gc.Row(s, {"fagen_mma": gc.Measurement(1.0, 2.0), "sdpa_flash": gc.Measurement(1.5, 3.0)}).as_dict()
+            for s in shapes]
+    cands = [{"predicted_ms": 1.0 + i, "measured_ms": 1.2 + i, "label": f"c{i}", "default": i == 0} for i in range(3)]
+    result = {"status": "ok", "budget_s": 1.0, "environment": {}, "benchmark": {"rows": rows},
+              "autotune": {"rows": [{"spec": f"shape{i}", "candidates": cands} for i in range(9)]}}
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "gpu_tests.log").write_text("1 passed in 1s\n")
+    args = gc.parse_args([str(out)])
+    gc._finish(args, gc.Deadline(1.0), result)
+    files = [p for p in out.rglob("*")]
+    assert all(p.is_file() and p.parent == out for p in files)
+    assert len(files) == gc.MAX_OUTPUT_FILES
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert sorted(data["outputs"]) == sorted(p.name for p in files) and data["plots_left_out"]
+
+
+def test_autotune_candidates_after_the_budget_are_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget bounds the loop over candidates inside one shape, not only the loop over shapes."""
+    import math
+
+    from fagen.autotune import timing
+
+    clock = FakeClock()
+    timer = timing.CudaTimer(stop_at=10.0, clock=clock)
+    ran: list[str] = []
+
+    def fake_measure(fn, **kw):
+        ran.append("x")
+        clock.now += 4.0
+        return 1.0
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    monkeypatch.setattr(timing, "_Inputs", lambda spec, p: type("I", (), {"call": lambda self, s: None})())
+    from fagen.autotune.model import Workload
+    from fagen.spec import KernelSpec
+
+    spec, p = KernelSpec(head_dim=32, arch="sm_80"), Workload(1, 1, 128, 128)
+    times = [timer(spec, p) for _ in range(5)]
+    assert times[:3] == [1.0, 1.0, 1.0] and all(math.isinf(t) for t in times[3:])
+    assert len(ran) == 3 and timer.skipped == 2
+
+
+class _FakeEvents:
+    """torch.cuda.Event / synchronize on a fake GPU clock: each call of the timed function takes
+    ``call_ms`` of GPU time; records where the host synchronised."""
+
+    def __init__(self, call_ms: float) -> None:
+        self.gpu_ms, self.call_ms, self.log = 0.0, call_ms, []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = None
+
+            def record(self) -> None:
+                self.t = fake.gpu_ms
+                fake.log.append("record")
+
+            def elapsed_time(self, end: "Event") -> float:
+                return end.t - self.t
+
+        self.Event = Event
+
+    def fn(self) -> None:
+        self.gpu_ms += self.call_ms
+        self.log.append("call")
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+
+def test_measure_times_back_to_back_calls_and_syncs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fagen.autotune import timing
+
+    fake = _FakeEvents(call_ms=0.05)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    ms = timing.measure(fake.fn, warmup=2, reps=5)
+    assert ms == pytest.approx(0.05)
+    k = timing.calls_per_rep(0.05)
+    assert k == 40  # 2 ms of GPU time per repetition
+    assert fake.log.count("sync") == 2  # after the warm-up, after the last repetition
+    timed = fake.log[fake.log.index("sync") + 1:]
+    assert timed.count("call") == 5 * k and timed[-1] == "sync"
+    first = timed[: timed.index("record", 1) + 1]
+    assert first == ["record"] + ["call"] * k + ["record"]  # k calls between one pair of events
+    assert timing.calls_per_rep(10.0) == 1 and timing.calls_per_rep(1e-6) == timing.MAX_CALLS
+    with pytest.raises(ValueError, match="calls must be at least 1"):
+        timing.measure(fake.fn, calls=0)
+
+
+def test_fagen_provider_runs_through_autograd_like_sdpa() -> None:
+    """The explicit-spec op the benchmark times: autograd.grad gives run_backward's gradients."""
+    import fagen.functional as F
+    from fagen.spec import KernelSpec
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g, dtype=torch.float32).requires_grad_() for _ in range(3))
+    do = torch.randn(1, 40, 2, 16, generator=g)
+    fwd = KernelSpec(direction="fwd", head_dim=16, dtype="float32", causal=True, impl="simt", arch="sm_90")
+    bwd = fwd.replace(direction="bwd")
+    out = gc._explicit_attention(fwd, bwd)(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    o, lse = F.run_forward(fwd, q.detach(), k.detach(), v.detach())
+    want = F.run_backward(bwd, do, q.detach(), k.detach(), v.detach(), o, lse)
+    assert torch.equal(out.detach(), o) and all(torch.equal(a, b) for a, b in zip(grads, want))

@@ -1,4 +1,5 @@
-"""SASS evidence with no GPU: every mma kernel of the standard matrix, for sm_80 and sm_90, runs on
+"""SASS evidence with no GPU: every mma kernel of the standard matrix, for sm_80, sm_90, sm_100 and
+sm_120 (Ampere, Hopper, Blackwell datacenter and GeForce), runs on
 the tensor cores (HMMA), keeps everything in registers and smem (no spills, no local memory) and
 fits the arch's opt-in shared memory."""
 from __future__ import annotations
@@ -14,12 +15,12 @@ from fagen.spec import ARCH_SMEM_OPTIN
 
 pytestmark = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
 
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 SPECS = [s.replace(arch=arch, sram_bytes=ARCH_SMEM_OPTIN[arch]) for arch in ARCHS for s in standard_matrix() if s.impl == "mma"]
 
 
 def test_the_standard_matrix_is_mma() -> None:
-    assert len(SPECS) == 2 * len(standard_matrix())
+    assert len(SPECS) == len(ARCHS) * len(standard_matrix())
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

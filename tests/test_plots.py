@@ -85,6 +85,7 @@ def test_gpu_check_writes_the_plots(tmp_path: Path) -> None:
     gpu_check = importlib.util.module_from_spec(spec)
     sys.modules["fagen_bench_gpu_check"] = gpu_check  # dataclasses look their module up
     spec.loader.exec_module(gpu_check)
-    paths = gpu_check.write_plots(tmp_path, GPU_CHECK)
-    assert {p.name for p in paths} >= {"tflops_fwd.png", "tflops_fwd.svg", "tflops_bwd.png", "tflops_bwd.svg"}
-    assert all(p.stat().st_size > 1000 for p in paths)
+    paths = gpu_check.write_plots(tmp_path, GPU_CHECK, slots=5)
+    assert {p.name for p in paths} >= {"tflops_fwd.png", "tflops_bwd.png"}  # PNG only: few output files
+    assert all(p.suffix == ".png" and p.parent == tmp_path and p.stat().st_size > 1000 for p in paths)
+    assert gpu_check.write_plots(tmp_path / "none", GPU_CHECK, slots=0) == []

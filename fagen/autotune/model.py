@@ -138,7 +138,13 @@ ARCH_DEVICES: dict[str, DeviceModel] = {
     "sm_86": DeviceModel("GA102 (A40 / RTX A6000 class)", 84, 1.695e9, 0.936e12, 128, 149.7e12),
     "sm_89": DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12),  # 82.6 TFLOP/s
     "sm_90": DeviceModel("H100 SXM5", 132, 1.980e9, 3.35e12, 128, 989.4e12),  # 66.9 TFLOP/s
+    "sm_100": DeviceModel("B200", 148, 1.965e9, 8.0e12, 128, 2250e12),  # datasheet dense fp16 (tcgen05)
+    "sm_120": DeviceModel("RTX 5090", 170, 2.407e9, 1.792e12, 128, 209.5e12),  # 104.8 TFLOP/s
 }
+#: Archs without constants of their own use a sibling's (scaled by the device's real SM count
+#: when tuning on it): same SM generation, same shared-memory class.
+ARCH_DEVICE_FALLBACK: dict[str, str] = {"sm_87": "sm_86", "sm_90a": "sm_90", "sm_103": "sm_100",
+                                        "sm_110": "sm_100", "sm_121": "sm_120"}
 #: Named parts whose numbers differ from their arch's default (substring of the CUDA device name).
 NAMED_DEVICES: tuple[tuple[str, DeviceModel], ...] = (
     ("H200", DeviceModel("H200 SXM", 132, 1.980e9, 4.8e12, 128, 989.4e12)),
@@ -152,7 +158,7 @@ NAMED_DEVICES: tuple[tuple[str, DeviceModel], ...] = (
 
 def device_model(arch: str, device_name: str | None = None, sm_count: int | None = None) -> DeviceModel:
     """Constants for ``arch``, refined by the CUDA device name and its real SM count when known."""
-    dev = ARCH_DEVICES[arch]
+    dev = ARCH_DEVICES[ARCH_DEVICE_FALLBACK.get(arch, arch)]
     if device_name:
         dev = next((d for sub, d in NAMED_DEVICES if sub.lower() in device_name.lower()), dev)
     if sm_count:

@@ -1,5 +1,11 @@
 """Measured timing on a CUDA GPU (CUDA events, warm-up, median of runs).
 
+:func:`measure` times ``calls`` back-to-back calls between each pair of CUDA events and
+synchronises once, after the last repetition: the host enqueues ahead of the GPU, so
+Python's per-call cost (tens of microseconds) is not counted as GPU time where the
+kernels take longer than that (at N = 1k they barely do). ``calls`` is chosen from the
+warm-up so that one repetition spans at least ``MIN_REP_MS``.
+
 One call of the module is timed as a whole: ``run_backward`` launches the
 preprocess kernel (which computes D and zeroes the fp32 dQ accumulator), the
 main kernel (and the deterministic backward's dq kernel) and the postprocess
@@ -118,35 +124,69 @@ class _Inputs:
         return lambda: functional.run_forward(spec, self.q, self.k, self.v, **self.kw)
 
 
-def measure(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after ``warmup`` runs (CUDA events)."""
+#: One timed repetition spans at least this many milliseconds of GPU time (unless MAX_CALLS caps it).
+MIN_REP_MS = 2.0
+#: Most back-to-back calls between one pair of events.
+MAX_CALLS = 64
+
+
+def calls_per_rep(call_ms: float) -> int:
+    """Back-to-back calls per event pair for calls of about ``call_ms`` each."""
+    if not call_ms > 0 or not math.isfinite(call_ms):
+        return MAX_CALLS if call_ms == 0 else 1
+    return max(1, min(MAX_CALLS, math.ceil(MIN_REP_MS / call_ms)))
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, calls: int | None = None) -> float:
+    """Median milliseconds of one call of ``fn``: ``reps`` pairs of CUDA events, each around
+    ``calls`` back-to-back calls, after ``warmup`` calls (themselves timed, to choose ``calls``
+    when None: :func:`calls_per_rep`). The host synchronises after the warm-up and once after
+    the last repetition, never in between."""
     import torch
 
-    for _ in range(warmup):
+    if calls is not None and calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    for _ in range(max(1, warmup)):
         fn()
+    last.record()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    k = calls if calls is not None else calls_per_rep(first.elapsed_time(last) / max(1, warmup))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
         start.record()
-        fn()
+        for _ in range(k):
+            fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(statistics.median(times))
+    torch.cuda.synchronize()
+    return float(statistics.median(start.elapsed_time(end) / k for start, end in events))
 
 
 class CudaTimer:
-    """The GPU timer: inputs are built once per (spec without tiles, problem)."""
+    """The GPU timer: inputs are built once per (spec without tiles, problem).
 
-    def __init__(self, *, warmup: int = 3, reps: int = 10) -> None:
+    ``stop_at`` (a ``time.monotonic()`` instant): candidates reached after it are not run and
+    time as ``inf`` (counted in ``skipped``), so a caller's budget bounds the loop over
+    candidates, not only the loop over problems."""
+
+    def __init__(self, *, warmup: int = 3, reps: int = 10, stop_at: float | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        import time
+
         self.warmup = warmup
         self.reps = reps
+        self.stop_at = stop_at
+        self.skipped = 0
+        self._clock = clock or time.monotonic
         self._inputs: dict[tuple[str, Workload], _Inputs] = {}
 
     def __call__(self, spec: KernelSpec, p: Workload) -> float:
         import json
 
+        if self.stop_at is not None and self._clock() >= self.stop_at:
+            self.skipped += 1
+            return math.inf
         key = (json.dumps(spec.without_tiles(), sort_keys=True), p)
         try:
             if key not in self._inputs:

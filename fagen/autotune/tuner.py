@@ -148,7 +148,8 @@ def gpu_check_rows(shapes: Sequence[Shape], top: int = 4, *, timer: Timer | None
             raise InputError("device", "a CUDA GPU for the autotune GPU check", "no CUDA GPU")
         device = current_device()
     if device.arch is None:
-        raise InputError("device", "compute capability 8.0, 8.6, 8.9 or 9.0", f"{device.capability} ({device.name})")
+        raise InputError("device", "a compute capability of fagen's arch table (fagen.arch.ARCHS)",
+                         f"{device.capability} ({device.name})")
     rows = []
     for batch, heads, seqlen, head_dim, dtype, causal in shapes:
         spec = KernelSpec(direction=direction, head_dim=head_dim, dtype=dtype, causal=causal,  # type: ignore[arg-type]

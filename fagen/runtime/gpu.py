@@ -21,6 +21,15 @@ at most 1024 threads per block; dynamic shared memory is opted in with the
 ``max_dynamic_shared_size_bytes`` attribute (cuFuncSetAttribute) before the
 first launch whenever static + dynamic exceeds the 48 KiB default, and a
 kernel needing more than the device's opt-in maximum is refused.
+
+CUDA versions, decided once at first use (:func:`ensure_toolchain`): the driver's CUDA
+version, CuPy's and torch's CUDA runtime and the installed NVRTC wheel sets
+(``fagen.nvrtc.toolkits``) give the NVRTC to compile with -- the newest whose major
+the driver can load (NVRTC 13 cubins use an ELF ABI a CUDA 12 driver cannot read) --
+or one line naming the ``pip install`` that fixes the setup (:class:`CudaSetupError`).
+A device newer than every arch the chosen NVRTC knows gets PTX for the newest compute
+capability it does know, JIT-compiled by the driver, with a one-line warning; a device
+below sm_80 is refused (:func:`device_arch`).
 """
 from __future__ import annotations
 
@@ -28,14 +37,16 @@ import functools
 import math
 import operator
 import os
+import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..compiler import compile as compile_spec
-from ..errors import InputError
+from ..errors import FagenError, InputError
 from ..renderer import KernelInfo, kernel_infos
 from ..spec import KernelSpec
 from .args import pack
@@ -64,6 +75,183 @@ _ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 class LaunchError(InputError):
     """A kernel argument or launch configuration CUDA cannot take (names which)."""
+
+
+class CudaSetupError(FagenError, RuntimeError):
+    """The CUDA driver, CuPy, torch and NVRTC on this machine do not fit together; the message
+    is one line naming the install that fixes it."""
+
+
+Version = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class CudaVersions:
+    """What decides the NVRTC: (major, minor) of each CUDA part (None where absent or unknown)."""
+
+    driver: Version  # the CUDA version the driver supports (cuDriverGetVersion)
+    nvrtc: tuple[Version, ...]  # the installed NVRTC wheel sets, newest first
+    cupy: Version | None  # CuPy's CUDA runtime
+    torch: Version | None  # torch.version.cuda
+    cupy_wheels: tuple[str, ...] = ()  # the cupy-cuda* distributions installed (more than one breaks CuPy)
+
+
+def _v(v: Version) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def decide_nvrtc(v: CudaVersions, pinned: int | None = None) -> int:
+    """The CUDA major of the NVRTC to compile with, or :class:`CudaSetupError`.
+
+    * CuPy and torch must not be built for a newer CUDA major than the driver supports (their
+      own first CUDA call would fail with cudaErrorInsufficientDriver);
+    * the NVRTC is the newest installed one whose major the driver supports (cubins of NVRTC N
+      load on drivers of CUDA N.x; NVRTC 13's ELF ABI is unreadable to a CUDA 12 driver),
+      ``pinned`` (the ``FAGEN_NVRTC`` folder's) when given and loadable.
+    """
+    drv = v.driver
+    extra = f"pip install 'fagen[cuda{drv[0]}]'"
+    if len(v.cupy_wheels) > 1:
+        keep = f"cupy-cuda{drv[0]}x"
+        drop = [w for w in v.cupy_wheels if w != keep] if keep in v.cupy_wheels else list(v.cupy_wheels)
+        fix = f"pip uninstall -y {' '.join(drop)}" + ("" if keep in v.cupy_wheels else f" && {extra}")
+        raise CudaSetupError(f"{len(v.cupy_wheels)} CuPy wheels are installed ({', '.join(v.cupy_wheels)}), which "
+                             f"breaks import cupy; keep the one for the CUDA {_v(drv)} driver: {fix}")
+    if v.cupy is None:
+        raise CudaSetupError(f"CuPy is not installed (the CUDA {_v(drv)} driver wants CuPy for CUDA {drv[0]}): {extra}")
+    if v.cupy[0] > drv[0]:
+        raise CudaSetupError(f"CuPy is built for CUDA {_v(v.cupy)} but the driver supports CUDA {_v(drv)}: "
+                             f"pip uninstall -y cupy-cuda{v.cupy[0]}x && {extra}")
+    if v.torch is not None and v.torch[0] > drv[0]:
+        raise CudaSetupError(f"torch is built for CUDA {_v(v.torch)} but the driver supports CUDA {_v(drv)}: "
+                             f"install a torch build for CUDA {drv[0]}, then {extra}")
+    usable = [n for n in v.nvrtc if n[0] <= drv[0]]
+    if pinned is not None:
+        if not any(n[0] == pinned for n in v.nvrtc):
+            raise CudaSetupError(f"FAGEN_NVRTC holds no NVRTC for CUDA {pinned}")
+        if pinned > drv[0]:
+            raise CudaSetupError(f"FAGEN_NVRTC names NVRTC {pinned}, whose cubins a CUDA {_v(drv)} driver cannot "
+                                 f"load: point it at a CUDA {drv[0]} set or unset it, and {extra}")
+        return pinned
+    if not usable:
+        have = ", ".join(_v(n) for n in v.nvrtc) or "none"
+        raise CudaSetupError(f"no NVRTC the CUDA {_v(drv)} driver can load is installed (found: {have}): {extra}")
+    return max(usable)[0]
+
+
+def _driver_version() -> Version | None:
+    """The CUDA version the driver supports, from libcuda itself (None without a driver)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    out = ctypes.c_int()
+    if lib.cuDriverGetVersion(ctypes.byref(out)) != 0 or out.value <= 0:
+        return None
+    return out.value // 1000, (out.value % 1000) // 10
+
+
+def _cupy_version() -> Version | None:
+    try:
+        import cupy
+
+        n = int(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:  # noqa: BLE001 - not installed, or two CuPy wheels that break each other's import
+        return None
+    return n // 1000, (n % 1000) // 10
+
+
+def _torch_version() -> Version | None:
+    import torch
+
+    cu = torch.version.cuda
+    if not cu:
+        return None
+    major, minor, *_ = (int(x) for x in cu.split("."))
+    return major, minor
+
+
+def _cupy_wheels() -> tuple[str, ...]:
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    return tuple(sorted(n for n in names if re.fullmatch(r"cupy-cuda\d+x?", n)))
+
+
+def installed_versions(driver: Version) -> CudaVersions:
+    """The :class:`CudaVersions` of this process (NVRTC minors from the wheels' versions; without
+    any wheel set, the version of the NVRTC cuda-pathfinder finds, e.g. a system CUDA install)."""
+    from .. import nvrtc
+
+    found = []
+    for tk in nvrtc.toolkits():
+        minor = int(tk.release.split(".")[1]) if tk.release else 0
+        found.append((tk.major, minor))
+    if not found:
+        try:
+            found.append(nvrtc.version())
+        except Exception:  # noqa: BLE001 - no NVRTC at all: decide_nvrtc names the install
+            pass
+    return CudaVersions(driver, tuple(found), _cupy_version(), _torch_version(), _cupy_wheels())
+
+
+_decided: list[int | None] = []
+
+
+def ensure_toolchain() -> int | None:
+    """Decide the NVRTC once per process on a machine with a CUDA driver (see
+    :func:`decide_nvrtc`) and select it; None without a driver (nothing to decide)."""
+    if _decided:
+        return _decided[0]
+    from .. import compiler, nvrtc
+
+    driver = _driver_version()
+    if driver is None:
+        _decided.append(None)
+        return None
+    pinned_tk = nvrtc.chosen_toolkit() if nvrtc.get_pinned_folder() is not None else None
+    major = decide_nvrtc(installed_versions(driver), pinned_tk.major if pinned_tk is not None else None)
+    current = nvrtc.chosen_toolkit()
+    wheel_set = any(tk.major == major for tk in nvrtc.toolkits())
+    if wheel_set and (current is None or current.major != major):
+        nvrtc.select(major)
+        compiler.clear_memo()
+    _decided.append(major)
+    return major
+
+
+def ptx_target_for(arch: str, supported: "frozenset[str] | set[str]",
+                   capability: Version | None = None) -> str | None:
+    """None when the NVRTC emits a cubin that runs (``arch`` is supported and, when the device's
+    ``capability`` is given, of its major); else the ``compute_XY`` of the newest arch the NVRTC
+    knows at or below both, whose PTX the driver JIT-compiles. :class:`CudaSetupError` if none."""
+    from ..arch import arch_info, newest_at_or_below
+
+    cap = arch_info(arch).capability
+    runs = capability is None or (capability[0] == cap[0] and capability[1] >= cap[1])
+    if arch in supported and runs:
+        return None
+    limit = min(cap, tuple(capability)) if capability is not None else cap
+    best = newest_at_or_below(limit, set(supported))
+    if best is None:
+        raise CudaSetupError(f"the installed NVRTC knows no arch at or below {arch}: pip install 'fagen[cuda13]'")
+    return arch_info(best).compute
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_ptx(arch: str, target: str) -> None:
+    from .. import nvrtc
+
+    if (arch, target) in _warned:
+        return
+    _warned.add((arch, target))
+    v = nvrtc.version()
+    warnings.warn(f"fagen: NVRTC {v[0]}.{v[1]} has no {arch} target; the driver JIT-compiles PTX for {target} "
+                  f"(native code: {nvrtc.install_hint(13)})", RuntimeWarning, stacklevel=3)
 
 
 def to_cuda_arg(ctype: str, value: Any, name: str = "") -> Any:
@@ -178,10 +366,33 @@ class GpuModule:
     """The kernels of one spec; loaded once per CUDA device, on first use there."""
 
     def __init__(self, spec: KernelSpec) -> None:
+        from .. import nvrtc
+
         self.spec = spec
-        self.compiled = compile_spec(spec)
-        self._path = _cubin_path(self.compiled.cubin)
+        ensure_toolchain()
+        target = ptx_target_for(spec.arch, nvrtc.supported_archs())
+        if target is not None:
+            _warn_ptx(spec.arch, target)
+        self.compiled = compile_spec(spec, ptx_target=target)
+        self._path = _cubin_path(self.compiled.cubin, ".ptx" if target else ".cubin")
         self._per_device: dict[int, dict[str, Any]] = {}
+
+    def _image_for(self, device: int) -> Path:
+        """The cubin, or PTX for a device whose major the spec's cubin does not run on."""
+        from .. import nvrtc
+
+        try:
+            import torch
+
+            cap = tuple(int(x) for x in torch.cuda.get_device_capability(device))
+        except Exception:  # noqa: BLE001 - no torch CUDA (a launch recorded on a CPU machine)
+            return self._path
+        target = ptx_target_for(self.spec.arch, nvrtc.supported_archs(), cap)  # type: ignore[arg-type]
+        if target == self.compiled.ptx_target:
+            return self._path
+        _warn_ptx(f"sm_{cap[0]}{cap[1]}", target or self.spec.arch)
+        mod = compile_spec(self.spec, ptx_target=target)
+        return _cubin_path(mod.cubin, ".ptx" if target else ".cubin")
 
     def _kernels(self, device: int) -> dict[str, Any]:
         """Kernel handles on ``device`` (call with that device current)."""
@@ -189,7 +400,7 @@ class GpuModule:
         if kernels is None:
             import cupy
 
-            module = cupy.RawModule(path=str(self._path))
+            module = cupy.RawModule(path=str(self._image_for(device)))
             static = {r.kernel: r.static_smem_bytes for r in self.compiled.resources}
             optin_max = _device_smem_optin(device)
             kernels = {}
@@ -254,7 +465,7 @@ def _cupy_stream(stream: Any, device: int) -> Any:
             return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
-def _cubin_path(cubin: bytes) -> Path:
+def _cubin_path(cubin: bytes, suffix: str = ".cubin") -> Path:
     """The cubin as a file (``cupy.RawModule`` loads files): in the cache dir, written once; in a
     private temp file when the cache is read-only (a shared cache that already holds the entry)."""
     import hashlib
@@ -263,7 +474,7 @@ def _cubin_path(cubin: bytes) -> Path:
     from ..cache import atomic_write, cache_root
     from ..errors import CacheDirError
 
-    name = f"{hashlib.sha256(cubin).hexdigest()}.cubin"
+    name = f"{hashlib.sha256(cubin).hexdigest()}{suffix}"
     try:
         path = cache_root("cubin") / name
         if not path.exists() or path.read_bytes() != cubin:
@@ -282,14 +493,25 @@ def gpu_module(spec: KernelSpec) -> GpuModule:
 
 
 def device_arch(device: Any) -> str:
-    """The target arch whose cubins run on a torch CUDA device (``fagen.spec.arch_for_capability``)."""
+    """The spec arch for a torch CUDA device: the one whose cubins run on it
+    (``fagen.spec.arch_for_capability``); for a device newer than every arch of the table, the
+    newest arch below it (the module then loads PTX, see :class:`GpuModule`). Below sm_80:
+    :class:`~fagen.errors.SpecError`."""
     import torch
 
+    return arch_for_device_capability(tuple(int(x) for x in torch.cuda.get_device_capability(device)))
+
+
+def arch_for_device_capability(capability: Version) -> str:
+    """:func:`device_arch` for a compute capability."""
+    from ..arch import MIN_CAPABILITY, newest_at_or_below
     from ..errors import SpecError
     from ..spec import ARCH_SMEM_OPTIN, arch_for_capability
 
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = arch_for_capability((major, minor))
-    if arch is None:
-        raise SpecError(f"GPU compute capability {major}.{minor} runs none of fagen's targets {sorted(ARCH_SMEM_OPTIN)}")
+    major, minor = capability
+    if (major, minor) < MIN_CAPABILITY:
+        raise SpecError(f"GPU compute capability {major}.{minor} is below sm_80 (fagen's kernels need mma.sync "
+                        f"m16n8k16 with bf16 and cp.async); its targets are {list(ARCH_SMEM_OPTIN)}")
+    arch = arch_for_capability((major, minor)) or newest_at_or_below((major, minor))
+    assert arch is not None  # every capability >= 8.0 has one
     return arch

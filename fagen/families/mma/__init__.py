@@ -58,7 +58,9 @@ class MmaFamily(FamilyBase):
         if dtype not in SUPPORTED_DTYPES:
             return (f"dtype={dtype} has no tensor-core path here (mma.sync m16n8k16 takes float16/bfloat16 "
                     "operands); use impl='simt'")
-        if arch < "sm_80":  # pragma: no cover - the spec admits sm_80+ only
+        from ...arch import ARCHS
+
+        if arch not in ARCHS or not ARCHS[arch].mma_sync:  # pragma: no cover - every spec arch has it
             return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
         return None
 
