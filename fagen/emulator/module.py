@@ -146,6 +146,16 @@ class EmuModule:
         fn.argtypes, fn.restype = [], ctypes.c_ulonglong
         return int(fn())
 
+    def race_marker_lines(self) -> set[int]:
+        """Racecheck modules: the kernel-source lines of the markers the last launch passed."""
+        if not self.racecheck:
+            raise EmulatorError("race_marker_lines needs a module built with build(..., racecheck=True)")
+        fn = self._load().fagen_emu_race_marker_lines
+        fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int), ctypes.c_uint], ctypes.c_uint
+        buf = (ctypes.c_int * 4096)()
+        n = int(fn(buf, 4096))
+        return {int(buf[i]) for i in range(min(n, 4096))}
+
     def run_sanitized(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], smem_bytes: int,
                       args: Args, *, timeout: float | None = 600.0) -> dict[str, Any]:
         """Runs one launch bounds-checked, in a child process with AddressSanitizer.

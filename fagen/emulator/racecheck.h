@@ -70,19 +70,26 @@ struct Site {
     const char* file;
     int line;
     const char* what;
+    unsigned long long marks;  // race_marker passes in this launch (markers only)
+};
+
+// A set of accesses since the last plain write (the reads, or the atomics): one epoch while
+// each happens before the next, else a vector of epochs per thread in the pool (FastTrack).
+struct AccessSet {
+    uint32_t epoch;           // exclusive: the access's epoch (0: empty); shared: pool index
+    uint32_t where;
+    uint16_t tid;
+    uint16_t shared;          // 1: `epoch` is a pool index
 };
 
 struct Cell {                 // 2 bytes of shared memory
     uint32_t phase;           // the phase the fields below belong to (older: empty)
-    uint32_t w_epoch;         // last write (0: none in this phase)
+    uint32_t w_epoch;         // last plain write (0: none in this phase)
     uint32_t w_where;
     uint16_t w_tid;
-    uint8_t w_op;             // kWrite or kAtomic
-    uint8_t r_shared;         // reads: 0 none / exclusive in r_*, 1 pool vector r_epoch
-    uint32_t r_epoch;         // exclusive read epoch (0: none), or pool index
-    uint32_t r_where;
-    uint16_t r_tid;
-    uint16_t r_async;         // a cp.async issue (in flight) by thread r_async - 1 in w_*: see inflight
+    uint8_t w_op;             // kWrite
+    uint8_t pad;
+    AccessSet reads, atomics;
 };
 
 struct InFlight {             // cp.async destination bytes not landed yet
@@ -162,7 +169,7 @@ FAGEN_EMU_NO_TSAN inline uint32_t site(const char* file, int line, const char* w
         T.sites_cap = T.sites_cap ? 2 * T.sites_cap : 256;
         T.sites = static_cast<Site*>(grow(T.sites, T.sites_cap * sizeof(Site)));
     }
-    T.sites[T.nsites] = Site{file, line, what};
+    T.sites[T.nsites] = Site{file, line, what, 0};
     return 0x80000000u | T.nsites++;
 }
 
@@ -241,6 +248,7 @@ FAGEN_EMU_NO_TSAN inline void launch_begin(unsigned nthreads, size_t smem_bytes)
     if (T.globals_used) memset(T.globals, 0, T.globals_cap * sizeof(GlobalEntry));
     T.globals_used = 0;
     T.markers = 0;
+    for (unsigned i = 0; i < T.nsites; ++i) T.sites[i].marks = 0;
     T.stacks_lo = reinterpret_cast<uintptr_t>(g.stack_base);
     T.stacks_hi = T.stacks_lo + g.stack_count * g.stack_stride;
     T.report.kind = kNone;
@@ -319,7 +327,43 @@ FAGEN_EMU_NO_TSAN inline Cell& cell(size_t i) {
     return c;
 }
 
-// Access of cell i (2 bytes at smem offset 2i) by thread (or agent slot) t.
+// Adds t's access at epoch e to a set.
+FAGEN_EMU_NO_TSAN inline void set_add(AccessSet& a, unsigned t, uint32_t e, uint32_t where) {
+    if (!a.shared) {
+        if (a.epoch == 0 || a.tid == t || ordered(a.tid, a.epoch, t)) {
+            a.tid = uint16_t(t), a.epoch = e, a.where = where;
+        } else {
+            const uint32_t p = pool_alloc();
+            uint32_t* v = pool_vec(p);
+            v[a.tid] = a.epoch, v[T.dim + a.tid] = a.where;
+            v[t] = e, v[T.dim + t] = where;
+            a.shared = 1, a.epoch = p;
+        }
+    } else {
+        uint32_t* v = pool_vec(a.epoch);
+        v[t] = e, v[T.dim + t] = where;
+    }
+}
+
+// Reports the first access of the set that does not happen before t's access (op, where).
+FAGEN_EMU_NO_TSAN inline void set_check(const AccessSet& a, int set_op, size_t i, unsigned t, Op op,
+                                        uint32_t where) {
+    const int kind = set_op == kRead ? kWar : (op == kRead ? kRaw : kWaw);
+    if (!a.shared) {
+        if (a.epoch && !ordered(a.tid, a.epoch, t))
+            report(kind, 0, 2 * i, 2, set_op, a.tid, a.epoch, a.where, op, t, T.clock[t], where, nullptr);
+        return;
+    }
+    const uint32_t* v = pool_vec(a.epoch);
+    const uint32_t* mine = V(t);
+    for (unsigned u = 0; u < T.dim; ++u)
+        if (v[u] > mine[u] && u != t)
+            report(kind, 0, 2 * i, 2, set_op, u, v[u], v[T.dim + u], op, t, T.clock[t], where, nullptr);
+}
+
+// Access of cell i (2 bytes at smem offset 2i) by thread (or agent slot) t. A read must follow
+// the last write and the atomics since; an atomic the last write and the reads (not the other
+// atomics); a write all of them.
 FAGEN_EMU_NO_TSAN inline void access_cell(size_t i, unsigned t, Op op, uint32_t where, bool landing = false) {
     const InFlight& f = T.inflight[i];
     if (f.issuer1 && !landing)
@@ -328,39 +372,19 @@ FAGEN_EMU_NO_TSAN inline void access_cell(size_t i, unsigned t, Op op, uint32_t 
                "not passed the cp.async.wait_group / wait_all that completes it");
     Cell& c = cell(i);
     const uint32_t e = T.clock[t];
-    if (c.w_epoch && !ordered(c.w_tid, c.w_epoch, t) && !(op == kAtomic && c.w_op == kAtomic))
-        report(op == kRead ? kRaw : kWaw, 0, 2 * i, 2, c.w_op, c.w_tid, c.w_epoch, c.w_where, op, t, e, where,
+    if (c.w_epoch && !ordered(c.w_tid, c.w_epoch, t))
+        report(op == kRead ? kRaw : kWaw, 0, 2 * i, 2, kWrite, c.w_tid, c.w_epoch, c.w_where, op, t, e, where,
                nullptr);
+    if (op != kAtomic) set_check(c.atomics, kAtomic, i, t, op, where);
+    if (op != kRead) set_check(c.reads, kRead, i, t, op, where);
     if (op == kRead) {
-        if (!c.r_shared) {
-            if (c.r_epoch == 0 || c.r_tid == t || ordered(c.r_tid, c.r_epoch, t)) {
-                c.r_tid = uint16_t(t), c.r_epoch = e, c.r_where = where;
-            } else {
-                const uint32_t p = pool_alloc();
-                uint32_t* v = pool_vec(p);
-                v[c.r_tid] = c.r_epoch, v[T.dim + c.r_tid] = c.r_where;
-                v[t] = e, v[T.dim + t] = where;
-                c.r_shared = 1, c.r_epoch = p;
-            }
-        } else {
-            uint32_t* v = pool_vec(c.r_epoch);
-            v[t] = e, v[T.dim + t] = where;
-        }
-        return;
-    }
-    // A write or an atomic: every read since the last write must happen before it.
-    if (!c.r_shared) {
-        if (c.r_epoch && !ordered(c.r_tid, c.r_epoch, t))
-            report(kWar, 0, 2 * i, 2, kRead, c.r_tid, c.r_epoch, c.r_where, op, t, e, where, nullptr);
+        set_add(c.reads, t, e, where);
+    } else if (op == kAtomic) {
+        set_add(c.atomics, t, e, where);
     } else {
-        const uint32_t* v = pool_vec(c.r_epoch);
-        const uint32_t* mine = V(t);
-        for (unsigned u = 0; u < T.dim; ++u)
-            if (v[u] > mine[u] && u != t)
-                report(kWar, 0, 2 * i, 2, kRead, u, v[u], v[T.dim + u], op, t, e, where, nullptr);
+        c.reads = AccessSet{0, 0, 0, 0}, c.atomics = AccessSet{0, 0, 0, 0};
+        c.w_tid = uint16_t(t), c.w_epoch = e, c.w_where = where, c.w_op = kWrite;
     }
-    c.r_shared = 0, c.r_epoch = 0;
-    c.w_tid = uint16_t(t), c.w_epoch = e, c.w_where = where, c.w_op = op == kAtomic ? kAtomic : kWrite;
 }
 
 // Global memory: a plain store by this block to bytes another block stored to.
@@ -582,12 +606,24 @@ void describe() {
 FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line) {
     if (!race::T.active) return;
     ++race::T.markers;
-    race::tick(g.cur->index, race::site(file, line, "marker"));
+    const uint32_t s = race::site(file, line, "marker");
+    ++race::T.sites[s & 0x7fffffffu].marks;
+    race::tick(g.cur->index, s);
 }
 }  // namespace fagen_emu
 
 extern "C" __attribute__((visibility("default"))) unsigned long long fagen_emu_race_markers() {
     return fagen_emu::race::T.markers;
+}
+// The distinct source lines of the markers passed in the last launch (up to cap); returns their number.
+extern "C" __attribute__((visibility("default"))) unsigned fagen_emu_race_marker_lines(int* out, unsigned cap) {
+    unsigned n = 0;
+    for (unsigned i = 0; i < fagen_emu::race::T.nsites; ++i)
+        if (fagen_emu::race::T.sites[i].marks) {
+            if (n < cap) out[n] = fagen_emu::race::T.sites[i].line;
+            ++n;
+        }
+    return n;
 }
 // The last report, for the Python exception: kind, space, offset, bytes,
 // first tid, first block (3), second tid.

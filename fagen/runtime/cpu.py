@@ -50,6 +50,8 @@ class RacecheckedLaunches:
     launches: list[tuple[str, str, str]] = field(default_factory=list)
     #: ``fagen_emu_race_marker()`` passes summed over the launches (see docs/emulator.md).
     markers: int = 0
+    #: (spec name, kernel-source line) of every marker passed.
+    marker_lines: set[tuple[str, int]] = field(default_factory=set)
 
     @property
     def roles(self) -> set[str]:
@@ -134,6 +136,7 @@ class CpuModule:
             emu.launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values, smem_buffers=self.smem_buffers())
             races.launches.append((self.spec.name, kernel.role.name, kernel.name))
             races.markers += emu.race_markers()
+            races.marker_lines |= {(self.spec.name, line) for line in emu.race_marker_lines()}
             return
         self._build(sanitize=False).launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
 
