@@ -16,6 +16,12 @@
 * ``fagen_fwd`` / ``fagen_bwd``: one launch of a real rendered kernel
   (d=64, fp16, causal, B=1 H=2 N=256) when fagen's renderer is importable.
 
+* ``racecheck_*``: the same sgemm / hgemm launches from the racecheck build
+  (every shared-memory access through the happens-before tracker), and one
+  forward + backward of the fagen kernels above per family inside
+  ``fagen.runtime.cpu.racecheck()``; ``*_slowdown`` is the time over the plain
+  launch's (the racecheck budget is <= 5x).
+
 ``--ucontext`` builds with the portable glibc swapcontext switch instead of
 the x86-64 assembly one, for comparison.
 """
@@ -174,6 +180,36 @@ def _fagen_kernels(results: dict) -> None:
     results["fagen_bwd_s"] = _best(lambda: attention_backward(do, q, k, v, o, lse, causal=True))
 
 
+def _fagen_racecheck(results: dict) -> None:
+    """Forward + backward of each family (d=64 fp16 causal, B=1 H=2 N=256): plain, then racecheck."""
+    try:
+        import torch
+
+        from fagen import KernelSpec
+        from fagen.functional import attention_backward, attention_forward
+        from fagen.runtime.cpu import racecheck
+    except Exception as exc:  # noqa: BLE001 - fagen's front end is optional here
+        results["racecheck_fagen"] = f"skipped ({type(exc).__name__}: {exc})"
+        return
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 256, 2, 64, dtype=torch.float16) for _ in range(4))
+    for impl in ("simt", "mma"):
+        sf, sb = (KernelSpec(direction=d, head_dim=64, dtype="float16", causal=True, impl=impl) for d in ("fwd", "bwd"))
+
+        def run(sf=sf, sb=sb):
+            o, lse = attention_forward(q, k, v, causal=True, spec=sf)
+            attention_backward(do, q, k, v, o, lse, causal=True, spec=sb)
+
+        run()
+        plain = _best(run)
+        with racecheck():
+            run()  # builds (or loads) the racecheck modules
+            checked = _best(run)
+        results[f"fagen_{impl}_fwd_bwd_s"] = plain
+        results[f"racecheck_fagen_{impl}_fwd_bwd_s"] = checked
+        results[f"racecheck_fagen_{impl}_slowdown"] = checked / plain
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -218,8 +254,19 @@ def main() -> None:
                                                       (2 * 64 * 40 + 2 * 32 * 72) * 2, [ah, bh, c, m, n, k]))
         ref = ah.astype(np.float64) @ bh.astype(np.float64)
         results["hgemm_max_err"] = float(np.abs(c - ref).max())
+        t = time.perf_counter()
+        rmod = build(SOURCE, SIGS, extra_flags=flags, cache_dir=tmp, racecheck=True)
+        results["racecheck_build_s"] = time.perf_counter() - t
+        dt = _best(lambda: rmod.launch("sgemm", (n // 16, m // 16, 1), 256, 2 * 256 * 4, [a, b, c, m, n, k]))
+        results["racecheck_sgemm_s"] = dt
+        results["racecheck_sgemm_slowdown"] = dt / results["sgemm_s"]
+        dt = _best(lambda: rmod.launch("hgemm", (n // 64, m // 64, 1), 128, (2 * 64 * 40 + 2 * 32 * 72) * 2,
+                                       [ah, bh, c, m, n, k]))
+        results["racecheck_hgemm_s"] = dt
+        results["racecheck_hgemm_slowdown"] = dt / results["hgemm_s"]
     if not opts.no_fagen:
         _fagen_kernels(results)
+        _fagen_racecheck(results)
     if opts.json:
         print(json.dumps(results))
         return

@@ -236,11 +236,11 @@ FA_DEVICE void fa_cp_async_16(void* smem_dst, const void* gmem_src, bool valid, 
 }
 FA_DEVICE void fa_cp_async_commit() { fagen_emu::cp_async_commit(); }
 template <int N>
-FA_DEVICE void fa_cp_async_wait() {
+FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     static_assert(N >= 0, "fa_cp_async_wait<N>: N >= 0");
-    fagen_emu::cp_async_wait(unsigned(N));
+    fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
-FA_DEVICE void fa_cp_async_wait_all() { fagen_emu::cp_async_wait_all(); }
+FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
 #endif
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).

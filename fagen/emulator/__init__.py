@@ -22,6 +22,7 @@ from .errors import (
     EmulatorKernelError,
     EmulatorLaunchError,
     EmulatorMemoryError,
+    EmulatorRaceError,
 )
 from .module import Args, EmuModule
 from .signature import KernelSig, SigLike
@@ -42,5 +43,5 @@ def run_sanitized(source: str, kernels: Sequence[KernelSig | SigLike], name: str
 __all__ = [
     "build", "clear_memo", "run_sanitized", "EmuModule", "KernelSig",
     "EmulatorError", "EmulatorBuildError", "EmulatorLaunchError", "EmulatorDeadlockError",
-    "EmulatorKernelError", "EmulatorMemoryError",
+    "EmulatorKernelError", "EmulatorMemoryError", "EmulatorRaceError",
 ]

@@ -42,16 +42,26 @@ def _default_cache_dir() -> Path:
 
 @functools.cache
 def _support_text() -> tuple[str, str]:
-    """(runtime.h, shim.h) as shipped in the package."""
+    """(runtime.h + racecheck.h, shim.h) as shipped in the package."""
     pkg = resources.files(__package__)
-    return pkg.joinpath("runtime.h").read_text(), pkg.joinpath("shim.h").read_text()
+    runtime = pkg.joinpath("runtime.h").read_text() + "\n" + pkg.joinpath("racecheck.h").read_text()
+    return runtime, pkg.joinpath("shim.h").read_text()
 
 
-def compile_flags(*, sanitize: bool, debug: bool) -> list[str]:
+#: Racecheck instrumentation: every kernel load/store calls __tsan_read*/__tsan_write*, which
+#: racecheck.h defines (libtsan is never linked: the object is linked without -fsanitize).
+RACECHECK_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DFAGEN_EMU_RACECHECK")
+
+
+def compile_flags(*, sanitize: bool, debug: bool, racecheck: bool = False) -> list[str]:
     """g++ flags (the include dir is added separately)."""
+    if sanitize and racecheck:
+        raise EmulatorBuildError("build: sanitize and racecheck are separate builds; ask for one of them")
     flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
              "-Wno-unknown-pragmas"]
-    if sanitize:
+    if racecheck:
+        flags += ["-O2", "-g", *RACECHECK_FLAGS]
+    elif sanitize:
         flags += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
     elif debug:
         flags += ["-O0", "-g"]
@@ -98,6 +108,7 @@ def build(
     *,
     sanitize: bool = False,
     debug: bool = False,
+    racecheck: bool = False,
     extra_flags: Sequence[str] = (),
     cache_dir: Path | str | None = None,
 ) -> EmuModule:
@@ -105,7 +116,9 @@ def build(
 
     ``kernels`` lists the ``extern "C" __global__`` functions to expose.
     ``sanitize`` builds with AddressSanitizer (launch it with
-    :meth:`EmuModule.run_sanitized`); ``debug`` builds ``-O0 -g`` for gdb.
+    :meth:`EmuModule.run_sanitized`); ``debug`` builds ``-O0 -g`` for gdb; ``racecheck``
+    builds the hazard-tracking module (every launch raises :class:`EmulatorRaceError` on a
+    shared-memory hazard between threads, or on plain stores of two blocks to the same bytes).
     ``extra_flags`` go to g++ as well (e.g. ``-DFAGEN_EMU_STACK_BYTES=1048576``,
     ``-DFAGEN_EMU_UCONTEXT``); they are part of the cache key.
     Raises :class:`EmulatorBuildError` with g++'s log when compilation fails.
@@ -117,7 +130,7 @@ def build(
     wrappers = render_wrappers(sigs)
     cxx, cxx_id = compiler()
     include = cuda_include_dir()
-    flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
+    flags = compile_flags(sanitize=sanitize, debug=debug, racecheck=racecheck) + [str(f) for f in extra_flags]
     runtime, shim = _support_text()
     key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
@@ -135,7 +148,7 @@ def build(
                 _log.info("building %s%s for the CPU emulator with %s", names[0],
                           f" (+{len(names) - 1} more)" if len(names) > 1 else "", Path(cxx).name)
                 _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
-    module = EmuModule(so, sigs, sanitized=sanitize)
+    module = EmuModule(so, sigs, sanitized=sanitize, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
 
@@ -169,8 +182,20 @@ def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem:
     tmp = cache.temp_path(root / f"{stem}.so")  # g++ creates it: mode 0o777 minus the umask
     try:
         # Relative source name + cwd=root: debug info points gdb at root.
-        proc = subprocess.run([cxx, *flags, f"{stem}.cpp", "-o", tmp], cwd=root, capture_output=True, text=True,
-                              check=False)
+        if "-fsanitize=thread" in flags:
+            # Instrument, but link without -fsanitize=thread (which would pull in libtsan).
+            obj = tmp.with_name(tmp.name + ".o")
+            try:
+                proc = subprocess.run([cxx, *flags, "-c", f"{stem}.cpp", "-o", obj], cwd=root, capture_output=True,
+                                      text=True, check=False)
+                if proc.returncode == 0:
+                    proc = subprocess.run([cxx, "-shared", "-fPIC", obj, "-o", tmp], cwd=root, capture_output=True,
+                                          text=True, check=False)
+            finally:
+                obj.unlink(missing_ok=True)
+        else:
+            proc = subprocess.run([cxx, *flags, f"{stem}.cpp", "-o", tmp], cwd=root, capture_output=True, text=True,
+                                  check=False)
         if proc.returncode != 0:
             raise EmulatorBuildError(
                 f"g++ failed to compile the emulator module ({root / f'{stem}.cpp'}; kernel source lines are "

@@ -42,6 +42,25 @@ class EmulatorKernelError(_KernelFailure):
     invalid warp collective (bad width, mask without the caller's lane)."""
 
 
+class EmulatorRaceError(_KernelFailure):
+    """A racecheck launch (``build(..., racecheck=True)``, ``fagen.runtime.cpu.racecheck()``) found a
+    hazard: two accesses of the same shared-memory bytes by different threads, at least one a
+    write, that no barrier, ``__syncwarp`` or cp.async wait orders (or plain stores of two blocks
+    to the same global bytes). The message names the kernel, the kind, the buffer and offset,
+    both threads (block, warp, lane) and both source lines.
+
+    ``kind``: ``"read-after-write"``, ``"write-after-read"`` or ``"write-after-write"``;
+    ``space``: ``"shared"`` or ``"global"``; ``offset``: byte offset in the block's dynamic shared
+    memory (shared) or the address (global); ``buffer``: the shared-memory buffer's name when the
+    launch knew the layout, else None; ``lines``: the two accesses' ``FILE:LINE``, first then second."""
+
+    def __init__(self, message: str, kernel: str = "", block: tuple[int, int, int] | None = None, *,
+                 kind: str = "", space: str = "", offset: int = 0, buffer: str | None = None,
+                 lines: tuple[str, str] = ("", "")) -> None:
+        self.kind, self.space, self.offset, self.buffer, self.lines = kind, space, offset, buffer, lines
+        super().__init__(message, kernel, block)
+
+
 class EmulatorMemoryError(EmulatorError):
     """AddressSanitizer (``sanitize=True``) found an invalid memory access;
     ``report`` holds the ASan report."""

@@ -9,9 +9,10 @@ from typing import Any
 
 from . import stacks
 from .errors import EmulatorError, EmulatorLaunchError
+from .racereport import SmemBuffers, race_error
 from .sanitize import run_in_child
 from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value
-from .status import STATUS_OK, Dim3, raise_for_status
+from .status import STATUS_OK, STATUS_RACE, Dim3, raise_for_status
 
 _ERRLEN = 8192
 
@@ -45,9 +46,10 @@ def ordered_args(sig: KernelSig, args: Args) -> list[Any]:
 class EmuModule:
     """Kernels compiled for the CPU emulator (made by :func:`fagen.emulator.build`)."""
 
-    def __init__(self, path: Path, kernels: Sequence[KernelSig], *, sanitized: bool) -> None:
+    def __init__(self, path: Path, kernels: Sequence[KernelSig], *, sanitized: bool, racecheck: bool = False) -> None:
         self.path = Path(path)
         self.sanitized = sanitized
+        self.racecheck = racecheck
         self.kernels: dict[str, KernelSig] = {k.name: k for k in kernels}
         self._codes = {k.name: [code_of(t) for t, _ in k.params] for k in kernels}
         self._lib: ctypes.CDLL | None = None
@@ -58,7 +60,8 @@ class EmuModule:
             self._load()
 
     def __repr__(self) -> str:
-        return f"EmuModule({str(self.path)!r}, kernels={list(self.kernels)}, sanitized={self.sanitized})"
+        return (f"EmuModule({str(self.path)!r}, kernels={list(self.kernels)}, sanitized={self.sanitized}, "
+                f"racecheck={self.racecheck})")
 
     @property
     def source_path(self) -> Path:
@@ -95,7 +98,7 @@ class EmuModule:
         return fn
 
     def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], smem_bytes: int,
-               args: Args) -> None:
+               args: Args, *, smem_buffers: SmemBuffers | None = None) -> None:
         """Runs kernel ``name`` over ``grid`` x ``block`` threads, to completion.
 
         ``args`` in signature order (or by parameter name): pointers as
@@ -103,6 +106,8 @@ class EmuModule:
         data pointer used), scalars as Python numbers. Raises
         :class:`EmulatorDeadlockError`, :class:`EmulatorKernelError` or
         :class:`EmulatorLaunchError`. The GIL is released while it runs.
+        A racecheck module raises :class:`EmulatorRaceError` on a hazard; ``smem_buffers``
+        (``(name, offset, nbytes)`` per buffer of the dynamic shared memory) names the buffer.
         """
         sig = self.sig(name)
         g, b = dim3(grid, "grid"), dim3(block, "block")
@@ -127,7 +132,29 @@ class EmuModule:
         if status != STATUS_OK:
             where = (ctypes.c_uint * 3)()
             self._lib.fagen_emu_last_block(where)  # type: ignore[union-attr]
+            if status == STATUS_RACE and self.racecheck:
+                raise race_error(lib, self.path, err.value.decode(errors="replace"), name, tuple(where),  # type: ignore[arg-type]
+                                 smem_buffers)
             raise_for_status(status, err.value.decode(errors="replace"), name, tuple(where))  # type: ignore[arg-type]
+
+    def race_markers(self) -> int:
+        """Racecheck modules: how many times the last launch's threads passed
+        ``fagen_emu_race_marker()`` (see docs/emulator.md, "Racecheck")."""
+        if not self.racecheck:
+            raise EmulatorError("race_markers needs a module built with build(..., racecheck=True)")
+        fn = self._load().fagen_emu_race_markers
+        fn.argtypes, fn.restype = [], ctypes.c_ulonglong
+        return int(fn())
+
+    def race_marker_lines(self) -> set[int]:
+        """Racecheck modules: the kernel-source lines of the markers the last launch passed."""
+        if not self.racecheck:
+            raise EmulatorError("race_marker_lines needs a module built with build(..., racecheck=True)")
+        fn = self._load().fagen_emu_race_marker_lines
+        fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int), ctypes.c_uint], ctypes.c_uint
+        buf = (ctypes.c_int * 4096)()
+        n = int(fn(buf, 4096))
+        return {int(buf[i]) for i in range(min(n, 4096))}
 
     def run_sanitized(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], smem_bytes: int,
                       args: Args, *, timeout: float | None = 600.0) -> dict[str, Any]:

@@ -35,6 +35,16 @@
 #define FAGEN_EMU_NO_ASAN
 #endif
 
+// The racecheck build (-DFAGEN_EMU_RACECHECK) instruments the kernel with
+// -fsanitize=thread; the runtime and the shim's primitives are left out of the
+// instrumentation and report their accesses to racecheck.h themselves.
+#if defined(FAGEN_EMU_RACECHECK)
+#include <algorithm>
+#define FAGEN_EMU_NO_TSAN __attribute__((no_sanitize_thread))
+#else
+#define FAGEN_EMU_NO_TSAN
+#endif
+
 #if !defined(__x86_64__) && !defined(FAGEN_EMU_UCONTEXT)
 #define FAGEN_EMU_UCONTEXT 1
 #endif
@@ -66,6 +76,7 @@
 #define FAGEN_EMU_DEADLOCK 1
 #define FAGEN_EMU_KERNEL_ERROR 2
 #define FAGEN_EMU_BAD_LAUNCH 3
+#define FAGEN_EMU_RACE 4
 
 namespace fagen_emu {
 
@@ -120,7 +131,7 @@ struct Context {
     void* sp = nullptr;
 };
 
-inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*), void* arg) {
+FAGEN_EMU_NO_TSAN inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*), void* arg) {
     // Initial frame popped by fagen_emu_switch: r15 r14 r13 r12 rbx rbp, then
     // `ret` lands in fagen_emu_fiber_entry with rsp 16-byte aligned, which
     // calls fn(arg) (r13, r12) as an ordinary function.
@@ -136,7 +147,7 @@ inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*)
     c->sp = sp;
 }
 
-inline void context_switch(Context* from, Context* to) { fagen_emu_switch(&from->sp, to->sp); }
+FAGEN_EMU_NO_TSAN inline void context_switch(Context* from, Context* to) { fagen_emu_switch(&from->sp, to->sp); }
 #else
 // Portable fallback. glibc's swapcontext also saves the signal mask, which is
 // a syscall per switch, so this is several times slower than the asm path.
@@ -144,13 +155,13 @@ struct Context {
     ucontext_t uc;
 };
 
-inline void context_trampoline(unsigned lo, unsigned hi, unsigned flo, unsigned fhi) {
+FAGEN_EMU_NO_TSAN inline void context_trampoline(unsigned lo, unsigned hi, unsigned flo, unsigned fhi) {
     auto fn = reinterpret_cast<void (*)(void*)>((uintptr_t(fhi) << 32) | flo);
     fn(reinterpret_cast<void*>((uintptr_t(hi) << 32) | lo));
     abort();
 }
 
-inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*), void* arg) {
+FAGEN_EMU_NO_TSAN inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*), void* arg) {
     getcontext(&c->uc);
     c->uc.uc_stack.ss_sp = stack;
     c->uc.uc_stack.ss_size = size;
@@ -160,7 +171,7 @@ inline void context_init(Context* c, char* stack, size_t size, void (*fn)(void*)
                 unsigned(a >> 32), unsigned(f), unsigned(f >> 32));
 }
 
-inline void context_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+FAGEN_EMU_NO_TSAN inline void context_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
 #endif
 
 // ------------------------------------------------------------------- state
@@ -171,7 +182,7 @@ enum Collective : uint8_t {
     kExchange  // general per-lane payload exchange (warp_exchange)
 };
 
-inline const char* collective_name(Collective k) {
+FAGEN_EMU_NO_TSAN inline const char* collective_name(Collective k) {
     switch (k) {
         case kShflIdx: return "__shfl_sync";
         case kShflUp: return "__shfl_up_sync";
@@ -263,7 +274,7 @@ static State& g = fagen_emu_state;
 
 // ------------------------------------------------------------------ helpers
 inline void appendf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-inline void appendf(const char* fmt, ...) {
+FAGEN_EMU_NO_TSAN inline void appendf(const char* fmt, ...) {
     const size_t n = strlen(g.msg);
     if (n + 1 >= sizeof g.msg) return;
     va_list ap;
@@ -274,7 +285,7 @@ inline void appendf(const char* fmt, ...) {
 
 // Appends "0-4,7,9-12" for the indices in [0, n) where pred(i) holds.
 template <typename Pred>
-inline void append_ranges(unsigned n, Pred pred) {
+FAGEN_EMU_NO_TSAN inline void append_ranges(unsigned n, Pred pred) {
     bool first = true;
     for (unsigned i = 0; i < n;) {
         if (!pred(i)) { ++i; continue; }
@@ -287,18 +298,18 @@ inline void append_ranges(unsigned n, Pred pred) {
     }
 }
 
-inline void begin_message(const char* what) {
+FAGEN_EMU_NO_TSAN inline void begin_message(const char* what) {
     g.msg[0] = '\0';
     appendf("%s in kernel '%s' block (%u,%u,%u) [blockDim (%u,%u,%u)]: ", what, g.kernel,
             g.block_idx.x, g.block_idx.y, g.block_idx.z, g.block_dim.x, g.block_dim.y, g.block_dim.z);
 }
 
-inline void append_thread(const Fiber* f) {
+FAGEN_EMU_NO_TSAN inline void append_thread(const Fiber* f) {
     appendf("thread (%u,%u,%u)", f->tid.x, f->tid.y, f->tid.z);
 }
 
 // ---------------------------------------------------------------- switching
-FAGEN_EMU_NO_ASAN inline void jump(Context* from, Context* to, const void* to_bottom, size_t to_size,
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void jump(Context* from, Context* to, const void* to_bottom, size_t to_size,
                                    bool exiting) {
 #if defined(FAGEN_EMU_ASAN)
     void* fake = nullptr;
@@ -311,12 +322,12 @@ FAGEN_EMU_NO_ASAN inline void jump(Context* from, Context* to, const void* to_bo
 #endif
 }
 
-FAGEN_EMU_NO_ASAN inline void jump_to_fiber(Context* from, Fiber* to, bool exiting) {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void jump_to_fiber(Context* from, Fiber* to, bool exiting) {
     g.cur = to;
     jump(from, &to->ctx, to->stack, FAGEN_EMU_STACK_BYTES, exiting);
 }
 
-FAGEN_EMU_NO_ASAN inline void jump_to_scheduler(Context* from, bool exiting) {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void jump_to_scheduler(Context* from, bool exiting) {
     g.cur = nullptr;
 #if defined(FAGEN_EMU_ASAN)
     jump(from, &g.sched, g.main_stack_bottom, g.main_stack_size, exiting);
@@ -325,12 +336,12 @@ FAGEN_EMU_NO_ASAN inline void jump_to_scheduler(Context* from, bool exiting) {
 #endif
 }
 
-inline void push(unsigned i) {
+FAGEN_EMU_NO_TSAN inline void push(unsigned i) {
     g.queue[(g.q_head + g.q_size) % g.nthreads] = i;
     ++g.q_size;
 }
 
-inline Fiber* pop() {
+FAGEN_EMU_NO_TSAN inline Fiber* pop() {
     Fiber* f = &g.fibers[g.queue[g.q_head]];
     g.q_head = (g.q_head + 1) % g.nthreads;
     --g.q_size;
@@ -339,8 +350,25 @@ inline Fiber* pop() {
 
 void describe_deadlock();
 
+// Racecheck events (racecheck.h; no-ops without -DFAGEN_EMU_RACECHECK).
+namespace race {
+#if defined(FAGEN_EMU_RACECHECK)
+inline void launch_begin(unsigned nthreads, size_t smem_bytes);
+inline void block_begin(unsigned char* smem, size_t smem_bytes);
+inline void block_end();
+inline void on_block_barrier(const char* file, int line);
+inline void on_syncwarp(unsigned base, unsigned arrived, const char* file, int line);
+#else
+inline void launch_begin(unsigned, size_t) {}
+inline void block_begin(unsigned char*, size_t) {}
+inline void block_end() {}
+inline void on_block_barrier(const char*, int) {}
+inline void on_syncwarp(unsigned, unsigned, const char*, int) {}
+#endif
+}  // namespace race
+
 // Aborts the block: the remaining fibers are abandoned, never resumed.
-[[noreturn]] FAGEN_EMU_NO_ASAN inline void abort_block(int status) {
+[[noreturn]] FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void abort_block(int status) {
     g.status = status;
     Context dead;
     jump_to_scheduler(&dead, false);
@@ -348,7 +376,7 @@ void describe_deadlock();
 }
 
 // The running fiber blocked (or exited): run the next runnable one.
-FAGEN_EMU_NO_ASAN inline void schedule(bool exiting) {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void schedule(bool exiting) {
     Fiber* self = g.cur;
     if (g.q_size == 0) {
         if (g.live == 0) {
@@ -363,7 +391,7 @@ FAGEN_EMU_NO_ASAN inline void schedule(bool exiting) {
 }
 
 // ----------------------------------------------------------------- barriers
-FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file, int line) {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file, int line) {
     Fiber* self = g.cur;
     if (g.bar_arrived == 0) {
         g.bar_file = file;
@@ -379,6 +407,7 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file,
     self->wait = kAtBlockBarrier;
     if (++g.bar_arrived == g.nthreads) {
         g.bar_arrived = 0;
+        race::on_block_barrier(file, line);
         for (unsigned k = 0; k < g.nthreads; ++k) {
             const unsigned i = FAGEN_EMU_ORDER(k, g.nthreads);
             g.fibers[i].wait = kRunnable;
@@ -390,7 +419,7 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file,
 
 // Source lane of `lane` for a shuffle, following the PTX shfl.sync definition
 // with CUDA's c operand ((32 - width) << 8, | 0x1f except for .up).
-inline unsigned shuffle_source(Collective kind, unsigned lane, int b, int width) {
+FAGEN_EMU_NO_TSAN inline unsigned shuffle_source(Collective kind, unsigned lane, int b, int width) {
     const int segmask = (32 - width) & 0x1f;
     const int cval = kind == kShflUp ? 0 : 0x1f;
     const int l = int(lane), bval = b & 0x1f;
@@ -410,7 +439,7 @@ inline unsigned shuffle_source(Collective kind, unsigned lane, int b, int width)
 // Records the running lane's arrival at a warp collective after checking it
 // agrees with the lanes already waiting (kind, mask, width, exchange
 // operation); returns true when it is the last lane the collective waits for.
-inline bool arrive(Warp& w, Collective kind, unsigned mask, int width, ExchangeFn fn, const char* name,
+FAGEN_EMU_NO_TSAN inline bool arrive(Warp& w, Collective kind, unsigned mask, int width, ExchangeFn fn, const char* name,
                    const char* file, int line) {
     Fiber* self = g.cur;
     const unsigned lane = self->index & 31u;
@@ -450,7 +479,7 @@ inline bool arrive(Warp& w, Collective kind, unsigned mask, int width, ExchangeF
 }
 
 // Makes the lanes of a completed collective runnable again (in schedule order).
-inline void release_lanes(Warp& w, Fiber* lanes) {
+FAGEN_EMU_NO_TSAN inline void release_lanes(Warp& w, Fiber* lanes) {
     const unsigned arrived = w.arrived;
     w.arrived = 0;
     for (unsigned k = 0; k < 32; ++k) {
@@ -461,7 +490,7 @@ inline void release_lanes(Warp& w, Fiber* lanes) {
     }
 }
 
-inline void complete_collective(Warp& w, Fiber* lanes) {
+FAGEN_EMU_NO_TSAN inline void complete_collective(Warp& w, Fiber* lanes) {
     const unsigned arrived = w.arrived;
     unsigned ballot = 0;
     for (unsigned l = 0; l < 32; ++l)
@@ -484,7 +513,7 @@ inline void complete_collective(Warp& w, Fiber* lanes) {
     release_lanes(w, lanes);
 }
 
-FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective kind, unsigned mask,
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective kind, unsigned mask,
                                                                     uint64_t value, int arg, int width,
                                                                     const char* file, int line) {
     Fiber* self = g.cur;
@@ -492,8 +521,10 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective 
     Warp& w = g.warps[self->index >> 5];
     self->value = value;
     self->arg = arg;
-    if (arrive(w, kind, mask, width, nullptr, collective_name(kind), file, line))
+    if (arrive(w, kind, mask, width, nullptr, collective_name(kind), file, line)) {
+        if (kind == kSyncwarp) race::on_syncwarp(self->index - lane, w.arrived, file, line);
         complete_collective(w, self - lane);
+    }
     schedule(false);
     return self->result;
 }
@@ -503,7 +534,7 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective 
 // (nullptr for lanes outside the collective), then every lane resumes. The
 // payloads live on the lanes' own stacks, which stay valid while they wait.
 // `name` (e.g. "fa_mma_m16n8k16") is what divergence / deadlock reports say.
-FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, void* payload, ExchangeFn fn,
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, void* payload, ExchangeFn fn,
                                                               const char* name, const char* file, int line) {
     Fiber* self = g.cur;
     const unsigned lane = self->index & 31u;
@@ -519,14 +550,14 @@ FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, vo
     schedule(false);
 }
 
-[[noreturn]] FAGEN_EMU_NO_ASAN inline void thread_exit() {
+[[noreturn]] FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void thread_exit() {
     g.cur->wait = kExited;
     --g.live;
     schedule(true);
     __builtin_unreachable();
 }
 
-FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
 #if defined(FAGEN_EMU_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
@@ -536,7 +567,7 @@ FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
 }
 
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-[[noreturn]] void fail(const char* fmt, ...) {
+[[noreturn]] FAGEN_EMU_NO_TSAN void fail(const char* fmt, ...) {
     begin_message("kernel error");
     append_thread(g.cur);
     appendf(": ");
@@ -548,7 +579,7 @@ FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
     abort_block(FAGEN_EMU_KERNEL_ERROR);
 }
 
-void describe_deadlock() {
+FAGEN_EMU_NO_TSAN void describe_deadlock() {
     begin_message("deadlock");
     unsigned exited = 0;
     for (unsigned i = 0; i < g.nthreads; ++i) exited += g.fibers[i].wait == kExited;
@@ -588,13 +619,13 @@ struct Stacks {
 inline Stacks own_stacks{nullptr, 0};   // mapped by this module (nothing lent)
 inline Stacks lent_stacks{nullptr, 0};  // fagen_emu_use_stacks; valid for the next launch
 
-inline size_t stack_stride() {
+FAGEN_EMU_NO_TSAN inline size_t stack_stride() {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     return ((FAGEN_EMU_STACK_BYTES + page - 1) / page) * page + page;
 }
 
 // `count` stacks, each with its guard page at the low end (an overflow faults).
-inline char* map_stacks(size_t count) {
+FAGEN_EMU_NO_TSAN inline char* map_stacks(size_t count) {
     const size_t page = size_t(sysconf(_SC_PAGESIZE)), stride = stack_stride();
     void* p = mmap(nullptr, stride * count, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
@@ -604,21 +635,21 @@ inline char* map_stacks(size_t count) {
     return base;
 }
 
-extern "C" __attribute__((visibility("default"))) size_t fagen_emu_stack_stride() { return stack_stride(); }
-extern "C" __attribute__((visibility("default"))) char* fagen_emu_map_stacks(size_t count) {
+extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN size_t fagen_emu_stack_stride() { return stack_stride(); }
+extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN char* fagen_emu_map_stacks(size_t count) {
     return map_stacks(count);
 }
-extern "C" __attribute__((visibility("default"))) void fagen_emu_unmap_stacks(char* base, size_t count) {
+extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_emu_unmap_stacks(char* base, size_t count) {
     munmap(base, count * stack_stride());
 }
 // Lends `count` stacks (from fagen_emu_map_stacks of a module with the same
 // stride) to the following launches; (nullptr, 0) takes them back.
-extern "C" __attribute__((visibility("default"))) void fagen_emu_use_stacks(char* base, size_t count) {
+extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_emu_use_stacks(char* base, size_t count) {
     lent_stacks = Stacks{base, count};
 }
 
 // ------------------------------------------------------------------ driver
-inline bool ensure_capacity(unsigned nthreads) {
+FAGEN_EMU_NO_TSAN inline bool ensure_capacity(unsigned nthreads) {
     Stacks use = lent_stacks;
     if (use.base == nullptr) {
         if (own_stacks.count < nthreads) {
@@ -646,7 +677,7 @@ inline bool ensure_capacity(unsigned nthreads) {
     return g.capacity >= nthreads;
 }
 
-FAGEN_EMU_NO_ASAN int run_block() {
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block() {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     for (unsigned i = 0; i < g.nthreads; ++i) {
         Fiber& f = g.fibers[i];
@@ -678,13 +709,15 @@ FAGEN_EMU_NO_ASAN int run_block() {
     g.status = FAGEN_EMU_OK;
     // Uninitialised shared memory reads as NaN / 0xff.. so its use shows.
     if (g.smem_bytes) memset(g.smem, 0xff, g.smem_bytes);
+    race::block_begin(g.smem, g.smem_bytes);
     Fiber* first = pop();
     jump_to_fiber(&g.sched, first, false);
+    race::block_end();
     if (g.status != FAGEN_EMU_OK) g.stacks_dirty = true;
     return g.status;
 }
 
-inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                   unsigned bz, size_t smem, void (*body)(void*), void* body_arg, char* errbuf,
                   size_t errlen) {
     std::lock_guard<std::mutex> lock(fagen_emu_mutex);
@@ -727,6 +760,7 @@ inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, uns
         g.block_dim = dim3(bx, by, bz);
         g.nthreads = unsigned(nthreads);
         g.nwarps = (g.nthreads + 31) / 32;
+        race::launch_begin(g.nthreads, smem);
         for (unsigned z = 0; z < gz && status == FAGEN_EMU_OK; ++z)
             for (unsigned y = 0; y < gy && status == FAGEN_EMU_OK; ++y)
                 for (unsigned x = 0; x < gx && status == FAGEN_EMU_OK; ++x) {
@@ -744,7 +778,7 @@ inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, uns
 }  // namespace fagen_emu
 
 // Block index of the last failed launch (for the Python exception).
-extern "C" __attribute__((visibility("default"))) void fagen_emu_last_block(unsigned* out) {
+extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_emu_last_block(unsigned* out) {
     out[0] = fagen_emu_state.block_idx.x;
     out[1] = fagen_emu_state.block_idx.y;
     out[2] = fagen_emu_state.block_idx.z;

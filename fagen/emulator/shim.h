@@ -36,6 +36,10 @@
 #define FAGEN_EMU_SITE const char *fagen_emu_file = __builtin_FILE(), int fagen_emu_line = __builtin_LINE()
 #define FAGEN_EMU_SITE_ARGS fagen_emu_file, fagen_emu_line
 
+// Racecheck marker (racecheck.h): a no-op that a racecheck report names when
+// a thread passed it; put in place of a barrier to see what the barrier orders.
+static inline void fagen_emu_race_marker(FAGEN_EMU_SITE) { fagen_emu::race_marker(FAGEN_EMU_SITE_ARGS); }
+
 // Built-in variables.
 #define threadIdx (fagen_emu_state.cur->tid)
 #define blockIdx (fagen_emu_state.block_idx)
@@ -109,39 +113,58 @@ static inline int __all_sync(unsigned mask, int pred, FAGEN_EMU_SITE) {
 // ---------------------------------------------------------------- atomics
 // One fiber runs at a time and never yields inside these: plain
 // read-modify-write is atomic.
+// In a racecheck build they are atomics of the happens-before model (never a
+// hazard with each other, but with plain accesses of the same bytes).
 template <typename T>
-static inline T fagen_emu_rmw_add(T* p, T v) {
+FAGEN_EMU_NO_TSAN inline void fagen_emu_atomic_access(T* p, const void* ra) {
+#if defined(FAGEN_EMU_RACECHECK)
+    fagen_emu::race::thread_access(p, sizeof(T), fagen_emu::race::kAtomic, fagen_emu::race::code_where(ra));
+#else
+    (void)p, (void)ra;
+#endif
+}
+template <typename T>
+FAGEN_EMU_NO_TSAN static inline T fagen_emu_rmw_add(T* p, T v, const void* ra) {
+    fagen_emu_atomic_access(p, ra);
     const T old = *p;
     *p = old + v;
     return old;
 }
-static inline float atomicAdd(float* p, float v) { return fagen_emu_rmw_add(p, v); }
-static inline double atomicAdd(double* p, double v) { return fagen_emu_rmw_add(p, v); }
-static inline int atomicAdd(int* p, int v) { return int(fagen_emu_rmw_add((unsigned*)p, unsigned(v))); }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return fagen_emu_rmw_add(p, v); }
-static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-    return fagen_emu_rmw_add(p, v);
+FAGEN_EMU_NO_TSAN static inline float atomicAdd(float* p, float v) { return fagen_emu_rmw_add(p, v, __builtin_return_address(0)); }
+FAGEN_EMU_NO_TSAN static inline double atomicAdd(double* p, double v) { return fagen_emu_rmw_add(p, v, __builtin_return_address(0)); }
+FAGEN_EMU_NO_TSAN static inline int atomicAdd(int* p, int v) {
+    return int(fagen_emu_rmw_add((unsigned*)p, unsigned(v), __builtin_return_address(0)));
+}
+FAGEN_EMU_NO_TSAN static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    return fagen_emu_rmw_add(p, v, __builtin_return_address(0));
+}
+FAGEN_EMU_NO_TSAN static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return fagen_emu_rmw_add(p, v, __builtin_return_address(0));
 }
 template <typename T>
-static inline T atomicExch(T* p, T v) {
+FAGEN_EMU_NO_TSAN static inline T atomicExch(T* p, T v) {
+    fagen_emu_atomic_access(p, __builtin_return_address(0));
     const T old = *p;
     *p = v;
     return old;
 }
 template <typename T>
-static inline T atomicCAS(T* p, T compare, T v) {
+FAGEN_EMU_NO_TSAN static inline T atomicCAS(T* p, T compare, T v) {
+    fagen_emu_atomic_access(p, __builtin_return_address(0));
     const T old = *p;
     if (old == compare) *p = v;
     return old;
 }
 template <typename T>
-static inline T atomicMax(T* p, T v) {
+FAGEN_EMU_NO_TSAN static inline T atomicMax(T* p, T v) {
+    fagen_emu_atomic_access(p, __builtin_return_address(0));
     const T old = *p;
     if (v > old) *p = v;
     return old;
 }
 template <typename T>
-static inline T atomicMin(T* p, T v) {
+FAGEN_EMU_NO_TSAN static inline T atomicMin(T* p, T v) {
+    fagen_emu_atomic_access(p, __builtin_return_address(0));
     const T old = *p;
     if (v < old) *p = v;
     return old;
@@ -248,6 +271,12 @@ inline float mma_elem(unsigned reg, unsigned half) {
     return BF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
 }
 
+#if defined(FAGEN_EMU_RACECHECK)
+// Set by the lane that completes an ldmatrix, read by ldmatrix_complete.
+static unsigned g_racecheck_warp_base = 0;
+static uint32_t g_racecheck_site = 0;
+#endif
+
 [[noreturn]] inline void need_full_warp(const char* what, unsigned arrived) {
     fail("%s needs all 32 lanes of the warp, but lanes 0x%08x are absent (partial warp)", what, ~arrived);
 }
@@ -269,7 +298,7 @@ struct MmaLane {
 // fp32 in a hardware-specific order, so results agree to fp32 accumulation
 // error, not bit for bit.
 template <bool BF16>
-void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
+FAGEN_EMU_NO_TSAN void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
     if (arrived != 0xffffffffu) need_full_warp("fa_mma_m16n8k16", arrived);
     double A[16][16], B[16][8], D[16][8];  // B[k][n]; D starts as C
     for (unsigned lane = 0; lane < 32; ++lane) {
@@ -312,7 +341,7 @@ void mma_m16n8k16_complete(void* const* payloads, unsigned arrived) {
 }
 
 template <bool BF16>
-inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const char* file, int line) {
+FAGEN_EMU_NO_TSAN inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const char* file, int line) {
     MmaLane lane{d, a, b};
     warp_exchange(0xffffffffu, &lane, &mma_m16n8k16_complete<BF16>,
                   BF16 ? "fa_mma_m16n8k16<__nv_bfloat16>" : "fa_mma_m16n8k16<__half>", file, line);
@@ -329,7 +358,7 @@ struct LdmatrixLane {
 // r[i] the elements (row l>>2, cols 2(l%4), 2(l%4)+1) of matrix i -- of its
 // transpose with .trans -- lower column in the low half.
 template <int NUM, bool TRANS>
-void ldmatrix_complete(void* const* payloads, unsigned arrived) {
+FAGEN_EMU_NO_TSAN void ldmatrix_complete(void* const* payloads, unsigned arrived) {
     static const char* const names[2][5] = {
         {"", "fa_ldmatrix_x1", "fa_ldmatrix_x2", "", "fa_ldmatrix_x4"},
         {"", "fa_ldmatrix_x1_trans", "fa_ldmatrix_x2_trans", "", "fa_ldmatrix_x4_trans"}};
@@ -346,25 +375,32 @@ void ldmatrix_complete(void* const* payloads, unsigned arrived) {
         const unsigned g = lane >> 2, t = lane & 3u;
         for (unsigned i = 0; i < unsigned(NUM); ++i) {
             uint16_t lo, hi;
-            if (!TRANS) {
-                memcpy(&lo, rows[8 * i + g] + 2 * (2 * t), 2);
-                memcpy(&hi, rows[8 * i + g] + 2 * (2 * t + 1), 2);
-            } else {
-                memcpy(&lo, rows[8 * i + 2 * t] + 2 * g, 2);
-                memcpy(&hi, rows[8 * i + 2 * t + 1] + 2 * g, 2);
-            }
+            const unsigned char* plo = !TRANS ? rows[8 * i + g] + 2 * (2 * t) : rows[8 * i + 2 * t] + 2 * g;
+            const unsigned char* phi = !TRANS ? rows[8 * i + g] + 2 * (2 * t + 1) : rows[8 * i + 2 * t + 1] + 2 * g;
+            memcpy(&lo, plo, 2);
+            memcpy(&hi, phi, 2);
+#if defined(FAGEN_EMU_RACECHECK)
+            // The PTX memory model sees each lane read the elements it receives.
+            const unsigned me = g_racecheck_warp_base + lane;
+            race::access(me, plo, 2, race::kRead, g_racecheck_site);
+            race::access(me, phi, 2, race::kRead, g_racecheck_site);
+#endif
             r[i] = unsigned(lo) | unsigned(hi) << 16;
         }
     }
 }
 
 template <int NUM, bool TRANS>
-inline void ldmatrix(unsigned* r, const void* row, const char* file, int line) {
+FAGEN_EMU_NO_TSAN inline void ldmatrix(unsigned* r, const void* row, const char* file, int line) {
     static const char* const name = TRANS ? (NUM == 1 ? "fa_ldmatrix_x1_trans" : NUM == 2 ? "fa_ldmatrix_x2_trans"
                                                                                            : "fa_ldmatrix_x4_trans")
                                           : (NUM == 1 ? "fa_ldmatrix_x1" : NUM == 2 ? "fa_ldmatrix_x2"
                                                                                     : "fa_ldmatrix_x4");
     LdmatrixLane lane{r, row};
+#if defined(FAGEN_EMU_RACECHECK)
+    g_racecheck_warp_base = g.cur->index & ~31u;  // read by the completing lane (same warp)
+    g_racecheck_site = race::site(file, line, name);
+#endif
     warp_exchange(0xffffffffu, &lane, &ldmatrix_complete<NUM, TRANS>, name, file, line);
 }
 
@@ -389,7 +425,7 @@ struct AsyncQueue {
 static AsyncQueue* async_queues = nullptr;
 static unsigned async_queue_count = 0;
 
-inline AsyncQueue& async_queue() {
+FAGEN_EMU_NO_TSAN inline AsyncQueue& async_queue() {
     const unsigned i = g.cur->index;
     if (i >= async_queue_count) {
         const unsigned n = g.nthreads > i ? g.nthreads : i + 1;
@@ -408,7 +444,7 @@ inline AsyncQueue& async_queue() {
     return q;
 }
 
-inline void cp_async_16(void* dst, const void* src, bool valid, const char* file, int line) {
+FAGEN_EMU_NO_TSAN inline void cp_async_16(void* dst, const void* src, bool valid, const char* file, int line) {
     if (reinterpret_cast<uintptr_t>(dst) & 15u)
         fail("fa_cp_async_16 at %s:%d: shared destination %p is not 16-byte aligned", file, line, dst);
     if (valid && (reinterpret_cast<uintptr_t>(src) & 15u))
@@ -428,29 +464,47 @@ inline void cp_async_16(void* dst, const void* src, bool valid, const char* file
     else memset(c.data, 0, 16);
     const uint16_t poison = 0x7fffu;
     for (int k = 0; k < 8; ++k) memcpy(c.dst + 2 * k, &poison, 2);
+#if defined(FAGEN_EMU_RACECHECK)
+    race::on_cp_async_issue(dst, file, line);
+#endif
 }
 
-inline void cp_async_commit() { ++async_queue().commits; }
+FAGEN_EMU_NO_TSAN inline void cp_async_commit() { ++async_queue().commits; }
 
 // Lands (in issue order) every queued copy of a group older than the `pending`
 // most recent committed groups.
-inline void cp_async_wait(unsigned pending) {
+FAGEN_EMU_NO_TSAN inline void cp_async_wait(unsigned pending, const char* file, int line,
+                                            const char* what = "cp.async.wait_group") {
     AsyncQueue& q = async_queue();
+#if defined(FAGEN_EMU_RACECHECK)
+    struct Tick {  // the wait is a synchronisation event of the thread, after its copies land
+        const char* file; int line; const char* what;
+        FAGEN_EMU_NO_TSAN ~Tick() { race::on_cp_async_wait(file, line, what); }
+    } tick{file, line, what};
+#else
+    (void)file, (void)line, (void)what;
+#endif
     if (q.commits <= pending) return;
     const unsigned done = q.commits - pending;  // groups [0, done) complete
     unsigned keep = 0;
     for (unsigned k = 0; k < q.n; ++k) {
         AsyncCopy& c = q.items[k];
-        if (c.group < done) memcpy(c.dst, c.data, 16);
-        else q.items[keep++] = c;
+        if (c.group < done) {
+            memcpy(c.dst, c.data, 16);
+#if defined(FAGEN_EMU_RACECHECK)
+            race::on_cp_async_land(c.dst);
+#endif
+        } else {
+            q.items[keep++] = c;
+        }
     }
     q.n = keep;
 }
 
 // cp.async.wait_all = cp.async.commit_group + cp.async.wait_group 0.
-inline void cp_async_wait_all() {
+FAGEN_EMU_NO_TSAN inline void cp_async_wait_all(const char* file, int line) {
     cp_async_commit();
-    cp_async_wait(0);
+    cp_async_wait(0, file, line, "cp.async.wait_all");
 }
 
 }  // namespace fagen_emu

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .errors import EmulatorDeadlockError, EmulatorError, EmulatorKernelError, EmulatorLaunchError
 
-STATUS_OK, STATUS_DEADLOCK, STATUS_KERNEL_ERROR, STATUS_BAD_LAUNCH = 0, 1, 2, 3
+STATUS_OK, STATUS_DEADLOCK, STATUS_KERNEL_ERROR, STATUS_BAD_LAUNCH, STATUS_RACE = 0, 1, 2, 3, 4
 
 Dim3 = tuple[int, int, int]
 

@@ -2,7 +2,9 @@
 
 Inside :func:`sanitized` every CPU launch is bounds-checked instead: the spec's
 AddressSanitizer build runs it in a child process (:meth:`EmuModule.run_sanitized`),
-each pointer argument copied into its own exact-size ``malloc``.
+each pointer argument copied into its own exact-size ``malloc``. Inside :func:`racecheck`
+every CPU launch runs the spec's racecheck build (hazards between threads become
+:class:`fagen.emulator.EmulatorRaceError`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,46 @@ class SanitizedLaunches:
 _SANITIZE: ContextVar[SanitizedLaunches | None] = ContextVar("fagen_cpu_sanitize", default=None)
 
 
+@dataclass
+class RacecheckedLaunches:
+    """What :func:`racecheck` yields: the launches made with hazard tracking so far."""
+
+    #: (spec name, kernel role, kernel name) per launch, in launch order.
+    launches: list[tuple[str, str, str]] = field(default_factory=list)
+    #: ``fagen_emu_race_marker()`` passes summed over the launches (see docs/emulator.md).
+    markers: int = 0
+    #: (spec name, kernel-source line) of every marker passed.
+    marker_lines: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def roles(self) -> set[str]:
+        return {role for _, role, _ in self.launches}
+
+
+_RACECHECK: ContextVar[RacecheckedLaunches | None] = ContextVar("fagen_cpu_racecheck", default=None)
+
+
+@contextlib.contextmanager
+def racecheck() -> Iterator[RacecheckedLaunches]:
+    """Every CPU kernel launch inside the block runs with hazard tracking.
+
+    Each launch uses the spec's racecheck build (once per spec, cached like any emulator build):
+    every shared-memory load and store of the kernel goes through an exact happens-before
+    model (barriers, ``__syncwarp``, cp.async waits; see docs/emulator.md, "Racecheck"), and
+    plain global stores of two blocks to the same bytes are tracked too. A hazard raises
+    :class:`fagen.emulator.EmulatorRaceError` naming the kernel, the kind, the shared-memory
+    buffer of the spec's layout and the offset, both threads and both source lines. Results
+    are the same as without it. Yields a :class:`RacecheckedLaunches` record. Inside
+    :func:`sanitized` as well, the sanitizer wins (one instrumentation per build).
+    """
+    record = RacecheckedLaunches()
+    token = _RACECHECK.set(record)
+    try:
+        yield record
+    finally:
+        _RACECHECK.reset(token)
+
+
 @contextlib.contextmanager
 def sanitized(*, timeout: float | None = 600.0) -> Iterator[SanitizedLaunches]:
     """Every CPU kernel launch inside the block runs bounds-checked under AddressSanitizer.
@@ -65,17 +107,22 @@ class CpuModule:
         self.spec = spec
         self.rendered = render(spec)
         self._flags = SCHEDULE_FLAGS[schedule]
-        self._builds: dict[bool, Any] = {}
+        self._builds: dict[tuple[bool, bool], Any] = {}
 
-    def _build(self, *, sanitize: bool) -> Any:
-        """The plain (or AddressSanitizer) emulator build, made on first use."""
-        emu = self._builds.get(sanitize)
+    def _build(self, *, sanitize: bool, racecheck: bool = False) -> Any:
+        """The plain (or AddressSanitizer, or racecheck) emulator build, made on first use."""
+        emu = self._builds.get((sanitize, racecheck))
         if emu is None:
             from ..emulator import build
 
-            emu = build(self.rendered.source, self.rendered.kernels, sanitize=sanitize, extra_flags=self._flags)
-            self._builds[sanitize] = emu
+            emu = build(self.rendered.source, self.rendered.kernels, sanitize=sanitize, racecheck=racecheck,
+                        extra_flags=self._flags)
+            self._builds[(sanitize, racecheck)] = emu
         return emu
+
+    def smem_buffers(self) -> list[tuple[str, int, int]]:
+        """(name, offset, nbytes) of the spec's shared-memory buffers (s_<name> in the templates)."""
+        return [(b.name, b.offset, b.nbytes) for b in self.spec.smem_layout.buffers]
 
     def launch(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any]) -> None:
         record = _SANITIZE.get()
@@ -83,6 +130,14 @@ class CpuModule:
             self._launch_sanitized(kernel, grid, args, record)
             return
         values = [v for _, v in pack(kernel, args)]
+        races = _RACECHECK.get()
+        if races is not None:
+            emu = self._build(sanitize=False, racecheck=True)
+            emu.launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values, smem_buffers=self.smem_buffers())
+            races.launches.append((self.spec.name, kernel.role.name, kernel.name))
+            races.markers += emu.race_markers()
+            races.marker_lines |= {(self.spec.name, line) for line in emu.race_marker_lines()}
+            return
         self._build(sanitize=False).launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
 
     def _launch_sanitized(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any],

@@ -1,0 +1,541 @@
+"""Racecheck: shared-memory hazards between threads, found deterministically on the CPU.
+
+* Hand-written kernels with each hazard kind (read-after-write, write-after-read,
+  write-after-write; a missing ``__syncwarp`` before an ``ldmatrix`` of data other lanes
+  stored; a cp.async destination read before the wait and before the barrier after it; plain
+  stores of two blocks to the same global bytes) raise ``EmulatorRaceError``; the same kernels
+  with the right synchronisation run clean.
+* The tracker against an independent model: random straight-line programs of reads, writes,
+  atomics, ``__syncthreads`` and ``__syncwarp`` have a race exactly when a pair of conflicting
+  accesses is not separated by a barrier that orders both (checked in Python, by the
+  definition).
+* Every barrier of every template is load-bearing: each ``fa_sync()`` / ``__syncthreads()`` /
+  ``__syncwarp()`` / cp.async wait is replaced, one at a time, by ``fagen_emu_race_marker()``
+  (a no-op the reports name); a spec that runs that code then raises ``EmulatorRaceError``
+  naming the marker.
+* No false positives: a covering sample of specs (both families, every kernel role) runs clean
+  under ``fagen.runtime.cpu.racecheck()`` with the same results as a plain launch.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fagen.functional as F
+from fagen import KernelSpec, renderer
+from fagen.emulator import EmulatorError, EmulatorRaceError, KernelSig, build
+from fagen.runtime import cpu
+
+REPO = Path(__file__).resolve().parent.parent
+PRIMS = (REPO / "templates/partials/primitives.cuh").read_text() + (REPO / "templates/partials/mma.cuh").read_text()
+
+
+def _module(body: str, name: str, params: tuple[tuple[str, str], ...]):
+    return build(PRIMS + body, [KernelSig(name, params)], racecheck=True)
+
+
+def _race(mod, name: str, grid: int, block: int, smem: int, args: list, **kw) -> EmulatorRaceError:
+    with pytest.raises(EmulatorRaceError) as ei:
+        mod.launch(name, grid, block, smem, args, **kw)
+    return ei.value
+
+
+# --------------------------------------------------------------------------- hand-written hazards
+HAZARDS = r"""
+// mode 0: the right synchronisation; 1: none (a marker where the barrier was).
+extern "C" __global__ void raw(float* out, int mode) {  // each thread reads what its left neighbour stored
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    s[t] = float(t);
+    if (mode == 0) fa_sync(); else fagen_emu_race_marker();
+    if (t > 0) out[t] = s[t - 1];
+}
+extern "C" __global__ void war(float* out, int mode) {  // thread t reads word t+1, then thread t+1 overwrites it
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    s[t] = 1.f;
+    fa_sync();
+    out[t] = s[(t + 1) % blockDim.x];
+    if (mode == 0) fa_sync(); else fagen_emu_race_marker();
+    s[t] = 2.f;
+}
+extern "C" __global__ void waw(float* out, int mode) {  // threads 0 and 1 store to the same word
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    if (t == 0) s[0] = 1.f;
+    if (mode == 0) fa_sync(); else fagen_emu_race_marker();
+    if (t == 1) s[0] = 2.f;
+    fa_sync();
+    out[t] = s[0];
+}
+// Lane l stores word (l + 1) % 32 of an 8x8 b16 matrix, then the warp reads it with ldmatrix: lane
+// l receives word l. mode 0: __syncwarp between; 1: nothing; 2: only a shuffle (orders no memory).
+extern "C" __global__ void ldsm(unsigned* out, int mode) {
+    unsigned* s = reinterpret_cast<unsigned*>(fa_smem());
+    const int l = threadIdx.x;
+    s[(l + 1) % 32] = 0x10001u * unsigned(l);
+    if (mode == 0) __syncwarp();
+    else if (mode == 2) out[32 + l] = __shfl_xor_sync(0xffffffffu, unsigned(l), 1);
+    unsigned r[1];
+    fa_ldmatrix_x1(r, s + 4 * (l % 8));
+    out[l] = r[0];
+}
+// Thread t copies 16 bytes into chunk t and reads chunk t - 1 (its left neighbour's).
+// mode 0: wait_all + barrier; 1: wait_all only; 2: its own chunk before waiting.
+extern "C" __global__ void cpasync(const float* in, float* out, int mode) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    fa_cp_async_16(s + 4 * t, in + 4 * t, true);
+    fa_cp_async_commit();
+    if (mode == 2) out[t] = s[4 * t];
+    fa_cp_async_wait_all();
+    if (mode == 0) fa_sync(); else fagen_emu_race_marker();
+    if (t > 0) out[t] = s[4 * (t - 1)];
+}
+// mode 0: every thread atomicAdds word 0; 1: thread 3 stores it plainly as well.
+extern "C" __global__ void atomics(float* out, int mode) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    if (t == 0) s[0] = 0.f;
+    fa_sync();
+    atomicAdd(s, 1.f);
+    if (mode == 1 && t == 3) s[0] = 5.f;
+    fa_sync();
+    out[t] = s[0];
+}
+// Lanes of one warp ordered by __syncwarp, across warps only a barrier orders.
+// mode 0: thread 33 reads thread 1's store after __syncthreads; 1: after __syncwarp only (not its warp);
+// 2: thread 2 (same warp as 1) after __syncwarp.
+extern "C" __global__ void warps(float* out, int mode) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    if (t == 1) s[0] = 7.f;
+    if (mode == 0) fa_sync(); else __syncwarp();
+    if ((mode != 2 && t == 33) || (mode == 2 && t == 2)) out[t] = s[0];
+}
+// Every block stores out[0..n) (mode 1), its own slice (mode 0) or adds with atomics (mode 2).
+extern "C" __global__ void blocks(float* out, int mode) {
+    const int t = threadIdx.x;
+    if (mode == 0) out[blockIdx.x * blockDim.x + t] = 1.f;
+    else if (mode == 1) out[t] = float(blockIdx.x);
+    else atomicAdd(out + t, 1.f);
+}
+"""
+_P = (("float*", "out"), ("int", "mode"))
+
+
+@pytest.fixture(scope="module")
+def hazards():
+    return build(PRIMS + HAZARDS, [KernelSig(n, _P) for n in ("raw", "war", "waw", "atomics", "warps", "blocks")]
+                 + [KernelSig("ldsm", (("unsigned*", "out"), ("int", "mode"))),
+                    KernelSig("cpasync", (("const float*", "in"), ("float*", "out"), ("int", "mode")))],
+                 racecheck=True)
+
+
+def _src_line(mod, text: str) -> str:
+    """``<stem>.cu:LINE`` of the (first) kernel-source line containing ``text``."""
+    lines = mod.source_path.read_text().splitlines()
+    return f"{mod.source_path.name}:{next(i for i, ln in enumerate(lines, 1) if text in ln)}"
+
+
+def test_read_after_write_names_both_threads_lines_and_the_buffer(hazards) -> None:
+    out = np.zeros(64, np.float32)
+    hazards.launch("raw", 1, 64, 256, [out, 0])
+    assert np.array_equal(out[1:], np.arange(63, dtype=np.float32))
+    e = _race(hazards, "raw", 1, 64, 256, [out, 1], smem_buffers=[("pad", 0, 16), ("tile", 16, 240)])
+    assert e.kind == "read-after-write" and e.space == "shared" and e.offset == 0 and e.buffer == "pad"
+    assert e.kernel == "raw" and e.block == (0, 0, 0)
+    msg = str(e)
+    assert "write by block (0,0,0) thread (0,0,0) (warp 0, lane 0)" in msg
+    assert "read by block (0,0,0) thread (1,0,0) (warp 0, lane 1)" in msg
+    assert "shared memory buffer 'pad' (byte 0 of 16; smem offset 0)" in msg
+    assert e.lines == (_src_line(hazards, "s[t] = float(t);"), _src_line(hazards, "out[t] = s[t - 1];"))
+    assert f"after marker at {_src_line(hazards, 'fagen_emu_race_marker')}" in msg
+
+
+def test_write_after_read_and_write_after_write(hazards) -> None:
+    out = np.zeros(64, np.float32)
+    for name, kind in (("war", "write-after-read"), ("waw", "write-after-write")):
+        hazards.launch(name, 1, 64, 256, [out, 0])
+        e = _race(hazards, name, 1, 64, 256, [out, 1])
+        assert e.kind == kind, (name, str(e))
+    e = _race(hazards, "war", 1, 64, 256, [out, 1])
+    assert "read by block (0,0,0) thread (0,0,0)" in str(e) and "write by block (0,0,0) thread (1,0,0)" in str(e)
+    assert e.offset == 4
+
+
+def test_missing_syncwarp_before_ldmatrix_is_a_hazard_a_shuffle_does_not_order(hazards) -> None:
+    out = np.zeros(64, np.uint32)
+    hazards.launch("ldsm", 1, 32, 128, [out, 0])
+    lanes = np.arange(32, dtype=np.uint32)
+    # lane l receives word l of the matrix (row l/4, columns 2(l%4), +1), which lane l-1 stored
+    assert np.array_equal(out[:32], 0x10001 * ((lanes - 1) % 32))
+    for mode in (1, 2):
+        e = _race(hazards, "ldsm", 1, 32, 128, [out, mode])
+        assert e.kind == "read-after-write", str(e)
+        assert e.lines == (_src_line(hazards, "s[(l + 1) % 32] ="), _src_line(hazards, "fa_ldmatrix_x1(r, s")), str(e)
+        assert "thread (31,0,0) (warp 0, lane 31)" in str(e) and "thread (0,0,0) (warp 0, lane 0)" in str(e)
+
+
+def test_cp_async_destination_needs_the_wait_and_a_barrier_after_it(hazards) -> None:
+    src = np.arange(4 * 64, dtype=np.float32)
+    out = np.zeros(64, np.float32)
+    hazards.launch("cpasync", 1, 64, 1024, [src, out, 0])
+    assert np.array_equal(out[1:], src.reshape(64, 4)[:63, 0])
+    e = _race(hazards, "cpasync", 1, 64, 1024, [src, out, 1])  # the neighbour waited, but no barrier
+    assert e.kind == "read-after-write" and "write by block (0,0,0) thread (0,0,0)" in str(e), str(e)
+    assert "read by block (0,0,0) thread (1,0,0)" in str(e) and "; then cp.async.wait_all at " in str(e), str(e)
+    e = _race(hazards, "cpasync", 1, 64, 1024, [src, out, 2])  # its own copy, before the wait
+    assert "cp.async whose destination has not landed" in str(e), str(e)
+    assert e.lines[0] == _src_line(hazards, "fa_cp_async_16(s + 4 * t")
+
+
+def test_atomics_never_race_with_each_other_but_with_plain_stores(hazards) -> None:
+    out = np.zeros(64, np.float32)
+    hazards.launch("atomics", 1, 64, 64, [out, 0])
+    assert np.all(out == 64)
+    e = _race(hazards, "atomics", 1, 64, 64, [out, 1])
+    assert "atomic by" in str(e) and "thread (3,0,0)" in str(e), str(e)
+
+
+def test_syncwarp_orders_the_lanes_of_its_warp_only(hazards) -> None:
+    out = np.zeros(64, np.float32)
+    hazards.launch("warps", 1, 64, 64, [out, 0])
+    hazards.launch("warps", 1, 64, 64, [out, 2])
+    e = _race(hazards, "warps", 1, 64, 64, [out, 1])
+    assert "(warp 0, lane 1)" in str(e) and "(warp 1, lane 1)" in str(e), str(e)
+
+
+def test_plain_global_stores_of_two_blocks_to_the_same_bytes(hazards) -> None:
+    out = np.zeros(4 * 32, np.float32)
+    hazards.launch("blocks", 4, 32, 0, [out, 0])
+    hazards.launch("blocks", 4, 32, 0, [out, 2])
+    e = _race(hazards, "blocks", 4, 32, 0, [out, 1])
+    assert e.space == "global" and e.kind == "write-after-write" and e.offset == out.ctypes.data
+    assert "block (0,0,0) thread (0,0,0)" in str(e) and "block (1,0,0) thread (0,0,0)" in str(e), str(e)
+
+
+def test_racecheck_modules_only() -> None:
+    mod = build(PRIMS + HAZARDS, [KernelSig("raw", _P)])
+    with pytest.raises(EmulatorError, match="racecheck=True"):
+        mod.race_markers()
+    with pytest.raises(EmulatorError, match="separate builds"):
+        build(PRIMS + HAZARDS, [KernelSig("raw", _P)], racecheck=True, sanitize=True)
+
+
+# --------------------------------------------------------------------------- an independent model
+# A program is a list of steps, the same for every thread (barriers are uniform): ("bar",),
+# ("warp",) for __syncwarp, or ("acc", ops) with ops[t] = (op, word) or None per thread.
+PROGRAM = r"""
+extern "C" __global__ void program(const int* steps, int nsteps, float* out) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x, n = blockDim.x;
+    float acc = 0.f;
+    for (int i = 0; i < nsteps; ++i) {
+        const int kind = steps[i * (n + 1)], op = steps[i * (n + 1) + 1 + t];
+        if (kind == 1) fa_sync();
+        else if (kind == 2) __syncwarp();
+        else if (op >= 0) {
+            const int word = op >> 2;
+            if ((op & 3) == 0) acc += s[word];
+            else if ((op & 3) == 1) s[word] = float(t);
+            else atomicAdd(s + word, 1.f);
+        }
+    }
+    out[t] = acc;
+}
+"""
+THREADS, WORDS = 64, 6
+
+
+def _model_races(steps: list) -> bool:
+    """The definition: two accesses of one word by different threads, at least one a plain write
+    (not both atomics), race unless a __syncthreads lies between them, or a __syncwarp and both
+    threads are in one warp."""
+    accesses = []  # (step, thread, op, word)
+    for i, st in enumerate(steps):
+        if st[0] == "acc":
+            accesses += [(i, t, a[0], a[1]) for t, a in enumerate(st[1]) if a is not None]
+    for (i, t, op, w), (j, u, op2, w2) in itertools.combinations(accesses, 2):
+        if w != w2 or t == u or (op == "r" and op2 == "r") or (op == "a" and op2 == "a"):
+            continue
+        between = [s[0] for s in steps[min(i, j) + 1:max(i, j)]]
+        if "bar" in between or ("warp" in between and t // 32 == u // 32):
+            continue
+        return True
+    return False
+
+
+def _random_program(rng: random.Random) -> list:
+    steps: list = []
+    for _ in range(rng.randint(2, 7)):
+        r = rng.random()
+        if r < 0.2:
+            steps.append(("bar",))
+        elif r < 0.35:
+            steps.append(("warp",))
+        else:
+            ops = [None] * THREADS
+            for t in rng.sample(range(THREADS), rng.randint(1, 4)):
+                ops[t] = (rng.choice("rrwa"), rng.randrange(WORDS))
+            steps.append(("acc", ops))
+    return steps
+
+
+def _encode(steps: list) -> np.ndarray:
+    rows = []
+    for st in steps:
+        if st[0] != "acc":
+            rows.append([{"bar": 1, "warp": 2}[st[0]]] + [-1] * THREADS)
+        else:
+            rows.append([0] + [-1 if a is None else a[1] * 4 + "rwa".index(a[0]) for a in st[1]])
+    return np.array(rows, dtype=np.int32).ravel()
+
+
+def test_tracker_agrees_with_the_happens_before_definition_on_random_programs() -> None:
+    mod = build(PRIMS + PROGRAM, [KernelSig("program", (("const int*", "steps"), ("int", "nsteps"),
+                                                         ("float*", "out")))], racecheck=True)
+    rng = random.Random(21)
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        steps = _random_program(rng)
+        want = _model_races(steps)
+        out = np.zeros(THREADS, np.float32)
+        try:
+            mod.launch("program", 1, THREADS, 4 * WORDS, [_encode(steps), len(steps), out])
+            got = False
+        except EmulatorRaceError:
+            got = True
+        assert got == want, steps
+        seen[want] += 1
+    assert min(seen.values()) >= 50, seen  # both outcomes well represented
+
+
+# --------------------------------------------------------------------------- every barrier is load-bearing
+#: What counts as a barrier in a template: block barriers, __syncwarp, cp.async waits.
+BARRIER = re.compile(r"\bfa_sync\(\)|\b__syncthreads\(\)|\b__syncwarp\([^()]*\)|\bfa_cp_async_wait(?:<\d+>)?\(\)"
+                     r"|\bfa_cp_async_wait_all\(\)")
+#: The files defining the primitives themselves (their barriers are the primitives' bodies).
+PRIMITIVE_FILES = {"partials/primitives.cuh", "partials/mma.cuh"}
+#: Barriers that turn out not to be needed for the spec that runs them, as (template, line text):
+#: the cp.async waits before a block (or a dq pass) ends, when every copy was already waited for by
+#: the last step's wait_all. templates/mma is being rewritten elsewhere, so they stay there (a
+#: stale entry fails test_unneeded_barriers_exist).
+UNNEEDED = {
+    ("mma/fwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
+    ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
+    ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight past the pass"),
+}
+
+
+def _template_sites() -> list[tuple[str, int, int]]:
+    """(template, character offset, line) of every barrier call in every template."""
+    root = renderer.templates_dir()
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if not path.is_file() or rel in PRIMITIVE_FILES:
+            continue
+        text = path.read_text()
+        for m in BARRIER.finditer(text):
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            if text[line_start:m.start()].lstrip().startswith("//"):
+                continue  # a comment naming a barrier
+            out.append((rel, m.start(), text.count("\n", 0, m.start()) + 1))
+    return out
+
+
+SITES = _template_sites()
+
+
+def _line_text(template: str, off: int) -> str:
+    text = (renderer.templates_dir() / template).read_text()
+    return text[text.rfind("\n", 0, off) + 1:text.find("\n", off)].strip()
+
+
+def test_unneeded_barriers_exist() -> None:
+    lines = {(t, _line_text(t, off)) for t, off, _ in SITES}
+    assert UNNEEDED <= lines, UNNEEDED - lines
+_G = torch.Generator().manual_seed(5)
+
+
+def _candidates() -> list[tuple[KernelSpec, dict]]:
+    """Small specs (and the problem they run) that together execute every template path:
+    several tiles per sequence, GQA (a group of two q heads per K/V head), the deterministic dq
+    kernel, both cp.async pipeline depths, K/V fragments in registers and in shared memory."""
+    out = []
+    gqa = dict(nq=40, nk=56, heads=2, heads_kv=1)
+    for impl, knobs in (("simt", None), ("mma", (("stages", 2),)), ("mma", (("stages", 1),))):
+        for d in ((16, 96) if impl == "mma" else (16,)):
+            common = dict(head_dim=d, dtype="float16", impl=impl, causal=True, block_r=32, block_c=16, num_warps=2,
+                          knobs=knobs)
+            if impl == "simt":
+                common.update(block_r=16, num_warps=2)
+            out.append((KernelSpec(direction="fwd", **common), gqa))
+            out.append((KernelSpec(direction="bwd", deterministic=True, **common), gqa))
+            out.append((KernelSpec(direction="bwd", **common), gqa))
+    return out
+
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _inputs(spec: KernelSpec, problem: dict) -> dict:
+    """Random q, k, v, do of the problem (and o, lse of a plain forward, for a backward spec)."""
+    d, dt = spec.head_dim, DTYPES[spec.dtype]
+    q, do = (torch.randn(1, problem["nq"], problem["heads"], d, generator=_G).to(dt) for _ in range(2))
+    k, v = (torch.randn(1, problem["nk"], problem["heads_kv"], d, generator=_G).to(dt) for _ in range(2))
+    t = {"q": q, "k": k, "v": v, "do": do}
+    if spec.direction == "bwd":
+        t["o"], t["lse"] = F.attention_forward(q, k, v, causal=spec.causal)
+    return t
+
+
+def _run(spec: KernelSpec, t: dict) -> None:
+    if spec.direction == "fwd":
+        F.attention_forward(t["q"], t["k"], t["v"], spec=spec, causal=spec.causal)
+    else:
+        F.attention_backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["lse"], spec=spec, causal=spec.causal,
+                             deterministic=spec.deterministic)
+
+
+def _mutated_module(spec: KernelSpec, template: str, text: str) -> cpu.CpuModule:
+    env = renderer._env().overlay(loader=__import__("jinja2").ChoiceLoader(
+        [__import__("jinja2").DictLoader({template: text}), renderer._env().loader]))
+    mod = cpu.CpuModule.__new__(cpu.CpuModule)
+    real = renderer._env
+    renderer._env = lambda: env  # type: ignore[assignment]
+    try:
+        cpu.CpuModule.__init__(mod, spec)
+        mod.rendered = renderer.render.__wrapped__(spec)
+    finally:
+        renderer._env = real  # type: ignore[assignment]
+    return mod
+
+
+def _run_with(monkeypatch, spec: KernelSpec, problem: dict, mod: cpu.CpuModule) -> cpu.RacecheckedLaunches:
+    real = cpu.cpu_module
+    t = _inputs(spec, problem)
+    monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
+    with cpu.racecheck() as record:
+        _run(spec, t)
+    monkeypatch.setattr(cpu, "cpu_module", real)
+    return record
+
+
+@pytest.fixture(scope="module")
+def coverage() -> dict[tuple[str, int], list[int]]:
+    """Which candidates execute each barrier site: every site of a template gets a marker *next
+    to* its barrier (nothing removed); one racecheck run per candidate reports the markers passed."""
+    mp = pytest.MonkeyPatch()
+    cover: dict[tuple[str, int], list[int]] = {(t, off): [] for t, off, _ in SITES}
+    try:
+        for ci, (spec, problem) in enumerate(_candidates()):
+            if all(cover.values()):
+                break  # every site has a spec that runs it
+            for template in {t for t, _, _ in SITES}:
+                if template not in renderer.get_family(spec.impl).templates(spec.direction) and \
+                        not template.startswith("partials/"):
+                    continue
+                text = (renderer.templates_dir() / template).read_text()
+                sites = [(off, i) for i, (t, off, _) in enumerate(SITES) if t == template]
+                for off, i in sorted(sites, reverse=True):  # tag each: /*FAGEN_SITE_i*/ marker; barrier
+                    text = text[:off] + f"fagen_emu_race_marker(); /*FAGEN_SITE_{i}*/ " + text[off:]
+                mod = _mutated_module(spec, template, text)
+                src = mod.rendered.source.splitlines()
+                record = _run_with(mp, spec, problem, mod)
+                for i in {i for _, i in sites}:
+                    lines = {n for n, ln in enumerate(src, 1) if f"/*FAGEN_SITE_{i}*/" in ln}
+                    if lines & {line for _, line in record.marker_lines}:
+                        cover[SITES[i][:2]].append(ci)
+    finally:
+        mp.undo()
+    return cover
+
+
+def test_template_barriers_are_discovered() -> None:
+    assert len({t for t, _, _ in SITES}) >= 4, SITES
+    assert sum(t.startswith("simt/") for t, _, _ in SITES) >= 10
+
+
+@pytest.mark.parametrize("site", SITES, ids=[f"{t}:{line}" for t, _, line in SITES])
+def test_removing_a_barrier_is_a_race_naming_it(site, coverage, monkeypatch) -> None:
+    template, off, line = site
+    runs = coverage[(template, off)]
+    assert runs, f"no candidate spec executes the barrier at templates/{template}:{line}; add one to _candidates()"
+    spec, problem = _candidates()[runs[0]]
+    text = (renderer.templates_dir() / template).read_text()
+    m = BARRIER.match(text, off)
+    mutated = text[:off] + "fagen_emu_race_marker()" + text[m.end():]
+    mod = _mutated_module(spec, template, mutated)
+    marker_line = next(n for n, ln in enumerate(mod.rendered.source.splitlines(), 1)
+                       if "fagen_emu_race_marker()" in ln)
+    try:
+        record = _run_with(monkeypatch, spec, problem, mod)
+    except EmulatorRaceError as e:
+        assert f"marker at {mod._build(sanitize=False, racecheck=True).source_path.name}:{marker_line}" in str(e), \
+            f"templates/{template}:{line}: the report does not name the removed barrier:\n{e}"
+        return
+    assert any(ln == marker_line for _, ln in record.marker_lines), "the spec did not run the removed barrier"
+    assert (template, _line_text(template, off)) in UNNEEDED, (
+        f"templates/{template}:{line}: {text[off:m.end()]} removed, {spec.name} still runs clean: "
+        "the barrier is not needed (remove it from the template)")
+
+
+# --------------------------------------------------------------------------- no false positives
+#: Both families, every kernel role (forward; backward pre, main, dq, post), the feature flags.
+CLEAN = [
+    dict(impl="simt", dtype="float16", head_dim=64, causal=True),  # the standard tiles
+    dict(impl="simt", dtype="bfloat16", head_dim=24, key_padding=True, dropout=True, window=True, block_r=16,
+         block_c=16, num_warps=2, det=True),
+    dict(impl="simt", dtype="float64", head_dim=8, softcap=True, alibi=True, block_r=16, block_c=16, num_warps=1),
+    dict(impl="mma", dtype="float16", head_dim=64, causal=True),  # the standard tiles
+    dict(impl="mma", dtype="bfloat16", head_dim=40, dropout=True, key_padding=True, window=True, block_r=32,
+         block_c=16, num_warps=2, det=True),
+    dict(impl="mma", dtype="float16", head_dim=160, causal=True, softcap=True, det=True),
+]
+
+
+@pytest.mark.parametrize("row", CLEAN, ids=lambda r: "-".join(f"{k}" if v is True else f"{v}" for k, v in r.items()))
+def test_sample_runs_clean_and_bit_identical_under_racecheck(row) -> None:
+    row = dict(row)
+    det = row.pop("det", False)
+    flags = {f: row.pop(f) for f in ("causal", "key_padding", "dropout", "window", "softcap", "alibi") if f in row}
+    sf = KernelSpec(direction="fwd", **row, **flags)
+    sb = KernelSpec(direction="bwd", deterministic=det, **row, **flags)
+    g = torch.Generator().manual_seed(3)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}[row["dtype"]]
+    B, H, Hkv, Nq, Nk, d = 1, 2, 1, 45, 70, row["head_dim"]
+    q, do = (torch.randn(B, Nq, H, d, generator=g).to(dt) for _ in range(2))
+    k, v = (torch.randn(B, Nk, Hkv, d, generator=g).to(dt) for _ in range(2))
+    opt: dict = {"causal": flags.get("causal", False), "seed": 1, "offset": 2}
+    if flags.get("dropout"):
+        opt["dropout_p"] = 0.2
+    if flags.get("key_padding"):
+        kpm = torch.rand(B, Nk, generator=g) > 0.3
+        kpm[:, 0] = True
+        opt["key_padding_mask"] = kpm
+    if flags.get("window"):
+        opt["window_size"] = (20, 7)
+    if flags.get("softcap"):
+        opt["softcap"] = 5.0
+    if flags.get("alibi"):
+        opt["alibi_slopes"] = torch.rand(H, generator=g) + 0.1
+
+    def run():
+        o, lse = F.attention_forward(q, k, v, spec=sf, **opt)
+        return (o, lse, *F.attention_backward(do, q, k, v, o, lse, spec=sb, deterministic=det, **opt))
+
+    plain = run()
+    with cpu.racecheck() as record:
+        checked = run()
+    roles = [role for _, role, _ in record.launches]
+    assert roles == ["main", "pre", "main", *(["dq"] if det else []), "post"], roles
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)
