@@ -41,10 +41,10 @@ def _default_cache_dir() -> Path:
 
 
 @functools.cache
-def _support_text() -> tuple[str, str]:
-    """(runtime.h, shim.h) as shipped in the package."""
+def _support_text() -> tuple[str, str, str]:
+    """(runtime.h, shim.h, hopper.h) as shipped in the package."""
     pkg = resources.files(__package__)
-    return pkg.joinpath("runtime.h").read_text(), pkg.joinpath("shim.h").read_text()
+    return tuple(pkg.joinpath(name).read_text() for name in ("runtime.h", "shim.h", "hopper.h"))  # type: ignore[return-value]
 
 
 def compile_flags(*, sanitize: bool, debug: bool) -> list[str]:
@@ -85,9 +85,9 @@ def render_wrappers(kernels: Sequence[KernelSig]) -> str:
 
 
 def translation_unit(source: str, wrappers: str, stem: str) -> str:
-    runtime, shim = _support_text()
+    runtime, shim, hopper = _support_text()
     return (
-        f"{runtime}\n{shim}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
+        f"{runtime}\n{shim}\n{hopper}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
         f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
     )
 
@@ -118,8 +118,8 @@ def build(
     cxx, cxx_id = compiler()
     include = cuda_include_dir()
     flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
-    runtime, shim = _support_text()
-    key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
+    runtime, shim, hopper = _support_text()
+    key = cache.digest(runtime, shim, hopper, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     memo_key = (str(root.absolute()), stem)
