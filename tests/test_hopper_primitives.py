@@ -574,3 +574,26 @@ def test_elect_one_elects_exactly_one_lane_per_warp(mod) -> None:
     mod.launch("elect", 1, 96, 0, [out])
     assert list(out.reshape(3, 32).sum(axis=1)) == [1, 1, 1]
     assert list(np.flatnonzero(out) % 32) == [31, 31, 31]  # not lane 0: kernels must not assume it
+
+
+# -------------------------------------------------------- demonstration GEMM
+GEMM_SOURCE = PRIMITIVES + "\n" + HOPPER + "\n" + (REPO / "tests/hopper_kernels.cu").read_text()
+GEMM_SIGS = [KernelSig("hopper_gemm", ((TM, "tma_a"), (TM, "tma_b"), ("float*", "c"), ("int", "k_total"))),
+             KernelSig("hopper_rest", ((TM, "tmap"), ("float*", "out"), ("int", "flag")))]
+
+
+@pytest.mark.parametrize("k_total", [64, 16])
+def test_demonstration_gemm_equals_torch_matmul(k_total: int) -> None:
+    """128 x 128 x K fp16 GEMM: a TMA producer warp, a 2-stage mbarrier pipeline (K = 64: each
+    stage used twice, so the parities flip) and two consumer warpgroups doing wgmma."""
+    import torch
+
+    gm = build(GEMM_SOURCE, GEMM_SIGS)
+    gen = torch.Generator().manual_seed(k_total)
+    a = torch.randn(128, k_total, generator=gen).half()
+    b = torch.randn(k_total, 128, generator=gen).half()
+    c = torch.full((128, 128), float("nan"))
+    ta = tma.tensor_map_for(a, (128, 16), swizzle=32)
+    tb = tma.tensor_map_for(b, (16, 64), swizzle=128)
+    gm.launch("hopper_gemm", 1, 384, 4 * 4096 + 64, [ta, tb, c, k_total])
+    torch.testing.assert_close(c, torch.matmul(a.float(), b.float()), rtol=1e-5, atol=1e-5)
