@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (
 
 
 def compile_sm90a(body: str):
-    res = nvrtc.compile_cubin(PRELUDE + body, "hopper.cu", ["-arch=sm_90a", "-std=c++17", "-Xptxas=-v"], "sm_90")
+    res = nvrtc.compile_cubin(PRELUDE + body, "hopper.cu", ["-arch=sm_90a", "-std=c++17", "-Xptxas=-v"], "sm_90a")
     assert res.ok, res.log
     return res
 
@@ -75,3 +75,14 @@ def test_every_wgmma_shape_compiles_to_hgmma() -> None:
     for n in range(8, 257, 8):
         hgmma = [i.mnemonic for i in code[f"every_n{n}"] if i.opcode == "HGMMA"]
         assert len(hgmma) == 4 and all(f"64x{n}x16" in m for m in hgmma), (n, hgmma)
+
+
+def test_sm90a_cubins_pass_the_arch_check() -> None:
+    """e_flags name the SM only: an sm_90a cubin is checked as sm_90, and is no sm_80 cubin."""
+    from fagen import elf
+
+    cubin = compile_sm90a('extern "C" __global__ void k(float* x) { x[0] = 1.f; }').cubin
+    elf.check_cubin(cubin, "sm_90a")
+    elf.check_cubin(cubin, "sm_90")
+    with pytest.raises(elf.ElfError, match="expected sm_80"):
+        elf.check_cubin(cubin, "sm_80a")
