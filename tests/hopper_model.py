@@ -125,11 +125,12 @@ def tma_box(tensor: np.ndarray, coords: tuple[int, ...], box: tuple[int, ...],
     return out
 
 
-def smem_image_of_box(box_values: np.ndarray, base: int, swizzle: int) -> dict[int, bytes]:
+def smem_image_of_box(box_values: np.ndarray, base: int, swizzle: int,
+                      mutation: str | None = None) -> dict[int, bytes]:
     """Where each element of a TMA box lands: dense, innermost dimension first, from ``base``,
     then swizzled: {byte address: element bytes}."""
     flat = np.ascontiguousarray(box_values).reshape(-1)
     eb = flat.dtype.itemsize
-    addrs = swizzled(base + np.arange(flat.size) * eb, swizzle)
+    addrs = swizzled(base + np.arange(flat.size) * eb, swizzle, mutation)
     raw = flat.view(np.uint8).reshape(-1, eb)
     return {int(a): raw[n].tobytes() for n, a in enumerate(addrs)}

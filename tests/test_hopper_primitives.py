@@ -455,7 +455,7 @@ TMA_CASES = [
     ((17, 16), (16, 16), (5, 3), 32, None, np.float16),
     ((9, 12), (8, 8), (2, 6), 0, None, np.float32),
     ((5, 6, 32), (2, 4, 32), (4, 3, 0), 64, None, np.float16),
-    ((3, 4, 5, 16), (2, 2, 4, 16), (2, 3, -1, 0), 32, None, np.float16),
+    ((3, 4, 5, 16), (2, 2, 4, 16), (1, 2, -1, 0), 32, None, np.float16),
     ((20, 32), (8, 32), (1, 0), 64, (2, 1), np.float16),  # every other row
 ]
 
@@ -480,6 +480,11 @@ def test_tma_load_box_placement_and_oob_fill(mod, shape, box, coords, swizzle, e
         expect[a:a + len(raw)] = np.frombuffer(raw, np.uint8)
     np.testing.assert_array_equal(out[nbytes:], expect)
     np.testing.assert_array_equal(out[:nbytes], expect)  # the phase completed at issue (tx and arrival done)
+    if swizzle:  # mutation check: a swizzle XOR one address bit off places the box elsewhere
+        wrong = np.zeros(nbytes, np.uint8)
+        for a, raw in M.smem_image_of_box(expect_box, 0, swizzle, "swizzle_xor").items():
+            wrong[a:a + len(raw)] = np.frombuffer(raw, np.uint8)
+        assert not np.array_equal(out[nbytes:], wrong)
     assert (expect_box == 0).any() or not any(c < 0 or c + b > s for c, b, s in zip(coords, box, shape))
 
 

@@ -84,8 +84,15 @@ def render_wrappers(kernels: Sequence[KernelSig]) -> str:
     return "\n".join(out) + "\n"
 
 
+#: A source that defines this (templates/wgmma/hopper.cuh does) gets fagen/emulator/hopper.h
+#: pasted after the shim; other sources do not pay for compiling it.
+HOPPER_MARKER = "FAGEN_HOPPER_PRIMITIVES"
+
+
 def translation_unit(source: str, wrappers: str, stem: str) -> str:
     runtime, shim, hopper = _support_text()
+    if HOPPER_MARKER not in source:
+        hopper = ""
     return (
         f"{runtime}\n{shim}\n{hopper}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
         f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
@@ -119,7 +126,7 @@ def build(
     include = cuda_include_dir()
     flags = compile_flags(sanitize=sanitize, debug=debug) + [str(f) for f in extra_flags]
     runtime, shim, hopper = _support_text()
-    key = cache.digest(runtime, shim, hopper, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
+    key = cache.digest(runtime, shim, hopper if HOPPER_MARKER in source else "", source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     memo_key = (str(root.absolute()), stem)

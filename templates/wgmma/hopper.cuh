@@ -61,6 +61,8 @@
 // not contain Jinja's opening delimiters (a brace followed by % or #): write
 // PTX operand lists as "{ %0, %1 }", with a space after the brace.
 // ---------------------------------------------------------------------------
+// The emulator pastes fagen/emulator/hopper.h into a translation unit that defines this.
+#define FAGEN_HOPPER_PRIMITIVES 1
 template <typename E> struct FaWgmmaElem { static constexpr bool ok = false; };
 template <> struct FaWgmmaElem<__half> { static constexpr bool ok = true; };
 template <> struct FaWgmmaElem<__nv_bfloat16> { static constexpr bool ok = true; };
