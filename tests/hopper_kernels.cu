@@ -74,8 +74,8 @@ extern "C" __global__ void __launch_bounds__(384) hopper_gemm(const __grid_const
     }
 }
 
-// Every other primitive once (for the SASS check): stmatrix, TMA store / reduce-add, bulk groups,
-// register-A wgmma, bf16, N = 8 and 256.
+// Every other primitive once (for the SASS check): stmatrix, TMA store / reduce-add, non-tensor bulk
+// load / store / reduce-add, bulk groups, register-A wgmma, bf16, N = 8 and 256.
 extern "C" __global__ void __launch_bounds__(256) hopper_rest(const __grid_constant__ FaTensorMap tmap, float* out,
                                                               int flag) {
     unsigned char* smem = fa_smem_1024();
@@ -83,9 +83,10 @@ extern "C" __global__ void __launch_bounds__(256) hopper_rest(const __grid_const
     if (threadIdx.x == 0) {
         fa_mbarrier_init(bar, 1);
         fa_fence_barrier_init();
-        fa_mbarrier_arrive_expect_tx(bar, 8192);
+        fa_mbarrier_arrive_expect_tx(bar, 8192 + 256);
         fa_tma_load_3d(smem, &tmap, bar, 0, flag, 1);
         fa_tma_load_4d(smem + 4096, &tmap, bar, 0, flag, 1, 2);
+        fa_bulk_load(smem + 16384, out, 256, bar);
     }
     fa_sync();
     fa_mbarrier_wait_parity(bar, 0);
@@ -119,6 +120,8 @@ extern "C" __global__ void __launch_bounds__(256) hopper_rest(const __grid_const
         fa_tma_reduce_add_2d(&tmap, c, 0, flag);
         fa_tma_reduce_add_3d(&tmap, c, 0, flag, 0);
         fa_tma_reduce_add_4d(&tmap, c, 0, flag, 0, 1);
+        fa_bulk_store(out, c, 256);
+        fa_bulk_reduce_add_f32(out + 64, reinterpret_cast<const float*>(c), 256);
         fa_bulk_commit_group();
         fa_bulk_wait_group_read<0>();
         fa_bulk_wait_group<0>();

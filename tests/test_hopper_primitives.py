@@ -189,6 +189,24 @@ extern "C" __global__ void maxnreg(int* out, int mode) {
 }
 
 extern "C" __global__ void elect(int* out) { out[threadIdx.x] = fa_elect_one(); }
+
+// Non-tensor bulk copies: load `bytes` from src into smem (through an mbarrier), add them twice
+// into acc (f32 reduce), store them to dst; mode 1: a misaligned size.
+extern "C" __global__ void bulk(const float* src, float* acc, float* dst, int bytes, float* early, int mode) {
+    unsigned char* s = fa_smem_1024();
+    unsigned long long* bar = reinterpret_cast<unsigned long long*>(s + 65536);
+    fa_mbarrier_init(bar, 1);
+    fa_mbarrier_expect_tx(bar, bytes);  // no arrival yet: the phase stays open after the copy's complete_tx
+    fa_bulk_load(s + 256, src, bytes - (mode == 1 ? 8 : 0), bar);  // LINE:bulk_load
+    for (int i = 0; i < bytes / 4; ++i) early[i] = reinterpret_cast<float*>(s + 256)[i];
+    fa_mbarrier_arrive(bar);
+    fa_mbarrier_wait_parity(bar, 0);
+    fa_bulk_reduce_add_f32(acc, reinterpret_cast<float*>(s + 256), bytes);
+    fa_bulk_reduce_add_f32(acc, reinterpret_cast<float*>(s + 256), bytes);
+    fa_bulk_store(dst, s + 256, bytes);
+    fa_bulk_commit_group();
+    fa_bulk_wait_group<0>();
+}
 """
 
 
@@ -217,6 +235,8 @@ SIGS = [
     KernelSig("mbar", (("int*", "log"), ("int", "mode"))),
     KernelSig("maxnreg", (("int*", "out"), ("int", "mode"))),
     KernelSig("elect", (("int*", "out"),)),
+    KernelSig("bulk", (("const float*", "src"), ("float*", "acc"), ("float*", "dst"), ("int", "bytes"),
+                       ("float*", "early"), ("int", "mode"))),
 ]
 SMEM = 65536 + 1024
 
@@ -541,6 +561,19 @@ def test_tma_store_with_a_negative_start_is_refused(mod) -> None:
     src = np.zeros(fields.box_bytes, np.uint8)
     with pytest.raises(EmulatorKernelError, match="must not start below 0"):
         mod.launch("tma_out", 1, 1, SMEM, [fields, src, fields.box_bytes, np.array([0, -1, 0, 0], np.int32), 2, 0, 0])
+
+
+def test_non_tensor_bulk_copies(mod) -> None:
+    src = np.arange(1, 65, dtype=np.float32)
+    acc = np.full(64, 0.5, np.float32)
+    dst = np.zeros(64, np.float32)
+    early = np.zeros(64, np.float32)
+    mod.launch("bulk", 1, 1, SMEM, [src, acc, dst, 256, early, 0])
+    assert (early.view(np.uint32) == 0x7FFF7FFF).all()  # poison until the phase completes
+    np.testing.assert_array_equal(dst, src)
+    np.testing.assert_array_equal(acc, 0.5 + 2 * src)
+    with pytest.raises(EmulatorKernelError, match=rf"fa_bulk_load at .*:{line_of('bulk_load')}: 248 bytes .*multiples of 16"):
+        mod.launch("bulk", 1, 1, SMEM, [src, acc, dst, 256, early, 1])
 
 
 # ---------------------------------------------------------------- mbarrier

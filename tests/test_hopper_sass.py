@@ -36,7 +36,7 @@ def test_hopper_kernels_show_the_hopper_instructions() -> None:
     gemm, rest = mix["hopper_gemm"], mix["hopper_rest"]
     for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "ELECT", "WARPGROUP"):
         assert gemm.get(op, 0) > 0, (op, gemm)
-    for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "SYNCS", "STSM"):
+    for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKCP", "UBLKRED", "SYNCS", "STSM"):
         assert rest.get(op, 0) > 0, (op, rest)
     assert rest["UTMAREDG"] == 3 and rest["STSM"] == 4 and gemm["UTMALDG"] == 3
 

@@ -642,6 +642,40 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
     }
 }
 
+// cp.async.bulk (non-tensor, PTX ISA 9.7.9.24) and cp.reduce.async.bulk .add.f32: `bytes`
+// contiguous bytes between shared and global memory; a load completes like a TMA load (tx bytes
+// on its mbarrier, data poison until the phase completes), a store / reduce happens at issue
+// and its source is checked at the bulk wait.
+inline void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned long long* bar, const char* what,
+                 const char* file, int line) {
+    Hopper& h = state();
+    const unsigned s_addr = shared_addr(smem, what, file, line);
+    if (bytes == 0 || bytes % 16 || s_addr % 16 || reinterpret_cast<uintptr_t>(gmem) % 16)
+        fail("%s at %s:%d: %u bytes between shared offset 0x%x and %p: size and both addresses must be multiples "
+             "of 16",
+             what, file, line, bytes, s_addr, gmem);
+    if (s_addr + size_t(bytes) > g.smem_bytes)
+        fail("%s at %s:%d: %u bytes at shared offset 0x%x are past the %zu-byte dynamic window", what, file, line,
+             bytes, s_addr, g.smem_bytes);
+    unsigned char* sp = g.smem + s_addr;
+    unsigned char* gp = static_cast<unsigned char*>(gmem);
+    if (kind == kTmaLoad) {
+        Mbar& b = get_bar(bar, what, file, line);
+        std::vector<unsigned char> data(gp, gp + bytes);
+        for (unsigned k = 0; k < bytes; k += 2) memcpy(sp + k, &kPoison32, 2);
+        b.loads.push_back(PendingLoad{sp, std::move(data)});
+        mbar_tx(b, -long(bytes), what, file, line);
+        mbar_check(b);
+        return;
+    }
+    if (kind == kTmaStore) memcpy(gp, sp, bytes);
+    else
+        for (unsigned k = 0; k < bytes; k += 4) reduce_add(gp + k, sp + k, 7);
+    ThreadState& ts = h.threads[g.cur->index];
+    ts.bulk.push_back(BulkOp{ts.bulk_commits, sp, std::vector<unsigned char>(sp, sp + bytes), file, line});
+    hook_async_read(sp, bytes);
+}
+
 inline void bulk_commit() { ++state().threads[g.cur->index].bulk_commits; }
 
 // cp.async.bulk.wait_group[.read] N: the shared sources of this thread's bulk
@@ -659,7 +693,7 @@ inline void bulk_wait(unsigned pending, const char* file, int line) {
             continue;
         }
         if (memcmp(b.src, b.bytes.data(), b.bytes.size()) != 0)
-            fail("the shared source (offset 0x%x) of the TMA store / reduce issued at %s:%d was written before "
+            fail("the shared source (offset 0x%x) of the bulk store / reduce issued at %s:%d was written before "
                  "fa_bulk_wait_group at %s:%d",
                  unsigned(b.src - g.smem), b.file, b.line, file, line);
     }

@@ -46,6 +46,10 @@
 //   fa_tma_store_{2,3,4}d(tmap, smem_src, c...), fa_tma_reduce_add_{2,3,4}d
 //       smem box -> global (store / add), in-bounds elements only; bulk_group.
 //   fa_bulk_commit_group(), fa_bulk_wait_group<N>(), fa_bulk_wait_group_read<N>()
+//   fa_bulk_load(smem_dst, gmem_src, bytes, bar)   cp.async.bulk (non-tensor) global ->
+//       smem, complete_tx on bar; fa_bulk_store(gmem_dst, smem_src, bytes) and
+//       fa_bulk_reduce_add_f32(gmem_dst, smem_src, bytes) (cp.reduce.async.bulk .add.f32),
+//       bulk_group; bytes a multiple of 16, addresses 16-byte aligned.
 // stmatrix (9.7.14.5.16 "stmatrix"): fa_stmatrix_x{1,2,4}[_trans](row_addr, r):
 //   lanes 8i..8i+7 give the rows of matrix i; r[i] of lane l holds elements
 //   (l>>2, 2(l%4)) and (.., +1) of matrix i (of its transpose with _trans).
@@ -423,6 +427,22 @@ FA_TMA_OUT(fa_tma_reduce_add, "cp.reduce.async.bulk.tensor")
 #undef FA_TMA_fa_tma_store_MODE
 #undef FA_TMA_fa_tma_reduce_add_MODE
 #undef FA_TMA_MAP
+FA_DEVICE void fa_bulk_load(void* smem_dst, const void* gmem_src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     fa_shared_u32(smem_dst)),
+                 "l"(gmem_src), "r"(bytes), "r"(fa_shared_u32(bar))
+                 : "memory");
+}
+FA_DEVICE void fa_bulk_store(void* gmem_dst, const void* smem_src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem_dst),
+                 "r"(fa_shared_u32(smem_src)), "r"(bytes)
+                 : "memory");
+}
+FA_DEVICE void fa_bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem_dst),
+                 "r"(fa_shared_u32(smem_src)), "r"(bytes)
+                 : "memory");
+}
 FA_DEVICE void fa_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 FA_DEVICE void fa_bulk_wait_group() {
@@ -569,6 +589,19 @@ FA_DEVICE void fa_tma_load_4d(void* dst, const FaTensorMap* tmap, unsigned long 
 FA_TMA_OUT(fa_tma_store, fagen_emu::hopper::kTmaStore)
 FA_TMA_OUT(fa_tma_reduce_add, fagen_emu::hopper::kTmaReduceAdd)
 #undef FA_TMA_OUT
+FA_DEVICE void fa_bulk_load(void* smem_dst, const void* gmem_src, unsigned bytes, unsigned long long* bar,
+                            FAGEN_EMU_SITE) {
+    fagen_emu::hopper::bulk(fagen_emu::hopper::kTmaLoad, smem_dst, const_cast<void*>(gmem_src), bytes, bar,
+                            "fa_bulk_load", FAGEN_EMU_SITE_ARGS);
+}
+FA_DEVICE void fa_bulk_store(void* gmem_dst, const void* smem_src, unsigned bytes, FAGEN_EMU_SITE) {
+    fagen_emu::hopper::bulk(fagen_emu::hopper::kTmaStore, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr,
+                            "fa_bulk_store", FAGEN_EMU_SITE_ARGS);
+}
+FA_DEVICE void fa_bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, unsigned bytes, FAGEN_EMU_SITE) {
+    fagen_emu::hopper::bulk(fagen_emu::hopper::kTmaReduceAdd, const_cast<float*>(smem_src), gmem_dst, bytes,
+                            nullptr, "fa_bulk_reduce_add_f32", FAGEN_EMU_SITE_ARGS);
+}
 FA_DEVICE void fa_bulk_commit_group() { fagen_emu::hopper::bulk_commit(); }
 template <int N>
 FA_DEVICE void fa_bulk_wait_group(FAGEN_EMU_SITE) {
