@@ -114,6 +114,8 @@ extern "C" __global__ void __launch_bounds__(256) hopper_rest(const __grid_const
     fa_stmatrix_x1(c + lane * 8 + warp * 1024 + 512, r1);
     fa_stmatrix_x2_trans(c + lane * 8 + warp * 1024 + 768, r2);
     fa_fence_proxy_async();
+    if (warp < 4) fa_named_barrier_sync(1, 128);
+    else fa_named_barrier_arrive(1, 128);
     fa_sync();
     if (threadIdx.x == 0) {
         fa_tma_store_2d(&tmap, c, 0, flag);

@@ -190,6 +190,21 @@ extern "C" __global__ void maxnreg(int* out, int mode) {
 
 extern "C" __global__ void elect(int* out) { out[threadIdx.x] = fa_elect_one(); }
 
+// Named barriers: warps 0-1 (64 threads) produce into smem and arrive on barrier 3; warps 2-3
+// sync on it and read. mode 1: warp 0 never arrives (deadlock); mode 2: count 48 (invalid).
+extern "C" __global__ void named(int* out, int mode) {
+    int* s = reinterpret_cast<int*>(fa_smem());
+    const int t = threadIdx.x;
+    if (t < 64) {
+        s[t] = 10 * t;
+        if (mode == 1 && t < 32) return;
+        fa_named_barrier_arrive(3, mode == 2 ? 48 : 128);
+    } else {
+        fa_named_barrier_sync(3, 128);  // LINE:named_sync
+        out[t - 64] = s[t - 64];
+    }
+}
+
 // Non-tensor bulk copies: load `bytes` from src into smem (through an mbarrier), add them twice
 // into acc (f32 reduce), store them to dst; mode 1: a misaligned size.
 extern "C" __global__ void bulk(const float* src, float* acc, float* dst, int bytes, float* early, int mode) {
@@ -235,6 +250,7 @@ SIGS = [
     KernelSig("mbar", (("int*", "log"), ("int", "mode"))),
     KernelSig("maxnreg", (("int*", "out"), ("int", "mode"))),
     KernelSig("elect", (("int*", "out"),)),
+    KernelSig("named", (("int*", "out"), ("int", "mode"))),
     KernelSig("bulk", (("const float*", "src"), ("float*", "acc"), ("float*", "dst"), ("int", "bytes"),
                        ("float*", "early"), ("int", "mode"))),
 ]
@@ -574,6 +590,17 @@ def test_non_tensor_bulk_copies(mod) -> None:
     np.testing.assert_array_equal(acc, 0.5 + 2 * src)
     with pytest.raises(EmulatorKernelError, match=rf"fa_bulk_load at .*:{line_of('bulk_load')}: 248 bytes .*multiples of 16"):
         mod.launch("bulk", 1, 1, SMEM, [src, acc, dst, 256, early, 1])
+
+
+def test_named_barriers(mod) -> None:
+    out = np.zeros(64, np.int32)
+    mod.launch("named", 1, 128, 1024, [out, 0])
+    np.testing.assert_array_equal(out, 10 * np.arange(64))
+    with pytest.raises(EmulatorDeadlockError, match=(
+            rf"named barrier 3: 96 of 128 thread\(s\) arrived \(first at .*\), threads 64-127 wait there")):
+        mod.launch("named", 1, 128, 1024, [out, 1])
+    with pytest.raises(EmulatorKernelError, match="thread count 48 is not a positive multiple of 32"):
+        mod.launch("named", 1, 128, 1024, [out, 2])
 
 
 # ---------------------------------------------------------------- mbarrier

@@ -67,7 +67,10 @@ inline void hook_mbarrier_wait(const void* mbar, unsigned parity) { (void)mbar, 
 inline void hook_fence_proxy_async() {}
 
 // ---------------------------------------------------------------- state
+enum ParkKind : uint8_t { kParkWarpgroup, kParkMbarrier, kParkNamedBarrier };
+
 struct Park {  // what a parked fiber waits for (deadlock reports)
+    ParkKind kind;
     const char* name;
     const char* file;
     int line;
@@ -141,8 +144,16 @@ struct WgCollective {
     char what[96];
 };
 
+struct NamedBarrier {
+    unsigned count, arrived;  // count 0: no phase open
+    const char* file;         // where the open phase's first thread arrived
+    int line;
+    std::vector<unsigned> waiters;
+};
+
 struct Hopper {
     uint64_t block = ~uint64_t(0);
+    NamedBarrier named[16];
     std::vector<Mbar> bars;
     std::vector<ThreadState> threads;
     std::vector<WgCollective> wgs;
@@ -156,6 +167,7 @@ inline Hopper& state() {
             for (PendingWgmma& p : t.wgmma)
                 if (--p.op->refs == 0) delete p.op;
         H.bars.clear();
+        for (NamedBarrier& b : H.named) b = NamedBarrier{0, 0, nullptr, 0, {}};
         H.threads.assign(g.nthreads, ThreadState{});
         H.wgs.assign((g.nthreads + 127) / 128, WgCollective{});
         H.park.assign(g.nthreads, Park{});
@@ -181,9 +193,10 @@ inline unsigned swizzle(unsigned addr, unsigned span) {
     return addr ^ (((addr >> 7) & bits) << 4);
 }
 
-inline void park_self(const char* name, const char* file, int line, const void* mbar, unsigned parity) {
+inline void park_self(ParkKind kind, const char* name, const char* file, int line, const void* mbar,
+                      unsigned parity) {
     Fiber* self = g.cur;
-    H.park[self->index] = Park{name, file, line, mbar, parity};
+    H.park[self->index] = Park{kind, name, file, line, mbar, parity};
     self->wait = kAtAsync;
 }
 
@@ -217,7 +230,7 @@ inline void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const cha
         abort_block(FAGEN_EMU_DEADLOCK);
     }
     c.payloads[t] = payload;
-    park_self(name, file, line, nullptr, 0);
+    park_self(kParkWarpgroup, name, file, line, nullptr, 0);
     if (++c.arrived == 128) {
         c.arrived = 0;
         fn(c.payloads);
@@ -525,7 +538,7 @@ inline bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file
     Mbar& b = get_bar(bar, "fa_mbarrier_try_wait_parity", file, line);
     if ((b.phase & 1u) == (parity & 1u)) {
         b.waiters.push_back(g.cur->index);
-        park_self("fa_mbarrier_try_wait_parity", file, line, bar, parity & 1u);
+        park_self(kParkMbarrier, "fa_mbarrier_try_wait_parity", file, line, bar, parity & 1u);
         schedule(false);
     }
     hook_mbarrier_wait(bar, parity & 1u);
@@ -765,7 +778,55 @@ inline bool elect_one(const char* file, int line) {
     return lane == 31u - unsigned(__builtin_clz(ballot));
 }
 
+// ------------------------------------------------------ named barriers
+// bar.sync / bar.arrive id, count (PTX ISA 9.7.12.1 "bar, barrier"): `count` threads (a
+// multiple of 32) meet at barrier `id`; sync waits for the count, arrive does not. The
+// emulator counts threads (every lane of a participating warp must execute it) and keeps
+// barrier 0 for __syncthreads: ids are 1..15.
+inline void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line) {
+    Hopper& h = state();
+    const char* what = wait ? "fa_named_barrier_sync" : "fa_named_barrier_arrive";
+    if (id < 1 || id > 15) fail("%s at %s:%d: barrier id %u is not in 1..15 (0 is __syncthreads')", what, file, line, id);
+    if (count == 0 || count % 32 || count > g.nthreads)
+        fail("%s at %s:%d: thread count %u is not a positive multiple of 32 up to the block's %u threads", what, file,
+             line, count, g.nthreads);
+    NamedBarrier& b = h.named[id];
+    if (b.arrived == 0) {
+        b.count = count;
+        b.file = file;
+        b.line = line;
+    } else if (b.count != count) {
+        fail("%s at %s:%d: barrier %u is used with %u threads while its open phase (first arrival at %s:%d) counts "
+             "%u",
+             what, file, line, id, count, b.file, b.line, b.count);
+    }
+    if (wait) {
+        b.waiters.push_back(g.cur->index);
+        park_self(kParkNamedBarrier, what, file, line, nullptr, id);
+    }
+    if (++b.arrived == b.count) {
+        b.arrived = 0;
+        std::vector<unsigned> w;
+        w.swap(b.waiters);
+        for (unsigned k = 0; k < w.size(); ++k) wake(w[FAGEN_EMU_ORDER(k, unsigned(w.size()))]);
+    }
+    if (wait) schedule(false);
+}
+
 // ------------------------------------------------------ deadlock reports
+inline void describe_named() {
+    for (unsigned id = 1; id < 16; ++id) {
+        const NamedBarrier& b = H.named[id];
+        if (b.arrived == 0) continue;
+        appendf("named barrier %u: %u of %u thread(s) arrived (first at %s:%d), threads ", id, b.arrived, b.count,
+                b.file, b.line);
+        append_ranges(g.nthreads, [&](unsigned i) {
+            return g.fibers[i].wait == kAtAsync && H.park[i].kind == kParkNamedBarrier && H.park[i].parity == id;
+        });
+        appendf(" wait there; ");
+    }
+}
+
 inline void describe() {
     if (H.block != g.block_serial) return;
     for (unsigned wg = 0; wg < H.wgs.size(); ++wg) {
@@ -773,20 +834,21 @@ inline void describe() {
         if (c.arrived == 0) continue;
         appendf("warpgroup %u: threads ", wg);
         append_ranges(g.nthreads, [&](unsigned i) {
-            return i / 128 == wg && g.fibers[i].wait == kAtAsync && H.park[i].mbar == nullptr;
+            return i / 128 == wg && g.fibers[i].wait == kAtAsync && H.park[i].kind == kParkWarpgroup;
         });
         appendf(" wait at %s at %s:%d, threads ", c.what, c.file, c.line);
         append_ranges(g.nthreads, [&](unsigned i) {
-            return i / 128 == wg && !(g.fibers[i].wait == kAtAsync && H.park[i].mbar == nullptr);
+            return i / 128 == wg && !(g.fibers[i].wait == kAtAsync && H.park[i].kind == kParkWarpgroup);
         });
         appendf(" never arrive; ");
     }
+    describe_named();
     for (const Mbar& b : H.bars) {
         if (b.waiters.empty()) continue;
         const Park& p = H.park[b.waiters[0]];
         appendf("threads ");
         append_ranges(g.nthreads, [&](unsigned i) {
-            return g.fibers[i].wait == kAtAsync && H.park[i].mbar == b.addr;
+            return g.fibers[i].wait == kAtAsync && H.park[i].kind == kParkMbarrier && H.park[i].mbar == b.addr;
         });
         appendf(" wait at %s(parity %u) at %s:%d on mbarrier %s (initialised at %s:%d), whose phase %u never "
                 "completes: %u of %u arrival(s) pending, tx-count %ld; ",

@@ -55,6 +55,9 @@
 //   (l>>2, 2(l%4)) and (.., +1) of matrix i (of its transpose with _trans).
 // fa_setmaxnreg_inc<N>(), fa_setmaxnreg_dec<N>() (9.7.17.x "setmaxnreg"):
 //   N a multiple of 8 in [24, 256], the same in the whole warpgroup.
+// fa_named_barrier_sync(id, count), fa_named_barrier_arrive(id, count) (9.7.12.1
+//   bar.sync / bar.arrive): `count` threads (a multiple of 32, whole warps) meet at
+//   barrier id (1..15; 0 is __syncthreads'); arrive does not wait.
 // fa_elect_one()  elect.sync _|p, 0xffffffff: true in exactly one lane of the
 //   warp; which lane is unspecified (the emulator picks lane 31).
 //
@@ -489,6 +492,12 @@ FA_DEVICE void fa_setmaxnreg_dec() {
     __trap();
 #endif
 }
+FA_DEVICE void fa_named_barrier_sync(unsigned id, unsigned count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+FA_DEVICE void fa_named_barrier_arrive(unsigned id, unsigned count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 FA_DEVICE bool fa_elect_one() {
     unsigned elected;
     asm volatile("{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(elected));
@@ -633,6 +642,12 @@ template <int N>
 FA_DEVICE void fa_setmaxnreg_dec(FAGEN_EMU_SITE) {
     static_assert(N % 8 == 0 && N >= 24 && N <= 256, "fa_setmaxnreg_dec<N>: N a multiple of 8 in [24, 256]");
     fagen_emu::hopper::setmaxnreg(N, false, FAGEN_EMU_SITE_ARGS);
+}
+FA_DEVICE void fa_named_barrier_sync(unsigned id, unsigned count, FAGEN_EMU_SITE) {
+    fagen_emu::hopper::named_barrier(id, count, true, FAGEN_EMU_SITE_ARGS);
+}
+FA_DEVICE void fa_named_barrier_arrive(unsigned id, unsigned count, FAGEN_EMU_SITE) {
+    fagen_emu::hopper::named_barrier(id, count, false, FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_one(FAGEN_EMU_SITE_ARGS); }
 #endif
