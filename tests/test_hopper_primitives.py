@@ -662,3 +662,13 @@ def test_demonstration_gemm_equals_torch_matmul(k_total: int) -> None:
     tb = tma.tensor_map_for(b, (16, 64), swizzle=128)
     gm.launch("hopper_gemm", 1, 384, 4 * 4096 + 64, [ta, tb, c, k_total])
     torch.testing.assert_close(c, torch.matmul(a.float(), b.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_header_survives_a_jinja_include() -> None:
+    """The family's templates pull hopper.cuh in with a Jinja include: it must come out verbatim."""
+    import jinja2
+
+    from fagen.renderer import templates_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), keep_trailing_newline=True)
+    assert env.from_string('{% include "wgmma/hopper.cuh" %}').render() == HOPPER
