@@ -22,7 +22,10 @@
 // * TMA: the box is read from / written to global memory inside the tensor's
 //   bounds only; out-of-bounds elements of a load are zero (or NaN when the
 //   map asks); the smem image is the box, dense, innermost dimension first,
-//   swizzled like wgmma's descriptors expect.
+//   swizzled like wgmma's descriptors expect. Non-tensor bulk copies follow
+//   the same completion rules.
+// * stmatrix (a warp collective), named barriers (bar.sync / bar.arrive with a
+//   thread count), setmaxnreg (checked, no effect), elect.sync (lane 31).
 //
 // Racecheck hook points: the hook_* functions below are called at each async
 // event; they are no-ops here, for a race checker to fill in.

@@ -2,7 +2,8 @@
 // fagen Hopper primitives (sm_90a), part of the device-function layer: the
 // asynchronous machinery of the Hopper family (templates/wgmma/). Each fa_*
 // function wraps one PTX instruction, operands in PTX order. The device branch
-// is inline PTX (what NVRTC compiles for sm_90a; other targets trap); the
+// is inline PTX (what NVRTC compiles for sm_90a; on plain sm_90 wgmma and
+// setmaxnreg trap, the rest needs sm_90); the
 // emulator branch (FAGEN_EMULATOR) calls fagen/emulator/hopper.h, which
 // follows the PTX ISA's documented semantics (docs/emulator.md, "Hopper").
 // Section numbers are those of the PTX ISA 8.x manual.
