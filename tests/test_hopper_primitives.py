@@ -34,7 +34,7 @@ KERNELS = r"""
 // prm: a_off, a_lbo, a_sbo, a_swizzle, b_off, b_lbo, b_sbo, b_swizzle (bytes).
 // mode 0: plain; 1: also store d right after the commit (before the wait);
 // 2: write d[0] before the wait; 3: write an A operand byte before the wait;
-// 4: no fence; 5: two chained wgmmas into d in one group.
+// 4: no fence; 5: two chained wgmmas into d in one group; 6: base offset 1 in A's descriptor.
 template <typename E, int N, int TA, int TB, int RS>
 __device__ void wg_case(const unsigned char* image, int image_bytes, const unsigned* aregs, const float* c,
                         const int* prm, int scale_d, float* out, float* early, int mode) {
@@ -46,7 +46,7 @@ __device__ void wg_case(const unsigned char* image, int image_bytes, const unsig
     for (int i = 0; i < N / 2; ++i) d[i] = c[t * (N / 2) + i];
     unsigned a[4];
     for (int i = 0; i < 4; ++i) a[i] = aregs[t * 4 + i];
-    const unsigned long long da = fa_wgmma_desc(s + prm[0], prm[1], prm[2], prm[3]);
+    const unsigned long long da = fa_wgmma_desc(s + prm[0], prm[1], prm[2], prm[3]) | (mode == 6 ? 1ull << 49 : 0ull);
     const unsigned long long db = fa_wgmma_desc(s + prm[4], prm[5], prm[6], prm[7]);
     if (mode != 4) fa_wgmma_fence();
     for (int rep = 0; rep < (mode == 5 ? 2 : 1); ++rep) {
@@ -450,6 +450,8 @@ def test_wgmma_misuse_is_reported(mod) -> None:
         run_wgmma(mod, "f16", 64, 0, 0, 0, 0, 0, a, b, mode=3)
     with pytest.raises(EmulatorKernelError, match=r"without fa_wgmma_fence\(\)"):
         run_wgmma(mod, "f16", 64, 0, 0, 0, 0, 0, a, b, mode=4)
+    with pytest.raises(EmulatorKernelError, match=r"has base offset 1; the emulator supports 0 only"):
+        run_wgmma(mod, "f16", 64, 0, 0, 0, 128, 128, a, b, mode=6)
 
 
 def test_wgmma_needs_the_whole_warpgroup(mod) -> None:
