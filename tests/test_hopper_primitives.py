@@ -649,13 +649,15 @@ GEMM_SIGS = [KernelSig("hopper_gemm", ((TM, "tma_a"), (TM, "tma_b"), ("float*", 
              KernelSig("hopper_rest", ((TM, "tmap"), ("float*", "out"), ("int", "flag")))]
 
 
-@pytest.mark.parametrize("k_total", [64, 16])
-def test_demonstration_gemm_equals_torch_matmul(k_total: int) -> None:
+@pytest.mark.parametrize("k_total,schedule", [(64, "forward"), (16, "forward"), (64, "reverse")])
+def test_demonstration_gemm_equals_torch_matmul(k_total: int, schedule: str) -> None:
     """128 x 128 x K fp16 GEMM: a TMA producer warp, a 2-stage mbarrier pipeline (K = 64: each
-    stage used twice, so the parities flip) and two consumer warpgroups doing wgmma."""
+    stage used twice, so the parities flip) and two consumer warpgroups doing wgmma; in either
+    thread order (reverse: the producer runs first)."""
     import torch
 
-    gm = build(GEMM_SOURCE, GEMM_SIGS)
+    flags = ["-DFAGEN_EMU_REVERSE_SCHEDULE"] if schedule == "reverse" else []
+    gm = build(GEMM_SOURCE, GEMM_SIGS, extra_flags=flags)
     gen = torch.Generator().manual_seed(k_total)
     a = torch.randn(128, k_total, generator=gen).half()
     b = torch.randn(k_total, 128, generator=gen).half()
