@@ -708,7 +708,7 @@ inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, uns
         snprintf(g.msg, sizeof g.msg, "kernel '%s': cannot allocate fiber stacks", kernel);
         status = FAGEN_EMU_BAD_LAUNCH;
     }
-    void* smem_buf = nullptr;
+    void* smem_buf = nullptr;  // 1024-byte aligned: Hopper support (128B swizzles act on absolute addresses)
     if (status == FAGEN_EMU_OK && posix_memalign(&smem_buf, 1024, smem) != 0) {
         snprintf(g.msg, sizeof g.msg, "kernel '%s': cannot allocate %zu bytes of shared memory", kernel, smem);
         status = FAGEN_EMU_BAD_LAUNCH;
