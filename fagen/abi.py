@@ -37,6 +37,18 @@ from typing import Any
 
 T = "T"  # placeholder for the spec's dtype, substituted at render time
 
+#: The tensor-map parameter kind: a tiled TMA descriptor passed by value. On a GPU it is the
+#: driver's 128-byte ``CUtensorMap`` (``cuTensorMapEncodeTiled``); on the CPU emulator the
+#: same logical fields in fagen's own 128-byte struct. The launchers take a
+#: :class:`fagen.tma.TensorMapFields` for it (:func:`fagen.tma.tensor_map_fields` computes
+#: the fields for both); templates/wgmma/hopper.cuh defines ``FaTensorMap``.
+TENSORMAP = "const __grid_constant__ FaTensorMap"
+
+
+def is_tensormap(ctype: str) -> bool:
+    """True for the tensor-map parameter kind (:data:`TENSORMAP`)."""
+    return " ".join(ctype.split()) == TENSORMAP
+
 
 def _strides(t: str) -> list[tuple[str, str]]:
     return [("long long", f"stride_{t}_b"), ("long long", f"stride_{t}_s"), ("long long", f"stride_{t}_h")]

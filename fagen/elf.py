@@ -85,8 +85,12 @@ def cubin_arch(data: bytes) -> str:
 
 
 def check_cubin(data: bytes, arch: str | None = None) -> None:
-    """Raise :class:`ElfError` unless ``data`` is a complete cubin (for ``arch`` when given)."""
+    """Raise :class:`ElfError` unless ``data`` is a complete cubin (for ``arch`` when given). An
+    arch-specific target (``sm_90a``) is checked as its SM (``sm_90``): ``e_flags`` carry the SM
+    number only, the same for ``sm_90`` and ``sm_90a`` cubins."""
     got = cubin_arch(data)
+    if arch is not None and arch.endswith("a") and arch[:-1] == got:
+        return
     if arch is not None and got != arch:
         raise ElfError(f"cubin is for {got}, expected {arch}")
 

@@ -41,11 +41,11 @@ def _default_cache_dir() -> Path:
 
 
 @functools.cache
-def _support_text() -> tuple[str, str]:
-    """(runtime.h + racecheck.h, shim.h) as shipped in the package."""
+def _support_text() -> tuple[str, str, str]:
+    """(runtime.h + racecheck.h, shim.h, hopper.h) as shipped in the package."""
     pkg = resources.files(__package__)
     runtime = pkg.joinpath("runtime.h").read_text() + "\n" + pkg.joinpath("racecheck.h").read_text()
-    return runtime, pkg.joinpath("shim.h").read_text()
+    return runtime, pkg.joinpath("shim.h").read_text(), pkg.joinpath("hopper.h").read_text()
 
 
 #: Racecheck instrumentation: every kernel load/store calls __tsan_read*/__tsan_write*, which
@@ -94,10 +94,17 @@ def render_wrappers(kernels: Sequence[KernelSig]) -> str:
     return "\n".join(out) + "\n"
 
 
+#: A source that defines this (templates/wgmma/hopper.cuh does) gets fagen/emulator/hopper.h
+#: pasted after the shim; other sources do not pay for compiling it.
+HOPPER_MARKER = "FAGEN_HOPPER_PRIMITIVES"
+
+
 def translation_unit(source: str, wrappers: str, stem: str) -> str:
-    runtime, shim = _support_text()
+    runtime, shim, hopper = _support_text()
+    if HOPPER_MARKER not in source:
+        hopper = ""
     return (
-        f"{runtime}\n{shim}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
+        f"{runtime}\n{shim}\n{hopper}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
         f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
     )
 
@@ -131,8 +138,8 @@ def build(
     cxx, cxx_id = compiler()
     include = cuda_include_dir()
     flags = compile_flags(sanitize=sanitize, debug=debug, racecheck=racecheck) + [str(f) for f in extra_flags]
-    runtime, shim = _support_text()
-    key = cache.digest(runtime, shim, source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
+    runtime, shim, hopper = _support_text()
+    key = cache.digest(runtime, shim, hopper if HOPPER_MARKER in source else "", source, wrappers, cxx_id, "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     memo_key = (str(root.absolute()), stem)

@@ -11,7 +11,7 @@ from . import stacks
 from .errors import EmulatorError, EmulatorLaunchError
 from .racereport import SmemBuffers, race_error
 from .sanitize import run_in_child
-from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value
+from .signature import KernelSig, code_of, ctypes_scalar, pointer_value, scalar_value, tensormap_value
 from .status import STATUS_OK, STATUS_RACE, Dim3, raise_for_status
 
 _ERRLEN = 8192
@@ -114,13 +114,20 @@ class EmuModule:
         if not isinstance(smem_bytes, int) or smem_bytes < 0:
             raise EmulatorLaunchError(f"smem_bytes: expected an int >= 0, got {smem_bytes!r}")
         holders: list[Any] = []
+        addresses: list[int] = []
         for (ctype, pname), code, value in zip(sig.params, self._codes[name], ordered_args(sig, args)):
             what = f"kernel '{name}' argument '{pname}' ({ctype})"
+            if code == "M":  # a tensor map by value: a 64-byte aligned FaTensorMap
+                buf, addr = tensormap_value(value, what)
+                holders.append(buf)
+                addresses.append(addr)
+                continue
             if code == "P":
                 holders.append(ctypes.c_void_p(pointer_value(value, what)))
             else:
                 holders.append(ctypes_scalar(code)(scalar_value(code, value, what)))
-        argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
+            addresses.append(ctypes.addressof(holders[-1]))
+        argv = (ctypes.c_void_p * max(1, len(addresses)))(*addresses)
         err = ctypes.create_string_buffer(_ERRLEN)
         fn, lib = self._fn(name), self._load()
         with self._launch_lock, stacks.borrowed(lib, b[0] * b[1] * b[2]) as (base, count):
@@ -170,6 +177,8 @@ class EmuModule:
         if not self.sanitized:
             raise EmulatorError("run_sanitized needs a module built with build(..., sanitize=True)")
         sig = self.sig(name)
+        if "M" in self._codes[name]:
+            raise EmulatorError(f"kernel '{name}': run_sanitized does not pass tensor-map parameters; use launch()")
         return run_in_child(self.path, sig, self._codes[name], dim3(grid, "grid"), dim3(block, "block"),
                             smem_bytes, ordered_args(sig, args), timeout=timeout)
 

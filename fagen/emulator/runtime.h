@@ -348,6 +348,11 @@ FAGEN_EMU_NO_TSAN inline Fiber* pop() {
     return f;
 }
 
+// ---- Hopper support (fagen/emulator/hopper.h): hopper.h sets this to append
+// its parked threads (warpgroup collectives, mbarrier waits) to deadlock reports.
+inline void (*describe_deadlock_extra)() = nullptr;
+// ---- end of Hopper support
+
 void describe_deadlock();
 
 // Racecheck events (racecheck.h; no-ops without -DFAGEN_EMU_RACECHECK).
@@ -599,6 +604,7 @@ FAGEN_EMU_NO_TSAN void describe_deadlock() {
         append_ranges(32, [&](unsigned l) { return (missing >> l & 1u) != 0; });
         appendf(" never arrive; ");
     }
+    if (describe_deadlock_extra) describe_deadlock_extra();  // Hopper support (hopper.h)
     appendf("%u thread(s) exited [threads ", exited);
     append_ranges(g.nthreads, [](unsigned i) { return g.fibers[i].wait == kExited; });
     appendf("]");
@@ -735,8 +741,8 @@ FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy
         snprintf(g.msg, sizeof g.msg, "kernel '%s': cannot allocate fiber stacks", kernel);
         status = FAGEN_EMU_BAD_LAUNCH;
     }
-    void* smem_buf = nullptr;
-    if (status == FAGEN_EMU_OK && posix_memalign(&smem_buf, 128, smem) != 0) {
+    void* smem_buf = nullptr;  // 1024-byte aligned: Hopper support (128B swizzles act on absolute addresses)
+    if (status == FAGEN_EMU_OK && posix_memalign(&smem_buf, 1024, smem) != 0) {
         snprintf(g.msg, sizeof g.msg, "kernel '%s': cannot allocate %zu bytes of shared memory", kernel, smem);
         status = FAGEN_EMU_BAD_LAUNCH;
     }

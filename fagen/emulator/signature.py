@@ -44,17 +44,25 @@ _INT_RANGE = {"i": (-(2**31), 2**31 - 1), "I": (0, 2**32 - 1), "q": (-(2**63), 2
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
+#: A tensor map by value (fagen.abi.TENSORMAP), without __grid_constant__ (meaningless on the CPU).
+TENSORMAP_CTYPE = "const FaTensorMap"
+
+
 def normalize_ctype(ctype: str) -> str:
-    """``"const __half* __restrict__"`` -> ``"const __half*"``; collapses spaces."""
-    t = ctype.replace("__restrict__", " ").replace("*", " * ")
+    """``"const __half* __restrict__"`` -> ``"const __half*"``; collapses spaces; drops
+    ``__grid_constant__``."""
+    t = ctype.replace("__restrict__", " ").replace("__grid_constant__", " ").replace("*", " * ")
     return " ".join(t.split()).replace(" *", "*")
 
 
 def code_of(ctype: str) -> str:
-    """One-letter kind of a parameter: ``"P"`` for any pointer, else a struct code."""
+    """One-letter kind of a parameter: ``"P"`` for any pointer, ``"M"`` for a tensor map
+    (``FaTensorMap`` by value), else a struct code."""
     t = normalize_ctype(ctype)
     if t.endswith("*"):
         return "P"
+    if t in (TENSORMAP_CTYPE, "FaTensorMap"):
+        return "M"
     if t.startswith("const "):
         t = t[len("const "):]
     try:
@@ -106,6 +114,19 @@ def scalar_value(code: str, value: object, what: str) -> int | float | bool:
     if not lo <= value <= hi:
         raise EmulatorLaunchError(f"{what}: {value} does not fit the parameter's C type")
     return value
+
+
+def tensormap_value(value: object, what: str) -> Any:
+    """A 64-byte aligned ctypes buffer holding the emulator's FaTensorMap for ``value`` (a
+    :class:`fagen.tma.TensorMapFields`, or its 128 packed bytes)."""
+    data = value.emulator_bytes() if hasattr(value, "emulator_bytes") else value
+    if not isinstance(data, (bytes, bytearray)) or len(data) != 128:
+        raise EmulatorLaunchError(f"{what}: expected fagen.tma.TensorMapFields (or its 128 emulator bytes), "
+                                  f"got {type(value).__name__}")
+    raw = (ctypes.c_ubyte * 192)()
+    offset = -ctypes.addressof(raw) % 64
+    ctypes.memmove(ctypes.addressof(raw) + offset, bytes(data), 128)
+    return raw, ctypes.addressof(raw) + offset
 
 
 def ctypes_scalar(code: str) -> type:

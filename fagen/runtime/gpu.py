@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..compiler import compile as compile_spec
+from ..abi import is_tensormap
 from ..errors import FagenError, InputError
 from ..renderer import KernelInfo, kernel_infos
 from ..spec import KernelSpec
@@ -255,8 +256,16 @@ def _warn_ptx(arch: str, target: str) -> None:
 
 
 def to_cuda_arg(ctype: str, value: Any, name: str = "") -> Any:
-    """``value`` as the numpy scalar whose bytes are exactly the C parameter ``ctype``."""
+    """``value`` as the numpy scalar whose bytes are exactly the C parameter ``ctype``; for the
+    tensor-map kind (:data:`fagen.abi.TENSORMAP`) a 128-byte ``numpy.void`` holding the
+    ``CUtensorMap`` that :func:`encode_tensor_map` makes of a :class:`fagen.tma.TensorMapFields`."""
     label = name or ctype
+    if is_tensormap(ctype):
+        from ..tma import TensorMapFields
+
+        if not isinstance(value, TensorMapFields):
+            raise LaunchError(label, "fagen.tma.TensorMapFields (see fagen.tma.tensor_map_for)", type(value).__name__)
+        return np.frombuffer(encode_tensor_map(value), dtype=np.dtype((np.void, 128)))[0]
     if ctype.endswith("*"):
         ptr = _as_int(value, label, "a device pointer")
         if not 0 <= ptr < 2**64:
@@ -515,3 +524,50 @@ def arch_for_device_capability(capability: Version) -> str:
     arch = arch_for_capability((major, minor)) or newest_at_or_below((major, minor))
     assert arch is not None  # every capability >= 8.0 has one
     return arch
+
+
+# --------------------------------------------------------------------------- tensor maps
+# cuTensorMapEncodeTiled is called in the CUDA driver itself (libcuda, through ctypes): the
+# driver is present wherever a kernel can run, CuPy's public API does not expose this entry
+# point, and the CUDA Python driver bindings would be one more dependency for one call.
+_CU_TENSOR_MAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
+_CU_L2_PROMOTION_128B = 2  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_encode():
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        from ..errors import NoGPUError
+
+        raise NoGPUError(f"encoding a tensor map needs the CUDA driver (libcuda.so.1): {exc}") from None
+    fn = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def encode_tensor_map(fields: Any) -> bytes:
+    """The 128-byte ``CUtensorMap`` of ``fields`` (a :class:`fagen.tma.TensorMapFields`), from the
+    driver's ``cuTensorMapEncodeTiled`` (interleave none, L2 promotion 128B, OOB fill zero or
+    NaN as the fields say). Raises :class:`LaunchError` naming the driver's error code."""
+    import ctypes
+
+    rank = fields.rank
+    out = (ctypes.c_ubyte * 192)()
+    addr = ctypes.addressof(out) + (-ctypes.addressof(out) % 64)  # CUtensorMap is 64-byte aligned
+    dims = (ctypes.c_uint64 * rank)(*fields.dims)
+    strides = (ctypes.c_uint64 * max(1, rank - 1))(*(fields.strides or (0,)))
+    box = (ctypes.c_uint32 * rank)(*fields.box)
+    es = (ctypes.c_uint32 * rank)(*fields.element_strides)
+    status = _driver_encode()(addr, fields.data_type, rank, fields.global_address, dims, strides, box, es, 0,
+                              _CU_TENSOR_MAP_SWIZZLE[fields.swizzle], _CU_L2_PROMOTION_128B,
+                              int(fields.oob_fill == "nan"))
+    if status != 0:
+        raise LaunchError("tensor map", "fields cuTensorMapEncodeTiled accepts", f"CUresult {status} for {fields}")
+    return ctypes.string_at(addr, 128)
