@@ -1,6 +1,6 @@
 """JIT and per-call host latency: what a training loop pays before any kernel runs.
 
-    python benchmarks/jit.py [--repeat N] [--json]
+    python benchmarks/jit.py [--repeat N] [--json] [--host-only] [--rounds R]
 
 Rows (each in a private, empty cache dir unless stated):
 
@@ -219,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7, help="fresh processes per row (default 7)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--host-only", action="store_true", help="only the per-call host rows (fagen, bare pair, ratio)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of 200 calls per host row (default 7)")
     args = ap.parse_args(argv)
     if args.host_only:
         sys.path.insert(0, str(REPO))
-        host = host_call_seconds()
+        host = host_call_seconds(args.rounds)
         if args.json:
             print(json.dumps(host, indent=2))
         else:
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         cold, hits, loaded = compile_times(args.repeat)
         sys.path.insert(0, str(REPO))
         memo = memo_hit_seconds()
-        host = host_call_seconds()
+        host = host_call_seconds(args.rounds)
         first = [_child(_FIRST_CALL, d) for _ in range(3)]
     result = {
         "import_fagen_s": {"median": statistics.median(imports), "min": min(imports)},

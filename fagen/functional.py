@@ -190,6 +190,13 @@ def _pad(t: torch.Tensor, p: Problem) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, p.head_dim - p.true_head_dim)) if p.padded else t
 
 
+def _padded_meta(t: torch.Tensor, p: Problem) -> torch.Tensor:
+    """What :func:`_pad` makes of ``t``, as a meta tensor (its strides key the launch plan)."""
+    if not p.padded:
+        return t
+    return _pad(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), p)
+
+
 def _unpad(t: torch.Tensor, p: Problem) -> torch.Tensor:
     return t[..., :p.true_head_dim].contiguous() if p.padded else t
 
@@ -337,10 +344,8 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
-    shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
-    meta = {n: (x if not p.padded else torch.empty(s, device="meta"))
-            for n, x, s in (("q", q, shape_q), ("k", k, shape_k), ("v", v, shape_k))}
-    meta["o"] = torch.empty(shape_q, device="meta")
+    meta = {"q": _padded_meta(q, p), "k": _padded_meta(k, p), "v": _padded_meta(v, p),
+            "o": torch.empty(shape_q, device="meta")}
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
             "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides)}
@@ -477,9 +482,7 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
     shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
-    meta = {n: (x if not p.padded else torch.empty(s, device="meta"))
-            for n, x, s in (("q", q, shape_q), ("k", k, shape_k), ("v", v, shape_k), ("o", o, shape_q),
-                            ("do", do, shape_q))}
+    meta = {n: _padded_meta(x, p) for n, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do))}
     meta.update(dq=torch.empty(shape_q, device="meta"), dk=torch.empty(shape_k, device="meta"),
                 dv=torch.empty(shape_k, device="meta"))
     dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None

@@ -269,5 +269,6 @@ def tile_counts(seqlen_q: int, seqlen_k: int, block_r: int, block_c: int, causal
             "rows_visited": rows_visited, "cols_visited": cols_visited}
 
 
-__all__ = ["TileKind", "Window", "NO_WINDOW", "CAUSAL_ALIGNS", "check_window", "check_causal_align", "band", "allowed", "tile_kind", "kv_block_q_range",
+__all__ = ["TileKind", "Window", "NO_WINDOW", "CAUSAL_ALIGNS", "check_window", "check_causal_align", "band",
+           "allowed", "tile_kind", "kv_block_q_range",
            "q_block_kv_range", "floor_sum", "tile_counts"]

@@ -27,6 +27,7 @@ kernels; the ops also carry the same autograd formula for callers of ``torch.ops
 Nothing on the launch path reads a tensor value on the host or synchronises a device.
 """
 import math
+import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -113,6 +114,7 @@ _OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
 _MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
 _SCALAR_POS = tuple(i for i, n in enumerate(OP_ORDER) if n not in Tensors._fields)
 _BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's inputs
+_get_tensors, _get_options, _get_scalars = (operator.itemgetter(*pos) for pos in (_TENSOR_POS, _OPTION_POS, _SCALAR_POS))
 
 
 def op_arguments(options: AttentionOptions, tensors: Tensors, max_seqlen_q: Any = None,
@@ -128,8 +130,8 @@ def _unpack(rest: tuple[Any, ...]) -> tuple[Tensors, Any, Any, AttentionOptions]
     """The inverse of :func:`op_arguments` (the dispatcher drops trailing defaults: restored)."""
     if len(rest) < len(OP_ORDER):
         rest = rest + _DEFAULTS[len(rest):]
-    return (Tensors(*(rest[i] for i in _TENSOR_POS)), rest[_MAX_POS[0]], rest[_MAX_POS[1]],
-            AttentionOptions.from_op_args(*(rest[i] for i in _OPTION_POS)))
+    return (Tensors._make(_get_tensors(rest)), rest[_MAX_POS[0]], rest[_MAX_POS[1]],
+            AttentionOptions.from_op_args(*_get_options(rest)))
 
 
 def _defaults() -> tuple[Any, ...]:
@@ -208,8 +210,8 @@ def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tenso
     """What the backward needs, from fagen::fwd's inputs and outputs (no N x N tensor)."""
     o, lse, rng_state = output
     rest = inputs[3:]
-    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *(rest[i] for i in _TENSOR_POS))
-    ctx.scalars = tuple(rest[i] for i in _SCALAR_POS)
+    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *_get_tensors(rest))
+    ctx.scalars = _get_scalars(rest)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
@@ -240,8 +242,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        output = _fwd_impl(*inputs) if _direct(inputs[:3] + tuple(inputs[3 + i] for i in _TENSOR_POS)) \
-            else _FWD(*inputs)
+        output = _fwd_impl(*inputs) if _direct(inputs[:3] + _get_tensors(inputs[3:])) else _FWD(*inputs)
         _save(ctx, inputs, output)
         return output
 
@@ -272,7 +273,7 @@ def _check_tensors(**tensors: Any) -> None:
 def _direct(tensors: tuple[Any, ...]) -> bool:
     """True when calling fagen::fwd / fagen::bwd through the dispatcher would only reach their
     implementation: eager mode (not compiling or tracing), no torch function or dispatch mode,
-    no functorch transform, and plain CPU/CUDA tensors. Then the Function calls the
+    no functorch transform, and plain tensors (or Parameters). Then the Function calls the
     implementation itself, saving the dispatcher's per-argument work; anything else runs the ops."""
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return False

@@ -1003,8 +1003,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     for (int e = tid; e < BLOCK_C * HEAD_DIM; e += NUM_THREADS) { s.dk[e] = Acc(0); s.dv[e] = Acc(0); }
     if constexpr (HAS_KEY_PADDING) {
         // Padded keys take no part: zero their K, V rows so whatever they hold (even NaN)
-        // cannot reach dQ through 0 * k in dS K.
-        fa_sync();
+        // cannot reach dQ through 0 * k in dS K. Each thread zeroes elements it loaded itself
+        // (load_tile's element -> thread mapping), so no barrier is needed before.
         for (int e = tid; e < BLOCK_C * HEAD_DIM; e += NUM_THREADS) {
             const int c = e / HEAD_DIM, x = e - c * HEAD_DIM, col = col0 + c;
             if (col < si.len_k && kpm[(long long)b * seqlen_k + col] == 0) {

@@ -870,8 +870,10 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // Load Q_i; O_i = 0, m_i = -inf, l_i = 0 on SRAM.
     load_tile<BLOCK_R>(s.q, q_bh, i0, si.len_q, stride_q_s);
     for (int e = tid; e < BLOCK_R * HEAD_DIM; e += NUM_THREADS) s.o[e] = Acc(0);
+    // No barrier here: other threads read Q_i, O_i, m_i, l_i only after the barrier that follows
+    // the K/V loads (or, when no K/V block is visible, the one before the epilogue); the row-state
+    // pass below reads m_i with the same row -> thread mapping as this initialisation.
     for (int r = tid; r < BLOCK_R; r += NUM_THREADS) { s.m[r] = NEG_INF; s.l[r] = Acc(0); }
-    fa_sync();  // m_i, l_i are read by other threads below, even when no K/V block is visible
 
     // The K/V blocks this Q block may see (partials/masking.cuh, 64-bit bounds): causal and the
     // window skip the keys outside the block's band; a FULL tile needs no mask math.

@@ -360,3 +360,46 @@ def test_plans_keep_no_tensor_of_the_call_alive(recorder: Recorder) -> None:
     del bias
     gc.collect()
     assert alive() is None
+
+
+def test_the_host_cost_benchmark_runs() -> None:
+    """benchmarks/jit.py --host-only: fagen's and the bare custom-op pair's per-call host time and
+    their ratio, measured in one process (the numbers are the benchmark's, not asserted here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "jit.py"), "--host-only", "--json", "--rounds", "1"],
+                         capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = json.loads(out.stdout)
+    assert set(result) == {"fagen", "bare", "packing", "ratio"}
+    assert result["ratio"] == pytest.approx(result["fagen"] / result["bare"]) and result["bare"] > 0
+
+
+def test_modes_and_tracing_see_the_custom_ops(recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain eager calls run the ops' implementation directly; under a dispatch mode (what
+    tracing, fake tensors and recorders use) the calls go through fagen::fwd / fagen::bwd."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    through: list[str] = []
+    for name in ("_FWD", "_BWD"):
+        real = getattr(O, name)
+        monkeypatch.setattr(O, name, lambda *a, _real=real, _name=name: through.append(_name) or _real(*a))
+    q, k, v, do = _inputs(N=16)
+    leaves = _leaves(q, k, v)
+    with Seen():
+        flash_attn_func(*leaves, causal=True).backward(do)
+    assert "fagen.fwd.default" in seen and "fagen.bwd.default" in seen and through == ["_FWD", "_BWD"]
+    through.clear()
+    first = len(recorder.launches)
+    flash_attn_func(*_leaves(q, k, v), causal=True).backward(do)
+    assert not through and len(recorder.launches) == 2 * first  # the same launches, without the dispatcher
