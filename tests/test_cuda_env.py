@@ -6,8 +6,8 @@
 * the driver / CuPy / torch / NVRTC decision and the PTX fallback, with faked versions;
 * the NVRTC wheel-set discovery (``FAGEN_NVRTC``) on a fake folder layout;
 * with the CUDA 12 NVRTC set installed beside the CUDA 13 one (CI installs it with
-  ``pip install --target``, see .ci/run): the standard matrix compiles with 0 spills, into
-  ELF ABI 7 cubins keyed apart from NVRTC 13's.
+  ``pip install --target``, see .ci/run): the standard matrix compiles with 0 spills and no
+  local memory (HMMA in the mma kernels), into ELF ABI 7 cubins keyed apart from NVRTC 13's.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def test_arch_table_matches_the_programming_guide() -> None:
 
 def test_capability_9_0_keeps_sm_90_for_the_current_families() -> None:
     assert A.arch_for_capability((9, 0)) == "sm_90"  # sm_90a only where a family asks for it
+    assert A.arch_for_capability((9, 0), arch_specific=True) == "sm_90a"
+    assert A.arch_for_capability((10, 0), arch_specific=True) == "sm_100"  # no "a" target in the table
     spec = KernelSpec(head_dim=64, arch="sm_90a")
     assert spec.name.endswith("_sm90a") and spec.sram_bytes == 232448
 
@@ -323,6 +325,21 @@ def test_fagen_nvrtc_pins_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         nvrtc.select(11)
 
 
+def test_cache_keys_differ_per_nvrtc_major_and_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fagen.renderer import render
+
+    spec = KernelSpec(direction="fwd", head_dim=32, arch="sm_90")
+    rendered, opts = render(spec), compiler.options_for(spec)
+    k13 = compiler.cache_key(rendered, opts)
+    assert compiler.cache_key(rendered, opts, "compute_90") != k13  # PTX and cubin never share an entry
+    tid = nvrtc.toolchain_id()
+    monkeypatch.setattr(nvrtc, "version", lambda: (12, 9))
+    monkeypatch.setattr(nvrtc, "toolchain_id", lambda: tid)  # even with an identical release string
+    assert compiler.cache_key(rendered, opts) != k13
+    assert compiler.options_for(spec, "compute_90")[0] == "-arch=compute_90"
+    assert "-Xptxas=-v" not in compiler.options_for(spec, "compute_90")
+
+
 # --------------------------------------------------------------------------- the CUDA 12 set
 @pytest.fixture(scope="module")
 def nvrtc12():
@@ -361,3 +378,11 @@ def test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills(nvrtc12, spec:
     assert mod.resources and all(r.spill_bytes == 0 and r.stack_frame_bytes == 0 for r in mod.resources), \
         [(r.kernel, r.spill_bytes, r.stack_frame_bytes) for r in mod.resources]
     assert "nvrtc 12." in nvrtc.toolchain_id()
+    from fagen import sass
+
+    mix = sass.instruction_mix(mod.cubin)  # nvdisasm 13 reads NVRTC 12's cubins too
+    if mix is not None:
+        assert all(ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 for ops in mix.values())
+        if spec.impl == "mma":
+            assert mix[mod.rendered.kernel("main").name].get("HMMA", 0) > 0
+
