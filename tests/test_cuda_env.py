@@ -270,6 +270,30 @@ def test_module_loads_ptx_with_one_warning_when_nvrtc_lacks_the_arch(monkeypatch
     assert set(kernels) == {k.name for k in mod.compiled.rendered.kernels}
 
 
+def test_a_device_newer_than_the_table_loads_ptx(monkeypatch: pytest.MonkeyPatch, fresh_decision) -> None:
+    """Compute capability 13.0: the newest table arch (sm_121) as the spec, its PTX at load (a sm_121
+    cubin would not run on another major), with one warning naming why."""
+    import torch
+
+    from test_gpu_launch import FakeCupy
+
+    fake = FakeCupy(optin=101376)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "_decided", [None])
+    monkeypatch.setattr(gpu, "_warned", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (13, 0))
+    assert gpu.device_arch(0) == "sm_121"
+    mod = gpu.GpuModule(KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_121"))
+    assert mod.compiled.ptx_target is None  # the cubin, until a device asks
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mod._kernels(0)
+    (load,) = [e for e in fake.log if e[0] == "load"]
+    assert load[1].endswith(".ptx") and b".target sm_121" in Path(load[1]).read_bytes()
+    (msg,) = [str(w.message) for w in seen]
+    assert "sm_121 cubins do not run on this compute capability 13.0 device" in msg and "compute_121" in msg
+
+
 def test_nvrtc_that_cannot_target_the_arch_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvrtc, "supported_archs", lambda: NVRTC_12_6)
     monkeypatch.setattr(nvrtc, "version", lambda: (12, 6))
