@@ -259,6 +259,114 @@ def _warn_ptx(arch: str, target: str, capability: Version | None = None) -> None
                   f"(native code: {nvrtc.install_hint(13)})", RuntimeWarning, stacklevel=3)
 
 
+def to_cuda_arg(ctype: str, value: Any, name: str = "") -> Any:
+    """``value`` as the numpy scalar whose bytes are exactly the C parameter ``ctype``."""
+    label = name or ctype
+    if ctype.endswith("*"):
+        ptr = _as_int(value, label, "a device pointer")
+        if not 0 <= ptr < 2**64:
+            raise LaunchError(label, "a 64-bit device address", hex(ptr))
+        return np.uint64(ptr)
+    kind = _SCALARS.get(ctype)
+    if kind is None:
+        raise LaunchError(label, f"a parameter type in {sorted(_SCALARS)} or a pointer", repr(ctype))
+    if kind is np.float32:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise LaunchError(label, "a real number (float)", type(value).__name__)
+        f = float(value)
+        with np.errstate(over="ignore"):
+            out = np.float32(f)
+        if math.isfinite(f) and not math.isfinite(float(out)):
+            raise LaunchError(label, "a value finite in float32 (|x| <= 3.4028235e38)", f)
+        return out
+    v = _as_int(value, label, f"an integer ({ctype})")
+    lo, hi = _INT_RANGE[ctype]
+    if not lo <= v <= hi:
+        raise LaunchError(label, f"an integer in [{lo}, {hi}] ({ctype})", v)
+    return kind(v)
+
+
+def _as_int(value: Any, label: str, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise LaunchError(label, what, repr(value))
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LaunchError(label, what, type(value).__name__) from None
+
+
+def _converter(ctype: str, name: str):
+    """A one-argument :func:`to_cuda_arg` for one parameter that remembers its last few results
+    (numpy scalars are immutable, and sizes, strides and pooled pointers repeat call after call).
+    Only exact ``int`` (and for ``float`` parameters ``float``) values are remembered; anything
+    else takes the full checks every time."""
+    exact = (int, float) if ctype == "float" else (int,)
+    seen: dict[Any, Any] = {}
+
+    def convert(value: Any) -> Any:
+        if type(value) in exact:
+            found = seen.get(value)
+            if found is None:
+                found = to_cuda_arg(ctype, value, name)
+                if len(seen) >= 64:
+                    seen.clear()
+                seen[value] = found
+            return found
+        return to_cuda_arg(ctype, value, name)
+    return convert
+
+
+_converters: dict[int, tuple[KernelInfo, tuple[tuple[str, Any], ...]]] = {}
+
+
+def cuda_args(kernel: KernelInfo, args: dict[str, Any]) -> tuple[Any, ...]:
+    """The kernel's arguments in parameter order, each as :func:`to_cuda_arg` makes it."""
+    entry = _converters.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = (kernel, tuple((n, _converter(t, n)) for t, n in kernel.params))
+        if len(_converters) > 4096:
+            _converters.clear()
+        _converters[id(kernel)] = entry
+    try:
+        return tuple(convert(args[n]) for n, convert in entry[1])
+    except KeyError:
+        pack(kernel, args)  # names every missing argument
+        raise
+
+
+def prepare_launch(kernel: KernelInfo, grid: tuple[int, int, int],
+                   args: dict[str, Any]) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[Any, ...]]:
+    """(grid, block, arguments) exactly as handed to CuPy: the host-side work of a launch."""
+    packed = cuda_args(kernel, args)
+    g, block = check_launch(kernel, grid)
+    return g, block, packed
+
+
+def check_launch(kernel: KernelInfo, grid: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) as plain int tuples, within CUDA's limits, or :class:`LaunchError`."""
+    b = kernel.block
+    if type(grid) is tuple and len(grid) == 3 and type(b) is tuple and len(b) == 3:  # the common case, quickly
+        x, y, z = grid
+        bx, by, bz = b
+        if (type(x) is int and type(y) is int and type(z) is int and 1 <= x <= GRID_X_MAX
+                and 1 <= y <= GRID_YZ_MAX and 1 <= z <= GRID_YZ_MAX
+                and type(bx) is int and type(by) is int and type(bz) is int
+                and 1 <= bx <= BLOCK_MAX[0] and 1 <= by <= BLOCK_MAX[1] and 1 <= bz <= BLOCK_MAX[2]
+                and bx * by * bz <= THREADS_MAX):
+            return grid, b
+    if len(grid) != 3:
+        raise LaunchError(f"{kernel.name} grid", "3 dimensions", grid)
+    g = tuple(_as_int(x, f"{kernel.name} grid", "integers") for x in grid)
+    limits = (GRID_X_MAX, GRID_YZ_MAX, GRID_YZ_MAX)
+    for axis, (n, hi) in enumerate(zip(g, limits)):
+        if not 1 <= n <= hi:
+            raise LaunchError(f"{kernel.name} grid.{'xyz'[axis]}", f"1..{hi} blocks", n)
+    b = tuple(int(x) for x in kernel.block)
+    if len(b) != 3 or any(not 1 <= n <= hi for n, hi in zip(b, BLOCK_MAX)) or b[0] * b[1] * b[2] > THREADS_MAX:
+        raise LaunchError(f"{kernel.name} block", f"at most {BLOCK_MAX} and {THREADS_MAX} threads", b)
+    return g, b  # type: ignore[return-value]
+
+
 class GpuModule:
     """The kernels of one spec; loaded once per CUDA device, on first use there."""
 
