@@ -404,7 +404,9 @@ def test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills(nvrtc12, spec:
     assert "nvrtc 12." in nvrtc.toolchain_id()
     from fagen import sass
 
-    mix = sass.instruction_mix(mod.cubin)  # nvdisasm 13 reads NVRTC 12's cubins too
+    # nvdisasm 13 reads NVRTC 12's cubins too; read the SASS of the d = 64 every-flag specs only
+    # (ptxas's report above covers spills for all; nvdisasm costs as much as a third of a compile)
+    mix = sass.instruction_mix(mod.cubin) if spec.head_dim == 64 and spec.dropout else None
     if mix is not None:
         assert all(ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 for ops in mix.values())
         if spec.impl == "mma":
