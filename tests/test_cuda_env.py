@@ -235,6 +235,14 @@ def test_ptx_for_a_device_newer_than_the_nvrtc() -> None:
         ptx_target_for("sm_80", frozenset({"sm_90"}))
 
 
+def test_ptx_needs_a_driver_at_least_as_new_as_the_nvrtc() -> None:
+    gpu.check_ptx_driver((12, 9), (12, 9))
+    gpu.check_ptx_driver(None, (13, 5))
+    with pytest.raises(CudaSetupError, match=r"PTX from NVRTC 12\.9 needs a driver for CUDA 12\.9 or newer, this one "
+                                             r"supports CUDA 12\.4"):
+        gpu.check_ptx_driver((12, 4), (12, 9))
+
+
 def test_device_arch_refuses_below_sm80_and_takes_the_newest_above_the_table() -> None:
     for cap in ((7, 5), (6, 1), (7, 0)):
         with pytest.raises(SpecError, match=rf"compute capability {cap[0]}\.{cap[1]} is below sm_80"):
@@ -251,6 +259,7 @@ def test_module_loads_ptx_with_one_warning_when_nvrtc_lacks_the_arch(monkeypatch
     fake = FakeCupy(optin=101376)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(gpu, "_decided", [None])
+    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
     monkeypatch.setattr(nvrtc, "supported_archs", lambda: NVRTC_12_6)
     monkeypatch.setattr(gpu, "_warned", set())
     spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_120")
@@ -280,6 +289,7 @@ def test_a_device_newer_than_the_table_loads_ptx(monkeypatch: pytest.MonkeyPatch
     fake = FakeCupy(optin=101376)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(gpu, "_decided", [None])
+    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
     monkeypatch.setattr(gpu, "_warned", set())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (13, 0))
     assert gpu.device_arch(0) == "sm_121"

@@ -240,6 +240,15 @@ def ptx_target_for(arch: str, supported: "frozenset[str] | set[str]",
     return arch_info(best).compute
 
 
+def check_ptx_driver(driver: Version | None, nvrtc_version: Version) -> None:
+    """PTX of NVRTC X.Y is JIT-compiled only by a driver for CUDA X.Y or newer (its PTX ISA
+    version); :class:`CudaSetupError` naming the fix otherwise (None: no driver to ask)."""
+    if driver is not None and tuple(driver) < tuple(nvrtc_version):
+        raise CudaSetupError(f"PTX from NVRTC {_v(nvrtc_version)} needs a driver for CUDA {_v(nvrtc_version)} or "
+                             f"newer, this one supports CUDA {_v(driver)}: update the driver, or pip install "
+                             f"'nvidia-cuda-nvrtc-cu{driver[0]}=={driver[0]}.{driver[1]}.*'")
+
+
 _warned: set[tuple[str, str]] = set()
 
 
@@ -377,6 +386,7 @@ class GpuModule:
         ensure_toolchain()
         target = ptx_target_for(spec.arch, nvrtc.supported_archs())
         if target is not None:
+            check_ptx_driver(_driver_version(), nvrtc.version())
             _warn_ptx(spec.arch, target)
         self.compiled = compile_spec(spec, ptx_target=target)
         self._path = _cubin_path(self.compiled.cubin, ".ptx" if target else ".cubin")
@@ -396,6 +406,7 @@ class GpuModule:
         if target == self.compiled.ptx_target:
             return self._path
         if target is not None:
+            check_ptx_driver(_driver_version(), nvrtc.version())
             _warn_ptx(self.spec.arch, target, cap)  # type: ignore[arg-type]
         mod = compile_spec(self.spec, ptx_target=target)
         return _cubin_path(mod.cubin, ".ptx" if target else ".cubin")
