@@ -106,7 +106,8 @@ def generic_archs() -> list[str]:
     return [n for n, a in ARCHS.items() if not a.arch_specific]
 
 
-def arch_for_capability(capability: tuple[int, int], available: "set[str] | None" = None) -> str | None:
+def arch_for_capability(capability: tuple[int, int], available: "set[str] | None" = None, *,
+                        arch_specific: bool = False) -> str | None:
     """The spec arch whose cubins run on a device of this compute capability, or None.
 
     A cubin for sm_XY runs on devices of compute capability X.Z with Z >= Y (CUDA C++
@@ -114,8 +115,14 @@ def arch_for_capability(capability: tuple[int, int], available: "set[str] | None
     whose minor is not above the device's (8.7 -> sm_87, 8.8 -> sm_87, 9.0 -> sm_90,
     10.3 -> sm_103, 12.1 -> sm_121). ``available`` limits the choice (e.g. to what an NVRTC
     can target). None below sm_80 or for a major the table does not have.
+    ``arch_specific=True`` (a family that needs e.g. wgmma): the ``a`` target of exactly this
+    capability when the table has one (9.0 -> sm_90a), else the generic choice.
     """
     major, minor = int(capability[0]), int(capability[1])
+    if arch_specific:
+        for name, a in ARCHS.items():
+            if a.arch_specific and a.capability == (major, minor) and (available is None or name in available):
+                return name
     best: str | None = None
     for name in generic_archs():
         a = ARCHS[name]

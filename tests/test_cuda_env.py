@@ -6,8 +6,8 @@
 * the driver / CuPy / torch / NVRTC decision and the PTX fallback, with faked versions;
 * the NVRTC wheel-set discovery (``FAGEN_NVRTC``) on a fake folder layout;
 * with the CUDA 12 NVRTC set installed beside the CUDA 13 one (CI installs it with
-  ``pip install --target``, see .ci/run): the standard matrix compiles with 0 spills, into
-  ELF ABI 7 cubins keyed apart from NVRTC 13's.
+  ``pip install --target``, see .ci/run): the standard matrix compiles with 0 spills and no
+  local memory (HMMA in the mma kernels), into ELF ABI 7 cubins keyed apart from NVRTC 13's.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def test_arch_table_matches_the_programming_guide() -> None:
 
 def test_capability_9_0_keeps_sm_90_for_the_current_families() -> None:
     assert A.arch_for_capability((9, 0)) == "sm_90"  # sm_90a only where a family asks for it
+    assert A.arch_for_capability((9, 0), arch_specific=True) == "sm_90a"
+    assert A.arch_for_capability((10, 0), arch_specific=True) == "sm_100"  # no "a" target in the table
     spec = KernelSpec(head_dim=64, arch="sm_90a")
     assert spec.name.endswith("_sm90a") and spec.sram_bytes == 232448
 
@@ -233,6 +235,14 @@ def test_ptx_for_a_device_newer_than_the_nvrtc() -> None:
         ptx_target_for("sm_80", frozenset({"sm_90"}))
 
 
+def test_ptx_needs_a_driver_at_least_as_new_as_the_nvrtc() -> None:
+    gpu.check_ptx_driver((12, 9), (12, 9))
+    gpu.check_ptx_driver(None, (13, 5))
+    with pytest.raises(CudaSetupError, match=r"PTX from NVRTC 12\.9 needs a driver for CUDA 12\.9 or newer, this one "
+                                             r"supports CUDA 12\.4"):
+        gpu.check_ptx_driver((12, 4), (12, 9))
+
+
 def test_device_arch_refuses_below_sm80_and_takes_the_newest_above_the_table() -> None:
     for cap in ((7, 5), (6, 1), (7, 0)):
         with pytest.raises(SpecError, match=rf"compute capability {cap[0]}\.{cap[1]} is below sm_80"):
@@ -249,6 +259,7 @@ def test_module_loads_ptx_with_one_warning_when_nvrtc_lacks_the_arch(monkeypatch
     fake = FakeCupy(optin=101376)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(gpu, "_decided", [None])
+    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
     monkeypatch.setattr(nvrtc, "supported_archs", lambda: NVRTC_12_6)
     monkeypatch.setattr(gpu, "_warned", set())
     spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_120")
@@ -266,6 +277,31 @@ def test_module_loads_ptx_with_one_warning_when_nvrtc_lacks_the_arch(monkeypatch
     (load,) = [e for e in fake.log if e[0] == "load"]
     assert load[1].endswith(".ptx") and Path(load[1]).read_bytes() == mod.compiled.cubin
     assert set(kernels) == {k.name for k in mod.compiled.rendered.kernels}
+
+
+def test_a_device_newer_than_the_table_loads_ptx(monkeypatch: pytest.MonkeyPatch, fresh_decision) -> None:
+    """Compute capability 13.0: the newest table arch (sm_121) as the spec, its PTX at load (a sm_121
+    cubin would not run on another major), with one warning naming why."""
+    import torch
+
+    from test_gpu_launch import FakeCupy
+
+    fake = FakeCupy(optin=101376)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "_decided", [None])
+    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
+    monkeypatch.setattr(gpu, "_warned", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (13, 0))
+    assert gpu.device_arch(0) == "sm_121"
+    mod = gpu.GpuModule(KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_121"))
+    assert mod.compiled.ptx_target is None  # the cubin, until a device asks
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mod._kernels(0)
+    (load,) = [e for e in fake.log if e[0] == "load"]
+    assert load[1].endswith(".ptx") and b".target sm_121" in Path(load[1]).read_bytes()
+    (msg,) = [str(w.message) for w in seen]
+    assert "sm_121 cubins do not run on this compute capability 13.0 device" in msg and "compute_121" in msg
 
 
 def test_nvrtc_that_cannot_target_the_arch_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,6 +359,21 @@ def test_fagen_nvrtc_pins_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         nvrtc.select(11)
 
 
+def test_cache_keys_differ_per_nvrtc_major_and_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fagen.renderer import render
+
+    spec = KernelSpec(direction="fwd", head_dim=32, arch="sm_90")
+    rendered, opts = render(spec), compiler.options_for(spec)
+    k13 = compiler.cache_key(rendered, opts)
+    assert compiler.cache_key(rendered, opts, "compute_90") != k13  # PTX and cubin never share an entry
+    tid = nvrtc.toolchain_id()
+    monkeypatch.setattr(nvrtc, "version", lambda: (12, 9))
+    monkeypatch.setattr(nvrtc, "toolchain_id", lambda: tid)  # even with an identical release string
+    assert compiler.cache_key(rendered, opts) != k13
+    assert compiler.options_for(spec, "compute_90")[0] == "-arch=compute_90"
+    assert "-Xptxas=-v" not in compiler.options_for(spec, "compute_90")
+
+
 # --------------------------------------------------------------------------- the CUDA 12 set
 @pytest.fixture(scope="module")
 def nvrtc12():
@@ -361,3 +412,13 @@ def test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills(nvrtc12, spec:
     assert mod.resources and all(r.spill_bytes == 0 and r.stack_frame_bytes == 0 for r in mod.resources), \
         [(r.kernel, r.spill_bytes, r.stack_frame_bytes) for r in mod.resources]
     assert "nvrtc 12." in nvrtc.toolchain_id()
+    from fagen import sass
+
+    # nvdisasm 13 reads NVRTC 12's cubins too; read the SASS of the d = 64 every-flag specs only
+    # (ptxas's report above covers spills for all; nvdisasm costs as much as a third of a compile)
+    mix = sass.instruction_mix(mod.cubin) if spec.head_dim == 64 and spec.dropout else None
+    if mix is not None:
+        assert all(ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 for ops in mix.values())
+        if spec.impl == "mma":
+            assert mix[mod.rendered.kernel("main").name].get("HMMA", 0) > 0
+

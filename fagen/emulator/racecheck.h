@@ -129,7 +129,8 @@ struct Report {
 
 struct Tracker {
     unsigned n = 0, dim = 0, cap = 0;     // threads, vector clock size (n + agents), allocated for
-    uint32_t* clock = nullptr;            // [dim]
+    uint32_t* clock = nullptr;            // [dim], monotonic over the module's launches
+    uint32_t* barrier_clock = nullptr;    // [dim]: clock of each thread at the last __syncthreads
     uint32_t* vc = nullptr;               // [dim][dim]
     LogEntry* log = nullptr;              // [dim][kLog]
     uint32_t phase = 1;
@@ -140,6 +141,7 @@ struct Tracker {
     size_t smem_bytes = 0;
     uint32_t* pool = nullptr;             // read vectors: [2 * dim] each (epochs, wheres)
     size_t pool_used = 0, pool_cap = 0;   // in vectors
+    unsigned pool_dim = 0;                // the dim the pool's vectors were laid out for
     Site* sites = nullptr;
     unsigned nsites = 0, sites_cap = 0;
     GlobalEntry* globals = nullptr;
@@ -223,18 +225,26 @@ FAGEN_EMU_NO_TSAN inline void launch_begin(unsigned nthreads, size_t smem_bytes)
     const unsigned dim = nthreads + kAgents;
     if (T.cap < dim) {
         T.clock = static_cast<uint32_t*>(grow(T.clock, dim * sizeof(uint32_t)));
+        T.barrier_clock = static_cast<uint32_t*>(grow(T.barrier_clock, dim * sizeof(uint32_t)));
         T.vc = static_cast<uint32_t*>(grow(T.vc, size_t(dim) * dim * sizeof(uint32_t)));
         T.log = static_cast<LogEntry*>(grow(T.log, size_t(dim) * kLog * sizeof(LogEntry)));
+        for (unsigned t = 0; t < dim; ++t) T.clock[t] = 1;  // epochs start at 1; 0 means "no access"
+        memset(T.log, 0, size_t(dim) * kLog * sizeof(LogEntry));
         free(T.pool);
         T.pool = nullptr, T.pool_cap = 0;
         T.cap = dim;
     }
-    // Fresh clocks per launch (epochs start at 1; 0 means "no access").
+    // Clocks keep counting from launch to launch, so epochs left in the pool by earlier phases
+    // are never above barrier_clock (see set_check); a pool laid out for another block size is
+    // dropped (its vectors would be misread).
+    if (T.pool_dim != dim) {
+        free(T.pool);
+        T.pool = nullptr, T.pool_cap = 0;
+    }
+    T.pool_dim = dim;
     T.n = nthreads, T.dim = dim;
-    for (unsigned t = 0; t < dim; ++t) T.clock[t] = 1;
     memset(T.vc, 0, size_t(dim) * dim * sizeof(uint32_t));
-    memset(T.log, 0, size_t(dim) * kLog * sizeof(LogEntry));
-    for (unsigned t = 0; t < dim; ++t) V(t)[t] = 1;
+    for (unsigned t = 0; t < dim; ++t) V(t)[t] = T.clock[t], T.barrier_clock[t] = T.clock[t];
     const size_t ncells = (smem_bytes + 1) / 2;
     if (T.cells_cap < ncells) {
         T.cells = static_cast<Cell*>(grow(T.cells, ncells * sizeof(Cell)));
@@ -264,7 +274,7 @@ FAGEN_EMU_NO_TSAN inline void block_begin(unsigned char* smem, size_t smem_bytes
     T.pool_used = 0;
     for (size_t i = 0; i < T.ncells; ++i) T.inflight[i].issuer1 = 0;
     const uint32_t s = site("<block start>", 0, "block start");
-    for (unsigned t = 0; t < T.dim; ++t) tick(t, s);
+    for (unsigned t = 0; t < T.dim; ++t) T.barrier_clock[t] = T.clock[t], tick(t, s);
     T.active = true;
 }
 
@@ -305,8 +315,11 @@ FAGEN_EMU_NO_TSAN inline uint32_t pool_alloc() {
         T.pool = static_cast<uint32_t*>(grow(T.pool, cap * 2 * T.dim * sizeof(uint32_t)));
         T.pool_cap = cap;
     }
+    // Not cleared: an epoch a thread left there in an earlier phase is <= its barrier_clock, which
+    // set_check ignores (the pool is reused from the start at every __syncthreads). Agents are not
+    // ordered by barriers, so their slots are cleared.
     uint32_t* p = T.pool + T.pool_used * 2 * T.dim;
-    memset(p, 0, T.dim * sizeof(uint32_t));
+    memset(p + T.n, 0, kAgents * sizeof(uint32_t));
     return uint32_t(T.pool_used++);
 }
 FAGEN_EMU_NO_TSAN inline uint32_t* pool_vec(uint32_t i) { return T.pool + size_t(i) * 2 * T.dim; }
@@ -357,7 +370,7 @@ FAGEN_EMU_NO_TSAN inline void set_check(const AccessSet& a, int set_op, size_t i
     const uint32_t* v = pool_vec(a.epoch);
     const uint32_t* mine = V(t);
     for (unsigned u = 0; u < T.dim; ++u)
-        if (v[u] > mine[u] && u != t)
+        if (v[u] > mine[u] && v[u] > T.barrier_clock[u] && u != t)
             report(kind, 0, 2 * i, 2, set_op, u, v[u], v[T.dim + u], op, t, T.clock[t], where, nullptr);
 }
 
@@ -473,7 +486,7 @@ FAGEN_EMU_NO_TSAN inline void on_block_barrier(const char* file, int line) {
     ++T.phase;
     T.pool_used = 0;
     const uint32_t s = site(file, line, "__syncthreads");
-    for (unsigned t = 0; t < T.n; ++t) tick(t, s);
+    for (unsigned t = 0; t < T.n; ++t) T.barrier_clock[t] = T.clock[t], tick(t, s);
 }
 
 // __syncwarp(mask) completed by the lanes in `arrived` of the warp whose lane 0 is thread `base`.

@@ -241,17 +241,31 @@ def ptx_target_for(arch: str, supported: "frozenset[str] | set[str]",
     return arch_info(best).compute
 
 
+def check_ptx_driver(driver: Version | None, nvrtc_version: Version) -> None:
+    """PTX of NVRTC X.Y is JIT-compiled only by a driver for CUDA X.Y or newer (its PTX ISA
+    version); :class:`CudaSetupError` naming the fix otherwise (None: no driver to ask)."""
+    if driver is not None and tuple(driver) < tuple(nvrtc_version):
+        raise CudaSetupError(f"PTX from NVRTC {_v(nvrtc_version)} needs a driver for CUDA {_v(nvrtc_version)} or "
+                             f"newer, this one supports CUDA {_v(driver)}: update the driver, or pip install "
+                             f"'nvidia-cuda-nvrtc-cu{driver[0]}=={driver[0]}.{driver[1]}.*'")
+
+
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_ptx(arch: str, target: str) -> None:
+def _warn_ptx(arch: str, target: str, capability: Version | None = None) -> None:
+    """One warning line per (arch, target) and process: why PTX, and the install for native code."""
     from .. import nvrtc
 
     if (arch, target) in _warned:
         return
     _warned.add((arch, target))
     v = nvrtc.version()
-    warnings.warn(f"fagen: NVRTC {v[0]}.{v[1]} has no {arch} target; the driver JIT-compiles PTX for {target} "
+    if capability is not None and arch in nvrtc.supported_archs():
+        why = f"{arch} cubins do not run on this compute capability {capability[0]}.{capability[1]} device"
+    else:
+        why = f"NVRTC {v[0]}.{v[1]} has no {arch} target"
+    warnings.warn(f"fagen: {why}; the driver JIT-compiles PTX for {target} "
                   f"(native code: {nvrtc.install_hint(13)})", RuntimeWarning, stacklevel=3)
 
 
@@ -381,6 +395,7 @@ class GpuModule:
         ensure_toolchain()
         target = ptx_target_for(spec.arch, nvrtc.supported_archs())
         if target is not None:
+            check_ptx_driver(_driver_version(), nvrtc.version())
             _warn_ptx(spec.arch, target)
         self.compiled = compile_spec(spec, ptx_target=target)
         self._path = _cubin_path(self.compiled.cubin, ".ptx" if target else ".cubin")
@@ -399,7 +414,9 @@ class GpuModule:
         target = ptx_target_for(self.spec.arch, nvrtc.supported_archs(), cap)  # type: ignore[arg-type]
         if target == self.compiled.ptx_target:
             return self._path
-        _warn_ptx(f"sm_{cap[0]}{cap[1]}", target or self.spec.arch)
+        if target is not None:
+            check_ptx_driver(_driver_version(), nvrtc.version())
+            _warn_ptx(self.spec.arch, target, cap)  # type: ignore[arg-type]
         mod = compile_spec(self.spec, ptx_target=target)
         return _cubin_path(mod.cubin, ".ptx" if target else ".cubin")
 
