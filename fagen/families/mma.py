@@ -56,6 +56,34 @@ def dq_key_chunk(head_dim: int, block_c: int) -> int:
     return 16
 
 
+# ---------------------------------------------------------------- forward tiles
+#: The forward's warps own 32 Q rows (two m16 tiles: each K/V fragment feeds 4 HMMAs) up to this
+#: padded head dim; beyond it the O accumulator of 32 rows would not fit the registers.
+FWD_WIDE_WARP_MAX_DIM = 128
+
+
+def fwd_rows_per_warp(head_dim: int, block_r: int, num_warps: int) -> int:
+    """Q rows a forward warp owns (templates/mma/fwd.cu.j2 ``WROWS``): 32 when the block has more
+    rows than 16 per warp, else 16."""
+    return 32 if block_r > 16 * num_warps else 16
+
+
+def fwd_rows_reason(head_dim: int, block_r: int, num_warps: int, family: str = "mma") -> Reason | None:
+    """Why the forward's Q block does not fit its warps: 16 rows per warp, or 32 (a multiple of 32
+    rows in all) up to padded head dim FWD_WIDE_WARP_MAX_DIM."""
+    wide = padded_dim(head_dim) <= FWD_WIDE_WARP_MAX_DIM
+    if block_r <= 16 * num_warps:
+        return None
+    if not wide:
+        return Reason("block_r", f"block_r={block_r} exceeds 16 rows per warp x num_warps={num_warps} ({family}: each "
+                                 f"warp owns 16 rows of the Q block beyond head_dim {FWD_WIDE_WARP_MAX_DIM})")
+    if block_r > 32 * num_warps or block_r % 32:
+        return Reason("block_r", f"block_r={block_r} must be at most 16 rows per warp x num_warps={num_warps}, or a "
+                                 f"multiple of 32 up to 32 rows per warp ({family}: each warp owns 16 or 32 rows "
+                                 "of the Q block)")
+    return None
+
+
 @dataclass(frozen=True)
 class MmaFamily(FamilyBase):
     name: str = "mma"
@@ -104,6 +132,8 @@ class MmaFamily(FamilyBase):
             return bad
         # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward).
         field, rows = ("block_c", block_c) if direction == "bwd" else ("block_r", block_r)
+        if direction == "fwd":
+            return fwd_rows_reason(head_dim, block_r, num_warps, self.name)
         if rows > 16 * num_warps:
             return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
                                  f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
