@@ -438,3 +438,40 @@ def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:
     dead = torch.isinf(lse[0]).transpose(0, 1)  # [Nq, H]: rows before the causal band
     assert dead.any() and (det[0][dead] == 0).all()
     torch.testing.assert_close(det[~nan], atomic[~nan], rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------- forward softmax scale, 32-row warps
+@pytest.mark.parametrize("tile", [(16, 16, 1), (32, 16, 1), (64, 32, 2)], ids=lambda t: "t{}x{}w{}".format(*t))
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0, 1e-40])
+def test_forward_softmax_scale_of_any_sign_and_32_row_warps(scale: float, tile: tuple) -> None:
+    """The forward folds |scale| log2 e into its exp2 and takes the max of the raw q.k: a negative
+    scale negates Q_i in smem (exact), a zero or subnormal one multiplies the scores instead. Each is
+    against the float64 oracle by flash-attn's criterion, on 16-row warps and on 32-row warps (two
+    m16 tiles per warp: block_r = 32 x num_warps), with key padding and causal edge tiles."""
+    from featref import assert_close, assert_lse_close
+    from featref import attention as oracle
+
+    g = torch.Generator().manual_seed(7)
+    B, H, Nq, Nk, d = 2, 2, 45, 37, 40
+    q, k, v = (torch.randn(B, n, H, d, generator=g).to(torch.float16) for n in (Nq, Nk, Nk))
+    kpm = torch.rand(B, Nk, generator=g) > 0.25
+    kpm[:, 0] = True
+    spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", causal=True, key_padding=True, impl="mma",
+                      block_r=tile[0], block_c=tile[1], num_warps=tile[2])
+    assert MMA.config_reason("fwd", d, "float16", "sm_90", *tile, {}) is None
+    o, lse = F.run_forward(spec, q, k, v, key_padding_mask=kpm, softmax_scale=scale)
+    kw = dict(causal=True, kpm=kpm, scale=scale)
+    o64, lse64 = oracle(q.double(), k.double(), v.double(), **kw)
+    o16, _ = oracle(q, k, v, **kw)
+    _, lse32 = oracle(q.float(), k.float(), v.float(), **kw)
+    assert_close(f"o scale={scale}", o, o64, o16, torch.float16)
+    assert_lse_close(f"lse scale={scale}", lse, lse64, lse32)
+
+
+def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
+    """32 Q rows per warp (a multiple of 32 up to 32 x num_warps) up to padded head dim 128; beyond it,
+    or for a block that is not a whole number of 32-row warps, block_r is refused by name."""
+    assert MMA.config_reason("fwd", 128, "float16", "sm_90", 128, 64, 4, {}) is None
+    for d, br, w in ((136, 128, 4), (64, 96, 2), (64, 80, 4)):
+        bad = MMA.config_reason("fwd", d, "float16", "sm_90", br, 32, w, {})
+        assert bad is not None and bad.field == "block_r", (d, br, w, bad)
