@@ -324,6 +324,10 @@ constexpr int STAGES = 2;  // mma knob
 static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 
 constexpr int LD = 40;  // padded smem row stride (elements)
+// Decisions of the mma family (fagen.families.mma: Family.template_context)
+constexpr int DPAD = 32;  // head dim padded to the MMA k extent (zero columns)
+constexpr int WARP_M_TILES = 1;  // m16 tiles of Q rows per warp (2: 32-row warps)
+constexpr bool Q_IN_REGS = true;  // Q_i A-fragments held in registers
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -686,7 +690,7 @@ namespace fa {
 //   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
-constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
 static_assert(LD == DPAD + 8, "smem row stride: DPAD + 8 elements (odd number of 16-byte units: ldmatrix conflict-free)");
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -912,9 +916,9 @@ namespace fa {
 // rows than 16 per warp: each K/V fragment then feeds MT x 2 HMMAs). S, P, the O accumulator and
 // the row statistics (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-constexpr int MT = BLOCK_R > 16 * NUM_WARPS ? 2 : 1;  // m16 tiles of Q rows per warp
+// WARP_M_TILES, Q_IN_REGS: decided by fagen.families.mma (header).
+constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
-constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128;  // Q_i A-fragments held in registers
 constexpr int NT_D = DPAD / 8, NT_C = BLOCK_C / 8;
 static_assert(BLOCK_R <= WROWS * NUM_WARPS && (MT == 1 || BLOCK_R % WROWS == 0),
               "mma forward: 16 or 32 Q rows per warp (warps past BLOCK_R only copy)");
