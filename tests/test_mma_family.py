@@ -479,3 +479,16 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
     for d, br, w in ((136, 128, 4), (64, 96, 2), (64, 80, 4)):
         bad = MMA.config_reason(_fwd_fs(d, br, 32, w))
         assert bad is not None and bad.field == "block_r", (d, br, w, bad)
+
+
+@pytest.mark.parametrize("d,block_r,block_c,num_warps", [(64, 128, 64, 4), (128, 64, 32, 2), (32, 128, 128, 4)])
+def test_pair_cost_of_32_row_forward_warps(d: int, block_r: int, block_c: int, num_warps: int) -> None:
+    """The cost model counts the forward's 32-row warps: the pair's FLOPs in HMMAs, every warp busy,
+    each warp's K/V fragments shared by its two m16 tiles (fewer ldmatrix per HMMA than 16-row warps)."""
+    spec = KernelSpec(direction="fwd", head_dim=d, block_r=block_r, block_c=block_c, num_warps=num_warps)
+    pc = MMA.pair_cost(spec.family_spec)
+    assert pc.warp_iterations * 2 * 16 * 8 * 16 == 2 * 2 * block_r * block_c * d
+    assert pc.warp_balance(num_warps) == 1.0
+    narrow = MMA.pair_cost(spec.replace(num_warps=2 * num_warps).family_spec)  # the same block, 16-row warps
+    assert narrow.warp_iterations == pc.warp_iterations
+    assert pc.lds_wavefronts < narrow.lds_wavefronts
