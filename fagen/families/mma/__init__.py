@@ -22,13 +22,14 @@ from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
                                       MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem,
-                                      dq_key_chunk, dq_kv_stages, dq_rows, ds_ld, fwd_m_tiles, fwd_q_in_regs,
+                                      dq_key_chunk, dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_m_tiles,
+                                      fwd_q_in_regs,
                                       kv_in_regs, lse_now, padded_dim, q_in_regs)
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
            "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk",
-           "dq_kv_stages", "dq_rows", "ds_ld", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
+           "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
            "pair_cost", "q_in_regs"]
 
 F32 = 4
@@ -99,11 +100,13 @@ class MmaFamily(FamilyBase):
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
         (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
-        the forward beyond d = 128, where the O accumulator takes half the registers."""
+        the forward beyond d = 128, where the O accumulator takes half the registers. The forward
+        streams fwd_default_block_c keys per step (128 up to d = 64: the rescale of O, the copy
+        set-up and the row reductions amortised over twice the keys)."""
         own = 16 * fs.num_warps
         if fs.direction == "bwd":
             return 64, own
-        return own, 64 if padded_dim(fs.head_dim) <= MAX_REG_ACC_DIM else 32
+        return own, fwd_default_block_c(fs.head_dim)
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The smem row strides and the templates' decisions (Constant): which fragments and
