@@ -326,6 +326,7 @@ static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 constexpr int LD = 104;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 96;  // head dim padded to the MMA k extent (zero columns)
+constexpr int WARP_M_TILES = 1;  // m16 tiles of Q rows per warp (2: 32-row warps)
 constexpr bool Q_IN_REGS = true;  // Q_i A-fragments held in registers
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
@@ -835,13 +836,92 @@ FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long st
 }
 }  // namespace fa
 namespace fa {
-// Forward on tensor cores: one CTA per (Q block i, batch, head); warp w owns the 16 Q
-// rows [16w, 16w + 16) of the block: S, P, the O accumulator and the row statistics
-// (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
+// A ROWS x DPAD tile of a [*, N, *, d] slice -> smem (row stride LD) in 16-byte cp.async chunks.
+// Thread tid takes chunks e = tid + it * NUM_THREADS (it = 0..ITERS-1): tile row e / CHUNKS,
+// column (e % CHUNKS) * 8. When NUM_THREADS is a multiple of CHUNKS every chunk of a thread sits
+// in one column, ROW_STEP rows apart, so its source is one pointer plus it * ROW_STEP rows and its
+// destination one smem offset plus a constant; otherwise (head dims whose DPAD / 8 does not
+// divide the thread count) each chunk's row and column are derived from e. The object holds only
+// that pointer (the row stride is passed with each call: a kernel argument, read from the
+// constant bank), so the S and O fragments keep the registers.
+template <int ROWS>
+struct FwdTileCopy {
+    static constexpr int CHUNKS = DPAD / 8, TOTAL = ROWS * CHUNKS;
+    static constexpr int ITERS = (TOTAL + NUM_THREADS - 1) / NUM_THREADS;
+    static constexpr bool FIXED_COL = NUM_THREADS % CHUNKS == 0;
+    static constexpr int ROW_STEP = FIXED_COL ? NUM_THREADS / CHUNKS : 0;
+
+    const T* src;  // FIXED_COL: the slice's row r0, column c of this thread's first chunk; else row 0
+
+    FA_DEVICE static int first_row() { return FIXED_COL ? (int)threadIdx.x / CHUNKS : 0; }
+    FA_DEVICE static int column() { return FIXED_COL ? ((int)threadIdx.x % CHUNKS) * 8 : 0; }
+
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
+        : src(FIXED_COL ? base + (long long)first_row() * stride_s + column() : base) {}
+
+    // Is chunk `it` of this thread inside the tile (only the last one may not be)?
+    FA_DEVICE static bool in_tile(int it) {
+        if constexpr (TOTAL % NUM_THREADS == 0) return true;
+        if (it < ITERS - 1) return true;
+        return (int)threadIdx.x + it * NUM_THREADS < TOTAL;
+    }
+
+    // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
+    FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
+        if constexpr (FIXED_COL) {
+            const T* s = src + (long long)row0 * stride_s;
+            const long long step = (long long)ROW_STEP * stride_s;
+            T* d = dst + first_row() * LD + column();
+            const bool col_ok = column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
+#pragma unroll
+            for (int it = 0; it < ITERS; ++it)
+                if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
+        } else {
+            edge(dst, row0, row0 + ROWS, stride_s, nullptr);
+        }
+    }
+
+    // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled.
+    FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            if (!in_tile(it)) continue;
+            const int e = (int)threadIdx.x + it * NUM_THREADS;
+            const int r = FIXED_COL ? first_row() + it * ROW_STEP : e / CHUNKS;
+            const int cc = FIXED_COL ? column() : (e - r * CHUNKS) * 8;
+            const bool valid = cc < HEAD_DIM && row0 + r < n && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
+            const T* s = FIXED_COL ? src + (long long)(row0 + it * ROW_STEP) * stride_s
+                                   : src + (long long)(row0 + r) * stride_s + cc;
+            fa_cp_async_16(dst + r * LD + cc, valid ? s : src, valid);
+        }
+    }
+
+    // The tile at row0 of an n-row slice: cp.async chunks (interior tiles without bounds checks),
+    // element copies for a slice that is not 16-byte aligned (vec false, base the slice's row 0).
+    FA_DEVICE void operator()(T* dst, const T* base, int row0, int n, long long stride_s, bool vec,
+                              const unsigned char* kpm_row) const {
+        if (!vec) {
+            mma_copy_tile<ROWS>(dst, base, row0, n, stride_s, false, kpm_row);
+        } else if (!HAS_KEY_PADDING && row0 + ROWS <= n) {
+            interior(dst, row0, stride_s);
+        } else {
+            edge(dst, row0, n, stride_s, kpm_row);
+        }
+    }
+};
+}  // namespace fa
+namespace fa {
+// Forward on tensor cores: one CTA per (Q block i, batch, head); warp w owns the WROWS = 16 * MT
+// Q rows [WROWS w, WROWS (w + 1)) of the block as MT m16 tiles (MT = 2 when the block has more
+// rows than 16 per warp: each K/V fragment then feeds MT x 2 HMMAs). S, P, the O accumulator and
+// the row statistics (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-// Q_IN_REGS: decided by fagen.families.mma (header).
+// WARP_M_TILES, Q_IN_REGS: decided by fagen.families.mma (header).
+constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
+constexpr int WROWS = 16 * MT;
 constexpr int NT_D = DPAD / 8, NT_C = BLOCK_C / 8;
-static_assert(BLOCK_R <= 16 * NUM_WARPS, "mma forward: 16 Q rows per warp (warps past BLOCK_R only copy)");
+static_assert(BLOCK_R <= WROWS * NUM_WARPS && (MT == 1 || BLOCK_R % WROWS == 0),
+              "mma forward: 16 or 32 Q rows per warp (warps past BLOCK_R only copy)");
 static_assert(SMEM_Q_COUNT == BLOCK_R * LD, "Q_i tile");
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 }  // namespace fa
@@ -912,11 +992,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
     if (IS_VARLEN && i0 >= si.len_q) return;
     const int len_q = si.len_q, len_k = si.len_k;
-    const int wrow = warp * 16;  // this warp's Q rows within the block
+    const int wrow = warp * WROWS;  // this warp's Q rows within the block
     const bool active = wrow < BLOCK_R;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
+    // Without a score modification the softmax runs on the raw q.k accumulator and folds
+    // |scale| log2 e into its exp2 (one FFMA per score: 2^(|scale| log2 e (s - m))); a negative
+    // scale negates Q_i in smem once instead (exact). A scale of 0 (or one whose product with
+    // log2 e is not a normal float) multiplies the scores instead, as a score modification does.
     const float scale_log2 = scale * LOG2E;
+    const bool fold = !HAS_SCORE_MOD && fabsf(scale_log2) >= 1.17549435e-38f;  // FLT_MIN
+    const float sl2 = fold ? fabsf(scale_log2) : 1.f;
 
     const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
@@ -924,6 +1010,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
     const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
+    const FwdTileCopy<BLOCK_C> copy_k(k_bh, stride_k_s), copy_v(v_bh, stride_v_s);
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
@@ -936,188 +1023,234 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
     if (STAGES > 1 && j_begin < j_end) {
-        mma_copy_tile<BLOCK_C>(s.k, k_bh, j_begin, len_k, stride_k_s, k_vec, kpm_b);
-        mma_copy_tile<BLOCK_C>(s.v, v_bh, j_begin, len_k, stride_v_s, v_vec, kpm_b);
+        copy_k(s.k, k_bh, j_begin, len_k, stride_k_s, k_vec, kpm_b);
+        copy_v(s.v, v_bh, j_begin, len_k, stride_v_s, v_vec, kpm_b);
     }
     fa_cp_async_commit();
 
-    unsigned qf[Q_IN_REGS ? DPAD / 16 : 1][4];
-    if constexpr (Q_IN_REGS) {
+    const bool negate_q = fold && scale_log2 < 0.f;  // uniform
+    if (Q_IN_REGS || negate_q) {
         fa_cp_async_wait_all();
         fa_sync();
+    }
+    if (negate_q) {
+        for (int e = tid; e < BLOCK_R * DPAD; e += NUM_THREADS) {
+            T* x = s.q + (e / DPAD) * LD + e % DPAD;
+            *x = fa_from_float<T>(-fa_to_float(*x));
+        }
+        fa_sync();
+    }
+    unsigned qf[Q_IN_REGS ? DPAD / 16 : 1][4];
+    if constexpr (Q_IN_REGS) {
 #pragma unroll
         for (int kk = 0; kk < DPAD / 16; ++kk)
             if (active) mma_load_a(qf[kk], s.q, LD, wrow, kk * 16, lane);
     }
 
-    // O_i = 0; m_i = -inf, l_i = 0 (rows g and g + 8 of the warp; l is this thread's partial sum).
-    float o_acc[NT_D][4];
+    // O_i = 0; m_i = -inf, l_i = 0 (rows g and g + 8 of each m16 tile; l is this thread's partial sum;
+    // m in the units of the accumulator: the scores are sl2 * m).
+    float o_acc[MT][NT_D][4];
 #pragma unroll
-    for (int n = 0; n < NT_D; ++n)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[n][e] = 0.f;
-    float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.f, 0.f};
-    unsigned seen[2] = {0u, 0u};  // has the row an allowed key (in this lane's columns)?
+        for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[mt][n][e] = 0.f;
+    float m_r[MT][2], l_r[MT][2];
+    unsigned seen = 0u;  // bit 2 mt + r: has row (mt, r) an allowed key (in this lane's columns)?
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_r[mt][r] = NEG_INF;
+            l_r[mt][r] = 0.f;
+        }
 
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
-            mma_copy_tile<BLOCK_C>(s.k, k_bh, j0, len_k, stride_k_s, k_vec, kpm_b);
-            mma_copy_tile<BLOCK_C>(s.v, v_bh, j0, len_k, stride_v_s, v_vec, kpm_b);
+            copy_k(s.k, k_bh, j0, len_k, stride_k_s, k_vec, kpm_b);
+            copy_v(s.v, v_bh, j0, len_k, stride_v_s, v_vec, kpm_b);
             fa_cp_async_commit();
         }
         fa_cp_async_wait_all();
         fa_sync();  // stage cur has landed for every thread; step j-1 is done with stage nxt
         if (STAGES > 1 && j0 + BLOCK_C < j_end) {
-            mma_copy_tile<BLOCK_C>(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
-            mma_copy_tile<BLOCK_C>(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
+            copy_k(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
+            copy_v(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
         }
         fa_cp_async_commit();
         const T* sk = s.k + cur * BLOCK_C * LD;
         const T* sv = s.v + cur * BLOCK_C * LD;
         if (!active) continue;  // the loop's barriers are at its top: idle warps keep in step
 
-        // S = Q_i K_j^T (log2 domain: tau log2 e folded in); masked entries -inf, mask
-        // math only on tiles that are not fully visible.
-        float sacc[NT_C][4];
+        // S = Q_i K_j^T on the fp32 accumulator; each K fragment feeds the warp's MT m16 tiles.
+        float sacc[MT][NT_C][4];
 #pragma unroll
-        for (int n = 0; n < NT_C; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[n][e] = 0.f;
+            for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < DPAD / 16; ++kk) {
-            unsigned a[4];
-            if constexpr (Q_IN_REGS) {
+            unsigned a[MT][4];
 #pragma unroll
-                for (int x = 0; x < 4; ++x) a[x] = qf[kk][x];
-            } else {
-                mma_load_a(a, s.q, LD, wrow, kk * 16, lane);
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
+                } else {
+                    mma_load_a(a[mt], s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                }
             }
 #pragma unroll
             for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                 unsigned bk[4];
                 mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
-                mma_tile(sacc[2 * n2], a, bk[0], bk[1]);
-                mma_tile(sacc[2 * n2 + 1], a, bk[2], bk[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
+                    mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                }
             }
         }
+        // Masked entries -inf, mask math only on tiles that are not fully visible.
         const bool full = tile_kind(i0, j0, mp) == TILE_FULL;
-        if constexpr (HAS_SCORE_MOD) {
-            // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
-            // elements outside the sequences (masked below) read no bias.
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n)
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row0 = i0 + wrow + 16 * mt;
+            if constexpr (HAS_SCORE_MOD) {
+                // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
+                // elements outside the sequences (masked below) read no bias.
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = i0 + wrow + g + (e >> 1) * 8, col = j0 + n * 8 + 2 * t4 + (e & 1);
-                    if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
-                        sacc[n][e] = score_fwd<float>(sacc[n][e], row, col, sp) * LOG2E;
-                }
-        } else {
+                for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n)
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = row0 + g + (e >> 1) * 8, col = j0 + n * 8 + 2 * t4 + (e & 1);
+                        if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
+                            sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
+                    }
+            } else if (!fold) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[n][e] *= scale_log2;
+                for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sacc[mt][n][e] *= scale_log2;
+            }
+            if (!full) {
+#pragma unroll
+                for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const bool ok = mma_allowed(row0 + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b,
+                                                    mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
+                                                    stride_mask_q, stride_mask_k);
+                        seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
+                        if (!ok) sacc[mt][n][e] = NEG_INF;
+                    }
+            } else {
+                seen |= 3u << (2 * mt);
+            }
         }
-        if (!full) {
+
+        // Z_ij (mma_keep_bits: bit 4n + e is element (n, e)) at the global (row, col) =
+        // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
+        unsigned long long kb[MT];
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const bool ok = mma_allowed(i0 + wrow + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b,
-                                                mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                    seen[e >> 1] |= ok ? 1u : 0u;
-                    if (!ok) sacc[n][e] = NEG_INF;
-                }
-        } else {
-            seen[0] = seen[1] = 1u;
-        }
+        for (int mt = 0; mt < MT; ++mt)
+            kb[mt] = HAS_DROPOUT ? mma_keep_bits<NT_C>(seed, offset, (unsigned)bh, row_offset + i0 + wrow + 16 * mt,
+                                                       col_offset + j0, drop_threshold, lane)
+                                 : ~0ull;
 
         // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, rowmax S),
-        // P~ = exp2(S - m_new), l = 2^(m - m_new) l + rowsum(P~), O = 2^(m - m_new) O.
-        // The max skips NaN scores (fmaxf); they reach l and O through P~ = NaN.
+        // P~ = 2^(sl2 (S - m_new)) (one FFMA and one exp2 per score), l = 2^(sl2 (m - m_new)) l +
+        // rowsum(P~), O = 2^(sl2 (m - m_new)) O. The max skips NaN scores (fmaxf); they reach l and O
+        // through P~ = NaN. P~ Z (dropped entries 0) is packed at once into the A fragments of
+        // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
+        unsigned pa[MT][BLOCK_C / 16][4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[n][2 * r], sacc[n][2 * r + 1]));
-            mx = fmaxf(mx, mma_shfl_xor(mx, 1));
-            mx = fmaxf(mx, mma_shfl_xor(mx, 2));
-            const float m_new = fmaxf(m_r[r], mx);
-            const float base = m_new == NEG_INF ? 0.f : m_new;  // no allowed key yet: P = 0, not NaN
-            const float alpha = mma_exp2(m_r[r] - base);
-            m_r[r] = m_new;
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < NT_C; ++n)
+                for (int n = 0; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
+                mx = fmaxf(mx, mma_shfl_xor(mx, 1));
+                mx = fmaxf(mx, mma_shfl_xor(mx, 2));
+                const float m_new = fmaxf(m_r[mt][r], mx);
+                const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
+                const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
+                m_r[mt][r] = m_new;
+                float sum = 0.f;
 #pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float p = mma_exp2(sacc[n][e] - base);
-                    sum += p;
-                    sacc[n][e] = p;
+                for (int n = 0; n < NT_C; ++n) {
+                    float pz[2];
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int e = 2 * r + x;
+                        const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
+                        sum += p;
+                        pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;
+                    }
+                    pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
                 }
-            l_r[r] = alpha * l_r[r] + sum;
+                l_r[mt][r] = alpha * l_r[mt][r] + sum;
 #pragma unroll
-            for (int n = 0; n < NT_D; ++n) {
-                o_acc[n][2 * r] *= alpha;
-                o_acc[n][2 * r + 1] *= alpha;
+                for (int n = 0; n < NT_D; ++n) {
+                    o_acc[mt][n][2 * r] *= alpha;
+                    o_acc[mt][n][2 * r + 1] *= alpha;
+                }
             }
-        }
-        if constexpr (HAS_DROPOUT) {
-            // Z_ij (mma_keep_bits: bit 4n + e is element (n, e)) at the global (row, col) =
-            // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
-            const unsigned long long kb = mma_keep_bits<NT_C>(seed, offset, (unsigned)bh, row_offset + i0 + wrow,
-                                                              col_offset + j0, drop_threshold, lane);
-#pragma unroll
-            for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!((kb >> (4 * n + e)) & 1ull)) sacc[n][e] = 0.f;
-        }
 
-        // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans.
+        // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans (each V fragment feeds the
+        // warp's MT m16 tiles).
 #pragma unroll
         for (int kc = 0; kc < BLOCK_C / 16; ++kc) {
-            const unsigned a[4] = {mma_pack(sacc[2 * kc][0], sacc[2 * kc][1]), mma_pack(sacc[2 * kc][2], sacc[2 * kc][3]),
-                                   mma_pack(sacc[2 * kc + 1][0], sacc[2 * kc + 1][1]),
-                                   mma_pack(sacc[2 * kc + 1][2], sacc[2 * kc + 1][3])};
 #pragma unroll
             for (int nd = 0; nd < DPAD / 16; ++nd) {
                 unsigned bv[4];
                 mma_load_b_kmajor(bv, sv, LD, kc * 16, nd * 16, lane);
-                mma_tile(o_acc[2 * nd], a, bv[0], bv[1]);
-                mma_tile(o_acc[2 * nd + 1], a, bv[2], bv[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);
+                    mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
+                }
             }
         }
     }
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
-    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = m_i + log l_i. A row with no allowed key is
-    // zero with lse = -inf. A row with allowed keys whose running max stayed -inf (every
-    // allowed score -inf or NaN) is NaN, as torch's softmax; any NaN score made l NaN.
+    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = sl2 m_i / log2 e + log l_i. A row with no allowed key
+    // is zero with lse = -inf. A row with allowed keys whose running max stayed -inf (every allowed
+    // score -inf or NaN) is NaN, as torch's softmax; any NaN score made l NaN.
     const float rp = HAS_DROPOUT ? rp_keep : 1.f;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_r[r];
-        l += mma_shfl_xor(l, 1);
-        l += mma_shfl_xor(l, 2);
-        unsigned any = seen[r];
-        any |= mma_shfl_xor_u(any, 1);
-        any |= mma_shfl_xor_u(any, 2);
-        const float nan = NEG_INF * 0.f;
-        const bool empty = any == 0u, dead = !empty && m_r[r] == NEG_INF;
-        const float inv = empty ? 0.f : (dead ? nan : rp / l);
-        const int row = i0 + wrow + g + r * 8;
-        if (!active || row >= len_q) continue;
-        T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < NT_D; ++n)
+        for (int r = 0; r < 2; ++r) {
+            float l = l_r[mt][r];
+            l += mma_shfl_xor(l, 1);
+            l += mma_shfl_xor(l, 2);
+            unsigned any = (seen >> (2 * mt + r)) & 1u;
+            any |= mma_shfl_xor_u(any, 1);
+            any |= mma_shfl_xor_u(any, 2);
+            const float nan = NEG_INF * 0.f;
+            const float m = m_r[mt][r];
+            const bool empty = any == 0u, dead = !empty && m == NEG_INF;
+            const float inv = empty ? 0.f : (dead ? nan : rp / l);
+            const int row = i0 + wrow + 16 * mt + g + r * 8;
+            if (!active || row >= len_q) continue;
+            T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
 #pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                const int x = n * 8 + 2 * t4 + (e & 1);
-                if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[n][e] * inv);  // dead: NaN
-            }
-        if (t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
-    }
+            for (int n = 0; n < NT_D; ++n)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const int x = n * 8 + 2 * t4 + (e & 1);
+                    if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[mt][n][e] * inv);  // dead: NaN
+                }
+            if (t4 == 0)
+                lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] =
+                    empty ? NEG_INF : (dead ? nan : (m * sl2 + log2f(l)) * LN2);
+        }
 }

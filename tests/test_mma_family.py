@@ -13,7 +13,7 @@ import fagen.functional as F
 from fagen.abi import neutral_args
 from fagen import KernelSpec
 from fagen.cli import main
-from fagen.families import FamilySpec, default_family, family_names, get_family
+from fagen.families import FamilySpec, Tile, default_family, family_names, get_family
 from fagen.families.mma import padded_dim
 from fagen.philox import drop_threshold
 from fagen.renderer import render
@@ -438,3 +438,57 @@ def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:
     dead = torch.isinf(lse[0]).transpose(0, 1)  # [Nq, H]: rows before the causal band
     assert dead.any() and (det[0][dead] == 0).all()
     torch.testing.assert_close(det[~nan], atomic[~nan], rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------- forward softmax scale, 32-row warps
+def _fwd_fs(d: int, block_r: int, block_c: int, num_warps: int) -> FamilySpec:
+    return FamilySpec("fwd", d, "float16", "sm_90", tile=Tile(block_r, block_c), num_warps=num_warps)
+
+
+@pytest.mark.parametrize("tile", [(16, 16, 1), (32, 16, 1), (64, 32, 2)], ids=lambda t: "t{}x{}w{}".format(*t))
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0, 1e-40])
+def test_forward_softmax_scale_of_any_sign_and_32_row_warps(scale: float, tile: tuple) -> None:
+    """The forward folds |scale| log2 e into its exp2 and takes the max of the raw q.k: a negative
+    scale negates Q_i in smem (exact), a zero or subnormal one multiplies the scores instead. Each is
+    against the float64 oracle by flash-attn's criterion, on 16-row warps and on 32-row warps (two
+    m16 tiles per warp: block_r = 32 x num_warps), with key padding and causal edge tiles."""
+    from featref import assert_close, assert_lse_close
+    from featref import attention as oracle
+
+    g = torch.Generator().manual_seed(7)
+    B, H, Nq, Nk, d = 2, 2, 45, 37, 40
+    q, k, v = (torch.randn(B, n, H, d, generator=g).to(torch.float16) for n in (Nq, Nk, Nk))
+    kpm = torch.rand(B, Nk, generator=g) > 0.25
+    kpm[:, 0] = True
+    spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", causal=True, key_padding=True, impl="mma",
+                      block_r=tile[0], block_c=tile[1], num_warps=tile[2])
+    assert MMA.config_reason(_fwd_fs(d, *tile)) is None
+    o, lse = F.run_forward(spec, q, k, v, key_padding_mask=kpm, softmax_scale=scale)
+    kw = dict(causal=True, kpm=kpm, scale=scale)
+    o64, lse64 = oracle(q.double(), k.double(), v.double(), **kw)
+    o16, _ = oracle(q, k, v, **kw)
+    _, lse32 = oracle(q.float(), k.float(), v.float(), **kw)
+    assert_close(f"o scale={scale}", o, o64, o16, torch.float16)
+    assert_lse_close(f"lse scale={scale}", lse, lse64, lse32)
+
+
+def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
+    """32 Q rows per warp (a multiple of 32 up to 32 x num_warps) up to padded head dim 128; beyond it,
+    or for a block that is not a whole number of 32-row warps, block_r is refused by name."""
+    assert MMA.config_reason(_fwd_fs(128, 128, 64, 4)) is None
+    for d, br, w in ((136, 128, 4), (64, 96, 2), (64, 80, 4)):
+        bad = MMA.config_reason(_fwd_fs(d, br, 32, w))
+        assert bad is not None and bad.field == "block_r", (d, br, w, bad)
+
+
+@pytest.mark.parametrize("d,block_r,block_c,num_warps", [(64, 128, 64, 4), (128, 64, 32, 2), (32, 128, 128, 4)])
+def test_pair_cost_of_32_row_forward_warps(d: int, block_r: int, block_c: int, num_warps: int) -> None:
+    """The cost model counts the forward's 32-row warps: the pair's FLOPs in HMMAs, every warp busy,
+    each warp's K/V fragments shared by its two m16 tiles (fewer ldmatrix per HMMA than 16-row warps)."""
+    spec = KernelSpec(direction="fwd", head_dim=d, block_r=block_r, block_c=block_c, num_warps=num_warps)
+    pc = MMA.pair_cost(spec.family_spec)
+    assert pc.warp_iterations * 2 * 16 * 8 * 16 == 2 * 2 * block_r * block_c * d
+    assert pc.warp_balance(num_warps) == 1.0
+    narrow = MMA.pair_cost(spec.replace(num_warps=2 * num_warps).family_spec)  # the same block, 16-row warps
+    assert narrow.warp_iterations == pc.warp_iterations
+    assert pc.lds_wavefronts < narrow.lds_wavefronts

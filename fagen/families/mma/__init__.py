@@ -21,14 +21,16 @@ from fagen.abi import Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
-                                      MAX_REG_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk,
-                                      dq_kv_stages, dq_rows, ds_ld, kv_in_regs, lse_now, padded_dim,
-                                      q_in_regs)
+                                      MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem,
+                                      dq_key_chunk, dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_m_tiles,
+                                      fwd_q_in_regs,
+                                      kv_in_regs, lse_now, padded_dim, q_in_regs)
 from fagen.layout import SmemLayout, align_up, place
 
-__all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM", "MMA",
-           "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk", "dq_kv_stages", "dq_rows",
-           "ds_ld", "kv_in_regs", "lse_now", "padded_dim", "pair_cost", "q_in_regs"]
+__all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
+           "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk",
+           "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
+           "pair_cost", "q_in_regs"]
 
 F32 = 4
 
@@ -82,9 +84,16 @@ class MmaFamily(FamilyBase):
         bad = super().config_reason(fs)
         if bad is not None:
             return bad
-        # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward).
+        # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward); a forward
+        # warp may own 32 (two m16 tiles) up to padded head dim MAX_WIDE_WARP_Q_DIM.
         direction, num_warps = fs.direction, fs.num_warps
         field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
+        if direction == "fwd" and rows > 16 * num_warps and padded_dim(fs.head_dim) <= MAX_WIDE_WARP_Q_DIM:
+            if rows > 32 * num_warps or rows % 32:
+                return Reason(field, f"{field}={rows} must be at most 16 rows per warp x num_warps={num_warps}, or a "
+                                     f"multiple of 32 up to 32 rows per warp ({self.name}: each warp owns 16 or 32 "
+                                     "rows of the Q block)")
+            return None
         if rows > 16 * num_warps:
             return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
                                  f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
@@ -93,11 +102,13 @@ class MmaFamily(FamilyBase):
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
         (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
-        the forward beyond d = 128, where the O accumulator takes half the registers."""
+        the forward beyond d = 128, where the O accumulator takes half the registers. The forward
+        streams fwd_default_block_c keys per step (128 up to d = 64: the rescale of O, the copy
+        set-up and the row reductions amortised over twice the keys)."""
         own = 16 * fs.num_warps
         if fs.direction == "bwd":
             return 64, own
-        return own, 64 if padded_dim(fs.head_dim) <= MAX_REG_ACC_DIM else 32
+        return own, fwd_default_block_c(fs.head_dim)
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The smem row strides and the templates' decisions (Constant): which fragments and
@@ -126,7 +137,12 @@ class MmaFamily(FamilyBase):
                     Constant("DQ_KC", "int", dq_key_chunk(d, t.block_c), "dq kernel: keys per sub-step"),
                 ]
         else:
-            consts.append(Constant("Q_IN_REGS", "bool", q_in_regs(d), "Q_i A-fragments held in registers"))
+            consts += [
+                Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
+                         "m16 tiles of Q rows per warp (2: 32-row warps)"),
+                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps),
+                         "Q_i A-fragments held in registers"),
+            ]
         return {"strides": strides, "constants": tuple(consts)}
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:

@@ -5,7 +5,7 @@ import math
 from collections.abc import Mapping
 
 from fagen.families.base import FamilySpec, PairCost
-from fagen.families.mma.rules import dq_key_chunk, kv_in_regs, padded_dim, q_in_regs
+from fagen.families.mma.rules import dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
     """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
@@ -49,10 +49,13 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
         return PairCost(lds_wavefronts=4.0 * total_ldsm + stores + active * chunks * 4,
                         warp_instructions=float(instr), warp_iterations=float(total_hmma),
                         busiest_warp_iterations=float(busiest), atomics=float(block_r * fs.head_dim))
-    active = block_r // 16  # warps owning Q rows
-    q_ldsm = 0 if q_in_regs(fs.head_dim) else kd  # Q A-fragments from registers (Q_IN_REGS)
-    hmma = kd * (block_c // 8) + (block_c // 16) * (dp // 8)  # S = Q K^T, O += P V
+    mt = fwd_m_tiles(block_r, w)  # m16 tiles of Q rows per warp (WARP_M_TILES)
+    active = -(-block_r // (16 * mt))  # warps owning Q rows
+    # Q A-fragments from registers (Q_IN_REGS) or one ldmatrix per (k16 step, m16 tile); a warp's K and
+    # V fragments feed its mt m16 tiles.
+    q_ldsm = 0 if fwd_q_in_regs(fs.head_dim, block_r, w) else mt * kd
+    hmma = mt * (kd * (block_c // 8) + (block_c // 16) * (dp // 8))  # S = Q K^T, O += P V
     ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
-    elementwise = (block_c // 8) * 4 * (10 + (10 if fs.has("dropout") else 0)) + (dp // 8) * 4  # softmax, O rescale
+    elementwise = mt * ((block_c // 8) * 4 * (10 + (10 if fs.has("dropout") else 0)) + (dp // 8) * 4)  # softmax, O rescale
     return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
                     warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)

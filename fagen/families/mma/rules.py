@@ -41,6 +41,39 @@ def q_in_regs(head_dim: int) -> bool:
     return padded_dim(head_dim) <= MAX_REG_Q_DIM
 
 
+#: The forward's warps may own 32 Q rows (two m16 tiles: each V fragment feeds 4 HMMAs) up to this
+#: padded head dim; beyond it the O accumulator of 32 rows would not fit the registers.
+MAX_WIDE_WARP_Q_DIM = 128
+
+
+#: The forward's default K/V step up to this padded head dim is FWD_WIDE_BLOCK_C keys.
+MAX_WIDE_STEP_DIM = 64
+FWD_WIDE_BLOCK_C = 128
+
+
+def fwd_default_block_c(head_dim: int) -> int:
+    """Forward: the default keys per K/V step. 128 up to padded head dim MAX_WIDE_STEP_DIM (S/P take 64
+    registers beside 32 of O: the per-step work -- O's rescale, the copy set-up, the row reductions,
+    the barrier -- amortised over twice the keys, ~18% fewer instructions per FLOP than 64), 64 up
+    to MAX_REG_ACC_DIM, 32 beyond it (the O accumulator takes half the registers)."""
+    dp = padded_dim(head_dim)
+    if dp <= MAX_WIDE_STEP_DIM:
+        return FWD_WIDE_BLOCK_C
+    return 64 if dp <= MAX_REG_ACC_DIM else 32
+
+
+def fwd_m_tiles(block_r: int, num_warps: int) -> int:
+    """Forward: m16 tiles of Q rows per warp (``WARP_M_TILES``): 2 (32 rows) when the Q block has
+    more rows than 16 per warp, else 1."""
+    return 2 if block_r > 16 * num_warps else 1
+
+
+def fwd_q_in_regs(head_dim: int, block_r: int, num_warps: int) -> bool:
+    """Forward: the Q_i A-fragments held in registers (16-row warps up to MAX_REG_Q_DIM; 32-row
+    warps read them from smem, their O accumulator and S fragments take the registers)."""
+    return q_in_regs(head_dim) and fwd_m_tiles(block_r, num_warps) == 1
+
+
 def ds_ld(block_r: int) -> int:
     """Row stride (elements) of the backward's dS^T tile: block_r + 8, ldmatrix conflict-free."""
     return block_r + 8
