@@ -27,7 +27,6 @@ kernels; the ops also carry the same autograd formula for callers of ``torch.ops
 Nothing on the launch path reads a tensor value on the host or synchronises a device.
 """
 import math
-import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -114,7 +113,19 @@ _OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
 _MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
 _SCALAR_POS = tuple(i for i, n in enumerate(OP_ORDER) if n not in Tensors._fields)
 _BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's inputs
-_get_tensors, _get_options, _get_scalars = (operator.itemgetter(*pos) for pos in (_TENSOR_POS, _OPTION_POS, _SCALAR_POS))
+
+
+def _get_tensors(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The :class:`Tensors` fields of :data:`OP_ORDER` arguments (plain indexing: traceable)."""
+    return tuple([args[i] for i in _TENSOR_POS])
+
+
+def _get_options(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple([args[i] for i in _OPTION_POS])
+
+
+def _get_scalars(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple([args[i] for i in _SCALAR_POS])
 
 
 def op_arguments(options: AttentionOptions, tensors: Tensors, max_seqlen_q: Any = None,
