@@ -252,10 +252,12 @@ class _Attention(torch.autograd.Function):
     (no autograd dispatch of its own), the backward runs fagen::bwd."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        output = _fwd_impl(*inputs) if _direct(inputs[:3] + _get_tensors(inputs[3:])) else _FWD(*inputs)
+    def forward(*inputs: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        return _fwd_impl(*inputs) if _direct(inputs[:3] + _get_tensors(inputs[3:])) else _FWD(*inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
         _save(ctx, inputs, output)
-        return output
 
     @staticmethod
     def backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
