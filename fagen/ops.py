@@ -5,12 +5,13 @@ All three run two ``torch.library`` custom ops, so eager mode, autograd and
 :class:`fagen.AttentionOptions` (the scalar options) and :class:`fagen.functional.Tensors`
 (the optional tensors):
 
-* ``fagen::fwd(q, k, v, key_padding_mask=None, alibi_slopes=None, attn_mask=None,
-  attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-  causal=False, dropout_p=0., softmax_scale=None, window_left=-1, window_right=-1, softcap=0.,
-  causal_align="bottom_right", deterministic=False) -> (o, lse, rng_state)``
-* ``fagen::bwd(do, q, k, v, o, lse, rng_state, <the same optional tensors and options>,
-  bias_requires_grad=False) -> (dq, dk, dv, dbias)`` (``dbias`` is empty unless ``bias_requires_grad``).
+* ``fagen::fwd(q, k, v, key_padding_mask, dropout_p, softmax_scale, causal, window_left=-1,
+  window_right=-1, softcap=0., alibi_slopes=None, attn_mask=None, attn_bias=None,
+  causal_align="bottom_right", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+  max_seqlen_k=None, deterministic=False) -> (o, lse, rng_state)`` (the order :data:`OP_ORDER`)
+* ``fagen::bwd(do, q, k, v, o, lse, key_padding_mask, dropout_p, softmax_scale, causal,
+  rng_state, <the rest of fwd's>, bias_requires_grad=False) -> (dq, dk, dv, dbias)``
+  (``dbias`` is empty unless ``bias_requires_grad``).
 
 Layout of the ops: q, o [B, Nq, H, d]; k, v [B, Nk, H_kv, d]; lse float32 [B, H, Nq]
 (packed: q [total_q, H, d], lse [H, total_q]); see :mod:`fagen.functional`. ``rng_state`` is
@@ -256,20 +257,25 @@ def _backward_of(ctx: Any, do: Tensor, bias_index: int) -> tuple[Tensor, Tensor,
     return dq, dk, dv, (dbias if bias_grad else None)
 
 
+def _options_in(scalars: tuple[Any, ...]) -> AttentionOptions:
+    return AttentionOptions.from_op_args(*[scalars[i] for i in _OPTION_IN_SCALARS])
+
+
 def _save(ctx: Any, q: Tensor, k: Tensor, v: Tensor, data: tuple[Any, ...], scalars: tuple[Any, ...],
-          output: tuple[Tensor, Tensor, Tensor]) -> None:
+          opts: AttentionOptions, output: tuple[Tensor, Tensor, Tensor]) -> None:
     """What the backward needs (no N x N tensor): q, k, v, o, lse, rng_state and the optional
     tensors as given; the scalars and the options."""
     o, lse, rng_state = output
     ctx.save_for_backward(q, k, v, o, lse, rng_state, *data)
     ctx.scalars = scalars
-    ctx.options = AttentionOptions.from_op_args(*[scalars[i] for i in _OPTION_IN_SCALARS])
+    ctx.options = opts
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     rest = inputs[3:]
-    _save(ctx, *inputs[:3], _get_tensors(rest), _get_scalars(rest), output)
+    scalars = _get_scalars(rest)
+    _save(ctx, *inputs[:3], _get_tensors(rest), scalars, _options_in(scalars), output)
 
 
 def _op_backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:
@@ -295,12 +301,12 @@ class _Attention(torch.autograd.Function):
         # ctx-style forward, not setup_context: Function.apply binds a setup_context forward's
         # arguments with inspect.signature on every call (tens of microseconds)
         data = (key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+        opts = _options_in(scalars)
         if _direct((q, k, v, *data)):
-            opts = AttentionOptions.from_op_args(*[scalars[i] for i in _OPTION_IN_SCALARS])
             output = _run_fwd(q, k, v, Tensors._make(data), scalars[_MAXQ], scalars[_MAXK], opts)
         else:
             output = _FWD(q, k, v, *_merge(data, scalars))
-        _save(ctx, q, k, v, data, scalars, output)
+        _save(ctx, q, k, v, data, scalars, opts, output)
         return output
 
     @staticmethod
