@@ -425,12 +425,15 @@ class AttentionOptions:
     def from_op_args(cls, *args: Any) -> AttentionOptions:
         """The inverse of :meth:`op_args` (validated: the ops may be called directly). The values
         come through the dispatcher, which gives each the schema's type, so they key a memo."""
+        typed = tuple((type(a), a) for a in args)
+        if torch.compiler.is_compiling():  # traced: built (and checked) while tracing, no memo
+            return _from_op_args_memo.__wrapped__(typed)
         try:
-            return _from_op_args_memo(tuple((type(a), a) for a in args))
+            return _from_op_args_memo(typed)
         except TypeError as err:
             if "unhashable" not in str(err):
                 raise
-            return _from_op_args_memo.__wrapped__(tuple((type(a), a) for a in args))
+            return _from_op_args_memo.__wrapped__(typed)
 
     # ----------------------------------------------------------------- derived values
     def scale(self, head_dim: int) -> float:

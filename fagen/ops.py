@@ -5,12 +5,13 @@ All three run two ``torch.library`` custom ops, so eager mode, autograd and
 :class:`fagen.AttentionOptions` (the scalar options) and :class:`fagen.functional.Tensors`
 (the optional tensors):
 
-* ``fagen::fwd(q, k, v, key_padding_mask=None, alibi_slopes=None, attn_mask=None,
-  attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-  causal=False, dropout_p=0., softmax_scale=None, window_left=-1, window_right=-1, softcap=0.,
-  causal_align="bottom_right", deterministic=False) -> (o, lse, rng_state)``
-* ``fagen::bwd(do, q, k, v, o, lse, rng_state, <the same optional tensors and options>,
-  bias_requires_grad=False) -> (dq, dk, dv, dbias)`` (``dbias`` is empty unless ``bias_requires_grad``).
+* ``fagen::fwd(q, k, v, key_padding_mask, dropout_p, softmax_scale, causal, window_left=-1,
+  window_right=-1, softcap=0., alibi_slopes=None, attn_mask=None, attn_bias=None,
+  causal_align="bottom_right", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+  max_seqlen_k=None, deterministic=False) -> (o, lse, rng_state)`` (the order :data:`OP_ORDER`)
+* ``fagen::bwd(do, q, k, v, o, lse, key_padding_mask, dropout_p, softmax_scale, causal,
+  rng_state, <the rest of fwd's>, bias_requires_grad=False) -> (dq, dk, dv, dbias)``
+  (``dbias`` is empty unless ``bias_requires_grad``).
 
 Layout of the ops: q, o [B, Nq, H, d]; k, v [B, Nk, H_kv, d]; lse float32 [B, H, Nq]
 (packed: q [total_q, H, d], lse [H, total_q]); see :mod:`fagen.functional`. ``rng_state`` is
@@ -27,7 +28,6 @@ kernels; the ops also carry the same autograd formula for callers of ``torch.ops
 Nothing on the launch path reads a tensor value on the host or synchronises a device.
 """
 import math
-import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -114,7 +114,23 @@ _OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
 _MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
 _SCALAR_POS = tuple(i for i, n in enumerate(OP_ORDER) if n not in Tensors._fields)
 _BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's inputs
-_get_tensors, _get_options, _get_scalars = (operator.itemgetter(*pos) for pos in (_TENSOR_POS, _OPTION_POS, _SCALAR_POS))
+_BIAS_DATA = Tensors._fields.index("attn_bias")
+_SCALAR_NAMES = tuple(OP_ORDER[i] for i in _SCALAR_POS)
+_OPTION_IN_SCALARS = tuple(_SCALAR_NAMES.index(n) for n in AttentionOptions.op_names())
+_MAXQ, _MAXK = _SCALAR_NAMES.index("max_seqlen_q"), _SCALAR_NAMES.index("max_seqlen_k")
+
+
+def _get_tensors(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The :class:`Tensors` fields of :data:`OP_ORDER` arguments (plain indexing: traceable)."""
+    return tuple([args[i] for i in _TENSOR_POS])
+
+
+def _get_options(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple([args[i] for i in _OPTION_POS])
+
+
+def _get_scalars(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple([args[i] for i in _SCALAR_POS])
 
 
 def op_arguments(options: AttentionOptions, tensors: Tensors, max_seqlen_q: Any = None,
@@ -142,8 +158,9 @@ _DEFAULTS = _defaults()
 
 
 # --------------------------------------------------------------------------- fagen::fwd
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
-    tensors, max_q, max_k, opts = _unpack(rest)
+def _run_fwd(q: Tensor, k: Tensor, v: Tensor, tensors: Tensors, max_q: Any, max_k: Any,
+             opts: AttentionOptions) -> tuple[Tensor, Tensor, Tensor]:
+    """fagen::fwd's implementation on unpacked arguments: (o, lse, rng_state)."""
     if opts.dropout_p > 0:
         rng_state = draw_rng_state()
         seed, offset = _seed_offset(rng_state)
@@ -153,6 +170,10 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tens
                        seed=seed, offset=offset)
     lse_dtype = _lse_dtype(q)
     return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state
+
+
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+    return _run_fwd(q, k, v, *_unpack(rest))
 
 
 _fwd = torch.library.custom_op("fagen::fwd", _fwd_impl, mutates_args=(), schema=FWD_SCHEMA,
@@ -179,15 +200,21 @@ def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool]:
     return rest[_PREFIX], full[:n], bias_grad
 
 
-def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rng_state, args, bias_grad = _bwd_split(rest)
-    tensors, max_q, max_k, opts = _unpack(args)
+def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, rng_state: Tensor,
+             tensors: Tensors, max_q: Any, max_k: Any, opts: AttentionOptions,
+             bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fagen::bwd's implementation on unpacked arguments: (dq, dk, dv, dbias or an empty tensor)."""
     seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
     grads = F.backward(_lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, opts, tensors, max_seqlen_q=max_q,
                        max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad)
     dbias = grads[3] if bias_grad else q.new_empty((0,))
     return grads[0], grads[1], grads[2], dbias
+
+
+def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rng_state, args, bias_grad = _bwd_split(rest)
+    return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad)
 
 
 _bwd = torch.library.custom_op("fagen::bwd", _bwd_impl, mutates_args=(), schema=BWD_SCHEMA)
@@ -206,49 +233,92 @@ def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
 
 
 # --------------------------------------------------------------------------- autograd
-def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    """What the backward needs, from fagen::fwd's inputs and outputs (no N x N tensor)."""
-    o, lse, rng_state = output
-    rest = inputs[3:]
-    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *_get_tensors(rest))
-    ctx.scalars = _get_scalars(rest)
-    ctx.mark_non_differentiable(lse, rng_state)
-
-
-def _grads(ctx: Any, do: Tensor) -> tuple[Optional[Tensor], ...]:
-    """fagen::fwd's input gradients: dq, dk, dv, and dbias where attn_bias requires grad."""
-    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+def _merge(data: tuple[Any, ...], scalars: tuple[Any, ...]) -> list[Any]:
+    """The OP_ORDER arguments from the tensors (Tensors order) and the scalars (_SCALAR_POS order)."""
     rest: list[Any] = [None] * len(OP_ORDER)
     for i, x in zip(_TENSOR_POS, data):
         rest[i] = x
-    for i, x in zip(_SCALAR_POS, ctx.scalars):
+    for i, x in zip(_SCALAR_POS, scalars):
         rest[i] = x
-    bias_grad = rest[_BIAS_INDEX - 3] is not None and bool(ctx.needs_input_grad[_BIAS_INDEX])
-    args = (do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad)
-    dq, dk, dv, dbias = _bwd_impl(*args) if _direct(args[:7] + tuple(data)) else _BWD(*args)
+    return rest
+
+
+def _backward_of(ctx: Any, do: Tensor, bias_index: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """dq, dk, dv and (where attn_bias, input ``bias_index``, requires grad) dbias, from what
+    :func:`_save` kept: fagen::bwd, or its implementation directly (see :func:`_direct`)."""
+    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+    bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[bias_index])
+    if _direct((do, q, k, v, o, lse, *data)):
+        dq, dk, dv, dbias = _run_bwd(do, q, k, v, o, lse, rng_state, Tensors._make(data), ctx.scalars[_MAXQ],
+                                     ctx.scalars[_MAXK], ctx.options, bias_grad)
+    else:
+        rest = _merge(tuple(data), ctx.scalars)
+        dq, dk, dv, dbias = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad)
+    return dq, dk, dv, (dbias if bias_grad else None)
+
+
+def _options_in(scalars: tuple[Any, ...]) -> AttentionOptions:
+    return AttentionOptions.from_op_args(*[scalars[i] for i in _OPTION_IN_SCALARS])
+
+
+def _save(ctx: Any, q: Tensor, k: Tensor, v: Tensor, data: tuple[Any, ...], scalars: tuple[Any, ...],
+          opts: AttentionOptions, output: tuple[Tensor, Tensor, Tensor]) -> None:
+    """What the backward needs (no N x N tensor): q, k, v, o, lse, rng_state and the optional
+    tensors as given; the scalars and the options."""
+    o, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, o, lse, rng_state, *data)
+    ctx.scalars = scalars
+    ctx.options = opts
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    rest = inputs[3:]
+    scalars = _get_scalars(rest)
+    _save(ctx, *inputs[:3], _get_tensors(rest), scalars, _options_in(scalars), output)
+
+
+def _op_backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:
+    dq, dk, dv, dbias = _backward_of(ctx, do, _BIAS_INDEX)
     grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
-    if bias_grad:
-        grads[_BIAS_INDEX] = dbias
+    grads[_BIAS_INDEX] = dbias
     return tuple(grads)
 
 
-_fwd.register_autograd(lambda ctx, do, _dlse, _drng: _grads(ctx, do),
-                       setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output))
+_fwd.register_autograd(_op_backward, setup_context=_op_setup)
 
 
 class _Attention(torch.autograd.Function):
     """fagen::fwd / fagen::bwd as flash-attn binds its kernels: the op runs under the Function
-    (no autograd dispatch of its own), the backward runs fagen::bwd."""
+    (no autograd dispatch of its own), the backward runs fagen::bwd. Inputs: q, k, v, the
+    :class:`Tensors` fields, and one tuple of the other OP_ORDER arguments (_SCALAR_POS order)."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        output = _fwd_impl(*inputs) if _direct(inputs[:3] + _get_tensors(inputs[3:])) else _FWD(*inputs)
-        _save(ctx, inputs, output)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],  # type: ignore[override]
+                alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], attn_bias: Optional[Tensor],
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                scalars: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
+        # ctx-style forward, not setup_context: Function.apply binds a setup_context forward's
+        # arguments with inspect.signature on every call (tens of microseconds)
+        data = (key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+        opts = _options_in(scalars)
+        if _direct((q, k, v, *data)):
+            output = _run_fwd(q, k, v, Tensors._make(data), scalars[_MAXQ], scalars[_MAXK], opts)
+        else:
+            output = _FWD(q, k, v, *_merge(data, scalars))
+        _save(ctx, q, k, v, data, scalars, opts, output)
         return output
 
     @staticmethod
     def backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        return _grads(ctx, do)
+        dq, dk, dv, dbias = _backward_of(ctx, do, 3 + _BIAS_DATA)
+        return dq, dk, dv, None, None, None, dbias, None, None, None
+
+
+def _apply(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensors: Tensors,
+           max_seqlen_q: Any = None, max_seqlen_k: Any = None) -> tuple[Tensor, Tensor, Tensor]:
+    rest = op_arguments(options, tensors, max_seqlen_q, max_seqlen_k)
+    return _Attention.apply(q, k, v, *tensors, _get_scalars(rest))
 
 
 # --------------------------------------------------------------------------- validation
@@ -305,7 +375,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensor
         raise InputTypeError("tensors", "a fagen.functional.Tensors (or None)", type(t).__name__)
     _check_tensors(q=q, k=k, v=v, **t._asdict())
     _check_max_seqlen(max_seqlen_q, max_seqlen_k)
-    return _Attention.apply(q, k, v, *op_arguments(options, t, max_seqlen_q, max_seqlen_k))
+    return _apply(q, k, v, options, t, max_seqlen_q, max_seqlen_k)
 
 
 # --------------------------------------------------------------------------- attention probabilities
@@ -411,7 +481,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     want_probs = F.validate_flag("return_attn_probs", return_attn_probs)
     opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                window_size=window_size, softcap=softcap, deterministic=deterministic)
-    o, lse, rng_state = _Attention.apply(q, k, v, *op_arguments(opts, Tensors(key_padding_mask, alibi_slopes)))
+    o, lse, rng_state = _apply(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes))
     if not want_probs:
         return o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -440,9 +510,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     _check_max_seqlen(max_seqlen_q, max_seqlen_k)
     opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                window_size=window_size, softcap=softcap, deterministic=deterministic)
-    o, lse, rng_state = _Attention.apply(q, k, v, *op_arguments(
-        opts, Tensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
-        max_seqlen_q, max_seqlen_k))
+    o, lse, rng_state = _apply(q, k, v, opts, Tensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                                      cu_seqlens_k=cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     if not want_probs:
         return o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -576,8 +645,8 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
     try:
         opts = AttentionOptions.of(causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
                                    causal_align=causal_align)
-        o, _lse, _rng = _Attention.apply(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
-                                         *op_arguments(opts, Tensors(kpm, None, mask, bias)))
+        o, _lse, _rng = _apply(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), opts,
+                               Tensors(kpm, None, mask, bias))
     except (InputError, InputTypeError) as err:
         raise _renamed(err) from None
     return o.transpose(1, 2).reshape(query.shape)
