@@ -20,7 +20,9 @@ import torch
 from pydantic import ValidationError
 
 from .choices import tuned_or_default
+from .abi import is_tensormap
 from .errors import InputError, InputTypeError
+from .families import get_family
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
                      check_lse, check_seed_offset, reduce_to_shape, validate_features, validate_flag, validate_qkv,
                      validate_softmax_scale, validate_varlen)
@@ -388,8 +390,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
             "seed": seed, "offset": offset, "dbias": 0}
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
-        mod.launch(kern, grid, args)
+        mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
     return _unpad(o, p), lse
+
+
+def _tensor_maps(spec: KernelSpec, kern: KernelInfo, **tensors: torch.Tensor) -> dict[str, Any]:
+    """The tensor-map arguments (ABI kind tensormap) of one launch, from the family (none for most kernels)."""
+    if not any(is_tensormap(ctype) for ctype, _ in kern.params):
+        return {}
+    return get_family(spec.impl).tensor_maps(spec.family_spec, kern.role, tensors)
 
 
 def _options_of(causal: Any, dropout_p: Any, softmax_scale: Any, window_size: Any, softcap: Any,
