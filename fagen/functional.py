@@ -11,6 +11,7 @@ NVRTC cubin through CuPy, CPU tensors run the same source in the emulator.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -87,11 +88,34 @@ def spec_for(direction: str, p: Problem, *, causal: bool = False, key_padding: b
     No family implementing the combination is an InputError naming the argument to change."""
     flags = {"causal": causal, "key_padding": key_padding, "dropout": dropout, **features}
     arch = default_arch(p.device)
+    special = _arch_specific_spec(direction, p, arch, flags)
+    if special is not None:
+        return tuned_or_default(special, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                                device=p.device)
     try:
         spec = _default_spec(direction, p.head_dim, p.dtype, arch, tuple(sorted(flags.items())))
     except ValidationError as err:
         raise _unsupported(direction, p, arch, flags, err) from None
     return tuned_or_default(spec, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, device=p.device)
+
+
+#: A device's generic arch -> the arch-specific target its capability also runs (sm_90 -> sm_90a on 9.0).
+ARCH_SPECIFIC = {"sm_90": "sm_90a"}
+
+
+def _arch_specific_spec(direction: str, p: Problem, arch: str, flags: dict[str, Any]) -> KernelSpec | None:
+    """On a GPU whose generic arch has an arch-specific target: the default spec for that target
+    when the family it picks needs it (takes the spec there, not on the generic arch); else None,
+    and the generic arch's spec stands."""
+    special = ARCH_SPECIFIC.get(arch) if p.device.type == "cuda" else None
+    if special is None:
+        return None
+    try:
+        spec = _default_spec(direction, p.head_dim, p.dtype, special, tuple(sorted(flags.items())))
+    except ValidationError:
+        return None
+    generic = dataclasses.replace(spec.family_spec, arch=arch)
+    return spec if get_family(spec.impl).unsupported_reason(generic) is not None else None
 
 
 @functools.lru_cache(maxsize=512)
