@@ -272,3 +272,18 @@ def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) ->
     # the tile loop: d/16 wgmmas for S, block_c/16 for O += P V; no ldmatrix, no cp.async
     assert loop.get("HGMMA", 0) == d // 16 + spec.tile.block_c // 16, loop
     assert loop.get("LDSM", 0) == 0 and loop.get("LDGSTS", 0) == 0, loop
+
+
+def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> None:
+    from types import SimpleNamespace
+
+    flags = {"causal": True, "key_padding": False, "dropout": False}
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), head_dim=64, dtype="float16")
+    spec = F._arch_specific_spec("fwd", gpu, "sm_90", flags)
+    assert spec is not None and spec.arch == "sm_90a" and spec.impl == "wgmma" and spec.causal
+    assert F._arch_specific_spec("bwd", gpu, "sm_90", flags) is None  # mma takes sm_90: the default path
+    assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "dropout": True}) is None
+    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is None
+    assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
+    cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
+    assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90
