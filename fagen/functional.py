@@ -11,6 +11,7 @@ NVRTC cubin through CuPy, CPU tensors run the same source in the emulator.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ import torch
 from pydantic import ValidationError
 
 from .choices import tuned_or_default
+from .abi import is_tensormap
 from .errors import InputError, InputTypeError
+from .families import get_family
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
                      check_lse, check_seed_offset, reduce_to_shape, validate_features, validate_flag, validate_qkv,
                      validate_softmax_scale, validate_varlen)
@@ -85,11 +88,34 @@ def spec_for(direction: str, p: Problem, *, causal: bool = False, key_padding: b
     No family implementing the combination is an InputError naming the argument to change."""
     flags = {"causal": causal, "key_padding": key_padding, "dropout": dropout, **features}
     arch = default_arch(p.device)
+    special = _arch_specific_spec(direction, p, arch, flags)
+    if special is not None:
+        return tuned_or_default(special, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                                device=p.device)
     try:
         spec = _default_spec(direction, p.head_dim, p.dtype, arch, tuple(sorted(flags.items())))
     except ValidationError as err:
         raise _unsupported(direction, p, arch, flags, err) from None
     return tuned_or_default(spec, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, device=p.device)
+
+
+#: A device's generic arch -> the arch-specific target its capability also runs (sm_90 -> sm_90a on 9.0).
+ARCH_SPECIFIC = {"sm_90": "sm_90a"}
+
+
+def _arch_specific_spec(direction: str, p: Problem, arch: str, flags: dict[str, Any]) -> KernelSpec | None:
+    """On a GPU whose generic arch has an arch-specific target: the default spec for that target
+    when the family it picks needs it (takes the spec there, not on the generic arch); else None,
+    and the generic arch's spec stands."""
+    special = ARCH_SPECIFIC.get(arch) if p.device.type == "cuda" else None
+    if special is None:
+        return None
+    try:
+        spec = _default_spec(direction, p.head_dim, p.dtype, special, tuple(sorted(flags.items())))
+    except ValidationError:
+        return None
+    generic = dataclasses.replace(spec.family_spec, arch=arch)
+    return spec if get_family(spec.impl).unsupported_reason(generic) is not None else None
 
 
 @functools.lru_cache(maxsize=512)
@@ -393,8 +419,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
             "seed": seed, "offset": offset, "dbias": 0}
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
-        mod.launch(kern, grid, args)
+        mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
     return _unpad(o, p), lse
+
+
+def _tensor_maps(spec: KernelSpec, kern: KernelInfo, **tensors: torch.Tensor) -> dict[str, Any]:
+    """The tensor-map arguments (ABI kind tensormap) of one launch, from the family (none for most kernels)."""
+    if not any(is_tensormap(ctype) for ctype, _ in kern.params):
+        return {}
+    return get_family(spec.impl).tensor_maps(spec.family_spec, kern.role, tensors)
 
 
 def _options_of(causal: Any, dropout_p: Any, softmax_scale: Any, window_size: Any, softcap: Any,

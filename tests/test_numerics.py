@@ -24,6 +24,8 @@ def impl(request: pytest.FixtureRequest) -> str:
 
 
 def _as(case: Case, impl: str) -> Case:
+    if impl == "wgmma":
+        pytest.skip("wgmma: sm_90a forward only (tests/test_wgmma_family.py)")
     if impl == "mma" and case.dtype == "float32":
         pytest.skip("mma: no float32 (mma.sync takes float16/bfloat16 operands)")
     return dataclasses.replace(case, impl=impl)

@@ -356,6 +356,10 @@ BARRIER = re.compile(r"\bfa_sync\(\)|\b__syncthreads\(\)|\b__syncwarp\([^()]*\)|
                      r"|\bfa_cp_async_wait_all\(\)")
 #: The files defining the primitives themselves (their barriers are the primitives' bodies).
 PRIMITIVE_FILES = {"partials/primitives.cuh", "partials/mma.cuh"}
+#: Template folders racecheck cannot run yet: the Hopper primitives' emulation (fagen/emulator/hopper.h)
+#: leaves its race hooks empty and its own bookkeeping is instrumented like kernel stores.
+#: tests/test_wgmma_family.py removes each of that family's waits in turn instead.
+NOT_RACECHECKED = ("wgmma/",)
 #: Barriers that turn out not to be needed for the spec that runs them, as (template, line text):
 #: the cp.async waits before a block (or a dq pass) ends, when every copy was already waited for by
 #: the last step's wait_all. templates/mma is being rewritten elsewhere, so they stay there (a
@@ -373,7 +377,7 @@ def _template_sites() -> list[tuple[str, int, int]]:
     out = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if not path.is_file() or rel in PRIMITIVE_FILES:
+        if not path.is_file() or rel in PRIMITIVE_FILES or rel.startswith(NOT_RACECHECKED):
             continue
         text = path.read_text()
         for m in BARRIER.finditer(text):

@@ -107,7 +107,7 @@ def test_spec_is_frozen_and_strict() -> None:
         ({"head_dim": 64, "knobs": {"a": 1, "b": 2}, "impl": "simt"}, "knobs", "no knob 'a'"),
         ({"head_dim": 256, "dtype": "float32", "sram_bytes": 20000}, "block_c", "smallest"),
         ({"head_dim": 64, "num_warps": 3}, "num_warps", "(1, 2, 4, 8)"),
-        ({"head_dim": 64, "impl": "wgmma"}, "impl", "simt"),
+        ({"head_dim": 64, "impl": "nope"}, "impl", "simt"),
     ],
 )
 def test_validation_names_field_and_limit(kwargs: dict, field: str, needle: str) -> None:

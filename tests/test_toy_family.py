@@ -124,7 +124,7 @@ def test_a_toy_family_registers_compiles_and_runs(toy: families.Family) -> None:
 
 def test_a_family_outside_the_package_is_not_a_built_in(toy: families.Family) -> None:
     assert toy not in families.BUILTIN_FAMILIES
-    assert [f.name for f in families.BUILTIN_FAMILIES] == ["simt", "mma"]
+    assert [f.name for f in families.BUILTIN_FAMILIES] == ["simt", "mma", "wgmma"]
     with pytest.raises(TypeError, match="takes a Family"):
         families.register(object())  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="no kernel family 'nope'"):

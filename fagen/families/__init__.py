@@ -21,6 +21,7 @@ from fagen.families.base import (FEATURES, MIN_REGS_PER_THREAD, NUM_WARPS_CHOICE
                                  FamilySpec, Knob, Launch, PairCost, Reason, Tile, feature_reason, lds_wavefronts)
 from fagen.families.mma import MMA
 from fagen.families.simt import SIMT
+from fagen.families.wgmma import WGMMA
 
 __all__ = ["FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMILIES", "Constant", "Family",
            "FamilyBase", "FamilySpec", "Knob", "Launch", "PairCost", "Reason", "Tile", "default_family",
@@ -31,6 +32,7 @@ __all__ = ["FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMI
 BUILTIN_FAMILIES: tuple[Family, ...] = (
     SIMT,
     MMA,
+    WGMMA,
 )
 
 _REGISTRY: dict[str, Family] = {}

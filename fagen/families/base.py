@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from fagen.abi import Role, roles_for
+from fagen.abi import Role, is_tensormap, roles_for
 from fagen.layout import SmemLayout
 
 #: Warps per block a family accepts unless it says otherwise (``Family.warp_choices``).
@@ -221,6 +221,11 @@ class Family(Protocol):
     def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
         """Options added to the compiler's defaults (-arch, -std, -Xptxas=-v)."""
 
+    def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """The tensor-map arguments (ABI kind tensormap, :class:`fagen.tma.TensorMapFields`) of one
+        launch of ``role``, from the launch's tensors by parameter name (q, k, v, ...); the
+        launchers call it only for a role that has such parameters."""
+
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost | None:
         """Autotuner cost of one visited tile pair of ``fs.tile``; ``sass`` is the static opcode mix
         of the main kernel's main loop when the disassembler is installed (the model already derives
@@ -289,6 +294,11 @@ class FamilyBase:
 
     def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
         return ()
+
+    def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        if any(is_tensormap(ctype) for ctype, _ in role.params):
+            raise NotImplementedError(f"{self.name}: role {role.name!r} takes tensor maps but the family builds none")
+        return {}
 
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost | None:
         return None

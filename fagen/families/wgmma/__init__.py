@@ -1,0 +1,151 @@
+"""Hopper family (sm_90a): a TMA producer warp feeding warpgroup MMAs (wgmma) through an mbarrier pipeline.
+
+Forward: one CTA per (Q block, batch, head) of ``32 * num_warps + 128`` threads. The consumer
+warpgroups (``num_warps / 4`` of them, 64 Q rows each: ``block_r = 16 * num_warps``) compute
+S = Q K_j^T with ``wgmma`` from shared memory (both operands K-major, 128-byte swizzle),
+the online softmax in registers and O += P V_j with ``wgmma`` taking P from registers and V_j
+(MN-major) from shared memory. The last warpgroup is the producer: it gives its registers to
+the consumers (``setmaxnreg``) and one elected lane of its first warp issues every TMA load:
+Q once, then K_j / V_j into ``stages`` slots, each slot with a "full" mbarrier (1 arrival + the
+slot's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma has
+retired). Rows past a sequence's end come from TMA's zero fill and are masked.
+
+What the templates do not implement yet is declined by name (``unsupported_reason``,
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: the backward,
+dropout, head dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fagen.abi import FWD_MAIN, TENSORMAP, Role
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, Reason
+from fagen.layout import SmemLayout, place
+
+__all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "register_split",
+           "tensor_map_boxes"]
+
+#: The one target: wgmma and setmaxnreg exist on sm_90a only.
+ARCH = "sm_90a"
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: Head dims the templates take: whole 64-element (128-byte) swizzle panels.
+HEAD_DIMS = (64, 128)
+#: The smem swizzle span (bytes) of every TMA box and wgmma descriptor: one panel row.
+SWIZZLE = 128
+PANEL = SWIZZLE // 2  # elements of a 16-bit dtype per panel row
+STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
+#: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
+PRODUCER_REGS = 24
+MAX_CONSUMER_REGS = 240
+REGS_PER_SM = 65536
+#: The forward's tensor-map parameters (the ABI's tensormap kind): Q, K and V, boxes of one
+#: panel (64 elements of the head dim) x the block's rows, 128-byte swizzle.
+FWD_TMA = (("q", "block_r"), ("k", "block_c"), ("v", "block_c"))
+WG_FWD_MAIN = Role("main", FWD_MAIN.params + tuple((TENSORMAP, f"tma_{t}") for t, _ in FWD_TMA), "q", "block_r")
+
+
+def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
+    """(consumer, producer) registers per thread after ``setmaxnreg``: the producer keeps
+    PRODUCER_REGS, the consumers take what the launch leaves them (the registers one block owns,
+    ``REGS_PER_SM / blocks_per_sm``, over its threads; at most MAX_CONSUMER_REGS), multiples of 8."""
+    consumers = 32 * num_warps
+    threads = consumers + 128
+    launch = min(255, REGS_PER_SM // (threads * blocks_per_sm)) // 8 * 8
+    consumer = min(MAX_CONSUMER_REGS, (launch * threads - PRODUCER_REGS * 128) // consumers // 8 * 8)
+    return consumer, PRODUCER_REGS
+
+
+def tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, int, int, int]]:
+    """The TMA box of each tensor-map parameter, torch order ([B, N, H, d]): one head, one panel."""
+    rows = {"block_r": fs.block_r, "block_c": fs.block_c}
+    return {f"tma_{t}": (1, rows[r], 1, PANEL) for t, r in FWD_TMA}
+
+
+@dataclass(frozen=True)
+class WgmmaFamily(FamilyBase):
+    name: str = "wgmma"
+    preference: int = 5  # preferred over mma where it applies (sm_90a only)
+    tile_multiple: int = 64
+    max_block_r: int = 128
+    max_block_c: int = 128
+    warp_choices: tuple[int, ...] = (4, 8)  # consumer warps: one or two warpgroups (the producer's is added)
+    knobs: tuple[Knob, ...] = (STAGES,)
+    math_unit: Literal["fp32", "tensor"] = "tensor"
+    min_regs_per_thread: int = 255
+    features: frozenset[str] = frozenset({"top_left", "window"})
+
+    def unsupported_reason(self, fs: FamilySpec) -> str | None:
+        if fs.arch != ARCH:
+            return f"arch={fs.arch}: wgmma and setmaxnreg need {ARCH}"
+        if fs.direction != "fwd":
+            return f"direction={fs.direction}: only the forward is implemented"
+        if fs.dtype not in SUPPORTED_DTYPES:
+            return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
+        if fs.head_dim not in HEAD_DIMS:
+            return f"head_dim={fs.head_dim}: the templates take whole 128-byte swizzle panels, head_dim in {HEAD_DIMS}"
+        if fs.has("dropout"):
+            return "dropout: the keep-mask replay is not implemented yet"
+        return None
+
+    def config_reason(self, fs: FamilySpec) -> Reason | None:
+        bad = super().config_reason(fs)
+        if bad is not None:
+            return bad
+        if fs.block_r != 16 * fs.num_warps:
+            return Reason("block_r", f"block_r={fs.block_r} must be 16 x num_warps={fs.num_warps} "
+                                     f"({self.name}: each consumer warpgroup owns 64 Q rows)")
+        return None
+
+    def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
+        return 16 * fs.num_warps, self.max_block_c
+
+    def smem_layout(self, fs: FamilySpec) -> SmemLayout:
+        if fs.direction != "fwd":
+            raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
+        d, e, stages = fs.head_dim, fs.itemsize, fs.knob_values.get(STAGES.name, STAGES.default)
+        return place([
+            ("q", "T", fs.block_r * d, e, 1024),
+            ("k", "T", stages * fs.block_c * d, e, 1024),
+            ("v", "T", stages * fs.block_c * d, e, 1024),
+            ("bars", "unsigned long long", 1 + 2 * stages, 8),
+        ])
+
+    def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
+        return (WG_FWD_MAIN,)
+
+    def launch(self, fs: FamilySpec, role: Role) -> Launch:
+        return Launch((fs.num_threads + 128, 1, 1), fs.block_r)
+
+    def template_context(self, fs: FamilySpec) -> dict[str, Any]:
+        layout = self.smem_layout(fs)
+        from fagen.arch import ARCHS
+
+        blocks = max(1, min(ARCHS[fs.arch].smem_per_sm // (layout.total_bytes + 1024),
+                            REGS_PER_SM // (fs.num_threads * self.min_regs_per_thread)))
+        consumer, producer = register_split(fs.num_warps, blocks)
+        return {"strides": {}, "constants": (
+            Constant("CONSUMER_WGS", "int", fs.num_warps // 4, "consumer warpgroups (64 Q rows each)"),
+            Constant("PANELS", "int", fs.head_dim // PANEL, "128-byte swizzle panels across the head dim"),
+            Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
+            Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
+        )}
+
+    def templates(self, direction: str) -> tuple[str, ...]:
+        return {"fwd": ("wgmma/fwd.cu.j2",)}[direction]
+
+    def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """The role's tensor-map arguments (:class:`fagen.tma.TensorMapFields`) for the tensors by
+        parameter name (q, k, v: [B, N, H, d], head dim contiguous)."""
+        from fagen.tma import tensor_map_for
+
+        boxes = tensor_map_boxes(fs)
+        out = {}
+        for ctype, name in role.params:
+            if ctype == TENSORMAP:
+                out[name] = tensor_map_for(tensors[name.removeprefix("tma_")], boxes[name], swizzle=SWIZZLE)
+        return out
+
+
+WGMMA = WgmmaFamily()
