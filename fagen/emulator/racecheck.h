@@ -313,6 +313,8 @@ FAGEN_EMU_NO_TSAN inline uint32_t pool_alloc() {
         if (cap * 2 * T.dim * sizeof(uint32_t) > kPoolLimit)
             fail("racecheck: more than %zu bytes of read vectors in one barrier phase", kPoolLimit);
         T.pool = static_cast<uint32_t*>(grow(T.pool, cap * 2 * T.dim * sizeof(uint32_t)));
+        // Fresh memory holds no epochs (0); reused vectors hold only epochs of earlier phases.
+        memset(T.pool + T.pool_cap * 2 * T.dim, 0, (cap - T.pool_cap) * 2 * T.dim * sizeof(uint32_t));
         T.pool_cap = cap;
     }
     // Not cleared: an epoch a thread left there in an earlier phase is <= its barrier_clock, which
@@ -561,6 +563,8 @@ FAGEN_EMU_NO_TSAN inline void store(const void* p, size_t bytes, const void* ra)
 FAGEN_EMU_NO_TSAN inline void append_where(uint32_t w) {
     if (w == 0) {
         appendf("?");
+    } else if ((w & 0x80000000u) && (w & 0x7fffffffu) >= T.nsites) {
+        appendf("?");
     } else if (w & 0x80000000u) {
         const Site& s = T.sites[w & 0x7fffffffu];
         appendf("%s:%d", s.file, s.line);
@@ -569,6 +573,7 @@ FAGEN_EMU_NO_TSAN inline void append_where(uint32_t w) {
     }
 }
 FAGEN_EMU_NO_TSAN inline void append_site(uint32_t w) {
+    if ((w & 0x7fffffffu) >= T.nsites) return appendf("?");
     const Site& s = T.sites[w & 0x7fffffffu];
     if (s.line == 0) appendf("%s", s.what);
     else appendf("%s at %s:%d", s.what, s.file, s.line);
