@@ -26,13 +26,6 @@ def private_imports() -> list[tuple[str, str, str]]:
     return out
 
 
-#: Private names of fagen.ops that other packages still import; the options rewrite of fagen.ops
-#: makes them public. Strict: once an import is gone its entry fails here and must be deleted.
-PENDING_PRIVATE = {("fagen.integrations.transformers", "fagen.ops", "_call"),
-                   ("fagen.distributed.ring", "fagen.ops", "_custom_op_kwargs")}
-
-
 def test_no_private_name_crosses_modules() -> None:
-    found = set(private_imports())
-    assert found - PENDING_PRIVATE == set(), f"private names imported from another module: {sorted(found - PENDING_PRIVATE)}"
-    assert PENDING_PRIVATE <= found, f"no longer imported (delete from PENDING_PRIVATE): {sorted(PENDING_PRIVATE - found)}"
+    found = sorted(private_imports())
+    assert found == [], f"private names imported from another module: {found}"
