@@ -12,6 +12,8 @@ on throughput: a ceiling). ``fagen.sass`` disassembles
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import sass
@@ -80,3 +82,273 @@ def dynamic_instructions(loop: LoopMix, math_opcode: str, math_per_warp: float) 
             return loop.total(inner=False) + r * loop.total(inner=True)
     total = loop.total(inner=False) + loop.total(inner=True)
     return total * math_per_warp / (outer_m + inner_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# The steady-state tile loop, walked: what one interior tile pair issues (benchmarks/sass_cost.py)
+# ---------------------------------------------------------------------------------------------
+#: Opcodes whose presence marks a region as doing a tile pair's work (memory, shared memory, tensor
+#: cores, barriers, shuffles): a forward branch over a region with none of them but with floating-point
+#: arithmetic is the mask of a tile that is not fully visible (it zeroes P and dS), skipped on an
+#: interior tile; one over integer arithmetic only (an address a valid row computes) is executed.
+WORK_PREFIXES = ("LD", "ST", "RED", "ATOM", "HMMA", "BAR", "SHFL", "MEMBAR", "DEPBAR", "CCTL", "SYNCS",
+                 "UTMA", "WGMMA", "HGMMA")
+#: Opcode classes of the report (instr / HMMA, LDSM / HMMA, int+ctrl / HMMA).
+INT_OPCODES = frozenset({"IMAD", "IADD3", "IADD", "VIADD", "LEA", "SHF", "LOP3", "ISETP", "SEL", "MOV", "PRMT", "IABS",
+                         "IMNMX", "VIMNMX", "POPC", "FLO", "BMSK", "BREV", "SGXT", "P2R", "R2P", "PLOP3", "S2R", "CS2R",
+                         "S2UR", "LDC", "ULDC", "IMUL", "I2F", "F2I", "I2I", "VOTE", "VOTEU", "LOP", "SHL", "SHR",
+                         "BFE", "BFI", "IDP", "IMMA", "CS2UR", "R2UR", "UMOV"})
+CTRL_OPCODES = frozenset({"BRA", "JMP", "BSSY", "BSYNC", "WARPSYNC", "EXIT", "RET", "CALL", "NOP", "YIELD", "BREAK",
+                          "BPT", "KILL", "JMX", "BRX", "ELECT", "ACQBULK", "ENDCOLLECTIVE"})
+_TARGET_LABEL = re.compile(r"`\(([.\w$]+)\)")
+_SECTION_LINE = re.compile(r"^\s*\.section\s+\.text\.([A-Za-z_$][\w$]*)")
+_LABEL_LINE = re.compile(r"^([.\w$]+):\s*$")
+_INSTR_LINE = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/")
+
+
+def opcode_class(opcode: str) -> str:
+    """``tensor`` (HMMA/GMMA), ``ldsm``, ``mem`` (global/shared/local memory, barriers), ``int`` (integer,
+    predicate and uniform-datapath arithmetic), ``ctrl`` (branches, convergence) or ``fp``."""
+    if opcode in ("HMMA", "HGMMA", "WGMMA", "IMMA"):
+        return "tensor"
+    if opcode == "LDSM":
+        return "ldsm"
+    if opcode in CTRL_OPCODES:
+        return "ctrl"
+    if opcode.startswith(("LD", "ST", "RED", "ATOM", "BAR", "DEPBAR", "MEMBAR", "CCTL", "SYNCS", "UTMA")) and \
+            opcode not in ("LDC",):
+        return "mem"
+    if opcode in INT_OPCODES or (opcode.startswith("U") and opcode != "UTMA"):
+        return "int"
+    return "fp"
+
+
+def _kernel_labels(text: str, kernel: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    current = False
+    pending: list[str] = []
+    for line in text.splitlines():
+        m = _SECTION_LINE.match(line)
+        if m:
+            current = m.group(1) == kernel
+            pending = []
+            continue
+        if not current:
+            continue
+        m = _LABEL_LINE.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR_LINE.match(line)
+        if m:
+            for name in pending:
+                out[name] = int(m.group(1), 16)
+            pending = []
+    return out
+
+
+@dataclass(frozen=True)
+class Loop:
+    head: int  # address of the first instruction
+    end: int  # address of the backward branch that closes it
+    trips: float  # per trip of the enclosing loop (solved, see TileLoop)
+
+
+@dataclass(frozen=True)
+class TileLoop:
+    """One steady-state trip of a kernel's tile loop, walked on the path an interior tile pair takes.
+
+    ``mix``: opcode -> warp instructions one (average) warp issues; ``loops``: the nested loops with
+    the trip counts solved from the work they must do; ``unsolved``: nested loops whose trip count
+    could not be solved (counted once)."""
+
+    kernel: str
+    head: int
+    end: int
+    mix: tuple[tuple[str, float], ...]
+    loops: tuple[Loop, ...]
+    unsolved: tuple[Loop, ...]
+
+    def total(self) -> float:
+        return sum(n for _, n in self.mix)
+
+    def count(self, *opcodes: str) -> float:
+        d = dict(self.mix)
+        return sum(d.get(o, 0.0) for o in opcodes)
+
+    def by_class(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for op, n in self.mix:
+            c = opcode_class(op)
+            out[c] = out.get(c, 0.0) + n
+        return out
+
+
+class _Walker:
+    def __init__(self, instrs: list[sass.Instruction], labels: dict[str, int], spans: list[tuple[int, int]],
+                 diagonal: bool) -> None:
+        self.instrs = instrs
+        self.index = {ins.address: i for i, ins in enumerate(instrs)}
+        self.labels = labels
+        self.diagonal = diagonal
+        self.spans = spans
+        self.trips: dict[tuple[int, int], float] = {}
+
+    def target(self, ins: sass.Instruction) -> int | None:
+        m = _TARGET_LABEL.search(ins.operands)
+        return self.labels.get(m.group(1)) if m else None
+
+    def region(self, lo: int, hi: int) -> list[sass.Instruction]:
+        """Instructions at addresses [lo, hi)."""
+        return [ins for ins in self.instrs if lo <= ins.address < hi]
+
+    @staticmethod
+    def has(instrs: list[sass.Instruction], *prefixes: str) -> bool:
+        """Does any instruction's opcode start with one of prefixes (constant loads, LDC, excepted)?"""
+        return any(ins.opcode.startswith(prefixes) and ins.opcode not in ("LDC", "ULDC") for ins in instrs)
+
+    def nested_at(self, pc: int, lo: int, hi: int) -> tuple[int, int] | None:
+        """The widest loop starting at pc strictly inside [lo, hi]."""
+        cands = [s for s in self.spans if s[0] == pc and lo <= s[0] and s[1] < hi and s != (lo, hi)]
+        return max(cands, key=lambda s: s[1]) if cands else None
+
+    def walk(self, lo: int, hi: int, counts: dict[str, float], weight: float,
+             visit: list[tuple[int, int]] | None = None) -> None:
+        """Add one path through [lo, hi] (hi: the closing backward branch, counted) to counts."""
+        i = self.index[lo]
+        while i < len(self.instrs) and self.instrs[i].address <= hi:
+            ins = self.instrs[i]
+            pc = ins.address
+            if pc != lo:
+                inner = self.nested_at(pc, lo, hi)
+                if inner is not None:
+                    if visit is not None:
+                        visit.append(inner)
+                    self.walk(inner[0], inner[1], counts, weight * self.trips.get(inner, 1.0), visit)
+                    i = self.index[inner[1]] + 1
+                    continue
+            counts[ins.opcode] = counts.get(ins.opcode, 0.0) + weight
+            if ins.opcode in ("BRA", "JMP"):
+                t = self.target(ins)
+                if t is not None and pc < t:
+                    if t > hi:  # leaves the loop (a break, a rotated loop's exit): not on the steady path
+                        if not ins.predicate and "P" not in ins.operands.split("`")[0]:
+                            return
+                    elif not ins.predicate and not ins.operands.split("`")[0].strip():
+                        i = self.index[t]
+                        continue
+                    elif self.take(pc, t, hi):
+                        i = self.index[t]
+                        continue
+            elif ins.opcode in ("EXIT", "RET") and not ins.predicate:
+                return
+            i += 1
+
+    def take(self, pc: int, t: int, hi: int) -> bool:
+        """Is the conditional forward branch at pc to t taken on the steady path?"""
+        body = self.region(pc + 1, t)
+        if not body:
+            return True
+        last = body[-1]
+        join = self.target(last) if last.opcode == "BRA" and not last.predicate else None
+        if join is not None and t <= join <= hi:  # if/else: then = (pc, t), else = [t, join)
+            other = self.region(t, join)
+            a, b = self.has(body, "LDGSTS"), self.has(other, "LDGSTS")
+            if a != b:  # the vector copy, not the element-copy fallback
+                return b
+            wa, wb = self.has(body, *WORK_PREFIXES), self.has(other, *WORK_PREFIXES)
+            if wa != wb:  # the side with work
+                return wb
+            if not wa and len(body) != len(other):  # guard arithmetic both sides: the mask is the longer
+                return (len(other) < len(body)) != self.diagonal
+            return False
+        if self.has(body, *WORK_PREFIXES) or not any(opcode_class(ins.opcode) == "fp" for ins in body):
+            return False  # work, or integer set-up (an address a valid row computes)
+        return not self.diagonal  # floating-point guard arithmetic: the mask of a partial tile
+
+
+def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bool = False) -> TileLoop | None:
+    """Walk ``kernel``'s tile loop in ``nvdisasm`` text ``text``: the loop holding the most tensor-core
+    instructions (the smallest such), one trip on the path of an interior, fully visible tile pair
+    (``diagonal``: a partially masked one) with 16-byte-aligned tensors.
+
+    ``work``: warp instructions one (average) warp must issue per tile pair for some opcodes (e.g.
+    ``{"HMMA": ..., "LDGSTS": ..., "REDG": ...}``), from which the trip count of every nested loop is
+    solved, innermost first: a loop whose body holds an opcode of ``work`` that no other unsolved loop
+    of the same nest level holds gets trips = (work - what the rest of the path issues) / its body's
+    count. Conditional forward branches: over a region with work (memory, tensor, barrier, shuffle)
+    fall through; over guard arithmetic only, taken (the mask of a partial tile, executed with
+    ``diagonal``); an if/else with a 16-byte cp.async on one side takes that side (the element-copy
+    fallback for unaligned tensors is not counted). None when the kernel has no loop with HMMA."""
+    instrs = sass.parse(text).get(kernel)
+    spans = sorted(set(sass.loop_spans(text).get(kernel, [])))
+    if not instrs or not spans:
+        return None
+    labels = _kernel_labels(text, kernel)
+
+    def hmma_in(s: tuple[int, int]) -> int:
+        return sum(1 for ins in instrs if s[0] <= ins.address <= s[1] and ins.opcode in ("HMMA", "HGMMA"))
+
+    best = max(spans, key=lambda s: (hmma_in(s), -(s[1] - s[0])))
+    if hmma_in(best) == 0:
+        return None
+    w = _Walker(instrs, labels, spans, diagonal)
+    nested = [s for s in spans if s != best and best[0] <= s[0] and s[1] <= best[1]]
+    unsolved = set(nested)
+    for _ in range(len(nested) + 1):  # one loop solved per round, at most
+        progress = False
+        for op, want in work.items():
+            # the path's counts with the current trips; which unsolved loops issue op on it
+            base: dict[str, float] = {}
+            visited: list[tuple[int, int]] = []
+            w.walk(best[0], best[1], base, 1.0, visited)
+            cands = [s for s in unsolved if s in visited and any(
+                ins.opcode == op for ins in instrs if s[0] <= ins.address <= s[1])]
+            if not cands:
+                continue
+            # innermost candidate first: a loop with no unsolved candidate inside it
+            inner = [s for s in cands if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in cands)]
+            if len(inner) != 1 and len({_body_count(w, s, op) for s in inner}) != 1:
+                continue
+            group = inner if len(inner) > 1 else inner[:1]
+            per = sum(_path_count(w, s, op) * _outer_weight(w, s, best) for s in group)
+            rest = base.get(op, 0.0) - per
+            trips = (want - rest) / per if per else 0.0
+            if trips >= 1 - 1e-9:
+                for s in group:
+                    w.trips[s] = round(trips, 6)
+                    unsolved.discard(s)
+                progress = True
+        if not progress:
+            break
+    counts: dict[str, float] = {}
+    w.walk(best[0], best[1], counts, 1.0)
+    loops = tuple(Loop(s[0], s[1], w.trips.get(s, 1.0)) for s in nested if s not in unsolved)
+    left = tuple(Loop(s[0], s[1], 1.0) for s in nested if s in unsolved and _reached(w, s, best))
+    return TileLoop(kernel, best[0], best[1], tuple(sorted(counts.items())), loops, left)
+
+
+def _path_count(w: _Walker, s: tuple[int, int], op: str) -> float:
+    """op issued by one trip of loop s's body (its own nested loops at their current trips)."""
+    c: dict[str, float] = {}
+    w.walk(s[0], s[1], c, 1.0)
+    return c.get(op, 0.0)
+
+
+def _body_count(w: _Walker, s: tuple[int, int], op: str) -> float:
+    return _path_count(w, s, op)
+
+
+def _outer_weight(w: _Walker, s: tuple[int, int], best: tuple[int, int]) -> float:
+    """Product of the trips of the loops enclosing s inside best."""
+    out = 1.0
+    for o, t in w.trips.items():
+        if o != s and o != best and o[0] <= s[0] and s[1] <= o[1]:
+            out *= t
+    return out
+
+
+def _reached(w: _Walker, s: tuple[int, int], best: tuple[int, int]) -> bool:
+    visited: list[tuple[int, int]] = []
+    w.walk(best[0], best[1], {}, 1.0, visited)
+    return s in visited

@@ -1,0 +1,136 @@
+"""benchmarks/sass_cost.py and the tile-loop walk it rests on (fagen.autotune.sassloops.tile_loop): a
+hand-written SASS listing with a known answer, and fagen's own kernels, whose solved loop trips must
+issue exactly the tensor-core instructions, copies and dQ reductions one tile pair needs."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fagen import KernelSpec, compile, sass
+from fagen.autotune.sassloops import opcode_class, tile_loop
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("sass_cost", REPO / "benchmarks" / "sass_cost.py")
+sass_cost = importlib.util.module_from_spec(_spec)
+sys.modules["sass_cost"] = sass_cost
+_spec.loader.exec_module(sass_cost)
+
+needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
+
+LISTING = """\
+\t.section\t.text.k,"ax",@progbits
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R8, R2, R4, R8 ;
+.L_x_1:
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+        /*0030*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/               @P1 BRA `(.L_x_2) ;
+        /*0060*/                   FSEL R3, R3, RZ, P2 ;
+.L_x_2:
+        /*0070*/               @P3 BRA `(.L_x_3) ;
+        /*0080*/                   LDG.E.U16 R6, desc[UR4][R2.64] ;
+        /*0090*/                   STS.U16 [R1], R6 ;
+        /*00a0*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*00b0*/                   LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+.L_x_4:
+        /*00c0*/               @P4 BRA `(.L_x_5) ;
+        /*00d0*/                   IMAD R7, R7, 0x2, RZ ;
+.L_x_5:
+        /*00e0*/              @!P5 BRA `(.L_x_0) ;
+        /*00f0*/                   EXIT ;
+"""
+
+
+def test_walk_of_a_known_listing() -> None:
+    """One HMMA per trip; 3 copies per tile pair: 1 in the if/else (its cp.async side, not the element
+    copy) and 2 trips of the nested loop; the FSEL region is the mask (skipped on an interior tile,
+    walked on a diagonal one); the integer-only region is walked."""
+    loop = tile_loop(LISTING, "k", {"HMMA": 1, "LDGSTS": 3})
+    assert loop is not None and (loop.head, loop.end) == (0x10, 0xE0)
+    assert [(x.head, x.end, x.trips) for x in loop.loops] == [(0x20, 0x40, 2.0)] and not loop.unsolved
+    mix = dict(loop.mix)
+    assert mix == {"HMMA": 1, "LDGSTS": 3, "IADD3": 2, "BRA": 2 + 4, "IMAD": 1}
+    assert loop.total() == 13 and "LDG" not in mix and "STS" not in mix
+    diag = tile_loop(LISTING, "k", {"HMMA": 1, "LDGSTS": 3}, diagonal=True)
+    assert diag.total() == 14 and dict(diag.mix)["FSEL"] == 1
+    # a loop count the work cannot pin (no LDGSTS asked for) is counted once and reported
+    once = tile_loop(LISTING, "k", {"HMMA": 1})
+    assert [(x.head, x.end) for x in once.unsolved] == [(0x20, 0x40)] and once.total() == 13 - 3
+    assert tile_loop(LISTING.replace("HMMA.16816.F32", "FFMA"), "k", {"HMMA": 1}) is None
+
+
+def test_opcode_classes_and_reduction_width() -> None:
+    assert [opcode_class(o) for o in ("HMMA", "LDSM", "LDGSTS", "REDG", "LDC", "ULDC", "IMAD", "BRA", "BSSY",
+                                      "FFMA", "MUFU", "F2FP")] == \
+        ["tensor", "ldsm", "mem", "mem", "int", "int", "int", "ctrl", "ctrl", "fp", "fp", "fp"]
+    assert sass_cost.red_width("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU") == 1
+    assert sass_cost.red_width("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU") == 4
+    assert sass_cost.red_width("REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU") == 2
+    assert sass_cost.pair_flops("bwd", 64, 128, 64) == 10 * 128 * 64 * 64
+    assert sass_cost.pair_flops("fwd", 128, 64, 32) == 4 * 64 * 32 * 128
+
+
+def test_parse_spec() -> None:
+    assert sass_cost.parse_spec("direction=bwd,head_dim=128,causal=true,dtype=bfloat16") == \
+        {"direction": "bwd", "head_dim": 128, "causal": True, "dtype": "bfloat16"}
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("fields", [dict(direction="bwd", head_dim=64, arch="sm_90"),
+                                    dict(direction="bwd", head_dim=128, arch="sm_80", causal=True),
+                                    dict(direction="fwd", head_dim=64, arch="sm_90", causal=True)],
+                         ids=["bwd-d64-sm90", "bwd-d128-sm80-causal", "fwd-d64-sm90-causal"])
+def test_default_kernels_issue_exactly_their_work(fields: dict) -> None:
+    """The solved trips make one walked trip issue the pair's HMMAs (FLOPs / 4096 over the warps), its
+    16-byte copies and (backward) one fp32 dQ add per element, with no loop left unsolved; the
+    diagonal tile of a causal kernel costs more than an interior one."""
+    spec = KernelSpec(dtype="float16", **fields)
+    mod = compile(spec)
+    text = sass.disassemble(mod.cubin)
+    name = mod.rendered.kernel("main").name
+    t, w, d = spec.tile, spec.num_warps, spec.head_dim
+    loop, per = sass_cost.measure(text, name, spec.direction, d, d, t.block_r, t.block_c, w)
+    assert not loop.unsolved
+    assert loop.count("HMMA") * w * 4096 == sass_cost.pair_flops(spec.direction, d, t.block_r, t.block_c)
+    copies = (t.block_r if spec.direction == "bwd" else t.block_c) * 2 * d / 8
+    assert loop.count("LDGSTS") * w * 32 == pytest.approx(copies)
+    if spec.direction == "bwd":
+        reds = [i for i in sass.parse(text)[name] if i.opcode in ("RED", "REDG")]  # sm_80: RED, sm_90: REDG
+        width = sass_cost.red_width(reds[0].mnemonic)
+        assert loop.count(reds[0].opcode) * w * 32 * width == pytest.approx(t.block_r * d)
+    assert per == pytest.approx(loop.total() * w * 1e6 / sass_cost.pair_flops(spec.direction, d, t.block_r, t.block_c))
+    if spec.causal:
+        diag, _ = sass_cost.measure(text, name, spec.direction, d, d, t.block_r, t.block_c, w, diagonal=True)
+        assert diag.total() > loop.total()
+
+
+@needs_nvdisasm
+def test_reference_cubins_are_found_inside_a_binary(tmp_path: Path) -> None:
+    """A cubin embedded in a larger file (as in a shared library's fat binary, uncompressed) is found
+    whole; a wheel (zip) of such files too."""
+    import zipfile
+
+    cubin = compile(KernelSpec(direction="fwd", head_dim=64)).cubin
+    blob = tmp_path / "libx.so"
+    blob.write_bytes(b"\x7fELF\x02\x01junk" + b"\0" * 100 + cubin + b"tail" * 10)
+    assert sass_cost.cubins_in(blob) == [cubin]
+    whl = tmp_path / "x.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(blob, "pkg/libx.so")
+    assert sass_cost.cubins_in(whl) == [cubin]
+    assert sass_cost.reference_rows(blob, "flash_") == []  # fagen's kernel names carry no FA2 traits
+
+
+def test_cli_prints_the_table(capsys: pytest.CaptureFixture) -> None:
+    if sass.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed")
+    assert sass_cost.main(["--direction", "bwd", "--dtype", "float16", "--head-dim", "64", "--arch", "sm_90",
+                           "--causal", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "instr/1e6 FLOPs" in out and "fa_bwd_d64_fp16" in out
