@@ -117,6 +117,13 @@ class Family(Protocol):
     def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
         """Largest (block_r, block_c) a default tile starts from, before shrinking to fit smem."""
 
+    def default_tile(self, direction: str, head_dim: int, itemsize: int, sram_bytes: int, num_warps: int,
+                     knobs: Mapping[str, int]) -> tuple[int, int] | None:
+        """The (block_r, block_c) a default tile starts from, or None for Algorithm 4's paper point."""
+
+    def tile_work(self, spec: "KernelSpec", role: str) -> dict[str, float] | None:
+        """Per warp and tile pair, the opcode counts the ``role`` kernel must issue (or None)."""
+
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         """Extra Jinja context; must hold ``strides``: named smem row strides emitted as constexprs."""
 
@@ -184,6 +191,19 @@ class FamilyBase:
 
     def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
         return self.max_block_r, self.max_block_c
+
+    def tile_work(self, spec: "KernelSpec", role: str) -> dict[str, float] | None:
+        """SASS opcode -> warp instructions one (average) warp of the ``role`` kernel must issue per
+        tile pair (its tensor-core instructions, 16-byte copies, reductions), from which
+        ``fagen.autotune.sassloops.tile_loop`` solves the trip counts of the tile loop's nested
+        loops; None: the cost model scales the whole main loop instead."""
+        return None
+
+    def default_tile(self, direction: str, head_dim: int, itemsize: int, sram_bytes: int, num_warps: int,
+                     knobs: Mapping[str, int]) -> tuple[int, int] | None:
+        """The tile a spec without block_r / block_c starts from (then capped by ``tile_caps`` and
+        shrunk until it fits sram_bytes), or None for Algorithm 4's paper point."""
+        return None
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         return {"strides": {}}

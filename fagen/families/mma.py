@@ -28,6 +28,10 @@ if TYPE_CHECKING:  # pragma: no cover
 F32 = 4
 STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
               "2 prefetches the next step while computing this one, 1 halves their shared memory")
+#: Q rows the backward streams per step by default when two blocks of that tile fit the shared
+#: memory (the K/V block is the warps' 16 rows each), else BWD_SHORT_STREAM_ROWS.
+BWD_STREAM_ROWS = 128
+BWD_SHORT_STREAM_ROWS = 64
 #: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
 MAX_REG_ACC_DIM = 128
 SUPPORTED_DTYPES = ("float16", "bfloat16")
@@ -110,13 +114,27 @@ class MmaFamily(FamilyBase):
         return None
 
     def tile_caps(self, direction: str, head_dim: int, num_warps: int) -> tuple[int, int]:
-        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
-        (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
-        the forward beyond d = 128, where the O accumulator takes half the registers."""
+        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one at most
+        BWD_STREAM_ROWS in the backward (``default_tile``), 64 in the forward (two stages of it double the smem, and the
+        forward's S/P fragments grow with it), 32 in the forward beyond d = 128, where the O
+        accumulator takes half the registers."""
         own = 16 * num_warps
         if direction == "bwd":
-            return 64, own
+            return BWD_STREAM_ROWS, own
         return own, 64 if padded_dim(head_dim) <= MAX_REG_ACC_DIM else 32
+
+    def default_tile(self, direction: str, head_dim: int, itemsize: int, sram_bytes: int, num_warps: int,
+                     knobs: Mapping[str, int]) -> tuple[int, int] | None:
+        """Backward: BWD_STREAM_ROWS Q rows per step x the warps' 16 K/V rows each when two such blocks
+        fit sram_bytes (so an SM keeps two blocks' warps resident, as with the paper tile): a longer Q
+        block spreads the per-step work (barriers, the copies' set-up, lse/D staging) over more
+        tensor-core work (benchmarks/sass_cost.py, docs/performance.md); else BWD_SHORT_STREAM_ROWS.
+        Both are then shrunk until one block fits. Forward: the paper point."""
+        if direction != "bwd":
+            return None
+        bc = 16 * num_warps
+        need = self.smem_layout(direction, head_dim, itemsize, BWD_STREAM_ROWS, bc, knobs).total_bytes
+        return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
 
     def template_context(self, spec: "KernelSpec") -> dict[str, Any]:
         return {"strides": {"LD": padded_dim(spec.head_dim) + 8}, "dq_frag_regs": DQ_FRAG_REGS,
@@ -159,6 +177,22 @@ class MmaFamily(FamilyBase):
         return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
 
     # ------------------------------------------------------------------ autotuner cost
+    def tile_work(self, spec: "KernelSpec", role: str) -> dict[str, float] | None:
+        """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
+        2 forward, of 2 Br Bc DPAD FLOPs each), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
+        per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
+        if role != "main":
+            return None
+        t, w, dp = spec.tile, spec.num_warps, padded_dim(spec.head_dim)
+        gemms = 2 if spec.direction == "fwd" else 4 if spec.deterministic else 5
+        work = {"HMMA": gemms * 2 * t.block_r * t.block_c * dp / 4096 / w,
+                "LDGSTS": 2 * (t.block_c if spec.direction == "fwd" else t.block_r) * dp / 8 / 32 / w}
+        if spec.direction == "bwd" and not spec.deterministic:
+            vec = spec.arch >= "sm_90" and spec.head_dim % 2 == 0
+            work["REDG" if spec.arch >= "sm_90" else "RED"] = t.block_r * spec.head_dim / (2 if vec else 1) / 32 / w
+        return work
+
     def pair_cost(self, spec: "KernelSpec", block_r: int, block_c: int,
                   sass: Mapping[str, int] | None = None) -> PairCost:
         """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
