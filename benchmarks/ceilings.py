@@ -24,14 +24,14 @@ def rows(device_name: str, seqlen: int = 8192) -> list[dict[str, Any]]:
     from fagen.autotune.model import Workload, ceiling_tflops, device_model, predict
     from fagen.autotune.sassloops import main_loop_mix
     from fagen.compiler import compile as compile_spec
-    from fagen.families import family_names, get_family
+    from fagen.families import FamilySpec, family_names, get_family
     from fagen.spec import KernelSpec
 
     out = []
     for direction in ("bwd", "fwd"):
         for d in (64, 128):
             for impl in family_names():
-                if get_family(impl).unsupported_reason(direction, d, "float16", "sm_90"):
+                if get_family(impl).unsupported_reason(FamilySpec(direction, d, "float16", "sm_90")):
                     continue
                 spec = KernelSpec(direction=direction, head_dim=d, dtype="float16", arch="sm_90", impl=impl)
                 mod = compile_spec(spec)

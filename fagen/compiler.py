@@ -34,6 +34,7 @@ from pathlib import Path
 from . import cache, elf, nvrtc
 from ._version import __version__
 from .errors import CacheDirError, CompileError
+from .families import get_family
 from .renderer import Rendered, kernel_infos, render, templates_dir
 from .settings import get_settings
 from .spec import KernelSpec
@@ -85,9 +86,7 @@ class CompiledModule:
 
 def options_for(spec: KernelSpec) -> list[str]:
     """The defaults plus the spec's family's own NVRTC options."""
-    from .families import get_family
-
-    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v", *get_family(spec.impl).nvrtc_options(spec)]
+    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v", *get_family(spec.impl).nvrtc_options(spec.family_spec)]
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -284,7 +283,9 @@ def compile(spec: KernelSpec) -> CompiledModule:  # noqa: A001 - the package's v
             return hit
     root = cache.cache_root("cubin")
     options = options_for(spec)
-    mod = _from_index(spec, root, options)
+    # The index vouches for templates/ and fagen's own files only: a family registered from
+    # elsewhere (Family.template_dir) always takes the full path (render, hash the source).
+    mod = _from_index(spec, root, options) if get_family(spec.impl).template_dir is None else None
     if mod is None:
         mod = _compile_full(spec, root, options)
     with _memo_lock:

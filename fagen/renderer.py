@@ -1,7 +1,9 @@
 """Render a KernelSpec into CUDA C++ source (Jinja2, StrictUndefined).
 
-Python decides the specialisation; templates stay thin and receive constexprs.
-Output is byte-identical across runs for the same spec.
+Python decides the specialisation; templates stay thin and receive constexprs:
+the context (:func:`template_context`) holds no spec, only named constants (the
+spec's sizes and flags, the family's decisions), the smem layout, the knobs and
+the kernels' signatures. Output is byte-identical across runs for the same spec.
 """
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import functools
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
 from .abi import Role
 from .algorithm4 import ALG4
-from .families import get_family
+from .families import Constant, Family, family_names, get_family
 from .spec import KernelSpec
 
 
@@ -29,10 +32,30 @@ def templates_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "templates"
 
 
-@functools.lru_cache(maxsize=1)
+def _family_folders() -> tuple[tuple[str, str], ...]:
+    """(name, folder) of the registered families whose templates live outside templates/."""
+    out = []
+    for name in family_names():
+        folder = get_family(name).template_dir
+        if folder is not None:
+            out.append((name, str(folder)))
+    return tuple(out)
+
+
 def _env() -> jinja2.Environment:
+    """The Jinja environment: templates/ (partials and the built-in families' folders), and each
+    registered family with a ``template_dir`` of its own under its name ("<name>/...")."""
+    return _env_for(_family_folders())
+
+
+@functools.lru_cache(maxsize=8)
+def _env_for(folders: tuple[tuple[str, str], ...]) -> jinja2.Environment:
+    base = jinja2.FileSystemLoader(str(templates_dir()))
+    loader: jinja2.BaseLoader = base
+    if folders:
+        loader = jinja2.ChoiceLoader([jinja2.PrefixLoader({n: jinja2.FileSystemLoader(f) for n, f in folders}), base])
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=loader,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -84,14 +107,57 @@ def _concrete(params: tuple[tuple[str, str], ...], ctype: str) -> tuple[tuple[st
 def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
     """The module's entry points: the family's roles, launch geometry and each role's dynamic smem
     (Family.role_smem_bytes: the main kernel gets the whole layout)."""
-    fam = get_family(spec.impl)
+    fam, fs = get_family(spec.impl), spec.family_spec
     out = []
-    for role in fam.roles(spec.direction, spec.deterministic):
-        launch = fam.launch(spec, role)
-        smem = fam.role_smem_bytes(spec, role)
+    for role in fam.roles(fs):
+        launch = fam.launch(fs, role)
+        smem = fam.role_smem_bytes(fs, role)
         out.append(KernelInfo(f"{spec.name}_{role.name}", role, _concrete(role.params, spec.ctype),
                               launch.block, smem, launch.rows_per_block))
     return tuple(out)
+
+
+def spec_constants(spec: KernelSpec) -> dict[str, Any]:
+    """The constants every family's module declares (partials/header.cuh.j2), by their C++ names:
+    the spec's sizes and flags, the launch bound's blocks per SM, and the family's name."""
+    t = spec.tile
+    return {
+        "family": spec.impl,
+        "HEAD_DIM": spec.head_dim, "BLOCK_R": t.block_r, "BLOCK_C": t.block_c, "NUM_WARPS": spec.num_warps,
+        "MIN_BLOCKS_PER_SM": spec.min_blocks_per_sm,
+        "IS_CAUSAL": spec.causal, "HAS_KEY_PADDING": spec.key_padding, "HAS_DROPOUT": spec.dropout,
+        "IS_TOP_LEFT": spec.causal_align == "top_left", "HAS_WINDOW": spec.window, "HAS_SOFTCAP": spec.softcap,
+        "HAS_ALIBI": spec.alibi, "HAS_ATTN_MASK": spec.attn_mask, "HAS_BIAS": spec.bias,
+        "HAS_BIAS_GRAD": spec.bias_grad, "IS_VARLEN": spec.varlen, "IS_DETERMINISTIC": spec.deterministic,
+        "SRAM_BYTES": spec.sram_bytes,
+    }
+
+
+def template_context(spec: KernelSpec, kernels: tuple[KernelInfo, ...] | None = None) -> dict[str, Any]:
+    """Everything the templates see: the spec's constants (:func:`spec_constants`), the
+    family's decisions (Family.template_context: ``strides``, ``constants`` and extra values; each
+    Constant also under its name), the smem layout, the knobs and the kernels. No ``spec``."""
+    fam: Family = get_family(spec.impl)
+    kernels = kernel_infos(spec) if kernels is None else kernels
+    ctx: dict[str, Any] = {
+        "module_name": spec.name,
+        "module_json": spec.model_dump_json(),  # the KernelSpec, for the header comment
+        "T": spec.ctype,
+        "layout": spec.smem_layout,
+        "knobs": spec.knob_values,
+        "kernels": {k.role.name: k for k in kernels},
+        **spec_constants(spec),
+    }
+    extra = fam.template_context(spec.family_spec)
+    constants: tuple[Constant, ...] = tuple(extra.get("constants", ()))
+    extra = {**extra, "constants": constants}
+    extra.setdefault("strides", {})
+    named = {c.name: c.value for c in constants}
+    declared = set(extra["strides"]) | set(named)  # C++ names the header declares
+    clash = sorted((set(extra) | declared) & set(ctx) | set(named) & set(extra) | set(extra["strides"]) & set(named))
+    if clash or len(named) != len(constants):
+        raise ValueError(f"family {spec.impl!r}: template context names {clash or 'a constant twice'} more than once")
+    return {**ctx, **extra, **named}
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,15 +165,6 @@ def render(spec: KernelSpec) -> Rendered:
     """Render ``spec`` into one CUDA translation unit with all its entry points."""
     fam = get_family(spec.impl)
     kernels = kernel_infos(spec)
-    ctx = {
-        "spec": spec,
-        "spec_json": spec.model_dump_json(),
-        "T": spec.ctype,
-        "tile": spec.tile,
-        "layout": spec.smem_layout,
-        "knobs": spec.knob_values,
-        "kernels": {k.role.name: k for k in kernels},
-        **fam.template_context(spec),  # at least "strides"
-    }
+    ctx = template_context(spec, kernels)
     parts = [_env().get_template(name).render(**ctx) for name in fam.templates(spec.direction)]
     return Rendered(spec, "".join(parts), kernels)

@@ -11,14 +11,14 @@ import functools
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .families import (MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, combination_reason, default_family, family_names,
-                       feature_reason, get_family)
+# NUM_WARPS_CHOICES and Tile are re-exported here (the CLI and callers read them from fagen.spec).
+from .families import (NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
+                       warp_choices)
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_89", "sm_90"]
@@ -76,12 +76,6 @@ def paper_tile(sram_bytes: int, itemsize: int, head_dim: int) -> tuple[int, int]
     """Algorithm 4 line 2 with M in elements: (B_r, B_c) = (min(ceil(M/4d), d), ceil(M/4d))."""
     block_c = math.ceil((sram_bytes // itemsize) / (4 * head_dim))
     return min(block_c, head_dim), block_c
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_r: int
-    block_c: int
 
 
 def _field_error(field: str, kind: str, message: str, value: Any) -> ValidationError:
@@ -151,8 +145,9 @@ class KernelSpec(BaseModel):
     @field_validator("num_warps")
     @classmethod
     def _check_warps(cls, v: int) -> int:
-        if v not in NUM_WARPS_CHOICES:
-            raise ValueError(f"num_warps must be one of {NUM_WARPS_CHOICES}, got {v}")
+        choices = warp_choices()  # of every registered family; the spec's family checks its own
+        if v not in choices:
+            raise ValueError(f"num_warps must be one of {choices}, got {v}")
         return v
 
     @field_validator("impl")
@@ -206,8 +201,7 @@ class KernelSpec(BaseModel):
         knobs, tried, unsupported = self.knobs, [], []
         for name in family_names():
             fam = get_family(name)
-            why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
-                feature_reason(fam, self.features) or combination_reason(fam, self)
+            why = _family_reason(fam, self._family_spec(None))
             if why:
                 unsupported.append(f"{name}: {why}")
                 continue
@@ -224,11 +218,10 @@ class KernelSpec(BaseModel):
         raise _field_error(str(first["loc"][0]), str(first["type"]), f"no kernel family accepts this spec ({why})",
                            first.get("input"))
 
-    def _fit(self, fam: Any) -> ValidationError | None:
+    def _fit(self, fam: Family) -> ValidationError | None:
         """Resolve impl and knobs for ``fam`` and check the spec against it; the error, or None."""
         object.__setattr__(self, "impl", fam.name)
-        why = fam.unsupported_reason(self.direction, self.head_dim, self.dtype, self.arch) or \
-            feature_reason(fam, self.features) or combination_reason(fam, self)
+        why = _family_reason(fam, self._family_spec(None))
         if why:
             return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
         given = dict(self.knobs or ())
@@ -248,11 +241,10 @@ class KernelSpec(BaseModel):
                     v,
                 )
         try:
-            tile = _resolve_tile(self._tile_key())
+            tile = _resolve_tile(*self._tile_key())
         except _Infeasible as e:
             return _field_error(e.field, "smem", str(e), getattr(self, e.field))
-        bad = fam.config_reason(self.direction, self.head_dim, self.dtype, self.arch, tile.block_r, tile.block_c,
-                                self.num_warps, self.knob_values)
+        bad = fam.config_reason(self._family_spec(tile))
         if bad is not None:
             return _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
         return None
@@ -262,12 +254,20 @@ class KernelSpec(BaseModel):
     def features(self) -> frozenset[str]:
         """The optional features the spec compiles in (fagen.families.FEATURES): a family takes
         the spec only if its ``features`` holds them all."""
-        out = {f for f in FLAG_FEATURES if getattr(self, f)}
+        return self._family_spec(None).features
+
+    @property
+    def family_spec(self) -> FamilySpec:
+        """What the spec's family sees of it (fagen.families.FamilySpec), its tile included: the one
+        value every Family method takes."""
+        return self._family_spec(self.tile)
+
+    def _family_spec(self, tile: Tile | None) -> FamilySpec:
+        flags = {f for f, _ in NAME_FLAGS if getattr(self, f)}
         if self.causal_align == "top_left":
-            out.add("top_left")
-        if self.dtype == "float64":
-            out.add("float64")
-        return frozenset(out)
+            flags.add("top_left")
+        return FamilySpec(self.direction, self.head_dim, self.dtype, self.arch, frozenset(flags), tile, self.num_warps,
+                          tuple(self.knobs or ()))
 
     @property
     def itemsize(self) -> int:
@@ -295,7 +295,7 @@ class KernelSpec(BaseModel):
     @property
     def tile(self) -> Tile:
         """The feasible tile (override, or the paper's point made feasible)."""
-        return _resolve_tile(self._tile_key())
+        return _resolve_tile(*self._tile_key())
 
     @property
     def num_threads(self) -> int:
@@ -308,9 +308,7 @@ class KernelSpec(BaseModel):
 
     @property
     def smem_layout(self) -> SmemLayout:
-        t = self.tile
-        return get_family(self.impl).smem_layout(self.direction, self.head_dim, self.itemsize, t.block_r, t.block_c,
-                                                 self.knob_values)
+        return get_family(self.impl).smem_layout(self.family_spec)
 
     @property
     def smem_bytes(self) -> int:
@@ -323,7 +321,7 @@ class KernelSpec(BaseModel):
         MIN_REGS_PER_THREAD registers -- ptxas then neither aims for an occupancy smem
         forbids nor spills to reach one."""
         by_smem = ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024)
-        budget = get_family(self.impl).min_regs_per_thread  # MIN_REGS_PER_THREAD unless the family asks for more
+        budget = get_family(self.impl).min_regs_per_thread  # families.MIN_REGS_PER_THREAD unless the family asks for more
         by_regs = REGS_PER_SM // (self.num_threads * budget)
         return max(1, min(by_smem, by_regs))
 
@@ -363,9 +361,9 @@ class KernelSpec(BaseModel):
         """The spec's fields minus the tuning choices (tile, warps, family, knobs)."""
         return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl", "knobs"})
 
-    def _tile_key(self) -> tuple:
-        return (self.impl, self.direction, self.head_dim, self.itemsize, self.sram_bytes, self.block_r, self.block_c,
-                self.knobs, self.num_warps)
+    def _tile_key(self) -> tuple[str, FamilySpec, int, int | None, int | None]:
+        assert self.impl is not None
+        return (self.impl, self._family_spec(None), self.sram_bytes, self.block_r, self.block_c)
 
 
 class _Infeasible(Exception):
@@ -374,16 +372,20 @@ class _Infeasible(Exception):
         super().__init__(message)
 
 
+def _family_reason(fam: Family, fs: FamilySpec) -> str | None:
+    """Why ``fam`` cannot take the spec at all (before its tile), or None."""
+    return fam.unsupported_reason(fs) or feature_reason(fam, fs.features) or fam.combination_reason(fs)
+
+
 @functools.lru_cache(maxsize=4096)
-def _resolve_tile(key: tuple) -> Tile:
+def _resolve_tile(impl: str, fs: FamilySpec, sram: int, br_over: int | None, bc_over: int | None) -> Tile:
     """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
-    impl, direction, d, itemsize, sram, br_over, bc_over, knobs, num_warps = key
     fam = get_family(impl)
     q = fam.tile_multiple
-    knob_values = dict(knobs or ())
+    d, itemsize = fs.head_dim, fs.itemsize
 
     def footprint(br: int, bc: int) -> int:
-        return fam.smem_layout(direction, d, itemsize, br, bc, knob_values).total_bytes
+        return fam.smem_layout(fs.with_tile(br, bc)).total_bytes
 
     if br_over is not None and bc_over is not None:
         need = footprint(br_over, bc_over)
@@ -391,9 +393,8 @@ def _resolve_tile(key: tuple) -> Tile:
             field = "block_c" if bc_over >= br_over else "block_r"
             raise _Infeasible(field, f"tile block_r={br_over} x block_c={bc_over} needs {need} bytes of shared memory, more than sram_bytes={sram}")
         return Tile(br_over, bc_over)
-    paper_r, paper_c = fam.default_tile(direction, d, itemsize, sram, num_warps, knob_values) or \
-        paper_tile(sram, itemsize, d)
-    cap_r, cap_c = fam.tile_caps(direction, d, num_warps)
+    paper_r, paper_c = fam.default_tile(fs, sram) or paper_tile(sram, itemsize, d)
+    cap_r, cap_c = fam.tile_caps(fs)
     br = br_over if br_over is not None else min(max(q, paper_r // q * q), cap_r)
     bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), cap_c)
     while footprint(br, bc) > sram:

@@ -345,6 +345,12 @@ constexpr int STAGES = 2;  // mma knob
 static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 
 constexpr int LD = 72;  // padded smem row stride (elements)
+constexpr int DS_LD = 136;  // padded smem row stride (elements)
+// Decisions of the mma family (fagen.families.mma: Family.template_context)
+constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
+constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
+constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
+constexpr bool LSE_NOW = true;  // the next step's lse_i / D_i stored at once, not at the step's end
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -735,7 +741,7 @@ namespace fa {
 //   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
-constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
 
 // The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
 // holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D
@@ -936,13 +942,8 @@ namespace fa {
 // 16 K/V rows [16w, 16w + 16) of the block and keeps its dK~, dV~ rows in fp32
 // registers (in smem, fragment order, when the head dim is too wide for registers).
 static_assert(STAGES == 1 || STAGES == 2, "Q_i / dO_i / lse_i / D_i pipeline depth (knob 'stages')");
-constexpr int DS_LD = BLOCK_R + 8;          // dS^T row stride (elements), ldmatrix conflict-free
-constexpr bool ACC_IN_SMEM = DPAD > 128;    // dK~/dV~ accumulators in smem instead of registers
-constexpr bool KV_IN_REGS = DPAD <= 64;     // K_j / V_j A-fragments held in registers
+// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS and LSE_NOW: decided by fagen.families.mma (header).
 constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
-// The next step's lse_i / D_i: held in registers over the step and stored at its end (the load's
-// latency hidden), or, with the registers the score modifications and attn_mask need, stored at once.
-constexpr bool LSE_NOW = HAS_SCORE_MOD || HAS_ATTN_MASK;
 static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");

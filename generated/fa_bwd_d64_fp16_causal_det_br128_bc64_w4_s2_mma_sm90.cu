@@ -345,6 +345,16 @@ constexpr int STAGES = 2;  // mma knob
 static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 
 constexpr int LD = 72;  // padded smem row stride (elements)
+constexpr int DS_LD = 136;  // padded smem row stride (elements)
+// Decisions of the mma family (fagen.families.mma: Family.template_context)
+constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
+constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
+constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
+constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
+constexpr int DQ_ROWS = 64;  // dq kernel: Q rows per pass
+constexpr int DQ_KV_STAGES = 2;  // dq kernel: K_j / V_j stages (stage 1 in Q_i / dO_i stage 1)
+constexpr int DQ_FRAG_REGS = 160;  // dq kernel: registers of S/dP and the dQ accumulator
+constexpr int DQ_KC = 64;  // dq kernel: keys per sub-step
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -735,7 +745,7 @@ namespace fa {
 //   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
-constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
 
 // The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
 // holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D
@@ -936,13 +946,8 @@ namespace fa {
 // 16 K/V rows [16w, 16w + 16) of the block and keeps its dK~, dV~ rows in fp32
 // registers (in smem, fragment order, when the head dim is too wide for registers).
 static_assert(STAGES == 1 || STAGES == 2, "Q_i / dO_i / lse_i / D_i pipeline depth (knob 'stages')");
-constexpr int DS_LD = BLOCK_R + 8;          // dS^T row stride (elements), ldmatrix conflict-free
-constexpr bool ACC_IN_SMEM = DPAD > 128;    // dK~/dV~ accumulators in smem instead of registers
-constexpr bool KV_IN_REGS = DPAD <= 64;     // K_j / V_j A-fragments held in registers
+// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS and LSE_NOW: decided by fagen.families.mma (header).
 constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
-// The next step's lse_i / D_i: held in registers over the step and stored at its end (the load's
-// latency hidden), or, with the registers the score modifications and attn_mask need, stored at once.
-constexpr bool LSE_NOW = HAS_SCORE_MOD || HAS_ATTN_MASK;
 static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
@@ -1372,23 +1377,14 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 // prefetch) in stage 1 of its Q_i / dO_i buffers when a K/V block fits there.
 // ===========================================================================
 namespace fa {
-constexpr int DQ_ROWS = BLOCK_R < 16 * NUM_WARPS ? BLOCK_R : 16 * NUM_WARPS;  // Q rows per pass
-constexpr int DQ_KV_STAGES = (STAGES > 1 && BLOCK_C <= BLOCK_R) ? 2 : 1;
-// Keys per sub-step of a K/V block: S, dP (DQ_KC / 2 registers each) and the dQ_i accumulator
-// (DPAD / 2) live in registers together; the widest multiple of 16 dividing BLOCK_C, at most 64,
-// whose fragments stay within DQ_FRAG_REGS (measured with ptxas, sm_80/sm_90, every flag: no
-// spills up to it; 128 keys at d = 64 spill on sm_80). fagen.families.mma.dq_key_chunk mirrors it.
-constexpr int DQ_FRAG_REGS = 160;
-template <int C>
-struct DqKeyChunk {  // the largest multiple of 16 <= C that fits
-    static constexpr int value = (BLOCK_C % C == 0 && DPAD / 2 + C <= DQ_FRAG_REGS) ? C : DqKeyChunk<C - 16>::value;
-};
-template <>
-struct DqKeyChunk<16> {
-    static constexpr int value = 16;
-};
-constexpr int DQ_KC = DqKeyChunk<(BLOCK_C < 64 ? BLOCK_C : 64)>::value;
-static_assert(DQ_KC == 64, "fagen.families.mma.dq_key_chunk states the same sub-step");
+// DQ_ROWS (Q rows per pass), DQ_KV_STAGES and the key sub-step DQ_KC: decided by fagen.families.mma
+// (header). Per sub-step S, dP (DQ_KC / 2 registers each) and the dQ_i accumulator (DPAD / 2) live
+// in registers together: DQ_KC is the widest multiple of 16 dividing BLOCK_C, at most 64, whose
+// fragments stay within DQ_FRAG_REGS (fagen.families.mma.dq_key_chunk states the rule; measured with
+// ptxas, sm_80/sm_90, every flag: no spills up to it; 128 keys at d = 64 spill on sm_80).
+static_assert(DQ_KC % 16 == 0 && DQ_KC <= 64 && BLOCK_C % DQ_KC == 0, "dq key sub-step: a multiple of 16 dividing BLOCK_C, at most 64");
+static_assert(DQ_KC == 16 || DPAD / 2 + DQ_KC <= DQ_FRAG_REGS, "dq key sub-step: S/dP and the dQ accumulator within DQ_FRAG_REGS");
+static_assert(DQ_ROWS % 16 == 0 && DQ_ROWS <= 16 * NUM_WARPS && DQ_ROWS <= BLOCK_R, "dq: 16 Q rows per warp and pass");
 constexpr int DQ_NT_K = DQ_KC / 8;  // n8 tiles of S / dP across a sub-step
 static_assert(DQ_KV_STAGES == 1 || SMEM_Q_COUNT >= BLOCK_R * LD + BLOCK_C * LD, "K_j stage 1 in Q_i stage 1");
 }  // namespace fa

@@ -345,6 +345,9 @@ constexpr int STAGES = 2;  // mma knob
 static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
 
 constexpr int LD = 72;  // padded smem row stride (elements)
+// Decisions of the mma family (fagen.families.mma: Family.template_context)
+constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
+constexpr bool Q_IN_REGS = true;  // Q_i A-fragments held in registers
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -707,7 +710,7 @@ namespace fa {
 //   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
-constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
 
 // The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
 // holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D
@@ -908,7 +911,7 @@ namespace fa {
 // rows [16w, 16w + 16) of the block: S, P, the O accumulator and the row statistics
 // (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-constexpr bool Q_IN_REGS = DPAD <= 128;   // Q_i A-fragments held in registers
+// Q_IN_REGS: decided by fagen.families.mma (header).
 constexpr int NT_D = DPAD / 8, NT_C = BLOCK_C / 8;
 static_assert(BLOCK_R <= 16 * NUM_WARPS, "mma forward: 16 Q rows per warp (warps past BLOCK_R only copy)");
 static_assert(SMEM_Q_COUNT == BLOCK_R * LD, "Q_i tile");

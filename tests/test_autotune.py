@@ -545,8 +545,8 @@ def test_candidates_carry_their_sass(small_result) -> None:
     from fagen.autotune.model import MATH_OPCODE
 
     ok = small_result.ok
-    assert {c.impl for c in ok} == {f for f in family_names() if not get_family(f).unsupported_reason(
-        SMALL.direction, SMALL.head_dim, SMALL.dtype, SMALL.arch)}
+    assert {c.impl for c in ok} == {f for f in family_names()
+                                    if not get_family(f).unsupported_reason(SMALL.family_spec)}
     for c in ok:
         op = MATH_OPCODE[get_family(c.impl).math_unit]
         assert c.sass_loop is not None
@@ -556,9 +556,9 @@ def test_candidates_carry_their_sass(small_result) -> None:
 def test_idle_warps_and_dq_atomics() -> None:
     simt = get_family("simt")
     spec = KernelSpec(head_dim=64, block_r=16, block_c=16, num_warps=8, impl="simt")
-    small = simt.pair_cost(spec, 16, 16)
+    small = simt.pair_cost(spec.family_spec)
     assert small.warp_balance(8) < 0.5  # a 16x16 tile's micro-tiles keep few of 8 warps busy
-    big = simt.pair_cost(spec.replace(block_r=128, block_c=128), 128, 128)
+    big = simt.pair_cost(spec.replace(block_r=128, block_c=128).family_spec)
     assert big.warp_balance(8) == pytest.approx(1.0)
     assert small.atomics == 16 * 64  # one fp32 atomic per dQ element per tile pair
     dev, p = device_model("sm_90"), Workload(4, 16, 4096, 4096)
@@ -705,7 +705,7 @@ def test_deterministic_sass_issue_counts_both_kernels() -> None:
     assert with_both.terms["issue"] == pytest.approx(n * (want_main + want_dq) / clocks, rel=1e-12)
     heavier = predict(det, p, 128, dev, main, LoopMix(dq.outer, dq.inner + (("IMAD", 40),)))
     assert heavier.terms["issue"] > with_both.terms["issue"]
-    fallback = n * get_family("simt").pair_cost(det, 64, 64).warp_instructions / clocks
+    fallback = n * get_family("simt").pair_cost(det.family_spec.with_tile(64, 64)).warp_instructions / clocks
     for one_missing in (predict(det, p, 128, dev, main, None), predict(det, p, 128, dev, None, dq)):
         assert one_missing.terms["issue"] == pytest.approx(fallback, rel=1e-12)
 
@@ -714,7 +714,7 @@ def test_deterministic_sass_issue_counts_both_kernels() -> None:
 def test_fallback_pair_cost_includes_the_dq_kernel(impl: str) -> None:
     atomic, det = _det_pair(impl)
     fam = get_family(impl)
-    ca, cd = fam.pair_cost(atomic, 64, 64), fam.pair_cost(det, 64, 64)
+    ca, cd = fam.pair_cost(atomic.family_spec.with_tile(64, 64)), fam.pair_cost(det.family_spec.with_tile(64, 64))
     assert cd.warp_iterations > ca.warp_iterations  # 7 products' math against 5
     assert cd.atomics == 0 and ca.atomics == 64 * 64
 

@@ -28,7 +28,7 @@ from fagen import KernelSpec
 from fagen import reference as R
 from fagen.abi import neutral_args
 from fagen.emulator import EmulatorLaunchError, EmulatorMemoryError, run_sanitized
-from fagen.families import get_family
+from fagen.families import FamilySpec, get_family
 from fagen.renderer import KernelInfo, render
 from fagen.runtime.cpu import cpu_module, host_buffers, sanitized
 
@@ -112,7 +112,7 @@ def family_flags(impl: str) -> frozenset[str]:
 
 def family_dtypes(impl: str) -> list[str]:
     fam = get_family(impl)
-    return [d for d in DT if fam.unsupported_reason("bwd", 16, d, "sm_90") is None
+    return [d for d in DT if fam.unsupported_reason(FamilySpec("bwd", 16, d, "sm_90")) is None
             and (d != "float64" or "float64" in fam.features)]
 
 

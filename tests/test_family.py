@@ -12,7 +12,8 @@ from pydantic import ValidationError
 import fagen.families as families
 from fagen import KernelSpec
 from fagen.compiler import options_for
-from fagen.families import Family, FamilyBase, Knob, Launch, Reason, default_family, family_names, get_family
+from fagen.families import (Family, FamilyBase, FamilySpec, Knob, Launch, Reason, default_family, family_names,
+                            get_family)
 from fagen.families.simt import SimtFamily
 from fagen.layout import place
 from fagen.renderer import kernel_infos, render, templates_dir
@@ -27,29 +28,27 @@ class Piped(SimtFamily):
     preference: int = 10
     knobs: tuple[Knob, ...] = (Knob("stages", "s", 2, (2, 3)),)
 
-    def unsupported_reason(self, direction: str, head_dim: int, dtype: str, arch: str) -> str | None:
-        return None if dtype == "float16" else f"dtype {dtype} (fp16 only)"
+    def unsupported_reason(self, fs: FamilySpec) -> str | None:
+        return None if fs.dtype == "float16" else f"dtype {fs.dtype} (fp16 only)"
 
-    def smem_layout(self, direction: str, head_dim: int, itemsize: int, block_r: int, block_c: int,
-                    knobs: Mapping[str, int] | None = None) -> Any:
-        base = super().smem_layout(direction, head_dim, itemsize, block_r, block_c)
-        stages = (knobs or {}).get("stages", 2)
+    def smem_layout(self, fs: FamilySpec) -> Any:
+        base = super().smem_layout(fs)
+        stages = fs.knob_values.get("stages", 2)
         entries = [(b.name, b.ctype, b.count, b.itemsize, 128 if b.name == "p" else 16) for b in base.buffers]
-        return place(entries + [("ring", "T", stages * 8 * head_dim, itemsize, 256)])
+        return place(entries + [("ring", "T", stages * 8 * fs.head_dim, fs.itemsize, 256)])
 
-    def config_reason(self, direction: str, head_dim: int, dtype: str, arch: str, block_r: int, block_c: int,
-                      num_warps: int, knobs: Mapping[str, int]) -> Any:
-        if num_warps == 8:
+    def config_reason(self, fs: FamilySpec) -> Any:
+        if fs.num_warps == 8:
             return Reason("num_warps", "num_warps=8: piped runs 1, 2 or 4 warps")
-        return super().config_reason(direction, head_dim, dtype, arch, block_r, block_c, num_warps, knobs)
+        return super().config_reason(fs)
 
-    def launch(self, spec: KernelSpec, role: Any) -> Launch:
+    def launch(self, fs: FamilySpec, role: Any) -> Launch:
         if role.name == "main":
-            return Launch((32 * (spec.tile.block_c // 16), 1, 1), spec.tile.block_c)
-        return super().launch(spec, role)
+            return Launch((32 * (fs.block_c // 16), 1, 1), fs.block_c)
+        return super().launch(fs, role)
 
-    def nvrtc_options(self, spec: KernelSpec) -> tuple[str, ...]:
-        return (f"-DFA_STAGES={spec.knob_values['stages']}",)
+    def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
+        return (f"-DFA_STAGES={fs.knob_values['stages']}",)
 
 
 @pytest.fixture
@@ -64,7 +63,8 @@ def test_simt_satisfies_the_protocol() -> None:
     simt = get_family("simt")
     assert isinstance(simt, Family)
     assert simt.knobs == () and simt.math_unit == "fp32"
-    assert get_family("simt").roles("bwd")[1].name == "main"
+    assert get_family("simt").roles(FamilySpec("bwd", 64, "float16", "sm_90"))[1].name == "main"
+    assert get_family("mma").roles(KernelSpec(head_dim=64, deterministic=True).family_spec)[2].name == "dq"
 
 
 def test_unknown_family_is_a_named_error() -> None:
@@ -74,8 +74,8 @@ def test_unknown_family_is_a_named_error() -> None:
 
 def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Family) -> None:
     assert family_names()[0] == "piped"
-    assert default_family("bwd", 64, "float16", "sm_90") == "piped"
-    assert default_family("bwd", 64, "float32", "sm_90") == "simt"
+    assert default_family(FamilySpec("bwd", 64, "float16", "sm_90")) == "piped"
+    assert default_family(FamilySpec("bwd", 64, "float32", "sm_90")) == "simt"
     s16, s32 = KernelSpec(head_dim=64), KernelSpec(head_dim=64, dtype="float32")
     assert (s16.impl, s32.impl) == ("piped", "simt")
     # the resolved impl is in the name and the key: the default spec equals the explicit one
@@ -95,7 +95,7 @@ def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Fam
 
 def test_with_simt_alone_the_default_is_simt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(families, "_REGISTRY", {"simt": get_family("simt")})
-    assert KernelSpec(head_dim=64).impl == "simt" == default_family("bwd", 64, "float16", "sm_90")
+    assert KernelSpec(head_dim=64).impl == "simt" == default_family(FamilySpec("bwd", 64, "float16", "sm_90"))
     assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
 
 
@@ -156,9 +156,31 @@ def test_simt_partials_live_under_templates_simt() -> None:
 
 
 def test_family_base_rejects_bad_configs() -> None:
-    fam = FamilyBase(name="x", knobs=(Knob("stages", "s", 2, (2, 3)),))
-    assert fam.config_reason("bwd", 64, "float16", "sm_90", 24, 64, 4, {}).field == "block_r"
-    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 256, 4, {}).field == "block_c"
-    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 3, {}).field == "num_warps"
-    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 4, {"stages": 5}).field == "knobs"
-    assert fam.config_reason("bwd", 64, "float16", "sm_90", 16, 16, 4, {"stages": 3}) is None
+    fam = FamilyBase(name="x", knobs=(Knob("stages", "s", 2, (2, 3)),), warp_choices=(2, 4))
+    fs = FamilySpec("bwd", 64, "float16", "sm_90")
+    assert fam.config_reason(fs.with_tile(24, 64)).field == "block_r"
+    assert fam.config_reason(fs.with_tile(16, 256)).field == "block_c"
+    assert fam.config_reason(fs.with_tile(16, 16, num_warps=3)).field == "num_warps"
+    assert fam.config_reason(fs.with_tile(16, 16, num_warps=8)).field == "num_warps"  # its own warp choices
+    assert fam.config_reason(fs.with_tile(16, 16, knobs=(("stages", 5),))).field == "knobs"
+    assert fam.config_reason(fs.with_tile(16, 16, knobs=(("stages", 3),))) is None
+    with pytest.raises(ValueError, match="no tile"):
+        fam.config_reason(fs)
+
+
+def test_family_spec_is_what_a_family_sees() -> None:
+    """KernelSpec builds one frozen FamilySpec: its fields, flags and tile; families take nothing else."""
+    s = KernelSpec(head_dim=96, dtype="bfloat16", causal=True, causal_align="top_left", dropout=True,
+                   deterministic=True, num_warps=8, arch="sm_80")
+    fs = s.family_spec
+    assert (fs.direction, fs.head_dim, fs.dtype, fs.arch, fs.num_warps) == ("bwd", 96, "bfloat16", "sm_80", 8)
+    assert fs.flags == {"causal", "top_left", "dropout", "deterministic"} and fs.has("dropout") and not fs.has("window")
+    assert fs.features == s.features == {"top_left", "deterministic"}
+    assert fs.tile == s.tile and (fs.block_r, fs.block_c) == (s.tile.block_r, s.tile.block_c)
+    assert fs.knob_values == s.knob_values and fs.itemsize == s.itemsize == 2 and fs.num_threads == 256
+    assert get_family(s.impl).smem_layout(fs) == s.smem_layout
+    assert FamilySpec("fwd", 64, "float64", "sm_90").features == {"float64"}
+    assert [FamilySpec("fwd", 64, d, "sm_90").itemsize for d in ("float16", "float32", "float64")] == [2, 4, 8]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fs.head_dim = 64  # type: ignore[misc]
+    assert hash(fs) == hash(s.family_spec)  # a cache key (tile resolution is keyed by it)

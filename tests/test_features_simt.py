@@ -26,7 +26,7 @@ import fagen.functional as F
 import fagen.settings
 from fagen import KernelSpec
 from fagen import reference as R
-from fagen.families import family_names, get_family
+from fagen.families import FamilySpec, family_names, get_family
 from featref import assert_lse_close, flash_criterion
 from featref import attention as attention_oracle
 
@@ -281,7 +281,7 @@ DET = FeatCase("det-schedule", "float32", batch=2, heads=4, heads_kv=2, seqlen_q
 
 def det_case(impl: str) -> FeatCase:
     """DET in float32 where the family takes it, else float16 (the tensor-core family)."""
-    fp32 = get_family(impl).unsupported_reason("bwd", DET.head_dim, "float32", "sm_80") is None
+    fp32 = get_family(impl).unsupported_reason(FamilySpec("bwd", DET.head_dim, "float32", "sm_80")) is None
     return DET if fp32 else replace(DET, dtype="float16")
 
 

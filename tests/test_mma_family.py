@@ -13,7 +13,7 @@ import fagen.functional as F
 from fagen.abi import neutral_args
 from fagen import KernelSpec
 from fagen.cli import main
-from fagen.families import default_family, family_names, get_family
+from fagen.families import FamilySpec, default_family, family_names, get_family
 from fagen.families.mma import padded_dim
 from fagen.philox import drop_threshold
 from fagen.renderer import render
@@ -29,7 +29,7 @@ def test_mma_is_the_default_for_half_types_and_simt_for_float32() -> None:
         assert KernelSpec(head_dim=64, dtype=dtype).impl == "mma"
         assert KernelSpec(direction="fwd", head_dim=64, dtype=dtype).impl == "mma"
     assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
-    assert default_family("bwd", 64, "float32", "sm_80") == "simt"
+    assert default_family(FamilySpec("bwd", 64, "float32", "sm_80")) == "simt"
 
 
 def test_float32_is_rejected_with_the_reason() -> None:
@@ -73,11 +73,11 @@ def test_smem_rows_are_ldmatrix_conflict_free(d: int) -> None:
     """ldmatrix reads 8 rows of 16 bytes per phase: with a row stride of an odd number of 16-byte
     units those rows start in 8 different groups of 4 banks."""
     spec = KernelSpec(head_dim=d)
-    ld = MMA.template_context(spec)["strides"]["LD"]
+    ld = MMA.template_context(spec.family_spec)["strides"]["LD"]
     assert ld == padded_dim(d) + 8 and padded_dim(d) % 16 == 0 and padded_dim(d) >= d
     groups = {(r * ld * 2 // 16) % 8 for r in range(8)}
     assert len(groups) == 8
-    layout = MMA.smem_layout("bwd", d, 2, 64, 64, {})
+    layout = MMA.smem_layout(FamilySpec("bwd", d, "float16", "sm_90").with_tile(64, 64))
     ds_ld = 64 + 8  # dS^T rows: BLOCK_R + 8 elements
     assert {(r * ds_ld * 2 // 16) % 8 for r in range(8)} == set(range(8))
     assert all(b.offset % 16 == 0 for b in layout.buffers)  # cp.async / ldmatrix need 16-byte rows
@@ -188,21 +188,21 @@ def test_pair_cost_counts_exactly_the_tile_pairs_flops(direction: str, d: int, b
     if direction == "fwd":
         block_r, block_c = block_c, block_r  # the forward's warps own Q rows
     spec = KernelSpec(direction=direction, head_dim=d, block_r=block_r, block_c=block_c, num_warps=num_warps)
-    pc = MMA.pair_cost(spec, block_r, block_c)
+    pc = MMA.pair_cost(spec.family_spec)
     matmuls = 5 if direction == "bwd" else 2
     assert pc.warp_iterations * 2 * 16 * 8 * 16 == matmuls * 2 * block_r * block_c * d
     assert pc.atomics == (block_r * d if direction == "bwd" else 0)
     assert pc.lds_wavefronts > 0 and pc.warp_instructions > pc.warp_iterations
     assert pc.warp_balance(num_warps) == pytest.approx(1.0, abs=0.2)
     if direction == "bwd":  # deterministic: main 4 GEMMs (no dQ) + dq kernel 3 (S, dP recomputed, dQ), no atomics
-        det = MMA.pair_cost(spec.replace(deterministic=True), block_r, block_c)
+        det = MMA.pair_cost(spec.replace(deterministic=True).family_spec)
         assert det.warp_iterations * 2 * 16 * 8 * 16 == 7 * 2 * block_r * block_c * d
         assert det.atomics == 0 and det.warp_instructions > pc.warp_instructions
 
 
 def test_pair_cost_sees_idle_warps() -> None:
     spec = KernelSpec(head_dim=64, block_r=64, block_c=16, num_warps=8)  # one warp owns all 16 K/V rows
-    assert MMA.pair_cost(spec, 64, 16).warp_balance(8) < 0.5
+    assert MMA.pair_cost(spec.family_spec).warp_balance(8) < 0.5
 
 
 def test_unaligned_slices_fall_back_to_element_copies() -> None:
@@ -400,14 +400,14 @@ def test_attn_mask_with_a_score_modification_declines_past_the_register_budget(d
                                             (256, 48, 16), (192, 48, 48), (128, 80, 16)])
 def test_dq_key_sub_step(d: int, block_c: int, keys: int) -> None:
     """The dq kernel's key sub-step: at most 64 keys, a multiple of 16 dividing block_c, S/dP plus the
-    dQ accumulator within DQ_FRAG_REGS registers; the template static_asserts its own rule equals
-    fagen.families.mma.dq_key_chunk (so every compile checks the mirror)."""
+    dQ accumulator within DQ_FRAG_REGS registers; the family emits it (DQ_KC) and the template
+    static_asserts the rule's bounds (so every compile checks it)."""
     from fagen.families.mma import dq_key_chunk
 
     assert dq_key_chunk(d, block_c) == keys
     spec = KernelSpec(head_dim=d, block_r=16, block_c=block_c, num_warps=8, deterministic=True, impl="mma",
                       arch="sm_90")
-    assert f"static_assert(DQ_KC == {keys}," in render(spec).source
+    assert f"constexpr int DQ_KC = {keys};" in render(spec).source
 
 
 def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from ..compiler import CompiledModule, compile as compile_spec
 from ..errors import CacheDirError, CompileError
-from ..families import Family, combination_reason, family_names, feature_reason, get_family
+from ..families import Family, family_names, feature_reason, get_family
 from ..spec import ARCH_SMEM_OPTIN, REGS_PER_SM, KernelSpec
 from . import sassloops
 from .sassloops import LoopMix
@@ -152,14 +152,14 @@ def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None
 def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs: tuple[tuple[str, int], ...],
                   *, is_paper: bool, is_default: bool) -> Candidate:
     cand = Candidate(fam.name, br, bc, w, knobs, is_paper=is_paper, is_default=is_default)
-    why = fam.unsupported_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch) or \
-        feature_reason(fam, spec.features) or combination_reason(fam, spec)
+    fs = spec.family_spec.with_tile(br, bc, num_warps=w, knobs=tuple(knobs))
+    why = fam.unsupported_reason(fs) or feature_reason(fam, fs.features) or fam.combination_reason(fs)
     if why:
         return cand.reject(f"family {fam.name} unsupported: {why}")
-    bad = fam.config_reason(spec.direction, spec.head_dim, spec.dtype, spec.arch, br, bc, w, dict(knobs))
+    bad = fam.config_reason(fs)
     if bad is not None:
         return cand.reject(bad.message)
-    smem = fam.smem_layout(spec.direction, spec.head_dim, spec.itemsize, br, bc, dict(knobs)).total_bytes
+    smem = fam.smem_layout(fs).total_bytes
     cand = replace(cand, smem_bytes=smem)
     optin = ARCH_SMEM_OPTIN[spec.arch]
     if smem > optin:
@@ -179,7 +179,7 @@ def main_loop_mix(mod: CompiledModule, role: str = "main") -> LoopMix | None:
     else ``sassloops.main_loop_mix``; None without a disassembler or when it fails."""
     try:
         name = mod.rendered.kernel(role).name
-        work = get_family(mod.spec.impl).tile_work(mod.spec, role)
+        work = get_family(mod.spec.impl).tile_work(mod.spec.family_spec, role)
         walked = sassloops.walked_loop_mix(mod.cubin, name, work) if work else None
         return walked if walked is not None else sassloops.main_loop_mix(mod.cubin, name)
     except Exception:  # noqa: BLE001 - SASS is optional evidence for the model

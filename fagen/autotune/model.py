@@ -264,7 +264,7 @@ def main_grid_blocks(spec: KernelSpec, p: Workload) -> int:
 
 def simt_pair_cost(spec: KernelSpec, br: int, bc: int) -> PairCost:
     """The SIMT family's cost of one tile pair (``fagen.families.simt``)."""
-    return get_family("simt").pair_cost(spec, br, bc)  # type: ignore[return-value]
+    return get_family("simt").pair_cost(spec.family_spec.with_tile(br, bc))  # type: ignore[return-value]
 
 
 def as_loop_mix(loop: LoopMix | Mapping[str, int] | None) -> LoopMix | None:
@@ -342,7 +342,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     fam = get_family(spec.impl)
     occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
     blocks = main_grid_blocks(spec, p)
-    launches = len(fam.roles(spec.direction, spec.deterministic))
+    launches = len(fam.roles(spec.family_spec))
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)
     flops = visited_flops(spec, p, t.block_r, t.block_c)
     if occ.blocks_per_sm == 0:
@@ -351,7 +351,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     waves = math.ceil(blocks / slots)
     q = wave_factor(spec, p, slots)
     loop = as_loop_mix(sass_loop)
-    pc = fam.pair_cost(spec, t.block_r, t.block_c, None if loop is None else loop.merged())
+    pc = fam.pair_cost(spec.family_spec, None if loop is None else loop.merged())
     balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
     busy_warps = occ.warps_per_sm * balance  # warps with work: a small tile leaves some idle
     hide = min(1.0, busy_warps / SATURATION_WARPS)

@@ -31,7 +31,7 @@ MAX_MAP_TILES = 1 << 20
 #: Paper's loop structure: lines before the inner loop, the inner loop, after it (Algorithm 4).
 LOOP_FIRST, LOOP_LAST = 9, 23
 
-_ALG4_REF = re.compile(r"Algorithm 4 lines? (\d+)(?:\s*[-\u2013]\s*(\d+))?")
+ALG4_REF = re.compile(r"Algorithm 4 lines? (\d+)(?:\s*[-\u2013]\s*(\d+))?")
 _SMEM_REF = re.compile(r"\bs\.(\w+)")
 
 
@@ -120,7 +120,7 @@ def source_anchors(source: str) -> list[dict[str, Any]]:
             continue
         comment = ln[ln.index("//"):]
         nums: list[int] = []
-        for m in _ALG4_REF.finditer(comment):
+        for m in ALG4_REF.finditer(comment):
             a = int(m.group(1))
             b = int(m.group(2)) if m.group(2) else a
             nums += [x for x in range(a, b + 1) if x not in nums]
@@ -211,7 +211,7 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
     m = spec.sram_bytes
 
     def footprint(br: int, bc: int) -> int:
-        return fam.smem_layout(spec.direction, spec.head_dim, spec.itemsize, br, bc).total_bytes
+        return fam.smem_layout(spec.family_spec.with_tile(br, bc)).total_bytes
 
     used = footprint(t.block_r, t.block_c)
     reasons: dict[str, str] = {}

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .facts import KIND_NAME, _ALG4_REF
+from .facts import ALG4_REF, KIND_NAME
 
 _TOKEN = re.compile(
     r"(?P<comment>//[^\n]*|/\*[\s\S]*?\*/)"
@@ -410,7 +410,7 @@ def highlight(source: str) -> str:
             body = _e(piece)
             if kind == "comment":
                 nums: list[int] = []
-                for m in _ALG4_REF.finditer(piece):
+                for m in ALG4_REF.finditer(piece):
                     a = int(m.group(1))
                     nums += [x for x in range(a, (int(m.group(2)) if m.group(2) else a) + 1) if x not in nums]
                 if nums:

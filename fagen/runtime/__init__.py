@@ -13,19 +13,14 @@ from typing import Any, Protocol
 
 from ..renderer import KernelInfo
 from ..spec import KernelSpec
+from .args import pack
+
+__all__ = ["Module", "get_module", "pack"]
 
 
 class Module(Protocol):
     def launch(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any]) -> None:
         """Launch ``kernel`` with ``args`` (name -> value; pointers as ints)."""
-
-
-def pack(kernel: KernelInfo, args: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(ctype, value) in the kernel's parameter order; a missing argument is a bug, named."""
-    missing = [n for _, n in kernel.params if n not in args]
-    if missing:
-        raise KeyError(f"{kernel.name}: missing kernel arguments {missing}")
-    return [(t, args[n]) for t, n in kernel.params]
 
 
 def get_module(spec: KernelSpec, device_type: str) -> Module:

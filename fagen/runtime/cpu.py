@@ -18,7 +18,7 @@ from typing import Any
 
 from ..renderer import KernelInfo, render
 from ..spec import KernelSpec
-from . import pack
+from .args import pack
 
 #: g++ flags of each emulator thread order (see fagen/emulator/runtime.h).
 SCHEDULE_FLAGS = {"forward": (), "reverse": ("-DFAGEN_EMU_REVERSE_SCHEDULE",)}

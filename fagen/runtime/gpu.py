@@ -38,7 +38,7 @@ from ..compiler import compile as compile_spec
 from ..errors import InputError
 from ..renderer import KernelInfo, kernel_infos
 from ..spec import KernelSpec
-from . import pack
+from .args import pack
 
 #: C parameter type -> numpy scalar type for CuPy's argument packing.
 _SCALARS: dict[str, type] = {

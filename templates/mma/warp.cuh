@@ -1,6 +1,6 @@
 {# Warp-level building blocks of the mma family: fragment loads through ldmatrix,
    C -> A fragment packing, tile copies through cp.async. Rendered after the header
-   (which defines T, HEAD_DIM, LD, BLOCK_R/C, NUM_THREADS). #}
+   (which defines T, HEAD_DIM, LD, DPAD, BLOCK_R/C, NUM_THREADS and the family's decisions). #}
 namespace fa {
 // ---- mma family: warp-level building blocks --------------------------------
 // Fragment layouts follow the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
@@ -11,7 +11,7 @@ namespace fa {
 //   B 16x8: b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., col g).
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
-constexpr int DPAD = (HEAD_DIM + 15) / 16 * 16;  // head dim padded to the MMA k extent (zero columns)
+static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
 
 // The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
 // holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D

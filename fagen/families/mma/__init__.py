@@ -1,0 +1,200 @@
+"""Tensor-core family: mma.sync m16n8k16 (fp32 accumulate), ldmatrix, cp.async; fp16/bf16, sm_80+.
+
+Backward: one CTA per (K/V block, batch, head), 16 K/V rows per warp (``block_c = 16 *
+num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline.
+Forward: one CTA per (Q block, batch, head), 16 Q rows per warp (``block_r = 16 *
+num_warps``); K_j / V_j stream through two stages. The deterministic backward adds a ``dq``
+kernel: one CTA per (Q block, batch, q head), 16 Q rows per warp (a Q block wider than the
+warps in passes), K_j / V_j streamed in ascending order through the main kernel's K/V tiles and
+Q/dO stage 1, S/dP/dS recomputed in sub-steps of ``dq_key_chunk`` keys and dQ_i accumulated in
+fp32 registers, stored once without atomics. Every smem row has ``DPAD + 8``
+elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, so the
+8 rows an ``ldmatrix`` phase reads fall in 8 different bank groups.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fagen.abi import Role
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
+from fagen.families.mma.cost import pair_cost
+from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
+                                      MAX_REG_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk,
+                                      dq_kv_stages, dq_rows, ds_ld, kv_in_regs, lse_now, padded_dim,
+                                      q_in_regs)
+from fagen.layout import SmemLayout, align_up, place
+
+__all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM", "MMA",
+           "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk", "dq_kv_stages", "dq_rows",
+           "ds_ld", "kv_in_regs", "lse_now", "padded_dim", "pair_cost", "q_in_regs"]
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class MmaFamily(FamilyBase):
+    name: str = "mma"
+    preference: int = 10  # preferred over the portable SIMT family wherever it applies
+    tile_multiple: int = 16
+    max_block_r: int = 128
+    max_block_c: int = 128
+    math_unit: Literal["fp32", "tensor"] = "tensor"
+    knobs: tuple[Knob, ...] = (STAGES,)
+    #: Spec features the templates implement (the masking rule's window and top-left alignment, the
+    #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
+    #: flag), the bool attn_mask and the deterministic backward (its ``dq`` kernel). The combinations
+    #: ``combination_reason`` declines take SIMT.
+    features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
+                                          "varlen", "deterministic"})
+    #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
+    #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
+    #: the whole register file rather than spilling to reach an occupancy.
+    min_regs_per_thread: int = 255
+
+    def unsupported_reason(self, fs: FamilySpec) -> str | None:
+        dtype, arch = fs.dtype, fs.arch
+        if dtype not in SUPPORTED_DTYPES:
+            return (f"dtype={dtype} has no tensor-core path here (mma.sync m16n8k16 takes float16/bfloat16 "
+                    "operands); use impl='simt'")
+        if arch < "sm_80":  # pragma: no cover - the spec admits sm_80+ only
+            return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
+        return None
+
+    def combination_reason(self, fs: FamilySpec) -> str | None:
+        """Register budget of the backward: its dK~/dV~ accumulators live in registers up to
+        MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
+        modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
+        ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
+        dp = padded_dim(fs.head_dim)
+        score_mod = fs.has("softcap") or fs.has("alibi") or fs.has("bias")
+        if (fs.direction == "bwd" and fs.has("attn_mask") and score_mod
+                and not acc_in_smem(fs.head_dim) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
+            return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={fs.head_dim}: the dK~/dV~ "
+                    f"accumulators ({dp} registers) and the masked score step ({MASKED_SCORE_MOD_STEP_REGS}) "
+                    f"exceed {self.min_regs_per_thread} registers per thread")
+        return None
+
+    def config_reason(self, fs: FamilySpec) -> Reason | None:
+        bad = super().config_reason(fs)
+        if bad is not None:
+            return bad
+        # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward).
+        direction, num_warps = fs.direction, fs.num_warps
+        field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
+        if rows > 16 * num_warps:
+            return Reason(field, f"{field}={rows} exceeds 16 rows per warp x num_warps={num_warps} "
+                                 f"({self.name}: each warp owns 16 rows of the {'K/V' if direction == 'bwd' else 'Q'} block)")
+        return None
+
+    def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
+        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one at most
+        BWD_STREAM_ROWS in the backward (``default_tile``), 64 in the forward (two stages of it double
+        the smem, and the forward's S/P fragments grow with it), 32 in the forward beyond d = 128,
+        where the O accumulator takes half the registers."""
+        own = 16 * fs.num_warps
+        if fs.direction == "bwd":
+            return BWD_STREAM_ROWS, own
+        return own, 64 if padded_dim(fs.head_dim) <= MAX_REG_ACC_DIM else 32
+
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        """Backward: BWD_STREAM_ROWS Q rows per step x the warps' 16 K/V rows each when two such blocks
+        fit sram_bytes (so an SM keeps two blocks' warps resident, as with the paper tile): a longer Q
+        block spreads the per-step work (barriers, the copies' set-up, lse/D staging) over more
+        tensor-core work (benchmarks/sass_cost.py, docs/performance.md); else BWD_SHORT_STREAM_ROWS.
+        Both are then shrunk until one block fits. Forward: the paper point."""
+        if fs.direction != "bwd":
+            return None
+        bc = 16 * fs.num_warps
+        need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
+        return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
+        2 forward, of 2 Br Bc DPAD FLOPs each), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
+        per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
+        if role != "main":
+            return None
+        w, dp = fs.num_warps, padded_dim(fs.head_dim)
+        det = fs.has("deterministic")
+        gemms = 2 if fs.direction == "fwd" else 4 if det else 5
+        work = {"HMMA": gemms * 2 * fs.block_r * fs.block_c * dp / 4096 / w,
+                "LDGSTS": 2 * (fs.block_c if fs.direction == "fwd" else fs.block_r) * dp / 8 / 32 / w}
+        if fs.direction == "bwd" and not det:
+            vec = fs.arch >= "sm_90" and fs.head_dim % 2 == 0
+            work["REDG" if fs.arch >= "sm_90" else "RED"] = fs.block_r * fs.head_dim / (2 if vec else 1) / 32 / w
+        return work
+
+    def template_context(self, fs: FamilySpec) -> dict[str, Any]:
+        """The smem row strides and the templates' decisions (Constant): which fragments and
+        accumulators live in registers, when the next step's lse/delta are stored, and the
+        deterministic dq kernel's rows per pass, K/V stages and key sub-step."""
+        d, t = fs.head_dim, fs.tile
+        assert t is not None
+        dp = padded_dim(d)
+        strides = {"LD": dp + 8}
+        consts = [Constant("DPAD", "int", dp, "head dim padded to the MMA k extent (zero columns)")]
+        if fs.direction == "bwd":
+            strides["DS_LD"] = ds_ld(t.block_r)
+            consts += [
+                Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
+                Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
+                Constant("LSE_NOW", "bool", lse_now(fs.flags),
+                         "the next step's lse_i / D_i stored at once, not at the step's end"),
+            ]
+            if fs.has("deterministic"):
+                stages = fs.knob_values.get(STAGES.name, STAGES.default)
+                consts += [
+                    Constant("DQ_ROWS", "int", dq_rows(t.block_r, fs.num_warps), "dq kernel: Q rows per pass"),
+                    Constant("DQ_KV_STAGES", "int", dq_kv_stages(stages, t.block_r, t.block_c),
+                             "dq kernel: K_j / V_j stages (stage 1 in Q_i / dO_i stage 1)"),
+                    Constant("DQ_FRAG_REGS", "int", DQ_FRAG_REGS, "dq kernel: registers of S/dP and the dQ accumulator"),
+                    Constant("DQ_KC", "int", dq_key_chunk(d, t.block_c), "dq kernel: keys per sub-step"),
+                ]
+        else:
+            consts.append(Constant("Q_IN_REGS", "bool", q_in_regs(d), "Q_i A-fragments held in registers"))
+        return {"strides": strides, "constants": tuple(consts)}
+
+    def smem_layout(self, fs: FamilySpec) -> SmemLayout:
+        direction, head_dim, itemsize, block_r, block_c = fs.direction, fs.head_dim, fs.itemsize, fs.block_r, fs.block_c
+        dp = padded_dim(head_dim)
+        ld = dp + 8
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        if direction == "bwd":
+            entries = [
+                ("k", "T", block_c * ld, itemsize),
+                ("v", "T", block_c * ld, itemsize),
+                ("q", "T", stages * block_r * ld, itemsize),
+                ("do_", "T", stages * block_r * ld, itemsize),
+                ("ds", "T", block_c * ds_ld(block_r), itemsize),
+                ("lse", "float", stages * block_r, F32),
+                ("delta", "float", stages * block_r, F32),
+            ]
+            if acc_in_smem(head_dim):
+                entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dp, F32)]
+            return place(entries)
+        if direction == "fwd":
+            return place([
+                ("q", "T", block_r * ld, itemsize),
+                ("k", "T", stages * block_c * ld, itemsize),
+                ("v", "T", stages * block_c * ld, itemsize),
+            ])
+        raise ValueError(f"unknown direction {direction!r}")
+
+    def role_smem_bytes(self, fs: FamilySpec, role: Role) -> int:
+        """The deterministic dq kernel carves the backward layout but uses its K/V tiles and Q/dO
+        stages only (K_j/V_j stage 1 in Q/dO stage 1): the prefix up to dS^T."""
+        if role.name == "dq":
+            return align_up(next(b.offset for b in self.smem_layout(fs).buffers if b.name == "ds"))
+        return super().role_smem_bytes(fs, role)
+
+    def templates(self, direction: str) -> tuple[str, ...]:
+        return {"bwd": ("mma/bwd.cu.j2",), "fwd": ("mma/fwd.cu.j2",)}[direction]
+
+    def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
+        return pair_cost(fs, sass)
+
+
+MMA = MmaFamily()

@@ -1,0 +1,58 @@
+"""The mma family's autotuner cost: the work of one visited tile pair of its templates."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from fagen.families.base import FamilySpec, PairCost
+from fagen.families.mma.rules import dq_key_chunk, kv_in_regs, padded_dim, q_in_regs
+
+def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
+    """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
+    dependent math op each), ldmatrix.x4 (4 conflict-free wavefronts each: 8 rows of 16 B
+    in 8 different bank groups), the dS^T stores, and the element-wise work on the
+    accumulators (exp2, mask, dropout, conversions). The model takes the issued
+    instructions from the kernel's own SASS when it has it; these counts are its fallback
+    and the source of the shared-memory and warp-balance terms."""
+    block_r, block_c = fs.block_r, fs.block_c
+    dp, w = padded_dim(fs.head_dim), fs.num_warps
+    kd = dp // 16  # k16 steps across the head dim
+    if fs.direction == "bwd":
+        active = block_c // 16  # warps owning K/V rows
+        chunks = block_r // 16  # 16 Q rows at a time
+        kv_ldsm = 0 if kv_in_regs(fs.head_dim) else 2 * kd  # K/V A-fragments from registers (KV_IN_REGS)
+        hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
+        ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
+        elementwise = chunks * 8 * (12 + (20 if fs.has("dropout") else 0))  # 8 elements per lane per chunk
+        units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
+        if fs.has("deterministic"):
+            # main: S^T, dP^T, dV~, dK~ (no dS^T, no dQ); the dq kernel (16 Q rows per warp) recomputes
+            # S = Q K^T and dP = dO V^T and adds dQ += dS K: 3 of the pair's 7 GEMMs, 3 ldmatrix.x4
+            # per (k16 step, 16 keys) (K, V, K^T) and Q, dO once per (k16 step, key sub-step), its
+            # element-wise work on S/dP.
+            nc = block_c // 16
+            dq_hmma = chunks * 6 * nc * kd  # 3 GEMMs of 16 x 16nc x 16kd: 2 n8 tiles per (16 keys, k16 step)
+            sub_steps = block_c // dq_key_chunk(fs.head_dim, block_c)
+            dq_ldsm = chunks * (sub_steps * 2 * kd + 2 * nc * kd + nc * kd)
+            busiest = hmma + math.ceil(chunks / w) * 6 * nc * kd
+            total_hmma = active * hmma + dq_hmma
+            total_ldsm = active * ldsm + dq_ldsm
+            instr = total_hmma + total_ldsm + 2 * active * elementwise
+            return PairCost(lds_wavefronts=4.0 * total_ldsm, warp_instructions=float(instr),
+                            warp_iterations=float(total_hmma), busiest_warp_iterations=float(busiest), atomics=0.0)
+        dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
+        busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
+        stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk
+        total_hmma = active * hmma + dq_hmma
+        total_ldsm = active * ldsm + dq_ldsm
+        instr = total_hmma + total_ldsm + stores + active * elementwise + dq_hmma * 2  # + dQ atomics
+        return PairCost(lds_wavefronts=4.0 * total_ldsm + stores + active * chunks * 4,
+                        warp_instructions=float(instr), warp_iterations=float(total_hmma),
+                        busiest_warp_iterations=float(busiest), atomics=float(block_r * fs.head_dim))
+    active = block_r // 16  # warps owning Q rows
+    q_ldsm = 0 if q_in_regs(fs.head_dim) else kd  # Q A-fragments from registers (Q_IN_REGS)
+    hmma = kd * (block_c // 8) + (block_c // 16) * (dp // 8)  # S = Q K^T, O += P V
+    ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
+    elementwise = (block_c // 8) * 4 * (10 + (10 if fs.has("dropout") else 0)) + (dp // 8) * 4  # softmax, O rescale
+    return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
+                    warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)

@@ -1,0 +1,84 @@
+"""The mma family's decisions, stated once: what lives in registers, the strides, the dq kernel's
+sub-steps. The family's ``template_context`` emits them as constants (templates/mma/ receives
+them), its smem layout and its cost model (fagen.families.mma.cost) use the same functions."""
+from __future__ import annotations
+
+from fagen.families.base import Knob
+
+STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
+              "2 prefetches the next step while computing this one, 1 halves their shared memory")
+#: dK~/dV~ live in registers up to this padded head dim, in smem beyond it.
+MAX_REG_ACC_DIM = 128
+#: The backward holds the K_j / V_j A-fragments in registers up to this padded head dim.
+MAX_REG_KV_DIM = 64
+#: The forward holds the Q_i A-fragments in registers up to this padded head dim.
+MAX_REG_Q_DIM = 128
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: Registers the backward step holds besides its dK~/dV~ accumulators when attn_mask meets a score
+#: modification (softcap, ALiBi, bias): the one-pass elementwise branch keeps the mask addressing and
+#: the ScoreParams live together. Measured with ptxas (sm_90, every flag on): 242 registers at d = 96,
+#: whose accumulators take 96.
+MASKED_SCORE_MOD_STEP_REGS = 146
+
+
+#: Q rows the backward streams per step by default when two blocks of that tile fit the shared
+#: memory (the K/V block is the warps' 16 rows each), else BWD_SHORT_STREAM_ROWS.
+BWD_STREAM_ROWS = 128
+BWD_SHORT_STREAM_ROWS = 64
+
+
+def padded_dim(head_dim: int) -> int:
+    """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
+    return -(-head_dim // 16) * 16
+
+
+def acc_in_smem(head_dim: int) -> bool:
+    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers."""
+    return padded_dim(head_dim) > MAX_REG_ACC_DIM
+
+
+def kv_in_regs(head_dim: int) -> bool:
+    """Backward: the K_j / V_j A-fragments held in registers over the inner loop."""
+    return padded_dim(head_dim) <= MAX_REG_KV_DIM
+
+
+def q_in_regs(head_dim: int) -> bool:
+    """Forward: the Q_i A-fragments held in registers over the inner loop."""
+    return padded_dim(head_dim) <= MAX_REG_Q_DIM
+
+
+def ds_ld(block_r: int) -> int:
+    """Row stride (elements) of the backward's dS^T tile: block_r + 8, ldmatrix conflict-free."""
+    return block_r + 8
+
+
+#: Registers the deterministic dq kernel's S/dP fragments and dQ accumulator may take together.
+DQ_FRAG_REGS = 160
+
+
+def dq_key_chunk(head_dim: int, block_c: int) -> int:
+    """Keys per sub-step of the deterministic dq kernel (``DQ_KC``; the template static_asserts the
+    rule's bounds): the widest multiple of 16 dividing block_c, at most 64, with
+    padded_dim / 2 + keys <= DQ_FRAG_REGS."""
+    for c in range(min(block_c, 64), 15, -16):
+        if block_c % c == 0 and padded_dim(head_dim) // 2 + c <= DQ_FRAG_REGS:
+            return c
+    return 16
+
+
+def lse_now(flags: frozenset[str]) -> bool:
+    """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
+    the step and stored at its end (the load's latency hidden) when the score modifications or
+    attn_mask need those registers."""
+    return bool(flags & {"softcap", "alibi", "bias", "attn_mask"})
+
+
+def dq_rows(block_r: int, num_warps: int) -> int:
+    """Q rows per pass of the deterministic dq kernel: 16 per warp, at most the Q block."""
+    return min(block_r, 16 * num_warps)
+
+
+def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
+    """K_j / V_j stages of the dq kernel: stage 1 lives in the Q_i / dO_i stage 1 buffers, so two
+    only with two stages and a K/V block no taller than the Q block."""
+    return 2 if stages > 1 and block_c <= block_r else 1
