@@ -962,6 +962,35 @@ static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
 
 // lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
 FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
+
+// The per-element step of Algorithm 4 lines 13-20, one score of a tile for the main kernel's
+// transposed fragments and the dq kernel's alike: P = exp2(s log2 e - lse2) of the final score s of
+// the fp32 q.k (score_fwd with the score modifications; scale log2 e in scale_log2 without), the
+// dropped P (0 where Z drops the pair; 1/(1-p) of dV is applied once, at the end), dP Z / (1 - p),
+// and dS = P (dP - D) through the softcap, times ds_scale. dlt is D with the score modifications and
+// ds_scale x D without (dS in one FMA); ok = false (a masked pair) gives exactly 0 with the score
+// modifications (no bias read); without them the caller zeroes masked pairs (mask math only on
+// partial tiles). dbias_out, when given, receives dL/ds (before the softcap).
+struct MmaPds {
+    float p, ds;
+};
+FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
+                         float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
+                         float* dbias_out = nullptr) {
+    if constexpr (HAS_DROPOUT) dp = keep ? dp * rp_keep : 0.f;
+    if constexpr (HAS_SCORE_MOD) {
+        const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2)) : 0.f;
+        float ds = ok ? p * (dp - dlt) : 0.f;
+        if (dbias_out != nullptr) *dbias_out = ds;
+        if constexpr (HAS_SOFTCAP) {
+            if (ok) ds = score_grad_raw<float>(ds, qk, sp);
+        }
+        return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
+    } else {
+        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
+        return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
+    }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1261,40 +1290,28 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         for (int e = 0; e < 4; ++e) {
                             const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
                             const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            const float qk = st[n][e];
-                            const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2[n][e & 1])) : 0.f;
-                            float dp = dpt[n][e], pd = p;
-                            if constexpr (HAS_DROPOUT) {
-                                const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                                pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
-                                dp = keep ? dp * rp_keep : 0.f;
-                            }
-                            float ds = ok ? p * (dp - dlt[n][e & 1]) : 0.f;  // dL/ds (D staged as is here)
+                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
                             if constexpr (HAS_BIAS_GRAD) {
                                 if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                    dbias[(long long)b * stride_dbias_b + (long long)h * stride_dbias_h + (long long)row * stride_dbias_q +
-                                          (long long)col * stride_dbias_k] = ds;
+                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
+                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
                             }
-                            if constexpr (HAS_SOFTCAP) {
-                                if (ok) ds = score_grad_raw<float>(ds, qk, sp);
-                            }
-                            st[n][e] = pd;
-                            dpt[n][e] = ds * scale;
+                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
+                            st[n][e] = r.p;
+                            dpt[n][e] = r.ds;
                         }
                 } else {
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
-                        float dp = dpt[n][e], pd = p;
-                        if constexpr (HAS_DROPOUT) {
-                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
-                            dp = keep ? dp * rp_keep : 0.f;
-                        }
-                        st[n][e] = pd;
-                        dpt[n][e] = p * fmaf(dp, scale, -dlt[n][e & 1]);  // tau dS in one FMA: D staged as tau D
+                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
+                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                 scale, rp_keep, 0, 0, sp);
+                        st[n][e] = r.p;
+                        dpt[n][e] = r.ds;
                     }
                 if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll

@@ -40,3 +40,15 @@ def test_layout_matches_the_isa_model() -> None:
         g, t = lane >> 2, lane % 4
         assert [(row(lane, i), col(lane, i)) for i in range(4)] == [(g, 2 * t), (g, 2 * t + 1),
                                                                    (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def test_pds_step_is_written_once() -> None:
+    """The per-element P/dS step (exp2 of the final score, dropout, dS through the softcap, dBias) is
+    one device function of the backward, used by its main and dq kernels."""
+    bwd = re.sub(r"//[^\n]*", "", (TEMPLATES / "mma" / "bwd.cu.j2").read_text())  # code only
+    assert bwd.count("FA_DEVICE MmaPds mma_pds(") == 1
+    main = bwd[bwd.index('{{ entry(kernels["main"]) }}'):bwd.index('{{ entry(kernels["dq"]) }}')]
+    dq = bwd[bwd.index('{{ entry(kernels["dq"]) }}'):bwd.index('{{ entry(kernels["post"]) }}')]
+    assert "mma_pds(" in main and "mma_pds(" in dq
+    for text in (main, dq):  # nothing of the step is written out again in a kernel
+        assert "score_grad_raw<" not in text and "score_fwd<" not in text and "mma_exp2(" not in text
