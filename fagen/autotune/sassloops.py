@@ -324,10 +324,14 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     ``{"HMMA": ..., "LDGSTS": ..., "REDG": ...}``), from which the trip count of every nested loop is
     solved, innermost first: a loop whose body holds an opcode of ``work`` that no other unsolved loop
     of the same nest level holds gets trips = (work - what the rest of the path issues) / its body's
-    count. Conditional forward branches: over a region with work (memory, tensor, barrier, shuffle)
-    fall through; over guard arithmetic only, taken (the mask of a partial tile, executed with
-    ``diagonal``); an if/else with a 16-byte cp.async on one side takes that side (the element-copy
-    fallback for unaligned tensors is not counted). None when the kernel has no loop with HMMA."""
+    count (the opcode the fewest loops issue first). Conditional forward branches: over a region with
+    work (memory, tensor cores, barriers, shuffles) or with integer set-up only, fall through; over
+    floating-point guard arithmetic only (the mask), taken on an interior tile and walked with
+    ``diagonal``. Of an if/else (the fall-through ends in an unconditional branch) the side whose path
+    issues more 16-byte cp.async (the element-copy fallback for unaligned tensors is not counted), else
+    more work, else the shorter on an interior tile (hoisted guards, no mask) and the longer with
+    ``diagonal``; an unconditional backward branch ends the trip. None when the kernel has no loop with
+    HMMA."""
     instrs = sass.parse(text).get(kernel)
     spans = sorted(set(sass.loop_spans(text).get(kernel, [])))
     if not instrs or not spans:
@@ -343,6 +347,7 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     w = _Walker(instrs, labels, spans, diagonal)
     nested = [s for s in spans if s != best and best[0] <= s[0] and s[1] <= best[1]]
     unsolved = set(nested)
+
     def issues(s: tuple[int, int], op: str) -> bool:
         return any(ins.opcode == op for ins in instrs if s[0] <= ins.address <= s[1])
 
@@ -359,7 +364,7 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
                 continue
             # innermost candidate first: a loop with no unsolved candidate inside it
             inner = [s for s in cands if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in cands)]
-            if len(inner) != 1 and len({_body_count(w, s, op) for s in inner}) != 1:
+            if len(inner) != 1 and len({_path_count(w, s, op) for s in inner}) != 1:
                 continue
             group = inner if len(inner) > 1 else inner[:1]
             per = sum(_path_count(w, s, op) * _outer_weight(w, s, best) for s in group)
@@ -385,10 +390,6 @@ def _path_count(w: _Walker, s: tuple[int, int], op: str) -> float:
     c: dict[str, float] = {}
     w.walk(s[0], s[1], c, 1.0)
     return c.get(op, 0.0)
-
-
-def _body_count(w: _Walker, s: tuple[int, int], op: str) -> float:
-    return _path_count(w, s, op)
 
 
 def _outer_weight(w: _Walker, s: tuple[int, int], best: tuple[int, int]) -> float:
