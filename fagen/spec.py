@@ -377,7 +377,7 @@ def _resolve_tile(impl: str, fs: FamilySpec, sram: int, br_over: int | None, bc_
             field = "block_c" if bc_over >= br_over else "block_r"
             raise _Infeasible(field, f"tile block_r={br_over} x block_c={bc_over} needs {need} bytes of shared memory, more than sram_bytes={sram}")
         return Tile(br_over, bc_over)
-    paper_r, paper_c = paper_tile(sram, itemsize, d)
+    paper_r, paper_c = fam.default_tile(fs, sram) or paper_tile(sram, itemsize, d)
     cap_r, cap_c = fam.tile_caps(fs)
     br = br_over if br_over is not None else min(max(q, paper_r // q * q), cap_r)
     bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), cap_c)

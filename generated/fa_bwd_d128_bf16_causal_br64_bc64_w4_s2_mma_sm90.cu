@@ -110,6 +110,10 @@ FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 //   fa_cp_async_wait<N>()   cp.async.wait_group N: this thread's copies of all
 //                           but its N most recent committed groups have landed
 //   fa_cp_async_wait_all()  cp.async.wait_all (= commit + wait_group 0)
+//   fa_red_add_f32x2(p, a, b)   p[0] += a, p[1] += b in global memory, each add
+//       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
+//       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
+//       needs sm_90 and .global); before sm_90 two red.global.add.f32.
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -206,6 +210,16 @@ FA_DEVICE void fa_cp_async_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], { %1, %2 };\n" ::"l"(__cvta_generic_to_global(p)), "f"(a),
+                 "f"(b)
+                 : "memory");
+#else
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "f"(a) : "memory");
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p + 1)), "f"(b) : "memory");
+#endif
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -241,6 +255,13 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
+    if (reinterpret_cast<uintptr_t>(p) & 7u)
+        fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
+                       static_cast<void*>(p));
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
 #endif
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
@@ -721,6 +742,14 @@ namespace fa {
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
 static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
+
+// The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
+// holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D
+// layout above; element e of n8 tile n of a 16 x 8N fragment is at column 8 n + col(lane, e)).
+struct MmaAccLayout {
+    static FA_DEVICE int row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+    static FA_DEVICE int col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+};
 static_assert(LD == DPAD + 8, "smem row stride: DPAD + 8 elements (odd number of 16-byte units: ldmatrix conflict-free)");
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -791,8 +820,8 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
 }
 
 // Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
-// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + g + (e >> 1) * 8 and key
-// col0 + n * 8 + 2 * t4 + (e & 1), both global (the caller adds row_offset / col_offset). With
+// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + MmaAccLayout::row(lane, e) and
+// key col0 + n * 8 + MmaAccLayout::col(lane, e), both global (the caller adds row_offset / col_offset). With
 // col0 a multiple of 4 one Philox call covers keys 4c..4c+3 of one row: lanes 2b and 2b+1 of a
 // quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8, each computes one row's call and
 // they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a
@@ -818,8 +847,8 @@ FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned lon
     } else {
         for (int x = 0; x < NT * 4; ++x) {
             const int n = x >> 2, e = x & 3;
-            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + g + (e >> 1) * 8),
-                                (unsigned)(col0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + MmaAccLayout::row(lane, e)),
+                                (unsigned)(col0 + n * 8 + MmaAccLayout::col(lane, e)), drop_threshold))
                 kb |= 1ull << x;
         }
     }
@@ -864,6 +893,49 @@ FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long st
         }
     }
 }
+
+// mma_copy_tile with the per-chunk index arithmetic hoisted: when the threads tile the rows evenly
+// (NUM_THREADS a multiple of the DPAD / 8 chunks of a row, ROWS x chunks a multiple of NUM_THREADS),
+// thread tid copies chunk tid % chunks of rows tid / chunks + k * (NUM_THREADS / chunks), its
+// source advanced by a fixed stride, and rows past n (or a head dim short of DPAD) are tested only
+// on an edge tile. Same result as mma_copy_tile (which it falls back to otherwise, and for
+// unaligned slices or a key-padding row mask).
+template <int ROWS>
+FA_DEVICE void mma_copy_rows(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+    constexpr int CHUNKS = DPAD / 8;
+    constexpr bool EVEN = NUM_THREADS % CHUNKS == 0 && (ROWS * CHUNKS) % NUM_THREADS == 0;
+    if constexpr (EVEN) {
+        if (vec) {
+            constexpr int RSTEP = NUM_THREADS / CHUNKS, ITERS = ROWS * CHUNKS / NUM_THREADS;
+            const int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+            const T* s = src + (long long)(row0 + r) * stride_s + c;
+            T* d = dst + r * LD + c;
+            const long long step = (long long)RSTEP * stride_s;
+            if (row0 + ROWS <= n && (HEAD_DIM == DPAD || c < HEAD_DIM)) {  // interior tile: no bounds
+#pragma unroll
+                for (int k = 0; k < ITERS; ++k) fa_cp_async_16(d + k * RSTEP * LD, s + k * step, true);
+            } else {
+#pragma unroll
+                for (int k = 0; k < ITERS; ++k) {
+                    const bool valid = row0 + r + k * RSTEP < n && c < HEAD_DIM;
+                    fa_cp_async_16(d + k * RSTEP * LD, valid ? s + k * step : src, valid);
+                }
+            }
+            return;
+        }
+    }
+    if (vec) {
+        mma_copy_tile<ROWS>(dst, src, row0, n, stride_s, true);
+        return;
+    }
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {  // unaligned slice: element copies
+        const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
+        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const T* sp = src + (long long)(row0 + r) * stride_s + c;
+        T* d = dst + r * LD + c;
+        for (int x = 0; x < 8; ++x) d[x] = valid ? sp[x] : fa_from_float<T>(0.f);
+    }
+}
 }  // namespace fa
 namespace fa {
 // Backward on tensor cores: one CTA per (K/V block j, batch, head); warp w owns the
@@ -877,10 +949,48 @@ static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
 static_assert(SMEM_DS_COUNT == BLOCK_C * DS_LD, "dS^T tile");
 static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
+// dQ_i += dS K_j: (16 Q rows x 16 columns) output tiles shared by the warps. DQ_WPM warps share one
+// Q-row tile when the warps outnumber the row tiles (each takes DQ_NCW of its column tiles), else a
+// warp takes whole row tiles; DQ_NCC column tiles are accumulated at a time (2 DQ_NCC x 4 fp32).
+constexpr int DQ_MT = BLOCK_R / 16, DQ_NCT = DPAD / 16;
+constexpr int DQ_WPM = NUM_WARPS > DQ_MT && NUM_WARPS % DQ_MT == 0 && DQ_NCT % (NUM_WARPS / DQ_MT) == 0
+                           ? NUM_WARPS / DQ_MT : 1;
+constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
+constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
+constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
 static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
 
 // lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
 FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
+
+// The per-element step of Algorithm 4 lines 13-20, one score of a tile for the main kernel's
+// transposed fragments and the dq kernel's alike: P = exp2(s log2 e - lse2) of the final score s of
+// the fp32 q.k (score_fwd with the score modifications; scale log2 e in scale_log2 without), the
+// dropped P (0 where Z drops the pair; 1/(1-p) of dV is applied once, at the end), dP Z / (1 - p),
+// and dS = P (dP - D) through the softcap, times ds_scale. dlt is D with the score modifications and
+// ds_scale x D without (dS in one FMA); ok = false (a masked pair) gives exactly 0 with the score
+// modifications (no bias read); without them the caller zeroes masked pairs (mask math only on
+// partial tiles). dbias_out, when given, receives dL/ds (before the softcap).
+struct MmaPds {
+    float p, ds;
+};
+FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
+                         float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
+                         float* dbias_out = nullptr) {
+    if constexpr (HAS_DROPOUT) dp = keep ? dp * rp_keep : 0.f;
+    if constexpr (HAS_SCORE_MOD) {
+        const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2)) : 0.f;
+        float ds = ok ? p * (dp - dlt) : 0.f;
+        if (dbias_out != nullptr) *dbias_out = ds;
+        if constexpr (HAS_SOFTCAP) {
+            if (ok) ds = score_grad_raw<float>(ds, qk, sp);
+        }
+        return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
+    } else {
+        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
+        return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
+    }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1006,6 +1116,10 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const bool active = wrow < BLOCK_C;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float scale_log2 = scale * LOG2E;
+    // D_i staged as tau D_i where the plain score's tau dS = P (tau dP - tau D) is one FMA (tau, the
+    // softmax scale, folded into dS: dQ~ and dK~ need no scaling); as D_i with score modifications.
+    const float d_stage = HAS_SCORE_MOD ? 1.f : scale;
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
 
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
@@ -1048,18 +1162,19 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
+        float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
         if (STAGES > 1 && i_begin < i_end) {
-            mma_copy_tile<BLOCK_R>(s.q, q_bh, i_begin, len_q, stride_q_s, q_vec);
-            mma_copy_tile<BLOCK_R>(s.do_, do_bh, i_begin, len_q, stride_do_s, do_vec);
+            mma_copy_rows<BLOCK_R>(s.q, q_bh, i_begin, len_q, stride_q_s, q_vec);
+            mma_copy_rows<BLOCK_R>(s.do_, do_bh, i_begin, len_q, stride_do_s, do_vec);
             for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                 const int row = i_begin + r;
                 s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                s.delta[r] = row < len_q ? delta_bh[row] : 0.f;
+                s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
             }
         }
         fa_cp_async_commit();
@@ -1068,13 +1183,13 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const int cur = it % STAGES, nxt = (it + 1) % STAGES;
             if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
                 fa_sync();
-                mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, q_vec);
-                mma_copy_tile<BLOCK_R>(s.do_, do_bh, i0, len_q, stride_do_s, do_vec);
+                mma_copy_rows<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, q_vec);
+                mma_copy_rows<BLOCK_R>(s.do_, do_bh, i0, len_q, stride_do_s, do_vec);
                 fa_cp_async_commit();
                 for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                     const int row = i0 + r;
                     s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                    s.delta[r] = row < len_q ? delta_bh[row] : 0.f;
+                    s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
                 }
             }
             fa_cp_async_wait_all();
@@ -1082,17 +1197,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
-                mma_copy_tile<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, len_q, stride_q_s, q_vec);
-                mma_copy_tile<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, len_q, stride_do_s, do_vec);
+                mma_copy_rows<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, len_q, stride_q_s, q_vec);
+                mma_copy_rows<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, len_q, stride_do_s, do_vec);
                 const int row = i0 + BLOCK_R + tid;
                 if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
                     if (tid < BLOCK_R) {
                         s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] : 0.f;
+                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
                     }
                 } else if (tid < BLOCK_R && row < len_q) {
                     next_lse = lse_bh[row];
-                    next_delta = delta_bh[row];
+                    next_delta = delta_bh[row] * d_stage;
                 }
             }
             fa_cp_async_commit();
@@ -1149,17 +1264,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     }
                     } else {  // the 4-key groups straddle Philox calls: one call per element
                         for (int n = 0; n < 2; ++n)
-                            for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + 2*t4 + (e & 1), key wrow + g + (e >> 1)*8
+                            for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + MmaAccLayout::col(lane, e), key wrow + MmaAccLayout::row(lane, e)
                                 keep_bits |= (fa_dropout_keep(
-                                    seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (e & 1)),
-                                    (unsigned)(col_offset + col0 + wrow + g + (e >> 1) * 8), drop_threshold) ? 1u : 0u) << (4 * n + e);
+                                    seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
+                                    (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u) << (4 * n + e);
                     }
                 }
                 float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + 2 * t4);
-                    const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + 2 * t4);
+                    const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + MmaAccLayout::col(lane, 0));
+                    const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + MmaAccLayout::col(lane, 0));
                     lse2[n][0] = l2.x;
                     lse2[n][1] = l2.y;
                     dlt[n][0] = d2.x;
@@ -1173,49 +1288,37 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const int row = i0 + c0 + n * 8 + 2 * t4 + (e & 1), col = col0 + wrow + g + (e >> 1) * 8;
+                            const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
                             const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            const float qk = st[n][e];
-                            const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2[n][e & 1])) : 0.f;
-                            float dp = dpt[n][e], pd = p;
-                            if constexpr (HAS_DROPOUT) {
-                                const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                                pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
-                                dp = keep ? dp * rp_keep : 0.f;
-                            }
-                            float ds = ok ? p * (dp - dlt[n][e & 1]) : 0.f;
+                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
                             if constexpr (HAS_BIAS_GRAD) {
                                 if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                    dbias[(long long)b * stride_dbias_b + (long long)h * stride_dbias_h + (long long)row * stride_dbias_q +
-                                          (long long)col * stride_dbias_k] = ds;
+                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
+                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
                             }
-                            if constexpr (HAS_SOFTCAP) {
-                                if (ok) ds = score_grad_raw<float>(ds, qk, sp);
-                            }
-                            st[n][e] = pd;
-                            dpt[n][e] = ds;
+                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
+                            st[n][e] = r.p;
+                            dpt[n][e] = r.ds;
                         }
                 } else {
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = mma_exp2(fmaf(st[n][e], scale_log2, -lse2[n][e & 1]));  // NaN score/lse: NaN
-                        float dp = dpt[n][e], pd = p;
-                        if constexpr (HAS_DROPOUT) {
-                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            pd = keep ? p : 0.f;       // 1/(1-p) is applied to dV~ once, at the end
-                            dp = keep ? dp * rp_keep : 0.f;
-                        }
-                        st[n][e] = pd;
-                        dpt[n][e] = p * (dp - dlt[n][e & 1]);
+                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
+                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                 scale, rp_keep, 0, 0, sp);
+                        st[n][e] = r.p;
+                        dpt[n][e] = r.ds;
                     }
                 if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            if (!mma_allowed(i0 + c0 + n * 8 + 2 * t4 + (e & 1), col0 + wrow + g + (e >> 1) * 8, mp, kpm_b,
+                            if (!mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
                                              mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k)) {
                                 st[n][e] = 0.f;
                                 dpt[n][e] = 0.f;
@@ -1227,14 +1330,14 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
                                          mma_pack(dpt[1][0], dpt[1][1]), mma_pack(dpt[1][2], dpt[1][3])};
                 // dS^T -> smem for dQ (row = K/V row, column = Q row).
-                unsigned* ds_lo = reinterpret_cast<unsigned*>(s.ds + (wrow + g) * DS_LD + c0 + 2 * t4);
-                unsigned* ds_hi = reinterpret_cast<unsigned*>(s.ds + (wrow + g + 8) * DS_LD + c0 + 2 * t4);
+                unsigned* ds_lo = reinterpret_cast<unsigned*>(s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + c0 + MmaAccLayout::col(lane, 0));
+                unsigned* ds_hi = reinterpret_cast<unsigned*>(s.ds + (wrow + MmaAccLayout::row(lane, 2)) * DS_LD + c0 + MmaAccLayout::col(lane, 0));
                 ds_lo[0] = ads[0];
                 ds_hi[0] = ads[1];
                 ds_lo[4] = ads[2];
                 ds_hi[4] = ads[3];
                 // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
-                // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = dS^T from registers, B = Q_i via ldmatrix.trans; tau at the end)
+                // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T from registers, B = Q_i via ldmatrix.trans: tau folded into dS)
 #pragma unroll
                 for (int nd = 0; nd < DPAD / 16; ++nd) {
                     unsigned bdo[4], bq[4];
@@ -1255,51 +1358,82 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
             fa_sync();  // dS^T complete
 
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans;
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS via ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans;
             // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
             // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-            // Unit u is Q-row tile u % MT, column tile u / MT: with MT dividing NUM_WARPS a warp keeps
-            // one Q-row tile, so its dS fragments are loaded once per step, not once per column tile.
-            constexpr int MT = BLOCK_R / 16, UNITS = MT * (DPAD / 16);
-            unsigned af[BLOCK_C / 16][4];
-            int af_mt = -1;
-            for (int u = warp; u < UNITS; u += NUM_WARPS) {
-                const int mt = u % MT, nc = u / MT;
-                if (mt != af_mt) {  // warp-uniform
+            // Item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
+            // (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds
+            // its columns, DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of
+            // the tile) with constant offsets. A fully visible tile (rows inside the sequence, every
+            // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
+            // otherwise the row guards are computed once per item.
+            const bool dq_unguarded = HEAD_DIM == DPAD && full;
 #pragma unroll
-                    for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
-                    af_mt = mt;
+            for (int k = 0; k < DQ_PER_WARP; ++k) {
+                const int it = warp + k * NUM_WARPS;
+                if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
+                const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
+                unsigned af[BLOCK_C / 16][4];
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+                const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
+                bool row_ok[2] = {true, true};
+                if (!dq_unguarded) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
                 }
-                float acc[2][4] = {};
+                float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
+                float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                    unsigned bk[4];
-                    mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc * 16, lane);
-                    mma_tile(acc[0], af[kk], bk[0], bk[1]);
-                    mma_tile(acc[1], af[kk], bk[2], bk[3]);
-                }
+                for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
+                    float acc[2 * DQ_NCC][4] = {};
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
+                    for (int kk = 0; kk < BLOCK_C / 16; ++kk)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = i0 + mt * 16 + g + (e >> 1) * 8;
-                        const int x = nc * 16 + n * 8 + 2 * t4 + (e & 1);
-                        if (row < len_q && x < HEAD_DIM && slse[row - i0] != -fa_neg_inf())
-                            fa_atomic_add(dq_accum + ((si.q_tok0 + row) * heads + h) * HEAD_DIM + x, acc[n][e] * scale);
+                        for (int c = 0; c < DQ_NCC; ++c) {
+                            unsigned bk[4];
+                            mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
+                            mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
+                            mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+                        }
+                    if (dq_unguarded) {
+#pragma unroll
+                        for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+                                fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                        continue;
                     }
+#pragma unroll
+                    for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
+                            if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
+                                if (row_ok[r] && (HEAD_DIM == DPAD || nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM))
+                                    fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
+                            } else {
+#pragma unroll
+                                for (int x = 0; x < 2; ++x)
+                                    if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
+                                        fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
+                            }
+                        }
+                }
             }
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
-    // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK = tau dK~, dV = dV~ / (1 - p))
+    // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS; dV = dV~ / (1 - p))
     const float dv_scale = HAS_DROPOUT ? rp_keep : 1.f;
 #pragma unroll
     for (int n = 0; n < NT_D; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = col0 + wrow + g + (e >> 1) * 8;
-            const int x = n * 8 + 2 * t4 + (e & 1);
+            const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+            const int x = n * 8 + MmaAccLayout::col(lane, e);
             float dkv, dvv;
             if constexpr (ACC_IN_SMEM) {
             } else {
@@ -1309,7 +1443,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             if (active && col < len_k && x < HEAD_DIM) {
                 // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
                 const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv * scale);
+                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
                 dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
             }
         }

@@ -110,6 +110,10 @@ FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 //   fa_cp_async_wait<N>()   cp.async.wait_group N: this thread's copies of all
 //                           but its N most recent committed groups have landed
 //   fa_cp_async_wait_all()  cp.async.wait_all (= commit + wait_group 0)
+//   fa_red_add_f32x2(p, a, b)   p[0] += a, p[1] += b in global memory, each add
+//       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
+//       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
+//       needs sm_90 and .global); before sm_90 two red.global.add.f32.
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -206,6 +210,16 @@ FA_DEVICE void fa_cp_async_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], { %1, %2 };\n" ::"l"(__cvta_generic_to_global(p)), "f"(a),
+                 "f"(b)
+                 : "memory");
+#else
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "f"(a) : "memory");
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p + 1)), "f"(b) : "memory");
+#endif
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -241,6 +255,13 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
+    if (reinterpret_cast<uintptr_t>(p) & 7u)
+        fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
+                       static_cast<void*>(p));
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
 #endif
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
@@ -691,6 +712,14 @@ namespace fa {
 // So the C fragments of two adjacent n8 tiles, packed pairwise, are the A fragment of
 // the next product (P^T, dS^T, P stay in registers).
 static_assert(DPAD == (HEAD_DIM + 15) / 16 * 16, "DPAD: the head dim padded to the MMA k extent (zero columns)");
+
+// The m16n8 fp32 accumulator fragment, stated once for every kernel of the family: lane = 4 g + t
+// holds elements e = 0..3 of a 16 x 8 tile at row g + 8 (e >> 1), column 2 t + (e & 1) (the C/D
+// layout above; element e of n8 tile n of a 16 x 8N fragment is at column 8 n + col(lane, e)).
+struct MmaAccLayout {
+    static FA_DEVICE int row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+    static FA_DEVICE int col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+};
 static_assert(LD == DPAD + 8, "smem row stride: DPAD + 8 elements (odd number of 16-byte units: ldmatrix conflict-free)");
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -761,8 +790,8 @@ FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset,
 }
 
 // Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
-// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + g + (e >> 1) * 8 and key
-// col0 + n * 8 + 2 * t4 + (e & 1), both global (the caller adds row_offset / col_offset). With
+// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + MmaAccLayout::row(lane, e) and
+// key col0 + n * 8 + MmaAccLayout::col(lane, e), both global (the caller adds row_offset / col_offset). With
 // col0 a multiple of 4 one Philox call covers keys 4c..4c+3 of one row: lanes 2b and 2b+1 of a
 // quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8, each computes one row's call and
 // they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a
@@ -788,8 +817,8 @@ FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned lon
     } else {
         for (int x = 0; x < NT * 4; ++x) {
             const int n = x >> 2, e = x & 3;
-            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + g + (e >> 1) * 8),
-                                (unsigned)(col0 + n * 8 + 2 * t4 + (e & 1)), drop_threshold))
+            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + MmaAccLayout::row(lane, e)),
+                                (unsigned)(col0 + n * 8 + MmaAccLayout::col(lane, e)), drop_threshold))
                 kb |= 1ull << x;
         }
     }
@@ -832,6 +861,49 @@ FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long st
         } else {
             for (int x = 0; x < 8; ++x) d[x] = valid ? s[x] : fa_from_float<T>(0.f);
         }
+    }
+}
+
+// mma_copy_tile with the per-chunk index arithmetic hoisted: when the threads tile the rows evenly
+// (NUM_THREADS a multiple of the DPAD / 8 chunks of a row, ROWS x chunks a multiple of NUM_THREADS),
+// thread tid copies chunk tid % chunks of rows tid / chunks + k * (NUM_THREADS / chunks), its
+// source advanced by a fixed stride, and rows past n (or a head dim short of DPAD) are tested only
+// on an edge tile. Same result as mma_copy_tile (which it falls back to otherwise, and for
+// unaligned slices or a key-padding row mask).
+template <int ROWS>
+FA_DEVICE void mma_copy_rows(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+    constexpr int CHUNKS = DPAD / 8;
+    constexpr bool EVEN = NUM_THREADS % CHUNKS == 0 && (ROWS * CHUNKS) % NUM_THREADS == 0;
+    if constexpr (EVEN) {
+        if (vec) {
+            constexpr int RSTEP = NUM_THREADS / CHUNKS, ITERS = ROWS * CHUNKS / NUM_THREADS;
+            const int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+            const T* s = src + (long long)(row0 + r) * stride_s + c;
+            T* d = dst + r * LD + c;
+            const long long step = (long long)RSTEP * stride_s;
+            if (row0 + ROWS <= n && (HEAD_DIM == DPAD || c < HEAD_DIM)) {  // interior tile: no bounds
+#pragma unroll
+                for (int k = 0; k < ITERS; ++k) fa_cp_async_16(d + k * RSTEP * LD, s + k * step, true);
+            } else {
+#pragma unroll
+                for (int k = 0; k < ITERS; ++k) {
+                    const bool valid = row0 + r + k * RSTEP < n && c < HEAD_DIM;
+                    fa_cp_async_16(d + k * RSTEP * LD, valid ? s + k * step : src, valid);
+                }
+            }
+            return;
+        }
+    }
+    if (vec) {
+        mma_copy_tile<ROWS>(dst, src, row0, n, stride_s, true);
+        return;
+    }
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {  // unaligned slice: element copies
+        const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
+        const bool valid = row0 + r < n && c < HEAD_DIM;
+        const T* sp = src + (long long)(row0 + r) * stride_s + c;
+        T* d = dst + r * LD + c;
+        for (int x = 0; x < 8; ++x) d[x] = valid ? sp[x] : fa_from_float<T>(0.f);
     }
 }
 }  // namespace fa

@@ -259,6 +259,13 @@ extern "C" __global__ void diverge(float* out, int exit_half) {
     out[threadIdx.x] = d[0] + float(a[0]);
 }
 
+// fa_red_add_f32x2: thread t adds (v[2t], v[2t + 1]) to out[2 idx[t]], out[2 idx[t] + 1] (many threads
+// share an index); off = 1 makes the address 4-byte aligned only (an error).
+extern "C" __global__ void red2(const float* v, const int* idx, float* out, int off) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    fa_red_add_f32x2(out + 2 * idx[t] + off, v[2 * t], v[2 * t + 1]);
+}
+
 extern "C" __global__ void misaligned(const float* src, float* out) {
     float* s = reinterpret_cast<float*>(fa_smem());
     fa_cp_async_16(s + 2, src, true);  // 8-byte aligned destination: invalid
@@ -280,6 +287,7 @@ SIGS = [
     KernelSig("gemm_bf16", (("const __nv_bfloat16*", "a"), ("const __nv_bfloat16*", "b"), ("float*", "c"),
                             ("int", "m_valid"), ("int", "mode"))),
     KernelSig("misaligned", (("const float*", "src"), ("float*", "out"))),
+    KernelSig("red2", (("const float*", "v"), ("const int*", "idx"), ("float*", "out"), ("int", "off"))),
     KernelSig("diverge", (("float*", "out"), ("int", "exit_half"))),
 ]
 
@@ -430,6 +438,25 @@ def test_cp_async_misaligned_is_an_error(mod) -> None:
         mod.launch("misaligned", 1, 1, 64, [np.zeros(8, np.float32), np.zeros(1, np.float32)])
 
 
+# ------------------------------------------------------------ vector reduction
+def test_red_add_f32x2_is_two_atomic_adds(mod) -> None:
+    """PTX ISA "red": red.global.add.v2.f32 adds element i of the vector to the i-th fp32 word at the
+    address, each add atomic. Model: every thread's pair added into its two words (np.add.at), with
+    small integers so the sum is exact in any order; 8-byte alignment is required."""
+    rng = np.random.default_rng(3)
+    n, slots = 256, 5
+    v = rng.integers(-8, 9, 2 * n).astype(np.float32)
+    idx = rng.integers(0, slots, n).astype(np.int32)
+    out = rng.integers(-4, 5, 2 * slots).astype(np.float32)
+    want = out.astype(np.float64)
+    np.add.at(want, 2 * idx, v[0::2])
+    np.add.at(want, 2 * idx + 1, v[1::2])
+    mod.launch("red2", 2, 128, 0, [v, idx, out, 0])
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(EmulatorKernelError, match="fa_red_add_f32x2.*not 8-byte aligned"):
+        mod.launch("red2", 1, 32, 0, [v, idx, np.zeros(2 * slots + 2, np.float32), 1])
+
+
 # ---------------------------------------------------------------------- GEMM
 def _gemm_inputs(dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(11)
@@ -485,6 +512,11 @@ def test_nvrtc_compiles_tensor_core_instructions(arch: str) -> None:
         for m in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
             assert m in mnemonics, (kernel, m, sorted(set(mnemonics)))
         assert not {"LDL", "STL"} & {i.opcode for i in kernels[kernel]}, kernel
+    reds = [i.mnemonic for i in kernels["red2"] if i.opcode in ("RED", "REDG")]
+    if arch == "sm_90":  # one vector reduction of two fp32 words
+        assert len(reds) == 1 and "F32x2" in reds[0] and "ADD" in reds[0], reds
+    else:
+        assert len(reds) == 2 and all("F32" in r and "ADD" in r for r in reds), reds
     ldm = {i.mnemonic for i in kernels["ldm"]}
     assert {"LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDSM.16.MT88", "LDSM.16.MT88.2",
             "LDSM.16.MT88.4"} <= ldm, sorted(ldm)

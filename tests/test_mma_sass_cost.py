@@ -77,8 +77,8 @@ def test_opcode_classes_and_reduction_width() -> None:
 
 
 def test_parse_spec() -> None:
-    assert sass_cost.parse_spec("direction=bwd,head_dim=128,causal=true,dtype=bfloat16") == \
-        {"direction": "bwd", "head_dim": 128, "causal": True, "dtype": "bfloat16"}
+    assert sass_cost.parse_spec("direction=bwd,head_dim=128,causal=true,dtype=bfloat16,knobs=stages:1") == \
+        {"direction": "bwd", "head_dim": 128, "causal": True, "dtype": "bfloat16", "knobs": {"stages": 1}}
 
 
 @needs_nvdisasm

@@ -43,15 +43,17 @@ def test_feasible_tile_invariants(direction: str, d: int, dtype: str, arch: str)
     assert s.sram_bytes == ARCH_SMEM_OPTIN[arch]
     assert t.block_r % 16 == 0 and t.block_c % 16 == 0
     assert 16 <= t.block_r <= fam.max_block_r and 16 <= t.block_c <= fam.max_block_c
-    assert t.block_r <= max(16, s.paper_block_r // 16 * 16) and t.block_c <= max(16, s.paper_block_c // 16 * 16)
+    # the start point: the family's default tile where it states one, else the paper point
+    start = fam.default_tile(s.family_spec, s.sram_bytes) or (s.paper_block_r, s.paper_block_c)
+    assert t.block_r <= max(16, start[0] // 16 * 16) and t.block_c <= max(16, start[1] // 16 * 16)
     assert s.smem_bytes <= s.sram_bytes
     # the layout is exactly the sum of its aligned buffers
     assert s.smem_bytes == sum(s.smem_layout.breakdown().values())
     # no slack: growing both dimensions by one quantum would not fit (or passes the paper point / cap)
     start_r, start_c = fam.tile_caps(s.family_spec)  # the family's default-tile caps
     assert t.block_r <= start_r and t.block_c <= start_c
-    cap_r = min(start_r, max(16, s.paper_block_r // 16 * 16))
-    cap_c = min(start_c, max(16, s.paper_block_c // 16 * 16))
+    cap_r = min(start_r, max(16, start[0] // 16 * 16))
+    cap_c = min(start_c, max(16, start[1] // 16 * 16))
     if t.block_r + 16 <= cap_r and t.block_c + 16 <= cap_c:
         grown = fam.smem_layout(s.family_spec.with_tile(t.block_r + 16, t.block_c + 16)).total_bytes
         assert grown > s.sram_bytes

@@ -174,10 +174,14 @@ def _prune_static(spec: KernelSpec, fam: Family, br: int, bc: int, w: int, knobs
 
 
 def main_loop_mix(mod: CompiledModule, role: str = "main") -> LoopMix | None:
-    """The main-loop SASS mix of the module's ``role`` kernel (``sassloops.main_loop_mix``);
-    None without a disassembler or when it fails."""
+    """The main-loop SASS mix of the module's ``role`` kernel: one walked trip of its tile loop where
+    the family states the work a tile pair issues (``Family.tile_work``, ``sassloops.tile_loop``),
+    else ``sassloops.main_loop_mix``; None without a disassembler or when it fails."""
     try:
-        return sassloops.main_loop_mix(mod.cubin, mod.rendered.kernel(role).name)
+        name = mod.rendered.kernel(role).name
+        work = get_family(mod.spec.impl).tile_work(mod.spec.family_spec, role)
+        walked = sassloops.walked_loop_mix(mod.cubin, name, work) if work else None
+        return walked if walked is not None else sassloops.main_loop_mix(mod.cubin, name)
     except Exception:  # noqa: BLE001 - SASS is optional evidence for the model
         return None
 

@@ -184,7 +184,12 @@ class TileLoop:
         return out
 
 
+WORK_OPCODE_CLASSES = ("tensor", "ldsm", "mem")
+
+
 class _Walker:
+    """One trip of a loop walked on the steady-state path (see tile_loop), with memoised paths."""
+
     def __init__(self, instrs: list[sass.Instruction], labels: dict[str, int], spans: list[tuple[int, int]],
                  diagonal: bool) -> None:
         self.instrs = instrs
@@ -193,6 +198,11 @@ class _Walker:
         self.diagonal = diagonal
         self.spans = spans
         self.trips: dict[tuple[int, int], float] = {}
+        self.memo: dict[tuple[int, int, int], tuple[dict[str, float], tuple[tuple[int, int], ...]]] = {}
+
+    def set_trips(self, loop: tuple[int, int], trips: float) -> None:
+        self.trips[loop] = trips
+        self.memo.clear()
 
     def target(self, ins: sass.Instruction) -> int | None:
         m = _TARGET_LABEL.search(ins.operands)
@@ -212,56 +222,94 @@ class _Walker:
         cands = [s for s in self.spans if s[0] == pc and lo <= s[0] and s[1] < hi and s != (lo, hi)]
         return max(cands, key=lambda s: s[1]) if cands else None
 
+    @staticmethod
+    def _unconditional(ins: sass.Instruction) -> bool:
+        return not ins.predicate and not ins.operands.split("`")[0].strip()
+
     def walk(self, lo: int, hi: int, counts: dict[str, float], weight: float,
              visit: list[tuple[int, int]] | None = None) -> None:
-        """Add one path through [lo, hi] (hi: the closing backward branch, counted) to counts."""
-        i = self.index[lo]
+        """Add weight x one path through the loop [lo, hi] (hi: its closing backward branch) to counts."""
+        c, v = self.path(lo, lo, hi)
+        for op, n in c.items():
+            counts[op] = counts.get(op, 0.0) + weight * n
+        if visit is not None:
+            visit.extend(v)
+
+    def path(self, start: int, lo: int, hi: int) -> tuple[dict[str, float], tuple[tuple[int, int], ...]]:
+        """Counts of the path from start to the end of a trip of loop [lo, hi], and the nested loops
+        it enters (each at its trips)."""
+        key = (start, lo, hi)
+        if key in self.memo:
+            return self.memo[key]
+        counts: dict[str, float] = {}
+        visit: list[tuple[int, int]] = []
+
+        def add(c: Mapping[str, float], w: float) -> None:
+            for op, n in c.items():
+                counts[op] = counts.get(op, 0.0) + w * n
+
+        i = self.index[start]
         while i < len(self.instrs) and self.instrs[i].address <= hi:
             ins = self.instrs[i]
             pc = ins.address
             if pc != lo:
                 inner = self.nested_at(pc, lo, hi)
                 if inner is not None:
-                    if visit is not None:
-                        visit.append(inner)
-                    self.walk(inner[0], inner[1], counts, weight * self.trips.get(inner, 1.0), visit)
+                    c, v = self.path(inner[0], inner[0], inner[1])
+                    add(c, self.trips.get(inner, 1.0))
+                    visit.append(inner)
+                    visit.extend(v)
                     i = self.index[inner[1]] + 1
                     continue
-            counts[ins.opcode] = counts.get(ins.opcode, 0.0) + weight
+            counts[ins.opcode] = counts.get(ins.opcode, 0.0) + 1
             if ins.opcode in ("BRA", "JMP"):
                 t = self.target(ins)
-                if t is not None and pc < t:
-                    if t > hi:  # leaves the loop (a break, a rotated loop's exit): not on the steady path
-                        if not ins.predicate and "P" not in ins.operands.split("`")[0]:
-                            return
-                    elif not ins.predicate and not ins.operands.split("`")[0].strip():
+                if t is not None:
+                    if t <= pc or t > hi:  # back to a loop head or out of the loop
+                        if self._unconditional(ins):
+                            break  # the trip ends here
+                    elif self._unconditional(ins):
                         i = self.index[t]
                         continue
-                    elif self.take(pc, t, hi):
-                        i = self.index[t]
-                        continue
+                    elif self.take(pc, t, lo, hi):
+                        c, v = self.path(t, lo, hi)
+                        add(c, 1.0)
+                        visit.extend(v)
+                        break
             elif ins.opcode in ("EXIT", "RET") and not ins.predicate:
-                return
+                break
             i += 1
+        out = (counts, tuple(visit))
+        self.memo[key] = out
+        return out
 
-    def take(self, pc: int, t: int, hi: int) -> bool:
-        """Is the conditional forward branch at pc to t taken on the steady path?"""
+    @staticmethod
+    def _work(c: Mapping[str, float]) -> float:
+        return sum(n for op, n in c.items() if opcode_class(op) in WORK_OPCODE_CLASSES or op.startswith("SHFL"))
+
+    def take(self, pc: int, t: int, lo: int, hi: int) -> bool:
+        """Is the conditional forward branch at pc to t (inside the loop) taken on the steady path?"""
         body = self.region(pc + 1, t)
         if not body:
             return True
+        nxt = self.instrs[self.index[pc] + 1].address
+        then_c, _ = self.path(nxt, lo, hi)
+        else_c, _ = self.path(t, lo, hi)
         last = body[-1]
-        join = self.target(last) if last.opcode == "BRA" and not last.predicate else None
-        if join is not None and t <= join <= hi:  # if/else: then = (pc, t), else = [t, join)
-            other = self.region(t, join)
-            a, b = self.has(body, "LDGSTS"), self.has(other, "LDGSTS")
-            if a != b:  # the vector copy, not the element-copy fallback
-                return b
-            wa, wb = self.has(body, *WORK_PREFIXES), self.has(other, *WORK_PREFIXES)
-            if wa != wb:  # the side with work
-                return wb
-            if not wa and len(body) != len(other):  # guard arithmetic both sides: the mask is the longer
-                return (len(other) < len(body)) != self.diagonal
-            return False
+        if last.opcode in ("BRA", "JMP") and self._unconditional(last):
+            # if/else: the fall-through never reaches t. The side with the 16-byte cp.async (not the
+            # element-copy fallback); else the side with more work (memory, tensor cores); with the same
+            # work, the shorter (hoisted guards, no mask) on an interior tile, the longer on a diagonal one.
+            a, b = then_c.get("LDGSTS", 0.0), else_c.get("LDGSTS", 0.0)
+            if a != b:
+                return b > a
+            wa, wb = self._work(then_c), self._work(else_c)
+            if wa != wb:
+                return wb > wa
+            na, nb = sum(then_c.values()), sum(else_c.values())
+            if na == nb:
+                return False
+            return (nb < na) != self.diagonal
         if self.has(body, *WORK_PREFIXES) or not any(opcode_class(ins.opcode) == "fp" for ins in body):
             return False  # work, or integer set-up (an address a valid row computes)
         return not self.diagonal  # floating-point guard arithmetic: the mask of a partial tile
@@ -276,10 +324,14 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     ``{"HMMA": ..., "LDGSTS": ..., "REDG": ...}``), from which the trip count of every nested loop is
     solved, innermost first: a loop whose body holds an opcode of ``work`` that no other unsolved loop
     of the same nest level holds gets trips = (work - what the rest of the path issues) / its body's
-    count. Conditional forward branches: over a region with work (memory, tensor, barrier, shuffle)
-    fall through; over guard arithmetic only, taken (the mask of a partial tile, executed with
-    ``diagonal``); an if/else with a 16-byte cp.async on one side takes that side (the element-copy
-    fallback for unaligned tensors is not counted). None when the kernel has no loop with HMMA."""
+    count (the opcode the fewest loops issue first). Conditional forward branches: over a region with
+    work (memory, tensor cores, barriers, shuffles) or with integer set-up only, fall through; over
+    floating-point guard arithmetic only (the mask), taken on an interior tile and walked with
+    ``diagonal``. Of an if/else (the fall-through ends in an unconditional branch) the side whose path
+    issues more 16-byte cp.async (the element-copy fallback for unaligned tensors is not counted), else
+    more work, else the shorter on an interior tile (hoisted guards, no mask) and the longer with
+    ``diagonal``; an unconditional backward branch ends the trip. None when the kernel has no loop with
+    HMMA."""
     instrs = sass.parse(text).get(kernel)
     spans = sorted(set(sass.loop_spans(text).get(kernel, [])))
     if not instrs or not spans:
@@ -295,20 +347,24 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     w = _Walker(instrs, labels, spans, diagonal)
     nested = [s for s in spans if s != best and best[0] <= s[0] and s[1] <= best[1]]
     unsolved = set(nested)
-    for _ in range(len(nested) + 1):  # one loop solved per round, at most
+
+    def issues(s: tuple[int, int], op: str) -> bool:
+        return any(ins.opcode == op for ins in instrs if s[0] <= ins.address <= s[1])
+
+    for _ in range(len(nested) + 1):  # a loop (or a group of like loops) solved per round, at least
         progress = False
-        for op, want in work.items():
+        # the opcode that the fewest unsolved loops issue first (dQ reductions before HMMAs)
+        for op, want in sorted(work.items(), key=lambda kv: sum(issues(s, kv[0]) for s in unsolved)):
             # the path's counts with the current trips; which unsolved loops issue op on it
             base: dict[str, float] = {}
             visited: list[tuple[int, int]] = []
             w.walk(best[0], best[1], base, 1.0, visited)
-            cands = [s for s in unsolved if s in visited and any(
-                ins.opcode == op for ins in instrs if s[0] <= ins.address <= s[1])]
+            cands = [s for s in unsolved if s in visited and issues(s, op)]
             if not cands:
                 continue
             # innermost candidate first: a loop with no unsolved candidate inside it
             inner = [s for s in cands if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in cands)]
-            if len(inner) != 1 and len({_body_count(w, s, op) for s in inner}) != 1:
+            if len(inner) != 1 and len({_path_count(w, s, op) for s in inner}) != 1:
                 continue
             group = inner if len(inner) > 1 else inner[:1]
             per = sum(_path_count(w, s, op) * _outer_weight(w, s, best) for s in group)
@@ -316,9 +372,10 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
             trips = (want - rest) / per if per else 0.0
             if trips >= 1 - 1e-9:
                 for s in group:
-                    w.trips[s] = round(trips, 6)
+                    w.set_trips(s, round(trips, 6))
                     unsolved.discard(s)
                 progress = True
+                break  # re-rank the opcodes against the loops left
         if not progress:
             break
     counts: dict[str, float] = {}
@@ -335,10 +392,6 @@ def _path_count(w: _Walker, s: tuple[int, int], op: str) -> float:
     return c.get(op, 0.0)
 
 
-def _body_count(w: _Walker, s: tuple[int, int], op: str) -> float:
-    return _path_count(w, s, op)
-
-
 def _outer_weight(w: _Walker, s: tuple[int, int], best: tuple[int, int]) -> float:
     """Product of the trips of the loops enclosing s inside best."""
     out = 1.0
@@ -352,3 +405,18 @@ def _reached(w: _Walker, s: tuple[int, int], best: tuple[int, int]) -> bool:
     visited: list[tuple[int, int]] = []
     w.walk(best[0], best[1], {}, 1.0, visited)
     return s in visited
+
+
+def walked_loop_mix(cubin: bytes, kernel: str, work: Mapping[str, float]) -> LoopMix | None:
+    """The opcode counts one walked trip of ``kernel``'s tile loop issues (``tile_loop``, its nested
+    loops at their solved trips) as a LoopMix with no inner part, which ``dynamic_instructions``
+    takes whole; None without a disassembler, a tile loop or when a nested loop's trips stay
+    unsolved (the caller falls back to ``main_loop_mix``)."""
+    text = sass.disassemble(cubin)
+    if text is None:
+        return None
+    loop = tile_loop(text, kernel, work)
+    if loop is None or loop.unsolved:
+        return None
+    return LoopMix(tuple(sorted((op, round(n)) for op, n in loop.mix if round(n))), ())
+

@@ -199,6 +199,16 @@ class Family(Protocol):
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         """Largest (block_r, block_c) a default tile starts from, before shrinking to fit smem."""
 
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        """The (block_r, block_c) a spec without block_r / block_c starts from (then capped by
+        ``tile_caps`` and shrunk until it fits sram_bytes), or None for Algorithm 4's paper point."""
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        """SASS opcode -> warp instructions one (average) warp of the ``role`` kernel must issue per
+        tile pair of ``fs.tile`` (tensor-core instructions, 16-byte copies, reductions), from which
+        ``fagen.autotune.sassloops.tile_loop`` solves the trip counts of the tile loop's nested
+        loops; None: the cost model scales the whole main loop instead."""
+
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The family's decisions for its templates: ``strides`` (named smem row strides, emitted as
         constexprs) and ``constants`` (a tuple of :class:`Constant`, emitted after them and each also
@@ -273,6 +283,12 @@ class FamilyBase:
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         return self.max_block_r, self.max_block_c
+
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        return None
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        return None
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         return {"strides": {}, "constants": ()}

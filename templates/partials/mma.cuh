@@ -23,6 +23,10 @@
 //   fa_cp_async_wait<N>()   cp.async.wait_group N: this thread's copies of all
 //                           but its N most recent committed groups have landed
 //   fa_cp_async_wait_all()  cp.async.wait_all (= commit + wait_group 0)
+//   fa_red_add_f32x2(p, a, b)   p[0] += a, p[1] += b in global memory, each add
+//       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
+//       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
+//       needs sm_90 and .global); before sm_90 two red.global.add.f32.
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -119,6 +123,16 @@ FA_DEVICE void fa_cp_async_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], { %1, %2 };\n" ::"l"(__cvta_generic_to_global(p)), "f"(a),
+                 "f"(b)
+                 : "memory");
+#else
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "f"(a) : "memory");
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p + 1)), "f"(b) : "memory");
+#endif
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -154,4 +168,11 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
+    if (reinterpret_cast<uintptr_t>(p) & 7u)
+        fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
+                       static_cast<void*>(p));
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
 #endif

@@ -20,11 +20,12 @@ from typing import Any, Literal
 from fagen.abi import Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
 from fagen.families.mma.cost import pair_cost
-from fagen.families.mma.rules import (DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS, MAX_REG_ACC_DIM, MAX_REG_KV_DIM,
-                                      MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES, SUPPORTED_DTYPES, acc_in_smem,
-                                      dq_key_chunk, dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_m_tiles,
-                                      fwd_q_in_regs,
-                                      kv_in_regs, lse_now, padded_dim, q_in_regs)
+from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS,
+                                      MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
+                                      SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk, dq_kv_stages, dq_rows, ds_ld,
+                                      fwd_default_block_c, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
+                                      padded_dim, q_in_regs)
+from fagen.arch import ARCHS
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
@@ -60,8 +61,6 @@ class MmaFamily(FamilyBase):
         if dtype not in SUPPORTED_DTYPES:
             return (f"dtype={dtype} has no tensor-core path here (mma.sync m16n8k16 takes float16/bfloat16 "
                     "operands); use impl='simt'")
-        from ...arch import ARCHS
-
         if arch not in ARCHS or not ARCHS[arch].mma_sync:  # pragma: no cover - every spec arch has it
             return f"arch={arch}: mma.sync m16n8k16 with bf16 and cp.async need sm_80+"
         return None
@@ -100,15 +99,45 @@ class MmaFamily(FamilyBase):
         return None
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
-        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one is 64 rows
-        (two stages of it double the smem, and the forward's S/P fragments grow with it), 32 in
-        the forward beyond d = 128, where the O accumulator takes half the registers. The forward
-        streams fwd_default_block_c keys per step (128 up to d = 64: the rescale of O, the copy
-        set-up and the row reductions amortised over twice the keys)."""
+        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one at most
+        BWD_STREAM_ROWS in the backward (``default_tile``). The forward streams fwd_default_block_c
+        keys per step (128 up to d = 64: the rescale of O, the copy set-up and the row reductions
+        amortised over twice the keys; 64 to d = 128; 32 beyond, where the O accumulator takes half
+        the registers)."""
         own = 16 * fs.num_warps
         if fs.direction == "bwd":
-            return 64, own
+            return BWD_STREAM_ROWS, own
         return own, fwd_default_block_c(fs.head_dim)
+
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        """Backward: BWD_STREAM_ROWS Q rows per step x the warps' 16 K/V rows each when two such blocks
+        fit sram_bytes (so an SM keeps two blocks' warps resident, as with the paper tile): a longer Q
+        block spreads the per-step work (barriers, the copies' set-up, lse/D staging) over more
+        tensor-core work (benchmarks/sass_cost.py, docs/performance.md); else BWD_SHORT_STREAM_ROWS.
+        Both are then shrunk until one block fits. Forward: the paper point."""
+        if fs.direction != "bwd":
+            return None
+        bc = 16 * fs.num_warps
+        need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
+        return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
+        2 forward, of 2 Br Bc DPAD FLOPs each), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
+        per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
+        if role != "main":
+            return None
+        w, dp = fs.num_warps, padded_dim(fs.head_dim)
+        det = fs.has("deterministic")
+        gemms = 2 if fs.direction == "fwd" else 4 if det else 5
+        work = {"HMMA": gemms * 2 * fs.block_r * fs.block_c * dp / 4096 / w,
+                "LDGSTS": 2 * (fs.block_c if fs.direction == "fwd" else fs.block_r) * dp / 8 / 32 / w}
+        if fs.direction == "bwd" and not det:
+            sm90 = ARCHS[fs.arch].capability >= (9, 0)
+            vec = sm90 and fs.head_dim % 2 == 0
+            work["REDG" if sm90 else "RED"] = fs.block_r * fs.head_dim / (2 if vec else 1) / 32 / w
+        return work
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The smem row strides and the templates' decisions (Constant): which fragments and

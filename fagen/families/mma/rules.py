@@ -21,6 +21,12 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 MASKED_SCORE_MOD_STEP_REGS = 146
 
 
+#: Q rows the backward streams per step by default when two blocks of that tile fit the shared
+#: memory (the K/V block is the warps' 16 rows each), else BWD_SHORT_STREAM_ROWS.
+BWD_STREAM_ROWS = 128
+BWD_SHORT_STREAM_ROWS = 64
+
+
 def padded_dim(head_dim: int) -> int:
     """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
     return -(-head_dim // 16) * 16
