@@ -1261,7 +1261,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
                         const int e = 2 * r + x;
-                        const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
+                        // P~ as P~ V will read it (rounded to T), so l sums what O accumulates and
+                        // D = rowsum(dO o O) of the backward carries no row-wide rounding factor.
+                        const float p = fa_to_float(fa_from_float<T>(mma_exp2(fmaf(sacc[mt][n][e], sl2, -base))));
                         sum += p;
                         pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;
                     }

@@ -6,12 +6,11 @@ flash test's dQ factor (the strictest of the three gradients' there), for dQ, dK
 
 ``test_backward_meets_torch_criterion`` isolates each family's backward: it gets the float64
 forward's O (rounded to the dtype) and lse. ``test_forward_and_backward_meet_torch_criterion`` runs a
-family's own forward first, as torch's test does. The mma forward fails it at the issue's d = 192
-case (strict xfail): it normalises O by the row sum of the fp32 P while P enters P V rounded to the
-dtype, so O is off by a row-wide factor that D = rowsum(dO o O) carries into every dS of the row
-(4x the dQ error of a consistent O: 0.0042 against a bound of 0.004 here, 0.0010 once P is rounded
-to the dtype before both the row sum and the pack, ``p = fa_to_float(fa_from_float<T>(p))`` in
-templates/mma/fwd.cu.j2's online softmax; the backward needs no change).
+family's own forward first, as torch's test does, at the d = 192 causal case where the mma forward
+once normalised O by the row sum of the fp32 P while P entered P V rounded to the dtype: O was off by
+a row-wide factor that D = rowsum(dO o O) carried into every dS of the row (dQ error 0.0042 against a
+bound of 0.004; 0.0010 now that the forward rounds P~ to the dtype before both the row sum and the
+pack; the backward needed no change).
 """
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def test_backward_meets_torch_criterion(impl: str, dtype: str, n: int, d: int, c
     assert all(err <= bound for err, bound in res.values()), res
 
 
-@pytest.mark.parametrize("impl", [pytest.param("mma", marks=pytest.mark.xfail(
-    strict=True, reason="the mma forward normalises O by the fp32 P's row sum; P enters P V rounded")), "simt"])
+@pytest.mark.parametrize("impl", ["mma", "simt"])
 def test_forward_and_backward_meet_torch_criterion(impl: str) -> None:
     dtype, n, d, causal = "bfloat16", 256, 192, True  # the failing case the issue names
     dt = DTYPES[dtype]
