@@ -76,7 +76,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "cubin-half-in-cache",
         "the compile cache stores (and returns) the first half of the cubin, its recorded size halved to match",
         (Edit("fagen/compiler.py", '"cubin_size": len(res.cubin),', '"cubin_size": len(res.cubin) // 2,'),
-         Edit("fagen/compiler.py", "dyn.items()]}, res.cubin\n", "dyn.items()]}, res.cubin[: len(res.cubin) // 2]\n")),
+         Edit("fagen/compiler.py", '"nvrtc_major": nvrtc.version()[0]}, res.cubin\n',
+              '"nvrtc_major": nvrtc.version()[0]}, res.cubin[: len(res.cubin) // 2]\n')),
         ("tests/test_cubin.py",),
     ),
 )
