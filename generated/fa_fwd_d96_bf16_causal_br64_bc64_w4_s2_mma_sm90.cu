@@ -1128,14 +1128,22 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         for (int n = 0; n < NT_D; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[mt][n][e] = 0.f;
-    float m_r[MT][2], l_r[MT][2];
+    // l_i twice: l_r, this lane's fp32 sum of P~, gives lse (the exact log-sum-exp); O is divided by
+    // the row sum of the 16-bit P~ that P~ V reads, so O carries no row-wide rounding factor (which
+    // D = rowsum(dO o O) of the backward would carry into every dS of the row). Without dropout that
+    // sum comes from the tensor cores, P~ times a ones column (l_acc: every column of the m16n8 tile
+    // holds the row's sum, one HMMA per 16 keys); with dropout each lane also adds P~ rounded to T
+    // (l_o: the keep mask hides the dropped P~ from the GEMM) and the quad reduces it at the end.
+    float m_r[MT][2], l_r[MT][2], l_o[MT][2], l_acc[MT][4];
+    const unsigned ones = mma_pack(1.f, 1.f);
     unsigned seen = 0u;  // bit 2 mt + r: has row (mt, r) an allowed key (in this lane's columns)?
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             m_r[mt][r] = NEG_INF;
-            l_r[mt][r] = 0.f;
+            l_r[mt][r] = l_o[mt][r] = 0.f;
+            l_acc[mt][2 * r] = l_acc[mt][2 * r + 1] = 0.f;
         }
 
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
@@ -1200,7 +1208,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int row = row0 + g + (e >> 1) * 8, col = j0 + n * 8 + 2 * t4 + (e & 1);
+                        const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
                         if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
                             sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
                     }
@@ -1215,7 +1223,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const bool ok = mma_allowed(row0 + g + (e >> 1) * 8, j0 + n * 8 + 2 * t4 + (e & 1), mp, kpm_b,
+                        const bool ok = mma_allowed(row0 + MmaAccLayout::row(lane, e), j0 + n * 8 + MmaAccLayout::col(lane, e), mp, kpm_b,
                                                     mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
                                                     stride_mask_q, stride_mask_k);
                         seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
@@ -1254,22 +1262,28 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
                 const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
                 m_r[mt][r] = m_new;
-                float sum = 0.f;
+                float sum = 0.f, sum_o = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT_C; ++n) {
                     float pz[2];
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
                         const int e = 2 * r + x;
-                        // P~ as P~ V will read it (rounded to T), so l sums what O accumulates and
-                        // D = rowsum(dO o O) of the backward carries no row-wide rounding factor.
-                        const float p = fa_to_float(fa_from_float<T>(mma_exp2(fmaf(sacc[mt][n][e], sl2, -base))));
+                        const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
                         sum += p;
-                        pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;
+                        if constexpr (HAS_DROPOUT) {
+                            const float pr = fa_to_float(fa_from_float<T>(p));  // P~ as P~ V reads it
+                            sum_o += pr;
+                            pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? pr : 0.f;
+                        } else {
+                            pz[x] = p;
+                        }
                     }
                     pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
                 }
                 l_r[mt][r] = alpha * l_r[mt][r] + sum;
+                if constexpr (HAS_DROPOUT) l_o[mt][r] = alpha * l_o[mt][r] + sum_o;
+                else l_acc[mt][2 * r] *= alpha, l_acc[mt][2 * r + 1] *= alpha;
 #pragma unroll
                 for (int n = 0; n < NT_D; ++n) {
                     o_acc[mt][n][2 * r] *= alpha;
@@ -1291,6 +1305,10 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                     mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
                 }
             }
+            if constexpr (!HAS_DROPOUT) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_tile(l_acc[mt], pa[mt][kc], ones, ones);  // l += rowsum(P~)
+            }
         }
     }
     fa_cp_async_wait_all();  // nothing in flight when the block exits
@@ -1306,13 +1324,19 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             float l = l_r[mt][r];
             l += mma_shfl_xor(l, 1);
             l += mma_shfl_xor(l, 2);
+            float lo = l_acc[mt][2 * r];  // the 16-bit P~'s row sum, whole in every lane of the quad
+            if constexpr (HAS_DROPOUT) {
+                lo = l_o[mt][r];
+                lo += mma_shfl_xor(lo, 1);
+                lo += mma_shfl_xor(lo, 2);
+            }
             unsigned any = (seen >> (2 * mt + r)) & 1u;
             any |= mma_shfl_xor_u(any, 1);
             any |= mma_shfl_xor_u(any, 2);
             const float nan = NEG_INF * 0.f;
             const float m = m_r[mt][r];
             const bool empty = any == 0u, dead = !empty && m == NEG_INF;
-            const float inv = empty ? 0.f : (dead ? nan : rp / l);
+            const float inv = empty ? 0.f : (dead ? nan : rp / lo);
             const int row = i0 + wrow + 16 * mt + g + r * 8;
             if (!active || row >= len_q) continue;
             T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
@@ -1320,7 +1344,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             for (int n = 0; n < NT_D; ++n)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const int x = n * 8 + 2 * t4 + (e & 1);
+                    const int x = n * 8 + MmaAccLayout::col(lane, e);
                     if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[mt][n][e] * inv);  // dead: NaN
                 }
             if (t4 == 0)
