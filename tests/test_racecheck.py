@@ -13,8 +13,9 @@
   ``__syncwarp()`` / cp.async wait is replaced, one at a time, by ``fagen_emu_race_marker()``
   (a no-op the reports name); a spec that runs that code then raises ``EmulatorRaceError``
   naming the marker.
-* No false positives: a covering sample of specs (both families, every kernel role) runs clean
-  under ``fagen.runtime.cpu.racecheck()`` with the same results as a plain launch.
+* No false positives: a covering sample of specs (the SIMT and mma families, every kernel role;
+  the Hopper forward) runs clean under ``fagen.runtime.cpu.racecheck()`` with the same results
+  as a plain launch. (The Hopper primitives themselves: tests/test_racecheck_hopper.py.)
 """
 from __future__ import annotations
 

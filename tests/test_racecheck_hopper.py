@@ -60,13 +60,22 @@ extern "C" __global__ void tma_store(const __grid_constant__ FaTensorMap tmap, c
 
 // One m64n8k16 wgmma of the warpgroup, A and B K-major without swizzle (A 2048 bytes, B 256).
 // mode 0: operands written, fence.proxy.async, barrier, then written again after the wait;
-// 1: no fence.proxy.async; 2: thread 3 overwrites an A element before the wait.
+// 1: no fence.proxy.async; 2: thread 3 overwrites an A element before the wait; 3: thread 5
+// rewrites an A element after the barrier, then a named barrier of the warpgroup, no fence;
+// 4: as 3 with thread 5's fence.proxy.async before the named barrier.
 extern "C" __global__ void wgmma_ops(float* out, int mode) {
     unsigned char* s = fa_smem_1024();
     const int t = threadIdx.x;
     for (int i = t; i < 1152; i += 128) reinterpret_cast<unsigned short*>(s)[i] = 0;  // LINE:operand_write
     if (mode != 1) fa_fence_proxy_async();
     fa_sync();
+    if (mode >= 3) {
+        if (t == 5) {
+            reinterpret_cast<unsigned short*>(s)[40] = 0;  // LINE:late_write
+            if (mode == 4) fa_fence_proxy_async();
+        }
+        fa_named_barrier_sync(1, 128);
+    }
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     const unsigned long long da = fa_wgmma_desc(s, 128, 256, 0);
     const unsigned long long db = fa_wgmma_desc(s + 2048, 128, 256, 0);
@@ -75,7 +84,7 @@ extern "C" __global__ void wgmma_ops(float* out, int mode) {
     fa_wgmma_commit_group();
     if (mode == 2 && t == 3) s[16] = 1;  // LINE:operand_overwrite
     fa_wgmma_wait_group<0>();
-    if (mode == 0) s[2 * t] = 2;  // retired: the operands are free again
+    if (mode == 0 || mode == 4) s[2 * t] = 2;  // retired: the operands are free again
     for (int i = 0; i < 4; ++i) out[4 * t + i] = d[i];
 }
 
@@ -173,6 +182,12 @@ def test_wgmma_operands_need_the_proxy_fence_and_stay_untouched_until_the_wait(m
     assert e.kind == "write-after-read" and e.offset == 16, str(e)
     assert "read by asynchronous agent 0 (wgmma of warpgroup 0)" in str(e), str(e)
     assert "write by block (0,0,0) thread (3,0,0)" in str(e) and f":{line_of('operand_overwrite')}" in str(e)
+    # another thread's write, ordered by a named barrier but not proxy-fenced by its thread
+    mod.launch("wgmma_ops", 1, 128, SMEM, [out, 4])
+    e = _race(mod, "wgmma_ops", 1, 128, SMEM, [out, 3])
+    assert e.kind == "read-after-write" and e.offset == 80, str(e)
+    assert "write by block (0,0,0) thread (5,0,0)" in str(e) and f":{line_of('late_write')}" in str(e), str(e)
+    assert "fence.proxy.async" in str(e), str(e)
 
 
 def test_named_barriers_order_their_participants(mod) -> None:

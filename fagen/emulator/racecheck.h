@@ -134,6 +134,7 @@ struct Tracker {
     uint32_t* vc = nullptr;               // [dim][dim]
     LogEntry* log = nullptr;              // [dim][kLog]
     uint32_t phase = 1;
+    uint32_t block_phase = 1;             // the phase the current block started with
     Cell* cells = nullptr;
     InFlight* inflight = nullptr;
     size_t ncells = 0, cells_cap = 0;
@@ -277,7 +278,7 @@ FAGEN_EMU_NO_TSAN inline void block_begin(unsigned char* smem, size_t smem_bytes
     T.smem = smem;
     T.smem_bytes = smem_bytes;
     T.block_linear = (g.block_idx.z * g.grid_dim.y + g.block_idx.y) * g.grid_dim.x + g.block_idx.x;
-    ++T.phase;
+    T.block_phase = ++T.phase;
     T.pool_used = 0, T.free_n = 0;
     for (size_t i = 0; i < T.ncells; ++i) T.inflight[i].issuer1 = 0;
     memset(T.quiet, 0, T.dim);
@@ -357,8 +358,10 @@ FAGEN_EMU_NO_TSAN inline Cell& cell(size_t i) {
         // except an asynchronous agent's write, which no thread barrier orders, and for the
         // async proxy a thread's write its thread has not followed by fence.proxy.async (kept
         // as kStale: ordered for threads, a hazard for agents until the writer fences).
-        const bool agent_w = c.w_epoch != 0 && c.w_tid >= T.n;
-        const bool stale = c.w_epoch != 0 && c.w_tid < T.n && c.w_epoch > T.fenced[c.w_tid];
+        // (Nothing of an earlier block is kept: its shared memory is another CTA's.)
+        const bool mine = c.phase >= T.block_phase;
+        const bool agent_w = mine && c.w_epoch != 0 && c.w_tid >= T.n;
+        const bool stale = mine && c.w_epoch != 0 && c.w_tid < T.n && c.w_epoch > T.fenced[c.w_tid];
         const bool keep = agent_w || stale;
         const uint32_t e = c.w_epoch, w = c.w_where;
         const uint16_t tid = c.w_tid;
@@ -545,8 +548,8 @@ FAGEN_EMU_NO_TSAN inline void proxy_fence(unsigned t, uint32_t site_idx) {
 // API: agent slot a starts an operation issued by threads first..first+count-1: its vector
 // clock becomes their join (what they have synchronised with), except that a thread's own
 // generic-proxy accesses count only up to its last fence.proxy.async when `proxy_fenced`
-// (wgmma operands, TMA / bulk store sources: the async proxy sees generic writes only through
-// a proxy fence). Returns the epoch of the agent's accesses for this operation.
+// (wgmma operands, TMA / bulk store sources: the async proxy sees a thread's generic writes
+// only through that thread's proxy fence). Returns the epoch of the agent's accesses for this operation.
 FAGEN_EMU_NO_TSAN inline uint32_t agent_issue(unsigned a, unsigned first, unsigned count, bool proxy_fenced,
                                               uint32_t site_idx) {
     uint32_t* va = V(a);
@@ -557,7 +560,7 @@ FAGEN_EMU_NO_TSAN inline uint32_t agent_issue(unsigned a, unsigned first, unsign
         for (unsigned u = 0; u < T.dim; ++u) va[u] = std::max(va[u], v[u]);
     }
     if (proxy_fenced)
-        for (unsigned t = first; t < first + count; ++t) va[t] = std::min(va[t], T.fenced[t]);
+        for (unsigned t = 0; t < T.n; ++t) va[t] = std::min(va[t], T.fenced[t]);
     va[a] = own;
     tick(a, site_idx);
     return T.clock[a];
