@@ -13,8 +13,9 @@
   ``__syncwarp()`` / cp.async wait is replaced, one at a time, by ``fagen_emu_race_marker()``
   (a no-op the reports name); a spec that runs that code then raises ``EmulatorRaceError``
   naming the marker.
-* No false positives: a covering sample of specs (both families, every kernel role) runs clean
-  under ``fagen.runtime.cpu.racecheck()`` with the same results as a plain launch.
+* No false positives: a covering sample of specs (the SIMT and mma families, every kernel role;
+  the Hopper forward) runs clean under ``fagen.runtime.cpu.racecheck()`` with the same results
+  as a plain launch. (The Hopper primitives themselves: tests/test_racecheck_hopper.py.)
 """
 from __future__ import annotations
 
@@ -356,10 +357,10 @@ BARRIER = re.compile(r"\bfa_sync\(\)|\b__syncthreads\(\)|\b__syncwarp\([^()]*\)|
                      r"|\bfa_cp_async_wait_all\(\)")
 #: The files defining the primitives themselves (their barriers are the primitives' bodies).
 PRIMITIVE_FILES = {"partials/primitives.cuh", "partials/mma.cuh"}
-#: Template folders racecheck cannot run yet: the Hopper primitives' emulation (fagen/emulator/hopper.h)
-#: leaves its race hooks empty and its own bookkeeping is instrumented like kernel stores.
-#: tests/test_wgmma_family.py removes each of that family's waits in turn instead.
-NOT_RACECHECKED = ("wgmma/",)
+#: Template folders racecheck cannot run (none: the Hopper primitives report their accesses and
+#: synchronisation to the tracker; tests/test_wgmma_family.py removes each of that family's
+#: mbarrier and wgmma waits in turn as well).
+NOT_RACECHECKED: tuple[str, ...] = ()
 #: Barriers that turn out not to be needed for the spec that runs them, as (template, line text):
 #: the cp.async waits before a block (or a dq pass) ends, when every copy was already waited for by
 #: the last step's wait_all. templates/mma is being rewritten elsewhere, so they stay there (a
@@ -428,6 +429,9 @@ def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
             out.append((KernelSpec(direction="fwd", **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", deterministic=True, **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", **common), PROBLEMS))
+    # the Hopper forward (one consumer warpgroup: TMA, mbarriers, wgmma)
+    out.append((KernelSpec(direction="fwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
+                           impl="wgmma"), PROBLEMS))
     return out
 
 
@@ -626,5 +630,34 @@ def test_sample_runs_clean_and_bit_identical_under_racecheck(row) -> None:
         checked = run()
     roles = [role for _, role, _ in record.launches]
     assert roles == ["main", "pre", "main", *(["dq"] if det else []), "post"], roles
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)
+
+
+#: The Hopper forward (one consumer warpgroup; two read the same K/V cells, whose FastTrack read
+#: vectors outgrow racecheck's per-phase budget at these tiles): causal and key padding, bf16
+#: with a 3-deep pipeline, several K/V blocks per Q block.
+WGMMA_CLEAN = [dict(dtype="float16", head_dim=64, causal=True, key_padding=True),
+               dict(dtype="bfloat16", head_dim=128, knobs={"stages": 3})]
+
+
+@pytest.mark.parametrize("row", WGMMA_CLEAN, ids=lambda r: f"wgmma-{r['dtype']}-d{r['head_dim']}")
+def test_wgmma_forward_runs_clean_and_bit_identical_under_racecheck(row) -> None:
+    row = dict(row)
+    kp = row.pop("key_padding", False)
+    spec = KernelSpec(direction="fwd", arch="sm_90a", impl="wgmma", key_padding=kp, **row)
+    g = torch.Generator().manual_seed(4)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[row["dtype"]]
+    q = torch.randn(1, 100, 2, row["head_dim"], generator=g).to(dt)
+    k, v = (torch.randn(1, 300, 1, row["head_dim"], generator=g).to(dt) for _ in range(2))
+    opt: dict = {"causal": spec.causal}
+    if kp:
+        kpm = torch.rand(1, 300, generator=g) > 0.3
+        kpm[:, 0] = True
+        opt["key_padding_mask"] = kpm
+    plain = F.attention_forward(q, k, v, spec=spec, **opt)
+    with cpu.racecheck() as record:
+        checked = F.attention_forward(q, k, v, spec=spec, **opt)
+    assert [role for _, role, _ in record.launches] == ["main"]
     for a, b in zip(plain, checked):
         assert torch.equal(a, b)

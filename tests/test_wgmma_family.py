@@ -1,6 +1,7 @@
 """The Hopper family (``wgmma``, sm_90a): selection and declines, numerics of its forward on the
 CPU emulator against a float64 oracle (flash-attn's criterion), its synchronisation (each
-mbarrier wait, wgmma wait and the init barrier removed in turn breaks the run), the tensor-map
+mbarrier wait, wgmma wait and the init barrier removed in turn breaks the run, three of them only
+under racecheck), the tensor-map
 launch hook, and the SASS NVRTC compiles for sm_90a (HGMMA in the tile loop, TMA, no ldmatrix,
 no spills, the setmaxnreg register split). No GPU needed."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ import fagen.settings
 from fagen import KernelSpec, renderer, sass
 from fagen.abi import FWD_MAIN, is_tensormap
 from fagen.compiler import compile as compile_spec
-from fagen.emulator import EmulatorError
+from fagen.emulator import EmulatorError, EmulatorRaceError
 from fagen.families import BUILTIN_FAMILIES, FamilySpec, get_family
 from fagen.families.mma import MMA
 from fagen.families.wgmma import WGMMA, register_split, tensor_map_boxes
@@ -194,15 +195,16 @@ def test_the_template_synchronises_at_six_sites() -> None:
     assert len(kinds) == 6 and sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 3, kinds
 
 
-#: Removals the emulator's schedules do not expose: its TMA loads land when issued, and the
+#: Removals the emulator's plain schedules do not expose: its TMA loads land when issued, and the
 #: producer has issued them before the consumers get past their warpgroup collectives (setmaxnreg,
 #: wgmma), in either thread order, so a consumer that skips the wait still finds its data.
 #: Likewise thread 0 initialises the mbarriers before any thread is past its setmaxnreg, so the
-#: barrier after the initialisation is not exposed either. racecheck does not model the Hopper
-#: primitives yet (hopper.h's race hooks are no-ops). When the emulator catches one, this test
-#: fails: remove it from the set.
-UNDETECTED = {"fa_mbarrier_wait_parity(q_full, 0);", "fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);",
-              "fa_sync();"}
+#: barrier after the initialisation is not exposed either. Racecheck catches each of them (a TMA
+#: load's data is visible only through its mbarrier phase; mbarrier operations must be ordered
+#: after the init): the test checks that too. When a plain schedule catches one, this test fails:
+#: remove it from the set.
+PLAIN_UNDETECTED = {"fa_mbarrier_wait_parity(q_full, 0);",
+                    "fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);", "fa_sync();"}
 
 
 def _broken(mod: cpu.CpuModule, spec: KernelSpec, schedule: str, monkeypatch) -> bool:
@@ -230,8 +232,27 @@ def test_removing_a_wait_breaks_the_run(site, monkeypatch) -> None:
     text = (renderer.templates_dir() / TEMPLATE).read_text()
     mod = _mutated(spec, TEMPLATE, text[:off] + "/* removed */;" + text[off + len(call):])
     broken = any(_broken(mod, spec, schedule, monkeypatch) for schedule in ("forward", "reverse"))
-    assert broken == (call not in UNDETECTED), (
+    assert broken == (call not in PLAIN_UNDETECTED), (
         f"{call} removed: {'caught' if broken else 'the forward is still right in both thread orders'}")
+    if call in PLAIN_UNDETECTED:
+        assert isinstance(_racecheck_error(mod, spec, monkeypatch), EmulatorRaceError), (
+            f"{call} removed: racecheck does not report it")
+
+
+def _racecheck_error(mod: cpu.CpuModule, spec: KernelSpec, monkeypatch) -> EmulatorError | None:
+    real = cpu.cpu_module
+    monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 130, 1, 64, generator=gen).to(torch.float16)
+    k = torch.randn(1, 520, 1, 64, generator=gen).to(torch.float16)
+    try:
+        with cpu.racecheck():
+            F.run_forward(spec, q, k, k)
+    except EmulatorError as e:
+        return e
+    finally:
+        monkeypatch.setattr(cpu, "cpu_module", real)
+    return None
 
 
 def _mutated(spec: KernelSpec, template: str, text: str) -> cpu.CpuModule:

@@ -27,8 +27,15 @@
 // * stmatrix (a warp collective), named barriers (bar.sync / bar.arrive with a
 //   thread count), setmaxnreg (checked, no effect), elect.sync (lane 31).
 //
-// Racecheck hook points: the hook_* functions below are called at each async
-// event; they are no-ops here, for a race checker to fill in.
+// Racecheck (racecheck.h, docs/emulator.md "Racecheck"): every entry point runs
+// its own bookkeeping quietly (race::quiet: not the kernel's loads and stores)
+// and reports the accesses and synchronisation the PTX ISA attributes to it
+// through the hook_* functions below (no-ops outside the racecheck build):
+// TMA / bulk loads are written by the mbarrier's agent slot and reach threads
+// through its phase completion, wgmma / TMA-store operands are read by an
+// agent slot that sees generic writes only up to each issuer's
+// fence.proxy.async, mbarrier arrive = release, wait = acquire, named
+// barriers join their participants.
 // ---------------------------------------------------------------------------
 #include <string>
 #include <vector>
@@ -60,14 +67,19 @@ constexpr unsigned kTensorMapMagic = 0x6d744146u;  // "FAtm"
 constexpr Wait kAtAsync = static_cast<Wait>(16);
 constexpr unsigned kPoison32 = 0x7fff7fffu;  // NaN as float; 0x7fff is NaN as fp16 and bf16
 
-// ------------------------------------------------------ racecheck hooks
-// Called with the thread that causes the event current (g.cur). No-ops.
-inline void hook_async_write(const void* smem, size_t bytes, const void* mbar) { (void)smem, (void)bytes, (void)mbar; }
-inline void hook_async_read(const void* smem, size_t bytes) { (void)smem, (void)bytes; }
-inline void hook_mbarrier_arrive(const void* mbar) { (void)mbar; }
-inline void hook_mbarrier_complete(const void* mbar, unsigned completed_phase) { (void)mbar, (void)completed_phase; }
-inline void hook_mbarrier_wait(const void* mbar, unsigned parity) { (void)mbar, (void)parity; }
-inline void hook_fence_proxy_async() {}
+// ------------------------------------------------------ racecheck slots
+// Agent slots (race::agent(k)): the wgmma unit of warpgroup w is slot w (w < 8),
+// TMA / bulk stores and reduces slot 8, the TMA / bulk loads completing on the
+// i-th mbarrier initialised in the block slot 9 + i % 15.
+constexpr unsigned kWgmmaAgents = 8, kBulkAgent = 8, kBarAgent0 = 9, kBarAgents = 15;
+
+// The running thread's bookkeeping is not kernel code (racecheck build: not tracked).
+struct Quiet {
+#if defined(FAGEN_EMU_RACECHECK)
+    FAGEN_EMU_NO_TSAN Quiet() { race::quiet(+1); }
+    FAGEN_EMU_NO_TSAN ~Quiet() { race::quiet(-1); }
+#endif
+};
 
 // ---------------------------------------------------------------- state
 enum ParkKind : uint8_t { kParkWarpgroup, kParkMbarrier, kParkNamedBarrier };
@@ -94,6 +106,9 @@ struct Mbar {
     int line;
     std::vector<unsigned> waiters;
     std::vector<PendingLoad> loads;
+    unsigned agent;                 // racecheck: the agent slot of its loads
+    std::vector<uint32_t> released;  // racecheck: releases into the current phase
+    std::vector<uint32_t> done;     // racecheck: releases of the completed phases
 };
 
 struct Snap {  // one shared element an async operation read, with its value then
@@ -110,6 +125,7 @@ struct WgmmaOp {
     int refs;
     const char* file;
     int line;
+    uint32_t epoch;  // racecheck: the agent's epoch of its operand reads
 };
 
 struct PendingWgmma {
@@ -124,6 +140,7 @@ struct BulkOp {
     std::vector<unsigned char> bytes;
     const char* file;
     int line;
+    uint32_t epoch;  // racecheck: the bulk agent's epoch of its source read
 };
 
 struct ThreadState {
@@ -152,6 +169,7 @@ struct NamedBarrier {
     const char* file;         // where the open phase's first thread arrived
     int line;
     std::vector<unsigned> waiters;
+    std::vector<uint32_t> obj;  // racecheck: the arrivals of the open phase (joined)
 };
 
 struct Hopper {
@@ -211,6 +229,7 @@ inline void wake(unsigned i) {
 // --------------------------------------------------- warpgroup collectives
 inline void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const char* name, const char* what,
                                  const char* file, int line) {
+    Quiet quiet;
     Hopper& h = state();
     Fiber* self = g.cur;
     const unsigned wg = self->index / 128, t = self->index % 128;
@@ -378,7 +397,19 @@ inline void wgmma_complete(void* const* payloads) {
         ++op->refs;
         ts.wgmma.push_back(PendingWgmma{op, ts.wgmma_commits, true});
     }
-    for (const Snap& s : op->snaps) hook_async_read(s.p, 2);
+#if defined(FAGEN_EMU_RACECHECK)
+    // The warpgroup's wgmma unit reads the operands (async proxy) when issued: ordered after what
+    // the issuers synchronised with, their own generic writes only up to their fence.proxy.async.
+    const unsigned wg = base / 128;
+    if (wg < kWgmmaAgents) {
+        char name[64];
+        snprintf(name, sizeof name, "wgmma of warpgroup %u", wg);
+        race::name_agent(wg, name);
+        const uint32_t where = race::site(p0.file, p0.line, "wgmma.mma_async");
+        op->epoch = race::agent_issue(race::agent(wg), base, 128, true, where);
+        for (const Snap& s : op->snaps) race::access(race::agent(wg), s.p, 2, race::kRead, where);
+    }
+#endif
 }
 
 inline void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a, unsigned long long da,
@@ -393,13 +424,20 @@ inline void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a,
                          file, line);
 }
 
-inline void wgmma_fence(const char*, int) { state().threads[g.cur->index].fenced = true; }
-inline void wgmma_commit(const char*, int) { ++state().threads[g.cur->index].wgmma_commits; }
+inline void wgmma_fence(const char*, int) {
+    Quiet quiet;
+    state().threads[g.cur->index].fenced = true;
+}
+inline void wgmma_commit(const char*, int) {
+    Quiet quiet;
+    ++state().threads[g.cur->index].wgmma_commits;
+}
 
 // Retires every wgmma of this thread in a group older than the `pending` most
 // recent committed groups: checks the operands and registers were left alone,
 // then writes the results into the registers.
 inline void wgmma_wait(unsigned pending, const char* file, int line) {
+    Quiet quiet;
     Hopper& h = state();
     const unsigned self = g.cur->index, t = self % 128;
     ThreadState& ts = h.threads[self];
@@ -437,6 +475,10 @@ inline void wgmma_wait(unsigned pending, const char* file, int line) {
             }
             memcpy(d, &op->res[t * (op->n / 2)], sizeof(float) * size_t(op->n / 2));
         }
+#if defined(FAGEN_EMU_RACECHECK)
+        if (self / 128 < kWgmmaAgents)  // retired: the operand reads happen before what follows
+            race::agent_retired(self, race::agent(self / 128), op->epoch, race::site(file, line, "wgmma.wait_group"));
+#endif
         if (--op->refs == 0) delete op;
     }
     ts.wgmma.resize(keep);
@@ -469,6 +511,7 @@ inline Mbar& get_bar(const void* bar, const char* what, const char* file, int li
 constexpr long kMaxTx = (1l << 20) - 1;  // PTX ISA: tx-count range [-(2^20-1), 2^20-1]
 
 inline void mbar_init(unsigned long long* bar, unsigned count, const char* file, int line) {
+    Quiet quiet;
     state();
     if (reinterpret_cast<uintptr_t>(bar) & 7u)
         fail("fa_mbarrier_init at %s:%d: mbarrier %p is not 8-byte aligned", file, line, static_cast<void*>(bar));
@@ -491,17 +534,46 @@ inline void mbar_init(unsigned long long* bar, unsigned count, const char* file,
     b->waiters.clear();
     b->loads.clear();
     *bar = 0;  // the object's bits mean nothing to the emulator; the record above is the state
+#if defined(FAGEN_EMU_RACECHECK)
+    // The init is a plain write of the object; every later mbarrier operation an atomic access.
+    b->agent = kBarAgent0 + unsigned(b - H.bars.data()) % kBarAgents;
+    b->released.assign(race::dim(), 0u);
+    b->done.assign(race::dim(), 0u);
+    char name[64];
+    snprintf(name, sizeof name, "TMA / bulk loads completing on mbarrier %s", bar_name(bar).c_str());
+    race::name_agent(b->agent, name);
+    race::access(g.cur->index, bar, 8, race::kWrite, race::site(file, line, "mbarrier.init"));
+#endif
+}
+
+// An mbarrier operation of the running thread: an atomic access of the object.
+inline void hook_mbar_access(const void* bar, const char* file, int line, const char* what) {
+#if defined(FAGEN_EMU_RACECHECK)
+    race::access(g.cur->index, bar, 8, race::kAtomic, race::site(file, line, what));
+#else
+    (void)bar, (void)file, (void)line, (void)what;
+#endif
 }
 
 // The current phase completes when no arrival is pending and the tx-count is 0.
 inline void mbar_check(Mbar& b) {
     if (b.pending != 0 || b.tx != 0) return;
+#if defined(FAGEN_EMU_RACECHECK)
+    const unsigned a = race::agent(b.agent);
+    if (!b.loads.empty()) race::tick(a, race::site(b.file, b.line, "mbarrier phase complete (TMA data landed)"));
+#endif
     for (PendingLoad& l : b.loads) {
         memcpy(l.dst, l.data.data(), l.data.size());
-        hook_async_write(l.dst, l.data.size(), b.addr);
+#if defined(FAGEN_EMU_RACECHECK)
+        race::async_write_land(a, l.dst, l.data.size());
+#endif
     }
+#if defined(FAGEN_EMU_RACECHECK)
+    // The phase releases its arrivals and (complete_tx) its loads' landing to every waiter.
+    if (!b.loads.empty()) b.released[a] = std::max(b.released[a], race::epoch_of(a));
+    for (size_t u = 0; u < b.done.size(); ++u) b.done[u] = std::max(b.done[u], b.released[u]), b.released[u] = 0;
+#endif
     b.loads.clear();
-    hook_mbarrier_complete(b.addr, b.phase);
     ++b.phase;
     b.pending = b.expected;
     std::vector<unsigned> w;
@@ -519,7 +591,9 @@ inline void mbar_tx(Mbar& b, long delta, const char* what, const char* file, int
 
 inline unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes, bool arrive, const char* what,
                                       const char* file, int line) {
+    Quiet quiet;
     Mbar& b = get_bar(bar, what, file, line);
+    hook_mbar_access(bar, file, line, what);
     mbar_tx(b, long(tx_bytes), what, file, line);
     const unsigned long long token = (unsigned long long)(b.phase & 1u) << 63 | b.phase;
     if (arrive) {
@@ -527,7 +601,9 @@ inline unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes
             fail("%s at %s:%d: mbarrier %s gets more arrivals than its count %u in phase %u", what, file, line,
                  bar_name(bar).c_str(), b.expected, b.phase);
         --b.pending;
-        hook_mbarrier_arrive(bar);
+#if defined(FAGEN_EMU_RACECHECK)
+        race::release(b.released.data(), g.cur->index, race::site(file, line, what));  // arrive: release
+#endif
     }
     mbar_check(b);
     return token;
@@ -538,18 +614,62 @@ inline unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes
 // (phase 0 current) parity 1 counts as the completed preceding phase. The
 // emulator's try_wait never times out: it blocks until the phase completes.
 inline bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file, int line) {
+    Quiet quiet;
     Mbar& b = get_bar(bar, "fa_mbarrier_try_wait_parity", file, line);
+    hook_mbar_access(bar, file, line, "mbarrier.try_wait.parity");
     if ((b.phase & 1u) == (parity & 1u)) {
         b.waiters.push_back(g.cur->index);
         park_self(kParkMbarrier, "fa_mbarrier_try_wait_parity", file, line, bar, parity & 1u);
         schedule(false);
     }
-    hook_mbarrier_wait(bar, parity & 1u);
+#if defined(FAGEN_EMU_RACECHECK)
+    // The completed phase's releases (arrivals, landed loads) happen before what follows.
+    if (Mbar* now = find_bar(bar)) race::acquire(now->done.data(), g.cur->index,
+                                                 race::site(file, line, "mbarrier.try_wait.parity"));
+#endif
     return true;
 }
 
 inline void fence_barrier_init() {}
-inline void fence_proxy_async() { hook_fence_proxy_async(); }
+// fence.proxy.async: the thread's generic-proxy accesses so far are ordered before the async
+// proxy's later accesses (wgmma operand reads, TMA / bulk store sources).
+inline void fence_proxy_async(const char* file, int line) {
+#if defined(FAGEN_EMU_RACECHECK)
+    race::proxy_fence(g.cur->index, race::site(file, line, "fence.proxy.async"));
+#else
+    (void)file, (void)line;
+#endif
+}
+
+// A TMA / bulk load into dst completing on b, issued by the running thread: the barrier's agent
+// writes dst (after what the issuer synchronised with), in flight until the phase completes.
+inline void hook_load_issue(Mbar& b, const void* dst, size_t bytes, const char* what, const char* file, int line) {
+#if defined(FAGEN_EMU_RACECHECK)
+    hook_mbar_access(b.addr, file, line, what);  // complete_tx on the object
+    const unsigned a = race::agent(b.agent);
+    const uint32_t where = race::site(file, line, what);
+    race::agent_issue(a, g.cur->index, 1, false, where);
+    race::async_write_issue(a, dst, bytes, where);
+#else
+    (void)b, (void)dst, (void)bytes, (void)what, (void)file, (void)line;
+#endif
+}
+
+// A TMA / bulk store or reduce of the running thread reads its shared source through the async
+// proxy now; returns the read's epoch (retired by the thread's bulk wait).
+inline uint32_t hook_store_issue(const void* src, size_t bytes, const char* what, const char* file, int line) {
+#if defined(FAGEN_EMU_RACECHECK)
+    const unsigned a = race::agent(kBulkAgent);
+    race::name_agent(kBulkAgent, "TMA / bulk stores and reduces");
+    const uint32_t where = race::site(file, line, what);
+    const uint32_t e = race::agent_issue(a, g.cur->index, 1, true, where);
+    race::access(a, src, bytes, race::kRead, where);
+    return e;
+#else
+    (void)src, (void)bytes, (void)what, (void)file, (void)line;
+    return 0;
+#endif
+}
 
 // --------------------------------------------------------------------- TMA
 enum TmaKind { kTmaLoad, kTmaStore, kTmaReduceAdd };
@@ -595,6 +715,7 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
         {"", "", "fa_tma_store_2d", "fa_tma_store_3d", "fa_tma_store_4d"},
         {"", "", "fa_tma_reduce_add_2d", "fa_tma_reduce_add_3d", "fa_tma_reduce_add_4d"}};
     const char* what = names[kind][rank];
+    Quiet quiet;
     Hopper& h = state();
     if (m->magic != kTensorMapMagic)
         fail("%s at %s:%d: the tensor map is not an emulator map (pack it with fagen.tma for the CPU)", what, file,
@@ -639,7 +760,12 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
         const unsigned s = swizzle(s_addr + unsigned(lin * eb), m->swizzle) - s_addr;
         if (inside) {
             if (kind == kTmaLoad) memcpy(&data[s], gbase + goff, eb);
-            else if (kind == kTmaStore) memcpy(gbase + goff, g.smem + s_addr + s, eb);
+            else if (kind == kTmaStore) {
+                memcpy(gbase + goff, g.smem + s_addr + s, eb);
+#if defined(FAGEN_EMU_RACECHECK)
+                race::global_store(reinterpret_cast<uintptr_t>(gbase + goff), eb, race::site(file, line, what));
+#endif
+            }
             else reduce_add(gbase + goff, g.smem + s_addr + s, m->dtype);
         }
         for (unsigned i = 0; i < rank && ++j[i] == ext[i]; ++i) j[i] = 0;
@@ -647,14 +773,15 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
     if (kind == kTmaLoad) {
         Mbar& b = get_bar(bar, what, file, line);
         for (size_t k = 0; k < bytes; k += 2) memcpy(g.smem + s_addr + k, &kPoison32, bytes - k >= 2 ? 2 : 1);
+        hook_load_issue(b, g.smem + s_addr, bytes, what, file, line);
         b.loads.push_back(PendingLoad{g.smem + s_addr, std::move(data)});
         mbar_tx(b, -long(bytes), what, file, line);  // the whole box, out-of-bounds elements included
         mbar_check(b);
     } else {
         ThreadState& ts = h.threads[g.cur->index];
         const unsigned char* src = g.smem + s_addr;
-        ts.bulk.push_back(BulkOp{ts.bulk_commits, src, std::vector<unsigned char>(src, src + bytes), file, line});
-        hook_async_read(src, bytes);
+        ts.bulk.push_back(BulkOp{ts.bulk_commits, src, std::vector<unsigned char>(src, src + bytes), file, line,
+                                 hook_store_issue(src, bytes, what, file, line)});
     }
 }
 
@@ -664,6 +791,7 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
 // and its source is checked at the bulk wait.
 inline void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned long long* bar, const char* what,
                  const char* file, int line) {
+    Quiet quiet;
     Hopper& h = state();
     const unsigned s_addr = shared_addr(smem, what, file, line);
     if (bytes == 0 || bytes % 16 || s_addr % 16 || reinterpret_cast<uintptr_t>(gmem) % 16)
@@ -679,24 +807,33 @@ inline void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned 
         Mbar& b = get_bar(bar, what, file, line);
         std::vector<unsigned char> data(gp, gp + bytes);
         for (unsigned k = 0; k < bytes; k += 2) memcpy(sp + k, &kPoison32, 2);
+        hook_load_issue(b, sp, bytes, what, file, line);
         b.loads.push_back(PendingLoad{sp, std::move(data)});
         mbar_tx(b, -long(bytes), what, file, line);
         mbar_check(b);
         return;
     }
-    if (kind == kTmaStore) memcpy(gp, sp, bytes);
-    else
+    if (kind == kTmaStore) {
+        memcpy(gp, sp, bytes);
+#if defined(FAGEN_EMU_RACECHECK)
+        race::global_store(reinterpret_cast<uintptr_t>(gp), bytes, race::site(file, line, what));
+#endif
+    } else
         for (unsigned k = 0; k < bytes; k += 4) reduce_add(gp + k, sp + k, 7);
     ThreadState& ts = h.threads[g.cur->index];
-    ts.bulk.push_back(BulkOp{ts.bulk_commits, sp, std::vector<unsigned char>(sp, sp + bytes), file, line});
-    hook_async_read(sp, bytes);
+    ts.bulk.push_back(BulkOp{ts.bulk_commits, sp, std::vector<unsigned char>(sp, sp + bytes), file, line,
+                             hook_store_issue(sp, bytes, what, file, line)});
 }
 
-inline void bulk_commit() { ++state().threads[g.cur->index].bulk_commits; }
+inline void bulk_commit() {
+    Quiet quiet;
+    ++state().threads[g.cur->index].bulk_commits;
+}
 
 // cp.async.bulk.wait_group[.read] N: the shared sources of this thread's bulk
 // stores / reduces older than its N most recent groups must not have changed.
 inline void bulk_wait(unsigned pending, const char* file, int line) {
+    Quiet quiet;
     ThreadState& ts = state().threads[g.cur->index];
     if (ts.bulk_commits <= pending) return;
     const unsigned done = ts.bulk_commits - pending;
@@ -712,6 +849,10 @@ inline void bulk_wait(unsigned pending, const char* file, int line) {
             fail("the shared source (offset 0x%x) of the bulk store / reduce issued at %s:%d was written before "
                  "fa_bulk_wait_group at %s:%d",
                  unsigned(b.src - g.smem), b.file, b.line, file, line);
+#if defined(FAGEN_EMU_RACECHECK)  // retired: the source read happens before what follows
+        race::agent_retired(g.cur->index, race::agent(kBulkAgent), b.epoch,
+                            race::site(file, line, "cp.async.bulk.wait_group"));
+#endif
     }
     ts.bulk.resize(keep);
 }
@@ -721,6 +862,8 @@ struct StmatrixLane {
     const unsigned* r;
     unsigned char* row;
     const char* name;
+    const char* file;
+    int line;
 };
 
 // stmatrix.sync.aligned.m8n8.x{NUM}[.trans].shared.b16 (PTX ISA 9.7.14.5.16):
@@ -740,20 +883,25 @@ void stmatrix_complete(void* const* payloads, unsigned arrived) {
         const unsigned gq = lane >> 2, tq = lane & 3u;
         for (unsigned i = 0; i < unsigned(NUM); ++i) {
             const uint16_t lo = uint16_t(r[i] & 0xffffu), hi = uint16_t(r[i] >> 16);
-            if (!TRANS) {
-                memcpy(rows[8 * i + gq] + 2 * (2 * tq), &lo, 2);
-                memcpy(rows[8 * i + gq] + 2 * (2 * tq + 1), &hi, 2);
-            } else {
-                memcpy(rows[8 * i + 2 * tq] + 2 * gq, &lo, 2);
-                memcpy(rows[8 * i + 2 * tq + 1] + 2 * gq, &hi, 2);
-            }
+            unsigned char* plo = !TRANS ? rows[8 * i + gq] + 2 * (2 * tq) : rows[8 * i + 2 * tq] + 2 * gq;
+            unsigned char* phi = !TRANS ? rows[8 * i + gq] + 2 * (2 * tq + 1) : rows[8 * i + 2 * tq + 1] + 2 * gq;
+            memcpy(plo, &lo, 2);
+            memcpy(phi, &hi, 2);
+#if defined(FAGEN_EMU_RACECHECK)
+            // The PTX memory model sees each lane write the elements it supplies.
+            const unsigned me = (g.cur->index & ~31u) + lane;
+            const uint32_t where = race::site(p0.file, p0.line, p0.name);
+            race::access(me, plo, 2, race::kWrite, where);
+            race::access(me, phi, 2, race::kWrite, where);
+#endif
         }
     }
 }
 
 template <int NUM, bool TRANS>
 inline void stmatrix(void* row, const unsigned* r, const char* name, const char* file, int line) {
-    StmatrixLane lane{r, static_cast<unsigned char*>(row), name};
+    Quiet quiet;
+    StmatrixLane lane{r, static_cast<unsigned char*>(row), name, file, line};
     warp_exchange(0xffffffffu, &lane, &stmatrix_complete<NUM, TRANS>, name, file, line);
 }
 
@@ -776,6 +924,7 @@ inline void setmaxnreg(int n, bool inc, const char* file, int line) {
 // elected; the ISA leaves which one open. The emulator elects the highest
 // lane (31 in a full warp), so a kernel that assumes lane 0 fails here.
 inline bool elect_one(const char* file, int line) {
+    Quiet quiet;
     const unsigned ballot = __ballot_sync(0xffffffffu, 1, file, line);
     const unsigned lane = g.cur->index & 31u;
     return lane == 31u - unsigned(__builtin_clz(ballot));
@@ -787,6 +936,7 @@ inline bool elect_one(const char* file, int line) {
 // emulator counts threads (every lane of a participating warp must execute it) and keeps
 // barrier 0 for __syncthreads: ids are 1..15.
 inline void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line) {
+    Quiet quiet;
     Hopper& h = state();
     const char* what = wait ? "fa_named_barrier_sync" : "fa_named_barrier_arrive";
     if (id < 1 || id > 15) fail("%s at %s:%d: barrier id %u is not in 1..15 (0 is __syncthreads')", what, file, line, id);
@@ -807,8 +957,18 @@ inline void named_barrier(unsigned id, unsigned count, bool wait, const char* fi
         b.waiters.push_back(g.cur->index);
         park_self(kParkNamedBarrier, what, file, line, nullptr, id);
     }
+#if defined(FAGEN_EMU_RACECHECK)
+    // Every arrival (bar.sync or bar.arrive) releases into the phase; the bar.sync threads
+    // acquire all of them when it completes.
+    if (b.obj.size() != race::dim()) b.obj.assign(race::dim(), 0u);
+    race::release(b.obj.data(), g.cur->index, race::site(file, line, wait ? "bar.sync" : "bar.arrive"));
+#endif
     if (++b.arrived == b.count) {
         b.arrived = 0;
+#if defined(FAGEN_EMU_RACECHECK)
+        for (unsigned k : b.waiters) race::acquire(b.obj.data(), k, race::site(file, line, "named barrier complete"));
+        std::fill(b.obj.begin(), b.obj.end(), 0u);
+#endif
         std::vector<unsigned> w;
         w.swap(b.waiters);
         for (unsigned k = 0; k < w.size(); ++k) wake(w[FAGEN_EMU_ORDER(k, unsigned(w.size()))]);
@@ -831,6 +991,7 @@ inline void describe_named() {
 }
 
 inline void describe() {
+    Quiet quiet;
     if (H.block != g.block_serial) return;
     for (unsigned wg = 0; wg < H.wgs.size(); ++wg) {
         const WgCollective& c = H.wgs[wg];

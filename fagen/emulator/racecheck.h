@@ -57,11 +57,11 @@ FAGEN_EMU_NO_TSAN void race_marker(const char*, int) {}
 namespace fagen_emu {
 namespace race {
 
-constexpr unsigned kAgents = 4;      // asynchronous agents (TMA / wgmma units), thread slots n..n+3
+constexpr unsigned kAgents = 24;     // asynchronous agents (TMA / wgmma units), thread slots n..n+23
 constexpr unsigned kLog = 64;        // synchronisation events remembered per thread (for reports)
 constexpr size_t kPoolLimit = size_t(1) << 28;  // bytes of read vectors per phase at most
 
-enum Op : uint8_t { kRead = 1, kWrite = 2, kAtomic = 3 };
+enum Op : uint8_t { kRead = 1, kWrite = 2, kAtomic = 3, kStale = 4 };
 enum Kind : int { kNone = 0, kRaw = 1, kWar = 2, kWaw = 3 };
 
 // `where` of an access: a code address (offset into the module + 1) or, with
@@ -87,7 +87,7 @@ struct Cell {                 // 2 bytes of shared memory
     uint32_t w_epoch;         // last plain write (0: none in this phase)
     uint32_t w_where;
     uint16_t w_tid;
-    uint8_t w_op;             // kWrite
+    uint8_t w_op;             // kWrite; kStale: a thread's write of an earlier phase not proxy-fenced
     uint8_t pad;
     AccessSet reads, atomics;
 };
@@ -134,6 +134,7 @@ struct Tracker {
     uint32_t* vc = nullptr;               // [dim][dim]
     LogEntry* log = nullptr;              // [dim][kLog]
     uint32_t phase = 1;
+    uint32_t block_phase = 1;             // the phase the current block started with
     Cell* cells = nullptr;
     InFlight* inflight = nullptr;
     size_t ncells = 0, cells_cap = 0;
@@ -149,6 +150,11 @@ struct Tracker {
     uintptr_t stacks_lo = 0, stacks_hi = 0, image_lo = 0, image_hi = 0, base = 0;
     unsigned block_linear = 0;
     unsigned long long markers = 0;       // race_marker calls in the current launch
+    uint8_t* quiet = nullptr;             // [dim]: > 0 while the thread runs emulator bookkeeping
+    uint32_t* fenced = nullptr;           // [dim]: the thread's epoch at its last fence.proxy.async
+    uint32_t* free_vecs = nullptr;        // pool vectors released in this phase (reused zeroed)
+    size_t free_n = 0, free_cap = 0;
+    char agent_names[kAgents][64] = {};   // what each agent slot stands for (reports)
     bool active = false;
     Report report;
 };
@@ -228,6 +234,8 @@ FAGEN_EMU_NO_TSAN inline void launch_begin(unsigned nthreads, size_t smem_bytes)
         T.barrier_clock = static_cast<uint32_t*>(grow(T.barrier_clock, dim * sizeof(uint32_t)));
         T.vc = static_cast<uint32_t*>(grow(T.vc, size_t(dim) * dim * sizeof(uint32_t)));
         T.log = static_cast<LogEntry*>(grow(T.log, size_t(dim) * kLog * sizeof(LogEntry)));
+        T.quiet = static_cast<uint8_t*>(grow(T.quiet, dim));
+        T.fenced = static_cast<uint32_t*>(grow(T.fenced, dim * sizeof(uint32_t)));
         for (unsigned t = 0; t < dim; ++t) T.clock[t] = 1;  // epochs start at 1; 0 means "no access"
         memset(T.log, 0, size_t(dim) * kLog * sizeof(LogEntry));
         free(T.pool);
@@ -270,9 +278,12 @@ FAGEN_EMU_NO_TSAN inline void block_begin(unsigned char* smem, size_t smem_bytes
     T.smem = smem;
     T.smem_bytes = smem_bytes;
     T.block_linear = (g.block_idx.z * g.grid_dim.y + g.block_idx.y) * g.grid_dim.x + g.block_idx.x;
-    ++T.phase;
-    T.pool_used = 0;
+    T.block_phase = ++T.phase;
+    T.pool_used = 0, T.free_n = 0;
     for (size_t i = 0; i < T.ncells; ++i) T.inflight[i].issuer1 = 0;
+    memset(T.quiet, 0, T.dim);
+    memset(T.fenced, 0, T.dim * sizeof(uint32_t));
+    for (unsigned k = 0; k < kAgents; ++k) T.agent_names[k][0] = 0;
     const uint32_t s = site("<block start>", 0, "block start");
     for (unsigned t = 0; t < T.dim; ++t) T.barrier_clock[t] = T.clock[t], tick(t, s);
     T.active = true;
@@ -308,6 +319,11 @@ FAGEN_EMU_NO_TSAN inline void fill(Access& a, int op, unsigned tid, uint32_t epo
 
 // ----------------------------------------------------------- the shadow
 FAGEN_EMU_NO_TSAN inline uint32_t pool_alloc() {
+    if (T.free_n) {  // a vector a plain write released in this phase: may hold this phase's epochs
+        const uint32_t i = T.free_vecs[--T.free_n];
+        memset(T.pool + size_t(i) * 2 * T.dim, 0, 2 * T.dim * sizeof(uint32_t));
+        return i;
+    }
     if (T.pool_used == T.pool_cap) {
         const size_t cap = T.pool_cap ? 2 * T.pool_cap : 64;
         if (cap * 2 * T.dim * sizeof(uint32_t) > kPoolLimit)
@@ -325,19 +341,34 @@ FAGEN_EMU_NO_TSAN inline uint32_t pool_alloc() {
     return uint32_t(T.pool_used++);
 }
 FAGEN_EMU_NO_TSAN inline uint32_t* pool_vec(uint32_t i) { return T.pool + size_t(i) * 2 * T.dim; }
+// A shared set's vector is free again (its cell was overwritten in this phase).
+FAGEN_EMU_NO_TSAN inline void pool_free(const AccessSet& a) {
+    if (!a.shared) return;
+    if (T.free_n == T.free_cap) {
+        T.free_cap = T.free_cap ? 2 * T.free_cap : 256;
+        T.free_vecs = static_cast<uint32_t*>(grow(T.free_vecs, T.free_cap * sizeof(uint32_t)));
+    }
+    T.free_vecs[T.free_n++] = a.epoch;
+}
 
 FAGEN_EMU_NO_TSAN inline Cell& cell(size_t i) {
     Cell& c = T.cells[i];
     if (c.phase != T.phase) {
         // A barrier lies between: everything in the cell happens before now,
-        // except an asynchronous agent's write, which no thread barrier orders.
-        const bool keep = c.w_epoch != 0 && c.w_tid >= T.n;
+        // except an asynchronous agent's write, which no thread barrier orders, and for the
+        // async proxy a thread's write its thread has not followed by fence.proxy.async (kept
+        // as kStale: ordered for threads, a hazard for agents until the writer fences).
+        // (Nothing of an earlier block is kept: its shared memory is another CTA's.)
+        const bool mine = c.phase >= T.block_phase;
+        const bool agent_w = mine && c.w_epoch != 0 && c.w_tid >= T.n;
+        const bool stale = mine && c.w_epoch != 0 && c.w_tid < T.n && c.w_epoch > T.fenced[c.w_tid];
+        const bool keep = agent_w || stale;
         const uint32_t e = c.w_epoch, w = c.w_where;
         const uint16_t tid = c.w_tid;
         const uint8_t op = c.w_op;
         memset(&c, 0, sizeof c);
         c.phase = T.phase;
-        if (keep) c.w_epoch = e, c.w_where = w, c.w_tid = tid, c.w_op = op;
+        if (keep) c.w_epoch = e, c.w_where = w, c.w_tid = tid, c.w_op = agent_w ? op : uint8_t(kStale);
     }
     return c;
 }
@@ -383,13 +414,25 @@ FAGEN_EMU_NO_TSAN inline void access_cell(size_t i, unsigned t, Op op, uint32_t 
     const InFlight& f = T.inflight[i];
     if (f.issuer1 && !landing)
         report(op == kRead ? kRaw : kWaw, 0, 2 * i, 2, kWrite, f.issuer1 - 1u, f.epoch, f.where, op, t,
-               T.clock[t], where, "the first access is a cp.async whose destination has not landed: its thread has "
-               "not passed the cp.async.wait_group / wait_all that completes it");
+               T.clock[t], where, f.issuer1 - 1u >= T.n
+               ? "the first access is a TMA / bulk load whose destination has not landed: the mbarrier phase "
+                 "it completes on has not completed"
+               : "the first access is a cp.async whose destination has not landed: its thread has "
+                 "not passed the cp.async.wait_group / wait_all that completes it");
     Cell& c = cell(i);
     const uint32_t e = T.clock[t];
-    if (c.w_epoch && !ordered(c.w_tid, c.w_epoch, t))
+    if (c.w_op == kStale) {  // a barrier orders it for threads; agents need the writer's proxy fence
+        if (t >= T.n && c.w_epoch > T.fenced[c.w_tid])
+            report(op == kRead ? kRaw : kWaw, 0, 2 * i, 2, kWrite, c.w_tid, c.w_epoch, c.w_where, op, t, e, where,
+                   "the first access is a generic-proxy write the async proxy does not see: its thread has not "
+                   "passed a fence.proxy.async since");
+    } else if (c.w_epoch && !ordered(c.w_tid, c.w_epoch, t)) {
         report(op == kRead ? kRaw : kWaw, 0, 2 * i, 2, kWrite, c.w_tid, c.w_epoch, c.w_where, op, t, e, where,
-               nullptr);
+               t >= T.n && c.w_tid < T.n && c.w_epoch > T.fenced[c.w_tid]
+               ? "the first access is a generic-proxy write the async proxy does not see: its thread has not "
+                 "passed a fence.proxy.async since"
+               : nullptr);
+    }
     if (op != kAtomic) set_check(c.atomics, kAtomic, i, t, op, where);
     if (op != kRead) set_check(c.reads, kRead, i, t, op, where);
     if (op == kRead) {
@@ -397,6 +440,7 @@ FAGEN_EMU_NO_TSAN inline void access_cell(size_t i, unsigned t, Op op, uint32_t 
     } else if (op == kAtomic) {
         set_add(c.atomics, t, e, where);
     } else {
+        pool_free(c.reads), pool_free(c.atomics);
         c.reads = AccessSet{0, 0, 0, 0}, c.atomics = AccessSet{0, 0, 0, 0};
         c.w_tid = uint16_t(t), c.w_epoch = e, c.w_where = where, c.w_op = kWrite;
     }
@@ -483,10 +527,82 @@ FAGEN_EMU_NO_TSAN inline void acquire(const uint32_t* obj, unsigned t, uint32_t 
 // writes survive thread barriers (only an acquire orders them).
 FAGEN_EMU_NO_TSAN inline unsigned agent(unsigned k) { return T.n + k; }
 
+// API: what agent slot k stands for, for reports ("wgmma of warpgroup 0", ...).
+FAGEN_EMU_NO_TSAN inline void name_agent(unsigned k, const char* name) {
+    if (T.active && k < kAgents) snprintf(T.agent_names[k], sizeof T.agent_names[k], "%s", name);
+}
+
+// API: the running thread enters (+1) / leaves (-1) emulator bookkeeping: its loads and stores
+// are not the kernel's (the emulated primitive reports its accesses through this API). Per
+// thread, so a thread parked inside a primitive leaves the others instrumented.
+FAGEN_EMU_NO_TSAN inline void quiet(int delta) {
+    if (T.quiet && g.cur) T.quiet[g.cur->index] = uint8_t(T.quiet[g.cur->index] + delta);
+}
+
+// API: fence.proxy.async by thread t: its accesses so far are visible to the async proxy.
+FAGEN_EMU_NO_TSAN inline void proxy_fence(unsigned t, uint32_t site_idx) {
+    T.fenced[t] = T.clock[t];
+    tick(t, site_idx);
+}
+
+// API: agent slot a starts an operation issued by threads first..first+count-1: its vector
+// clock becomes their join (what they have synchronised with), except that a thread's own
+// generic-proxy accesses count only up to its last fence.proxy.async when `proxy_fenced`
+// (wgmma operands, TMA / bulk store sources: the async proxy sees a thread's generic writes
+// only through that thread's proxy fence). Returns the epoch of the agent's accesses for this operation.
+FAGEN_EMU_NO_TSAN inline uint32_t agent_issue(unsigned a, unsigned first, unsigned count, bool proxy_fenced,
+                                              uint32_t site_idx) {
+    uint32_t* va = V(a);
+    const uint32_t own = va[a];
+    memset(va, 0, T.dim * sizeof(uint32_t));
+    for (unsigned t = first; t < first + count; ++t) {
+        const uint32_t* v = V(t);
+        for (unsigned u = 0; u < T.dim; ++u) va[u] = std::max(va[u], v[u]);
+    }
+    if (proxy_fenced)
+        for (unsigned t = 0; t < T.n; ++t) va[t] = std::min(va[t], T.fenced[t]);
+    va[a] = own;
+    tick(a, site_idx);
+    return T.clock[a];
+}
+
+// API: thread t has seen agent a's accesses up to `epoch` (an operation it waited for retired).
+FAGEN_EMU_NO_TSAN inline void agent_retired(unsigned t, unsigned a, uint32_t epoch, uint32_t site_idx) {
+    V(t)[a] = std::max(V(t)[a], epoch);
+    tick(t, site_idx);
+}
+
+// API: agent a starts writing `bytes` at p (checked against earlier accesses now); the bytes are
+// in flight -- any access is a hazard -- until async_write_land.
+FAGEN_EMU_NO_TSAN inline void async_write_issue(unsigned a, const void* p, size_t bytes, uint32_t where) {
+    const uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(T.smem);
+    if (!T.active || off >= T.smem_bytes || bytes == 0) return;
+    const size_t last = std::min<size_t>((off + bytes - 1) / 2, T.ncells - 1);
+    for (size_t i = off / 2; i <= last; ++i) {
+        access_cell(i, a, kWrite, where);
+        T.inflight[i] = InFlight{uint16_t(a + 1), T.clock[a], where};
+    }
+}
+
+// API: agent a's write of `bytes` at p lands (a new epoch of a: tick it first).
+FAGEN_EMU_NO_TSAN inline void async_write_land(unsigned a, const void* p, size_t bytes) {
+    const uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(T.smem);
+    if (!T.active || off >= T.smem_bytes || bytes == 0) return;
+    const size_t last = std::min<size_t>((off + bytes - 1) / 2, T.ncells - 1);
+    for (size_t i = off / 2; i <= last; ++i) {
+        const uint32_t w = T.inflight[i].where;
+        T.inflight[i].issuer1 = 0;
+        access_cell(i, a, kWrite, w, true);
+    }
+}
+
+// API: the clock of slot t (its current epoch).
+FAGEN_EMU_NO_TSAN inline uint32_t epoch_of(unsigned t) { return T.clock[t]; }
+
 // Block barrier completed (all threads of the block).
 FAGEN_EMU_NO_TSAN inline void on_block_barrier(const char* file, int line) {
     ++T.phase;
-    T.pool_used = 0;
+    T.pool_used = 0, T.free_n = 0;
     const uint32_t s = site(file, line, "__syncthreads");
     for (unsigned t = 0; t < T.n; ++t) T.barrier_clock[t] = T.clock[t], tick(t, s);
 }
@@ -545,16 +661,16 @@ FAGEN_EMU_NO_TSAN inline void on_cp_async_wait(const char* file, int line, const
 
 FAGEN_EMU_NO_TSAN inline void load(const void* p, size_t bytes, const void* ra) {
     const uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(T.smem);
-    if (off < T.smem_bytes && T.active) thread_access(p, bytes, kRead, code_where(ra));
+    if (off < T.smem_bytes && T.active && !T.quiet[g.cur->index]) thread_access(p, bytes, kRead, code_where(ra));
 }
 
 FAGEN_EMU_NO_TSAN inline void store(const void* p, size_t bytes, const void* ra) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     if (a - reinterpret_cast<uintptr_t>(T.smem) < T.smem_bytes) {
-        if (T.active) thread_access(p, bytes, kWrite, code_where(ra));
+        if (T.active && !T.quiet[g.cur->index]) thread_access(p, bytes, kWrite, code_where(ra));
         return;
     }
-    if (!T.active || g.cur == nullptr) return;
+    if (!T.active || g.cur == nullptr || T.quiet[g.cur->index]) return;
     if ((a >= T.stacks_lo && a < T.stacks_hi) || (a >= T.image_lo && a < T.image_hi)) return;  // locals, statics
     global_store(a, unsigned(bytes), code_where(ra));
 }
@@ -584,6 +700,7 @@ FAGEN_EMU_NO_TSAN inline void append_access(const Access& a) {
     appendf("%s by ", ops[a.op & 3]);
     if (a.tid >= T.n) {
         appendf("asynchronous agent %u", a.tid - T.n);
+        if (T.agent_names[a.tid - T.n][0]) appendf(" (%s)", T.agent_names[a.tid - T.n]);
     } else {
         const unsigned bx = T.report.space ? a.block[0] : g.block_idx.x;
         const unsigned by = T.report.space ? a.block[1] : g.block_idx.y;

@@ -565,7 +565,7 @@ FA_DEVICE void fa_mbarrier_wait_parity(unsigned long long* bar, unsigned parity,
     }
 }
 FA_DEVICE void fa_fence_barrier_init() { fagen_emu::hopper::fence_barrier_init(); }
-FA_DEVICE void fa_fence_proxy_async() { fagen_emu::hopper::fence_proxy_async(); }
+FA_DEVICE void fa_fence_proxy_async(FAGEN_EMU_SITE) { fagen_emu::hopper::fence_proxy_async(FAGEN_EMU_SITE_ARGS); }
 FA_DEVICE void fa_tma_load_2d(void* dst, const FaTensorMap* tmap, unsigned long long* bar, int c0, int c1,
                               FAGEN_EMU_SITE) {
     const int c[5] = {c0, c1, 0, 0, 0};
