@@ -1130,11 +1130,11 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             for (int e = 0; e < 4; ++e) o_acc[mt][n][e] = 0.f;
     // l_i twice: l_r, this lane's fp32 sum of P~, gives lse (the exact log-sum-exp); O is divided by
     // the row sum of the 16-bit P~ that P~ V reads, so O carries no row-wide rounding factor (which
-    // D = rowsum(dO o O) of the backward would carry into every dS of the row). Without dropout that
-    // sum comes from the tensor cores, P~ times a ones column (l_acc: every column of the m16n8 tile
-    // holds the row's sum, one HMMA per 16 keys); with dropout each lane also adds P~ rounded to T
-    // (l_o: the keep mask hides the dropped P~ from the GEMM) and the quad reduces it at the end.
-    float m_r[MT][2], l_r[MT][2], l_o[MT][2], l_acc[MT][4];
+    // D = rowsum(dO o O) of the backward would carry into every dS of the row). That sum comes from
+    // the tensor cores, P~ times a ones column (l_acc: every column of the m16n8 tile holds the row's
+    // sum, one HMMA per 16 keys). With dropout the keep mask hides the dropped P~ from the GEMM and a
+    // second per-lane sum would cost the register budget: O is divided by l_r there.
+    float m_r[MT][2], l_r[MT][2], l_acc[MT][4];
     const unsigned ones = mma_pack(1.f, 1.f);
     unsigned seen = 0u;  // bit 2 mt + r: has row (mt, r) an allowed key (in this lane's columns)?
 #pragma unroll
@@ -1142,7 +1142,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             m_r[mt][r] = NEG_INF;
-            l_r[mt][r] = l_o[mt][r] = 0.f;
+            l_r[mt][r] = 0.f;
             l_acc[mt][2 * r] = l_acc[mt][2 * r + 1] = 0.f;
         }
 
@@ -1262,7 +1262,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
                 const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
                 m_r[mt][r] = m_new;
-                float sum = 0.f, sum_o = 0.f;
+                float sum = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT_C; ++n) {
                     float pz[2];
@@ -1271,19 +1271,12 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                         const int e = 2 * r + x;
                         const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
                         sum += p;
-                        if constexpr (HAS_DROPOUT) {
-                            const float pr = fa_to_float(fa_from_float<T>(p));  // P~ as P~ V reads it
-                            sum_o += pr;
-                            pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? pr : 0.f;
-                        } else {
-                            pz[x] = p;
-                        }
+                        pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
                     }
                     pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
                 }
                 l_r[mt][r] = alpha * l_r[mt][r] + sum;
-                if constexpr (HAS_DROPOUT) l_o[mt][r] = alpha * l_o[mt][r] + sum_o;
-                else l_acc[mt][2 * r] *= alpha, l_acc[mt][2 * r + 1] *= alpha;
+                if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha, l_acc[mt][2 * r + 1] *= alpha;
 #pragma unroll
                 for (int n = 0; n < NT_D; ++n) {
                     o_acc[mt][n][2 * r] *= alpha;
@@ -1324,12 +1317,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             float l = l_r[mt][r];
             l += mma_shfl_xor(l, 1);
             l += mma_shfl_xor(l, 2);
-            float lo = l_acc[mt][2 * r];  // the 16-bit P~'s row sum, whole in every lane of the quad
-            if constexpr (HAS_DROPOUT) {
-                lo = l_o[mt][r];
-                lo += mma_shfl_xor(lo, 1);
-                lo += mma_shfl_xor(lo, 2);
-            }
+            // the 16-bit P~'s row sum, whole in every lane of the quad (with dropout: l)
+            const float lo = HAS_DROPOUT ? l : l_acc[mt][2 * r];
             unsigned any = (seen >> (2 * mt + r)) & 1u;
             any |= mma_shfl_xor_u(any, 1);
             any |= mma_shfl_xor_u(any, 2);

@@ -123,7 +123,8 @@ class MmaFamily(FamilyBase):
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
-        2 forward, of 2 Br Bc DPAD FLOPs each), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        2 forward, of 2 Br Bc DPAD FLOPs each; the forward without dropout one more per 16 x 16 of P~
+        for its row sums), 16-byte cp.async of the streamed tiles (Q_i and dO_i
         backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
         per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
         if role != "main":
@@ -131,7 +132,10 @@ class MmaFamily(FamilyBase):
         w, dp = fs.num_warps, padded_dim(fs.head_dim)
         det = fs.has("deterministic")
         gemms = 2 if fs.direction == "fwd" else 4 if det else 5
-        work = {"HMMA": gemms * 2 * fs.block_r * fs.block_c * dp / 4096 / w,
+        hmma = gemms * 2 * fs.block_r * fs.block_c * dp / 4096
+        if fs.direction == "fwd" and not fs.has("dropout"):
+            hmma += fs.block_r * fs.block_c / 256  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16
+        work = {"HMMA": hmma / w,
                 "LDGSTS": 2 * (fs.block_c if fs.direction == "fwd" else fs.block_r) * dp / 8 / 32 / w}
         if fs.direction == "bwd" and not det:
             sm90 = ARCHS[fs.arch].capability >= (9, 0)
