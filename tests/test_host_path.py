@@ -137,8 +137,9 @@ def test_the_same_call_twice_makes_the_same_launches(recorder: Recorder, kw: dic
     for (name, _grid, a, pointers), (_n, _g, b, _p) in zip(first, second):
         scalars = {n for n in a if n not in pointers}
         assert {n: a[n] for n in scalars} == {n: b[n] for n in scalars}, name
-    # and the pointers are really what differs: fresh outputs each call
-    assert any(a[n] != b[n] for (_n, _g, a, ptrs), (_m, _h, b, _q) in zip(first, second) for n in ptrs if a[n])
+    # the arguments left out above are the data pointers (the allocator may hand the second call's
+    # fresh outputs the first call's freed addresses, so their values are not compared either way)
+    assert all(ptrs and all(n in a for n in ptrs) for (_n, _g, a, ptrs) in first)
 
 
 def test_a_new_stride_is_a_new_plan(recorder: Recorder) -> None:
