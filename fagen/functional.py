@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from pydantic import ValidationError
@@ -350,6 +350,24 @@ def _remember(key: tuple[Any, ...] | None, plan: _Plan) -> _Plan:
     return plan
 
 
+def _planned(key_of: Callable[[Tensors], tuple[Any, ...]], build: Callable[[AttentionOptions, Tensors], _Plan],
+             options: Any, tensors: Any, offsets: tuple[int, int]) -> tuple[_Plan, Tensors]:
+    """A call's launch plan and its optional tensors: the remembered plan of ``key_of(tensors)``
+    (tensor metadata, options, ...) when the call can key one, else ``build`` from the validated
+    options and tensors (remembered when the key is hashable)."""
+    t = Tensors() if tensors is None else tensors
+    try:
+        key = key_of(t) if type(t) is Tensors and type(options) is AttentionOptions else None
+    except AttributeError:  # not a tensor: the checks name it
+        key = None
+    key, plan = _lookup(key)
+    if plan is None:
+        opts, t = _as_options(options), _as_tensors(tensors)
+        _dropout_offsets(*offsets)
+        plan = _remember(key, build(opts, t))
+    return plan, t
+
+
 def _cu_check(p: Problem, t: Tensors) -> None:
     """CPU varlen: the cu_seqlens values (host memory, nothing to synchronise) against the
     totals and max_seqlen; the emulator would read out of bounds otherwise. On a GPU the
@@ -386,18 +404,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
             dropout_row_offset: int = 0, dropout_col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_forward` with its options as one validated :class:`AttentionOptions`
     and the optional tensors as one :class:`Tensors`: (o, lse)."""
-    t = Tensors() if tensors is None else tensors
     offsets = (dropout_row_offset, dropout_col_offset)
-    try:
-        key = ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
-               offsets) if type(t) is Tensors and type(options) is AttentionOptions else None
-    except AttributeError:  # not a tensor: the checks name it
-        key = None
-    key, plan = _lookup(key)
-    if plan is None:
-        opts, t = _as_options(options), _as_tensors(tensors)
-        _dropout_offsets(*offsets)
-        plan = _remember(key, _forward_plan(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, spec, offsets))
+    plan, t = _planned(
+        lambda t: ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
+                   offsets),
+        lambda opts, t: _forward_plan(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, spec, offsets),
+        options, tensors, offsets)
     seed, offset = check_seed_offset(seed, offset)
     if plan.check_cu:
         _cu_check(plan.p, t)
@@ -535,20 +547,13 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              dropout_col_offset: int = 0) -> tuple[torch.Tensor, ...]:
     """:func:`attention_backward` with its options as one :class:`AttentionOptions` (its
     ``deterministic`` chooses the backward) and the optional tensors as one :class:`Tensors`."""
-    t = Tensors() if tensors is None else tensors
     offsets = (dropout_row_offset, dropout_col_offset)
-    try:
-        key = ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
-               max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets
-               ) if type(t) is Tensors and type(options) is AttentionOptions else None
-    except AttributeError:  # not a tensor: the checks name it
-        key = None
-    key, plan = _lookup(key)
-    if plan is None:
-        opts, t = _as_options(options), _as_tensors(tensors)
-        _dropout_offsets(*offsets)
-        plan = _remember(key, _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k,
-                                             bias_requires_grad, spec, offsets))
+    plan, t = _planned(
+        lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
+                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets),
+        lambda opts, t: _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k, bias_requires_grad,
+                                       spec, offsets),
+        options, tensors, offsets)
     seed, offset = check_seed_offset(seed, offset)
     if plan.check_cu:
         _cu_check(plan.p, t)
