@@ -107,7 +107,7 @@ def parse(text: str) -> dict[str, list[Instruction]]:
     return out
 
 
-def _labels(text: str) -> dict[str, dict[str, int]]:
+def labels(text: str) -> dict[str, dict[str, int]]:
     """kernel -> label -> address of the instruction that follows it."""
     out: dict[str, dict[str, int]] = {}
     current: dict[str, int] | None = None
@@ -146,7 +146,7 @@ def kernel_sass(cubin: bytes) -> dict[str, list[Instruction]] | None:
 def loop_spans(text: str) -> dict[str, list[tuple[int, int]]]:
     """kernel -> every (start, end) address span closed by a backward branch (``BRA``/``JMP``
     to a label at or before it), in address order of the branch: the kernel's loops."""
-    labels = _labels(text)
+    addresses = labels(text)
     out: dict[str, list[tuple[int, int]]] = {}
     for name, instrs in parse(text).items():
         spans = out.setdefault(name, [])
@@ -154,7 +154,7 @@ def loop_spans(text: str) -> dict[str, list[tuple[int, int]]]:
             if ins.opcode not in ("BRA", "JMP"):
                 continue
             t = _TARGET.search(ins.operands)
-            start = labels.get(name, {}).get(t.group(1)) if t else None
+            start = addresses.get(name, {}).get(t.group(1)) if t else None
             if start is not None and start <= ins.address:
                 spans.append((start, ins.address))
     return out

@@ -101,9 +101,6 @@ INT_OPCODES = frozenset({"IMAD", "IADD3", "IADD", "VIADD", "LEA", "SHF", "LOP3",
 CTRL_OPCODES = frozenset({"BRA", "JMP", "BSSY", "BSYNC", "WARPSYNC", "EXIT", "RET", "CALL", "NOP", "YIELD", "BREAK",
                           "BPT", "KILL", "JMX", "BRX", "ELECT", "ACQBULK", "ENDCOLLECTIVE"})
 _TARGET_LABEL = re.compile(r"`\(([.\w$]+)\)")
-_SECTION_LINE = re.compile(r"^\s*\.section\s+\.text\.([A-Za-z_$][\w$]*)")
-_LABEL_LINE = re.compile(r"^([.\w$]+):\s*$")
-_INSTR_LINE = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/")
 
 
 def opcode_class(opcode: str) -> str:
@@ -121,30 +118,6 @@ def opcode_class(opcode: str) -> str:
     if opcode in INT_OPCODES or (opcode.startswith("U") and opcode != "UTMA"):
         return "int"
     return "fp"
-
-
-def _kernel_labels(text: str, kernel: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    current = False
-    pending: list[str] = []
-    for line in text.splitlines():
-        m = _SECTION_LINE.match(line)
-        if m:
-            current = m.group(1) == kernel
-            pending = []
-            continue
-        if not current:
-            continue
-        m = _LABEL_LINE.match(line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = _INSTR_LINE.match(line)
-        if m:
-            for name in pending:
-                out[name] = int(m.group(1), 16)
-            pending = []
-    return out
 
 
 @dataclass(frozen=True)
@@ -336,7 +309,7 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     spans = sorted(set(sass.loop_spans(text).get(kernel, [])))
     if not instrs or not spans:
         return None
-    labels = _kernel_labels(text, kernel)
+    labels = sass.labels(text).get(kernel, {})
 
     def hmma_in(s: tuple[int, int]) -> int:
         return sum(1 for ins in instrs if s[0] <= ins.address <= s[1] and ins.opcode in ("HMMA", "HGMMA"))
