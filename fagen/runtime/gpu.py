@@ -140,12 +140,20 @@ def decide_nvrtc(v: CudaVersions, pinned: int | None = None) -> int:
     return max(usable)[0]
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    """The CUDA driver library, loaded once (``OSError`` where there is none)."""
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _driver_version() -> Version | None:
     """The CUDA version the driver supports, from libcuda itself (None without a driver)."""
     import ctypes
 
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = _libcuda()
     except OSError:
         return None
     out = ctypes.c_int()
@@ -556,7 +564,7 @@ def _driver_encode():
     import ctypes
 
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = _libcuda()
     except OSError as exc:
         from ..errors import NoGPUError
 
