@@ -418,7 +418,8 @@ PROBLEMS = (dict(nq=40, nk=56, heads=2, heads_kv=1), dict(nq=56, nk=24, heads=1,
 def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
     """Small specs that together execute every template path: several tiles per sequence,
     causal, with and without key padding, GQA, the deterministic dq kernel, both
-    cp.async pipeline depths, K/V fragments in registers and in shared memory."""
+    cp.async pipeline depths, K/V fragments in registers and in shared memory, a negative
+    softmax scale."""
     out = []
     for impl, knobs, d, warps in (("simt", None, 16, 2), ("mma", (("stages", 2),), 16, 2), ("mma", (("stages", 1),), 16, 2),
                                   ("mma", (("stages", 2),), 96, 2), ("mma", (("stages", 1),), 96, 2)):
@@ -429,6 +430,10 @@ def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
             out.append((KernelSpec(direction="fwd", **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", deterministic=True, **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", **common), PROBLEMS))
+    # the mma forward with a negative softmax scale (Q_i negated in shared memory once)
+    out.append((KernelSpec(direction="fwd", head_dim=16, dtype="float16", impl="mma", causal=True, num_warps=2,
+                           block_r=32, block_c=16, knobs=(("stages", 2),)),
+                (dict(nq=40, nk=56, heads=2, heads_kv=1, scale=-0.3),)))
     # the Hopper forward (one consumer warpgroup: TMA, mbarriers, wgmma)
     out.append((KernelSpec(direction="fwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
                            impl="wgmma"), PROBLEMS))
@@ -445,6 +450,8 @@ def _inputs(spec: KernelSpec, problem: dict) -> dict:
     q, do = (torch.randn(1, problem["nq"], problem["heads"], d, generator=_G).to(dt) for _ in range(2))
     k, v = (torch.randn(1, problem["nk"], problem["heads_kv"], d, generator=_G).to(dt) for _ in range(2))
     opt: dict = {"causal": spec.causal}
+    if "scale" in problem:
+        opt["softmax_scale"] = problem["scale"]
     if spec.key_padding:
         kpm = torch.rand(1, problem["nk"], generator=_G) > 0.25
         kpm[:, 0] = True
