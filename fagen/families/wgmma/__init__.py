@@ -101,6 +101,24 @@ class WgmmaFamily(FamilyBase):
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         return 16 * fs.num_warps, self.max_block_c
 
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        """Per consumer warp and tile pair of the forward: its warpgroup's HGMMA m64nNk16 (each
+        2 x 64 x N x 16 FLOPs, issued by all four warps of the warpgroup): S = Q K_j^T in
+        head_dim / 16 of N = block_c, O += P V_j in block_c / 16 of N = head_dim."""
+        if role != "main" or fs.direction != "fwd":
+            return None
+        return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}
+
+    def producer_work(self, fs: FamilySpec) -> dict[str, float]:
+        """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
+        anchor UTMALDG walks its loop): one TMA load per 64-element panel of K_j and of V_j."""
+        return {"UTMALDG": 2 * fs.head_dim / PANEL}
+
+    def producer_warps(self, fs: FamilySpec) -> int:
+        """Warps of the producer warpgroup that run its loop (one elected lane of the first; the
+        other three leave at once)."""
+        return 1
+
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
