@@ -126,6 +126,10 @@ CASES = [
     dict(d=128, dtype="float16", nw=4, B=1, Nq=90, Nk=200, H=1, Hkv=1, causal=True, align="top_left"),
     dict(d=64, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),  # batch 1: every key padded
     dict(d=64, dtype="float16", nw=4, B=1, Nq=130, Nk=260, H=1, Hkv=1, window=(40, 10)),
+    # the default key block (192) with two consumer warpgroups; a negative softmax scale (the row
+    # extreme is the min of the raw scores) and a zero one
+    dict(d=128, dtype="bfloat16", nw=8, bc=192, B=1, Nq=140, Nk=450, H=1, Hkv=1, causal=True, scale=-0.3),
+    dict(d=64, dtype="float16", nw=4, bc=192, B=1, Nq=100, Nk=230, H=2, Hkv=1, scale=0.0),
 ]
 
 
@@ -139,7 +143,8 @@ def _run_case(c: dict, gen: torch.Generator):
     if c.get("kpm"):
         kpm = torch.rand(c["B"], c["Nk"], generator=gen) > 0.3
         kpm[-1] = False
-    spec = _spec(head_dim=c["d"], dtype=c["dtype"], num_warps=c["nw"], block_r=16 * c["nw"], causal=causal,
+    tile = {"block_c": c["bc"]} if "bc" in c else {}
+    spec = _spec(head_dim=c["d"], dtype=c["dtype"], num_warps=c["nw"], block_r=16 * c["nw"], causal=causal, **tile,
                  causal_align=align, key_padding=kpm is not None, window=window != (-1, -1),
                  knobs={"stages": c.get("stages", 2)})
     assert spec.impl == "wgmma"
@@ -148,8 +153,10 @@ def _run_case(c: dict, gen: torch.Generator):
         kw["causal_align"] = align
     if window != (-1, -1):
         kw["window_size"] = window
-    o, lse = F.run_forward(spec, q, k, v, **kw)
     ref = dict(causal=causal, align=align, kpm=kpm, window=window)
+    if "scale" in c:
+        kw["softmax_scale"] = ref["scale"] = c["scale"]
+    o, lse = F.run_forward(spec, q, k, v, **kw)
     return (q, k, v), (o, lse), ref
 
 
