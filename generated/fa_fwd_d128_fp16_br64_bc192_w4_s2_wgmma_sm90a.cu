@@ -1560,15 +1560,15 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const unsigned long long dq_hi = dq & ~0xffffffffull, dk_hi = dk & ~0xffffffffull, dv_hi = dv & ~0xffffffffull;
     constexpr unsigned STAGE_UNITS = BLOCK_C * HEAD_DIM * 2 / 16;  // one K_j (or V_j) slot, in 16-byte units
 
-    fa_mbarrier_wait_parity(q_full, 0);
-    for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
-        const int st = it % STAGES;
-        fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);
-        const unsigned stage_units = st * STAGE_UNITS;
+    // Intra-warpgroup overlap: trip `it` issues S_it = Q_i K_it^T and O += P~_{it-1} V_{it-1} back
+    // to back, waits for S_it only (wgmma.wait_group 1), runs tile it's softmax while the tensor
+    // cores still compute P~V, then waits for that too (wait_group 0), frees slot it-1 and rescales O.
+    float s_acc[BLOCK_C / 2];
+    unsigned pa[BLOCK_C / 16][4];  // P~ of the previous tile: A of O += P~ V (16 keys per k step)
 
-        // S = Q_i K_j^T: one m64n{BLOCK_C}k16 per 16 columns of the head dim, A and B K-major
-        // (8-row groups 1024 bytes apart; a k step moves the start 32 bytes inside the swizzle atom).
-        float s_acc[BLOCK_C / 2];
+    // S = Q_i K_j^T into s_acc: one m64n{BLOCK_C}k16 per 16 columns of the head dim, A and B K-major
+    // (8-row groups 1024 bytes apart; a k step moves the start 32 bytes inside the swizzle atom).
+    auto issue_s = [&](unsigned stage_units) {
 #pragma unroll
         for (int x = 0; x < BLOCK_C / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
         fa_wgmma_fence();
@@ -1580,11 +1580,24 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             fa_wgmma_m64nNk16_ss<T, BLOCK_C, 0, 0>(s_acc, da, db, kk > 0);
         }
         fa_wgmma_commit_group();
-        fa_wgmma_wait_group<0>();
+    };
+    // O_i += P~ V_j: A = P~ from registers (accumulator columns 16kc..16kc+15 are mma.m16n8k16's A
+    // fragment), B = V_j MN-major (panels BLOCK_C x 128 bytes apart, 8-key groups 1024 bytes apart).
+    auto issue_pv = [&](unsigned stage_units) {
+#pragma unroll
+        for (int x = 0; x < HEAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
+        fa_wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < BLOCK_C / 16; ++kc)
+            fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(o_acc, pa[kc], dv_hi | (dv_lo + stage_units + kc * 16 * 128 / 16), 1);
+        fa_wgmma_commit_group();
+    };
+    // After the wait on S: masked entries MASKED (mask math only on tiles not fully visible), then
+    // the online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, scaled rowmax S),
+    // P~ = exp2(S sl2 - m_new) in s_acc, l = 2^(m - m_new) l + rowsum(P~); alpha = 2^(m - m_new).
+    auto softmax = [&](int j0, float (&alpha)[2]) {
 #pragma unroll
         for (int x = 0; x < BLOCK_C / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
-
-        // Masked entries MASKED (mask math only on tiles not fully visible).
         const bool full = tile_kind(i0, j0, mp) == TILE_FULL;
         if (!full) {
             // per row the band of allowed columns, relative to this thread's first column
@@ -1611,10 +1624,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         } else {
             seen[0] = seen[1] = 1u;
         }
-
-        // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, scaled rowmax S),
-        // P~ = exp2(S sl2 - m_new), l = 2^(m - m_new) l + rowsum(P~), O = 2^(m - m_new) O.
-        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = MASKED;
@@ -1641,32 +1650,53 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 }
             l_r[r] = alpha[r] * l_r[r] + sum;
         }
-#pragma unroll
-        for (int x = 0; x < HEAD_DIM / 2; ++x) o_acc[x] *= alpha[(x >> 1) & 1];
-
-        // O_i += P~ V_j: A = P~ from registers (16 keys per step: accumulator columns 16kc..16kc+15
-        // are mma.m16n8k16's A fragment), B = V_j MN-major (panels BLOCK_C x 128 bytes apart, 8-key
-        // groups 1024 bytes apart).
-        unsigned pa[BLOCK_C / 16][4];
+    };
+    auto pack_p = [&]() {
 #pragma unroll
         for (int kc = 0; kc < BLOCK_C / 16; ++kc)
 #pragma unroll
             for (int x = 0; x < 4; ++x) pa[kc][x] = wg_pack(s_acc[8 * kc + 2 * x], s_acc[8 * kc + 2 * x + 1]);
-#pragma unroll
-        for (int x = 0; x < HEAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
-        fa_wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < BLOCK_C / 16; ++kc)
-            fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(o_acc, pa[kc], dv_hi | (dv_lo + stage_units + kc * 16 * 128 / 16), 1);
-        fa_wgmma_commit_group();
-        fa_wgmma_wait_group<0>();
+    };
+    // After the wait on O += P~ V: the accumulator and P~ are the thread's again.
+    auto pv_retired = [&]() {
 #pragma unroll
         for (int x = 0; x < HEAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
 #pragma unroll
         for (int kc = 0; kc < BLOCK_C / 16; ++kc)
 #pragma unroll
             for (int x = 0; x < 4; ++x) fa_wgmma_fence_operand(pa[kc][x]);
-        fa_mbarrier_arrive(&kv_empty[st]);  // this thread's reads of slot st have retired
+    };
+
+    fa_mbarrier_wait_parity(q_full, 0);
+    if (j_begin < j_end) {
+        // tile 0: S, its softmax (O is still 0: no rescale), P~
+        fa_mbarrier_wait_parity(&kv_full[0], 0);
+        issue_s(0);
+        fa_wgmma_wait_group<0>();
+        float alpha[2];
+        softmax(j_begin, alpha);
+        pack_p();
+        int it = 1;
+        for (int j0 = j_begin + BLOCK_C; j0 < j_end; j0 += BLOCK_C, ++it) {
+            const int st = it % STAGES, prev = (it - 1) % STAGES;
+            fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);
+            issue_s(st * STAGE_UNITS);
+            issue_pv(prev * STAGE_UNITS);
+            fa_wgmma_wait_group<1>();  // S_it has landed; P~_{it-1} V_{it-1} may still run
+            softmax(j0, alpha);
+            fa_wgmma_wait_group<0>();
+            pv_retired();
+            fa_mbarrier_arrive(&kv_empty[prev]);  // this thread's reads of slot it-1 have retired
+#pragma unroll
+            for (int x = 0; x < HEAD_DIM / 2; ++x) o_acc[x] *= alpha[(x >> 1) & 1];
+            pack_p();
+        }
+        // the last tile's O += P~ V
+        const int last = (it - 1) % STAGES;
+        issue_pv(last * STAGE_UNITS);
+        fa_wgmma_wait_group<0>();
+        pv_retired();
+        fa_mbarrier_arrive(&kv_empty[last]);
     }
 
     // O_i = diag(l_i)^-1 O_i; lse_i = m_i + log l_i. A row with no allowed key is zero with

@@ -314,6 +314,10 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     if not instrs or not spans:
         return None
     labels = sass.labels(text).get(kernel, {})
+    # A span around an unconditional EXIT is no loop: a spin wait's out-of-line retry, placed after
+    # the kernel's end, branching back into the code before it.
+    exits = [ins.address for ins in instrs if ins.opcode == "EXIT" and not ins.predicate]
+    spans = [s for s in spans if not any(s[0] <= a < s[1] for a in exits)] or spans
 
     def hmma_in(s: tuple[int, int]) -> int:
         return sum(1 for ins in instrs if s[0] <= ins.address <= s[1] and ins.opcode in anchor)
