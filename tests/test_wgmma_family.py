@@ -324,3 +324,65 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90
+
+
+# --------------------------------------------------------------------------- autotuner
+def test_autotuner_candidates_take_the_family_with_its_knobs() -> None:
+    from fagen.autotune.candidates import enumerate_candidates
+
+    spec = _spec(head_dim=128)
+    cands = {(c.block_r, c.block_c, c.num_warps, c.knobs): c for c in enumerate_candidates(spec) if c.impl == "wgmma"}
+    # tiles up to 256 keys, one or two consumer warpgroups, the stages knob
+    assert cands[(64, 192, 4, (("stages", 2),))].status == "pending"
+    assert cands[(128, 192, 8, (("stages", 2),))].status == "pending"
+    assert cands[(64, 128, 4, (("stages", 3),))].status == "pending"
+    assert "smem" in cands[(128, 256, 8, (("stages", 2),))].reason  # 32 + 2 x 128 KiB
+    assert "block_r=64 must be 16 x num_warps=8" in cands[(64, 128, 8, (("stages", 2),))].reason
+    assert cands[(64, 192, 4, (("stages", 2),))].is_default
+
+
+def test_pair_cost_counts_every_warp_and_the_operands_wgmma_reads() -> None:
+    from fagen.families.wgmma.cost import pair_cost
+
+    fs = _spec(head_dim=128).family_spec  # 64 x 192, one consumer warpgroup
+    est = pair_cost(fs)
+    assert est.atomics == 0 and est.warp_iterations == 4 * (128 // 16 + 192 // 16)
+    assert est.lds_wavefronts == (64 * 128 + 2 * 192 * 128) * 2 / 128  # Q_i, K_j, V_j once per pair
+    walked = pair_cost(fs, {"HGMMA": 20, "FFMA": 96, "MUFU": 98})
+    assert walked.warp_instructions == 4 * (20 + 96 + 98) + 2 * 2 + 40  # + the producer warp
+    wide = pair_cost(_spec(head_dim=128, num_warps=8, block_r=128).family_spec)
+    flops = lambda f: 4 * f.block_r * f.block_c * f.head_dim  # noqa: E731
+    # a longer key block spreads the O rescale and the per-tile overhead over more FLOPs
+    narrow = pair_cost(_spec(head_dim=128, block_c=64).family_spec)
+    assert est.warp_instructions / flops(fs) < narrow.warp_instructions / flops(_spec(head_dim=128, block_c=64).family_spec)
+    assert wide.warp_instructions > est.warp_instructions and WGMMA.pair_cost(fs) == est
+
+
+# --------------------------------------------------------------------------- sanitizer
+def test_forward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> None:
+    """Under AddressSanitizer (``cpu.sanitized``) the forward reads and writes inside its tensors and
+    gives the plain run's bits (key padding, causal, GQA, lengths that end inside a tile); with the
+    epilogue's row guard removed its stores past the end of ``o`` are a memory error naming it."""
+    from fagen.emulator import EmulatorMemoryError
+
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 77, 2, 64, generator=gen).half()
+    k = torch.randn(1, 150, 1, 64, generator=gen).half()
+    v = torch.randn(1, 150, 1, 64, generator=gen).half()
+    kpm = torch.rand(1, 150, generator=gen) > 0.2
+    spec = _spec(causal=True, key_padding=True, block_c=64)
+    want = F.run_forward(spec, q, k, v, key_padding_mask=kpm)
+    with cpu.sanitized() as rec:
+        got = F.run_forward(spec, q, k, v, key_padding_mask=kpm)
+    assert rec.roles == {"main"} and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    text = (renderer.templates_dir() / TEMPLATE).read_text()
+    guard = "        if (row >= seqlen_q) continue;\n"
+    assert text.count(guard) == 1
+    mod = _mutated(spec, TEMPLATE, text.replace(guard, ""))
+    real = cpu.cpu_module
+    monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
+    qs = torch.randn(1, 70, 1, 64, generator=gen).half()  # 70 rows: the tile's last 58 lie past o's end
+    with pytest.raises(EmulatorMemoryError, match=r"\bo\b"):
+        with cpu.sanitized():
+            F.run_forward(spec, qs, k[:, :, :1], v[:, :, :1], key_padding_mask=kpm)

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
-from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, Reason
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
+from fagen.families.wgmma.cost import pair_cost
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "register_split",
-           "tensor_map_boxes"]
+           "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -165,6 +166,9 @@ class WgmmaFamily(FamilyBase):
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"fwd": ("wgmma/fwd.cu.j2",)}[direction]
+
+    def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
+        return pair_cost(fs, sass)
 
     def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """The role's tensor-map arguments (:class:`fagen.tma.TensorMapFields`) for the tensors by
