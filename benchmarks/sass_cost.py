@@ -127,8 +127,12 @@ def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
     from fagen.families import get_family
 
     fam = get_family("wgmma")
-    consumer = tile_loop(text, kernel, fam.tile_work(fs, "main"), diagonal=diagonal)
-    producer = tile_loop(text, kernel, fam.producer_work(fs), anchor=("UTMALDG",), smallest=True)
+    work = fam.tile_work(fs, "main")
+    if work is None:  # a direction whose work the family does not state: no row
+        print(f"sass_cost: the wgmma family states no tile work for direction={fs.direction}", file=sys.stderr)
+        return None
+    consumer = tile_loop(text, kernel, work, diagonal=diagonal)
+    producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
     if consumer is None or producer is None:
         return None
     total = consumer.total() * fs.num_warps + producer.total() * fam.producer_warps(fs)

@@ -113,6 +113,8 @@ class WgmmaFamily(FamilyBase):
         shuffles, the mbarrier handshake, descriptor set-up) spread over 1.5x the keys of a
         128-key tile (benchmarks/sass_cost.py: d64 854 -> 772, d128 474 -> 415 instructions per
         1e6 FLOPs), at no spill: S (96 fp32 per thread) + O (d / 2) + P~ fit the consumers' registers."""
+        if fs.direction != "fwd":
+            return None
         return 16 * fs.num_warps, FWD_BLOCK_C
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
@@ -123,9 +125,12 @@ class WgmmaFamily(FamilyBase):
             return None
         return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}
 
-    def producer_work(self, fs: FamilySpec) -> dict[str, float]:
+    def producer_work(self, fs: FamilySpec) -> dict[str, float] | None:
         """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
-        anchor UTMALDG walks its loop): one TMA load per 64-element panel of K_j and of V_j."""
+        anchor UTMALDG walks its loop): forward, one TMA load per 64-element panel of K_j and of
+        V_j; None for a direction it does not state."""
+        if fs.direction != "fwd":
+            return None
         return {"UTMALDG": 2 * fs.head_dim / PANEL}
 
     def producer_warps(self, fs: FamilySpec) -> int:
