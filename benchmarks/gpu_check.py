@@ -76,7 +76,12 @@ TEST_REQUIRED = {"pytest": "pytest"}
 #: fagen_<family>_det: with the deterministic backward (dq kernel, no atomics).
 FAMILIES = ("mma", "simt")
 DETERMINISTIC = ("mma",)
-PROVIDERS = ("fagen_mma", "fagen_simt", "fagen_mma_det", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+#: fagen_wgmma: the Hopper family on a capability-9.0 GPU (its sm_90a kernels): its forward, and the
+#: backward the sm_90a spec resolves to (the Hopper family where it takes the spec, else mma).
+HOPPER = "wgmma"
+HOPPER_ARCH = "sm_90a"
+PROVIDERS = ("fagen_mma", "fagen_simt", "fagen_mma_det", "fagen_wgmma", "sdpa_math", "sdpa_flash", "sdpa_efficient",
+             "sdpa_cudnn")
 REFERENCE = "sdpa_flash"  # each row's ratios: reference ms / provider ms (> 1: faster than FlashAttention-2)
 TOKENS = 16 * 1024
 HEADS = 16
@@ -483,6 +488,35 @@ def fagen_provider(impl: str, warmup: int, iters: int, deterministic: bool = Fal
     return run
 
 
+def hopper_specs(shape: Shape) -> tuple[Any, Any]:
+    """The (forward, backward) specs of ``fagen_wgmma`` for a shape: the Hopper family's forward,
+    the backward sm_90a resolves to (impl=None: the Hopper family where it takes it, else mma)."""
+    from fagen.spec import KernelSpec
+
+    flags = dict(head_dim=shape.head_dim, dtype=shape.dtype, causal=shape.causal, arch=HOPPER_ARCH)
+    return KernelSpec(direction="fwd", impl=HOPPER, **flags), KernelSpec(direction="bwd", **flags)
+
+
+def hopper_provider(warmup: int, iters: int) -> Provider:
+    """The Hopper family through explicit sm_90a specs (:func:`hopper_specs`), timed as the others;
+    "n/a" on a GPU of another capability (wgmma and setmaxnreg exist on sm_90a only)."""
+    def run(shape: Shape) -> Measurement:
+        import torch
+
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return Measurement(note=f"n/a: {HOPPER_ARCH} kernels need a capability-9.0 GPU, this is {cap[0]}.{cap[1]}")
+        fwd, bwd = hopper_specs(shape)
+        inputs = _inputs(shape, "bnhd")
+        q, k, v, _ = inputs
+        attention = _explicit_attention(fwd, bwd)
+        m = _measure(lambda: attention(q, k, v), inputs, warmup, iters)
+        m.note = f"fwd {fwd.name.replace('fa_fwd_', '')}, bwd {bwd.impl}"
+        return m
+
+    return run
+
+
 def sdpa_provider(backend_name: str, warmup: int, iters: int, *, max_seqlen: int | None = None) -> Provider:
     def run(shape: Shape) -> Measurement:
         import torch
@@ -511,6 +545,7 @@ def providers(warmup: int, iters: int) -> dict[str, Provider]:
     return {
         **{f"fagen_{impl}": fagen_provider(impl, warmup, iters) for impl in FAMILIES},
         **{f"fagen_{impl}_det": fagen_provider(impl, warmup, iters, deterministic=True) for impl in DETERMINISTIC},
+        f"fagen_{HOPPER}": hopper_provider(warmup, iters),
         "sdpa_math": sdpa_provider("MATH", warmup, iters, max_seqlen=4096),
         "sdpa_flash": sdpa_provider("FLASH_ATTENTION", warmup, iters),
         "sdpa_efficient": sdpa_provider("EFFICIENT_ATTENTION", warmup, iters),
@@ -530,7 +565,8 @@ def cuda_health_check() -> None:
 # --------------------------------------------------------------------------- compile ahead
 def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
     """The forward and backward specs the rows run (one per family, d, dtype, causal; the
-    deterministic backward of the DETERMINISTIC families)."""
+    deterministic backward of the DETERMINISTIC families; on sm_90, a capability-9.0 GPU, the
+    Hopper family's sm_90a specs too)."""
     from fagen.spec import KernelSpec
 
     specs = {}
@@ -541,6 +577,9 @@ def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
                     continue
                 spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch,
                                   impl=impl, deterministic=det)
+                specs[spec.name] = spec
+        if arch == "sm_90":
+            for spec in hopper_specs(s):
                 specs[spec.name] = spec
     return list(specs.values())
 

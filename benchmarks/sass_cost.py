@@ -38,9 +38,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 HMMA_FLOPS = 2 * 16 * 8 * 16
-#: Columns of the table.
-COLUMNS = ("kernel", "d", "tile", "warps", "regs", "smem KiB", "spills", "instr/1e6 FLOPs", "instr/HMMA",
-           "LDSM/HMMA", "int+ctrl/HMMA")
+#: Columns of the table ("MMA": HMMA.16816 of the mma family, HGMMA of the wgmma family).
+COLUMNS = ("kernel", "d", "tile", "warps", "regs", "smem KiB", "spills", "instr/1e6 FLOPs", "FA3", "instr/MMA",
+           "LDSM/MMA", "int+ctrl/MMA")
+#: FlashAttention-3 on sm_90a, warp instructions per 1e6 FLOPs: static counts of its released binary's
+#: SASS, interior tile, fp16 (bf16 the same), every warp of the CTA, (direction, head dim, causal).
+FA3 = {("fwd", 64, False): 813, ("fwd", 64, True): 836, ("fwd", 128, False): 420, ("fwd", 128, True): 458,
+       ("bwd", 64, False): 551, ("bwd", 64, True): 525, ("bwd", 128, False): 321, ("bwd", 128, True): 389}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Row:
     int_ctrl_per_hmma: float
     unsolved_loops: int
     variant: str = "interior"
+    fa3: float | None = None  # FlashAttention-3's figure for the row's (direction, d, causal), sm_90a rows
 
     def cells(self) -> list[str]:
         regs = "-" if self.registers is None else str(self.registers)
@@ -67,7 +72,8 @@ class Row:
         spill = "-" if self.spill_bytes is None else str(self.spill_bytes)
         flag = "" if not self.unsolved_loops else f" ({self.unsolved_loops} loop(s) counted once)"
         return [self.name + flag, str(self.head_dim), f"{self.block_r}x{self.block_c}", str(self.num_warps), regs,
-                smem, spill, f"{self.per_mflop:.0f}", f"{self.per_hmma:.2f}", f"{self.ldsm_per_hmma:.2f}",
+                smem, spill, f"{self.per_mflop:.0f}", "-" if self.fa3 is None else f"{self.fa3:.0f}",
+                f"{self.per_hmma:.2f}", f"{self.ldsm_per_hmma:.2f}",
                 f"{self.int_ctrl_per_hmma:.2f}"]
 
 
@@ -110,13 +116,37 @@ def measure(text: str, kernel: str, direction: str, head_dim: int, padded_dim: i
     return loop, loop.total() * w / (pair_flops(direction, head_dim, block_r, block_c) / 1e6)
 
 
+def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
+    """(consumer TileLoop, producer TileLoop, instructions per 1e6 FLOPs) of a warp-specialised kernel
+    (the wgmma family): the consumer warps' tile loop walked with the family's ``tile_work`` (HGMMA per
+    warp and tile pair; one HGMMA m64nNk16 is 2 x 64 x N x 16 FLOPs of its warpgroup), the producer
+    warp's loop (the one holding the TMA loads) with its ``producer_work``; every warp of the CTA
+    counted: the consumer warps, the producer warp that issues the loads (its other warps exit at
+    once). None when either loop is not found."""
+    from fagen.autotune.sassloops import tile_loop
+    from fagen.families import get_family
+
+    fam = get_family("wgmma")
+    work = fam.tile_work(fs, "main")
+    if work is None:  # a direction whose work the family does not state: no row
+        print(f"sass_cost: the wgmma family states no tile work for direction={fs.direction}", file=sys.stderr)
+        return None
+    consumer = tile_loop(text, kernel, work, diagonal=diagonal)
+    producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
+    if consumer is None or producer is None:
+        return None
+    total = consumer.total() * fs.num_warps + producer.total() * fam.producer_warps(fs)
+    return consumer, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c) / 1e6)
+
+
 def row_of(name: str, loop, per_mflop: float, direction: str, head_dim: int, block_r: int, block_c: int,
-           num_warps: int, registers: int | None, smem: int | None, spills: int | None, variant: str) -> Row:
-    hmma = loop.count("HMMA") or 1.0
+           num_warps: int, registers: int | None, smem: int | None, spills: int | None, variant: str,
+           fa3: float | None = None) -> Row:
+    hmma = loop.count("HMMA", "HGMMA") or 1.0
     cls = loop.by_class()
     return Row(name, direction, head_dim, block_r, block_c, num_warps, registers, smem, spills, per_mflop,
                loop.total() / hmma, loop.count("LDSM") / hmma, (cls.get("int", 0) + cls.get("ctrl", 0)) / hmma,
-               len(loop.unsolved), variant)
+               len(loop.unsolved), variant, fa3)
 
 
 # ------------------------------------------------------------------------------------------ fagen
@@ -154,23 +184,34 @@ def fagen_rows(specs: Iterable[dict[str, Any]]) -> list[Row]:
         t = spec.tile
         dp = -(-spec.head_dim // 16) * 16
         variants = [("interior", False)] + ([("diag", True)] if spec.causal else [])
+        fa3 = FA3.get((spec.direction, spec.head_dim, spec.causal)) if spec.impl == "wgmma" else None
         for variant, diag in variants:
-            got = measure(text, kname, spec.direction, spec.head_dim, dp, t.block_r, t.block_c, spec.num_warps,
-                          diagonal=diag, dq_atomics=not getattr(spec, "deterministic", False))
+            if spec.impl == "wgmma":
+                spec_got = measure_specialised(text, kname, spec.family_spec, diagonal=diag)
+                got = None if spec_got is None else (spec_got[0], spec_got[2])
+            else:
+                got = measure(text, kname, spec.direction, spec.head_dim, dp, t.block_r, t.block_c, spec.num_warps,
+                              diagonal=diag, dq_atomics=not getattr(spec, "deterministic", False))
             if got is None:
                 continue
             loop, per = got
             label = f"fagen {spec.name}" + (f" [{variant}]" if variant != "interior" else "")
             rows.append(row_of(label, loop, per, spec.direction, spec.head_dim, t.block_r, t.block_c,
                                spec.num_warps, res.registers, spec.smem_bytes,
-                               res.spill_store_bytes + res.spill_load_bytes, variant))
+                               res.spill_store_bytes + res.spill_load_bytes, variant,
+                               fa3 if variant == "interior" else None))
     return rows
 
 
 def default_specs(directions: Iterable[str], dtypes: Iterable[str], dims: Iterable[int], archs: Iterable[str],
                   causal: Iterable[bool]) -> list[dict[str, Any]]:
-    return [{"direction": dr, "dtype": dt, "head_dim": d, "arch": a, "causal": c}
-            for dr in directions for a in archs for dt in dtypes for d in dims for c in causal]
+    """The default kernels of each combination; sm_90a rows only where the Hopper family (wgmma) takes
+    the spec (elsewhere sm_90a resolves to the mma family, whose sm_90 rows are already there)."""
+    from fagen.spec import KernelSpec
+
+    out = [{"direction": dr, "dtype": dt, "head_dim": d, "arch": a, "causal": c}
+           for dr in directions for a in archs for dt in dtypes for d in dims for c in causal]
+    return [f for f in out if f["arch"] != "sm_90a" or KernelSpec(**f).impl == "wgmma"]
 
 
 # ------------------------------------------------------------------------------ reference binaries
@@ -298,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direction", choices=("bwd", "fwd"), action="append", help="default: both")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), action="append", help="default: both")
     ap.add_argument("--head-dim", type=int, action="append", help="default: 64 and 128")
-    ap.add_argument("--arch", choices=("sm_80", "sm_90"), action="append", help="default: both")
+    ap.add_argument("--arch", choices=("sm_80", "sm_90", "sm_90a"), action="append", help="default: all three")
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--spec", action="append", default=[],
                     help="an extra spec as key=value,... (KernelSpec fields), e.g. "
@@ -314,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     specs = [] if args.only_spec else default_specs(args.direction or ["bwd", "fwd"],
                                                      args.dtype or ["float16", "bfloat16"],
-                                                     args.head_dim or [64, 128], args.arch or ["sm_80", "sm_90"],
+                                                     args.head_dim or [64, 128],
+                                                     args.arch or ["sm_80", "sm_90", "sm_90a"],
                                                      causal)
     specs += [parse_spec(s) for s in args.spec]
     rows = fagen_rows(specs)

@@ -32,6 +32,25 @@ def standard_matrix() -> list[KernelSpec]:
     ]
 
 
+#: The Hopper family's target: the standard head dims, dtypes and variants where it takes them.
+HOPPER_ARCH = "sm_90a"
+
+
+def hopper_matrix() -> list[KernelSpec]:
+    """The standard matrix for sm_90a, each spec kept where the Hopper family (wgmma) implements it
+    (where it does not, sm_90a resolves to the mma family, whose sm_90 kernels are already there)."""
+    out = []
+    for direction in ("bwd", "fwd"):
+        for d in STANDARD_HEAD_DIMS:
+            for dt in STANDARD_DTYPES:
+                for c, kp, dr in STANDARD_VARIANTS:
+                    spec = KernelSpec(direction=direction, head_dim=d, dtype=dt, causal=c, key_padding=kp, dropout=dr,
+                                      arch=HOPPER_ARCH)
+                    if spec.impl == "wgmma":
+                        out.append(spec)
+    return out
+
+
 #: One representative per optional feature (fagen.families.FEATURES): d = 64, fp16 (float64: the
 #: dtype itself), both directions where the feature changes both kernels. The family is the preferred
 #: one that implements the feature.
@@ -60,8 +79,9 @@ def feature_matrix() -> list[KernelSpec]:
 
 
 def all_specs() -> list[KernelSpec]:
-    """What ``fagen generate --all`` emits: the standard matrix and one representative per feature."""
-    return standard_matrix() + feature_matrix()
+    """What ``fagen generate --all`` emits: the standard matrix, its sm_90a kernels of the Hopper
+    family and one representative per feature."""
+    return standard_matrix() + hopper_matrix() + feature_matrix()
 
 
 def write_if_different(path: Path, text: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fagen.cli import main
-from fagen.generate import all_specs, feature_matrix
+from fagen.generate import all_specs, feature_matrix, hopper_matrix
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -64,7 +64,7 @@ def test_generate_one_and_all(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["fa_bwd_d32_bf16_br32_bc128_w4_simt_sm90.cu", "manifest.json"]
     assert main(["generate", "--all", "--out", str(tmp_path / "all")]) == 0
     manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
-    assert len(manifest) == len(all_specs()) == 48 + len(feature_matrix())
+    assert len(manifest) == len(all_specs()) == 48 + len(hopper_matrix()) + len(feature_matrix())
     (tmp_path / "all" / "hand_written.cu").write_text("// not fagen's\n")  # --all must leave it alone
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "all").iterdir()}
     assert main(["generate", "--all", "--out", str(tmp_path / "all")]) == 0

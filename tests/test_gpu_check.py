@@ -76,12 +76,18 @@ def test_plan_covers_the_matrix_with_16k_tokens() -> None:
 def test_bench_specs_one_per_direction_and_kind() -> None:
     specs = gc.bench_specs(gc.plan(quick=False), "sm_90")
     kinds = 2 * 2 * 2  # d x dtype x causal
-    assert len(specs) == kinds * (2 * len(gc.FAMILIES) + len(gc.DETERMINISTIC)) == len({s.name for s in specs})
-    assert {s.direction for s in specs} == {"fwd", "bwd"} and {s.arch for s in specs} == {"sm_90"}
-    assert {s.impl for s in specs} == set(gc.FAMILIES) == {"mma", "simt"}
+    # + the Hopper family's forward and the backward sm_90a resolves to, per kind
+    assert len(specs) == kinds * (2 * len(gc.FAMILIES) + len(gc.DETERMINISTIC) + 2) == len({s.name for s in specs})
+    assert {s.direction for s in specs} == {"fwd", "bwd"} and {s.arch for s in specs} == {"sm_90", "sm_90a"}
+    assert {s.impl for s in specs if s.arch == "sm_90"} == set(gc.FAMILIES) == {"mma", "simt"}
+    hopper = [s for s in specs if s.arch == "sm_90a"]
+    assert {s.impl for s in hopper if s.direction == "fwd"} == {gc.HOPPER} == {"wgmma"}
     assert {s.impl for s in specs if s.deterministic} == set(gc.DETERMINISTIC) == {"mma"}
     assert {f"fagen_{f}" for f in gc.FAMILIES} | {f"fagen_{f}_det" for f in gc.DETERMINISTIC} <= set(gc.PROVIDERS)
+    assert f"fagen_{gc.HOPPER}" in gc.PROVIDERS
     assert set(gc.providers(1, 1)) == set(gc.PROVIDERS) and gc.REFERENCE in gc.PROVIDERS
+    # another arch: no sm_90a kernels
+    assert {s.arch for s in gc.bench_specs(gc.plan(quick=True), "sm_80")} == {"sm_80"}
 
 
 def test_rows_report_the_ratio_to_sdpa_flash() -> None:

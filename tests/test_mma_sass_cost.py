@@ -136,3 +136,45 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture) -> None:
                            "--causal", "no"]) == 0
     out = capsys.readouterr().out
     assert "instr/1e6 FLOPs" in out and "fa_bwd_d64_fp16" in out
+
+
+WS_LISTING = """\
+\t.section\t.text.ws,"ax",@progbits
+        /*0000*/               @P0 BRA `(.L_x_9) ;
+.L_x_0:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2 ;
+        /*0020*/              @!P1 BRA `(.L_x_7) ;
+.L_x_1:
+        /*0030*/                   HGMMA.64x128x16.F32 R24, gdesc[UR8], R24 ;
+        /*0040*/                   HGMMA.64x128x16.F32 R24, gdesc[UR12], R24, gsb0 ;
+        /*0050*/                   FFMA R3, R24, R5, -R6 ;
+        /*0060*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR4+0x8], RZ ;
+        /*0070*/              @!P2 BRA `(.L_x_0) ;
+        /*0080*/                   EXIT ;
+.L_x_9:
+        /*0090*/                   UTMALDG.4D [UR8], [UR6] ;
+.L_x_2:
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4+0x8], R2 ;
+        /*00b0*/                   UTMALDG.4D [UR16], [UR6] ;
+        /*00c0*/                   UTMALDG.4D [UR24], [UR6] ;
+        /*00d0*/              @!P3 BRA `(.L_x_2) ;
+        /*00e0*/                   EXIT ;
+.L_x_7:
+        /*00f0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2 ;
+        /*0100*/              @!P1 BRA `(.L_x_7) ;
+        /*0110*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_walk_of_a_warp_specialised_listing() -> None:
+    """The out-of-line retry of a spin wait (after the last EXIT, branching back into the consumer
+    loop) closes a span around the whole kernel: no loop, skipped. The consumer loop is walked
+    with its HGMMAs; the producer loop is the smallest holding a TMA load (the Q load before it
+    is not counted); removing the EXIT rule would pick the retry's span."""
+    consumer = tile_loop(WS_LISTING, "ws", {"HGMMA": 2})
+    assert (consumer.head, consumer.end) == (0x10, 0x70) and not consumer.unsolved
+    assert dict(consumer.mix) == {"SYNCS": 2, "BRA": 2, "HGMMA": 2, "FFMA": 1}
+    producer = tile_loop(WS_LISTING, "ws", {"UTMALDG": 2}, anchor=("UTMALDG",), smallest=True)
+    assert (producer.head, producer.end) == (0xA0, 0xD0) and dict(producer.mix)["UTMALDG"] == 2
+    assert producer.total() == 4
+    assert tile_loop(WS_LISTING, "ws", {"UTMALDG": 2}, anchor=("UTMALDG",)).head == 0xA0

@@ -126,6 +126,10 @@ CASES = [
     dict(d=128, dtype="float16", nw=4, B=1, Nq=90, Nk=200, H=1, Hkv=1, causal=True, align="top_left"),
     dict(d=64, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),  # batch 1: every key padded
     dict(d=64, dtype="float16", nw=4, B=1, Nq=130, Nk=260, H=1, Hkv=1, window=(40, 10)),
+    # the default key block (192) with two consumer warpgroups; a negative softmax scale (the row
+    # extreme is the min of the raw scores) and a zero one
+    dict(d=128, dtype="bfloat16", nw=8, bc=192, B=1, Nq=140, Nk=450, H=1, Hkv=1, causal=True, scale=-0.3),
+    dict(d=64, dtype="float16", nw=4, bc=192, B=1, Nq=100, Nk=230, H=2, Hkv=1, scale=0.0),
 ]
 
 
@@ -139,7 +143,8 @@ def _run_case(c: dict, gen: torch.Generator):
     if c.get("kpm"):
         kpm = torch.rand(c["B"], c["Nk"], generator=gen) > 0.3
         kpm[-1] = False
-    spec = _spec(head_dim=c["d"], dtype=c["dtype"], num_warps=c["nw"], block_r=16 * c["nw"], causal=causal,
+    tile = {"block_c": c["bc"]} if "bc" in c else {}
+    spec = _spec(head_dim=c["d"], dtype=c["dtype"], num_warps=c["nw"], block_r=16 * c["nw"], causal=causal, **tile,
                  causal_align=align, key_padding=kpm is not None, window=window != (-1, -1),
                  knobs={"stages": c.get("stages", 2)})
     assert spec.impl == "wgmma"
@@ -148,8 +153,10 @@ def _run_case(c: dict, gen: torch.Generator):
         kw["causal_align"] = align
     if window != (-1, -1):
         kw["window_size"] = window
-    o, lse = F.run_forward(spec, q, k, v, **kw)
     ref = dict(causal=causal, align=align, kpm=kpm, window=window)
+    if "scale" in c:
+        kw["softmax_scale"] = ref["scale"] = c["scale"]
+    o, lse = F.run_forward(spec, q, k, v, **kw)
     return (q, k, v), (o, lse), ref
 
 
@@ -177,7 +184,7 @@ def test_attention_forward_on_the_public_path() -> None:
 
 # --------------------------------------------------------------------------- synchronisation
 TEMPLATE = "wgmma/fwd.cu.j2"
-SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<0>\(\);|fa_sync\(\);")
+SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<[01]>\(\);|fa_sync\(\);")
 
 
 def _sync_sites() -> list[tuple[int, str]]:
@@ -190,9 +197,13 @@ def _sync_sites() -> list[tuple[int, str]]:
     return out
 
 
-def test_the_template_synchronises_at_six_sites() -> None:
+def test_the_template_synchronises_at_nine_sites() -> None:
+    """The producer's wait for a free slot; Q_i, tile 0's and tile j's K/V slot (the consumers'
+    mbarrier waits); tile 0's S, S_j while P~V runs (wait_group 1), P~V in the loop and after it
+    (wait_group 0); the barrier after the init."""
     kinds = [s for _, s in _sync_sites()]
-    assert len(kinds) == 6 and sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 3, kinds
+    assert len(kinds) == 9 and sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 4, kinds
+    assert sum(k == "fa_wgmma_wait_group<1>();" for k in kinds) == 1, kinds
 
 
 #: Removals the emulator's plain schedules do not expose: its TMA loads land when issued, and the
@@ -203,8 +214,7 @@ def test_the_template_synchronises_at_six_sites() -> None:
 #: load's data is visible only through its mbarrier phase; mbarrier operations must be ordered
 #: after the init): the test checks that too. When a plain schedule catches one, this test fails:
 #: remove it from the set.
-PLAIN_UNDETECTED = {"fa_mbarrier_wait_parity(q_full, 0);",
-                    "fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);", "fa_sync();"}
+PLAIN_UNDETECTED = {"fa_mbarrier_wait_parity(q_full, 0);", "fa_mbarrier_wait_parity(&kv_full[0], 0);", "fa_sync();"}
 
 
 def _broken(mod: cpu.CpuModule, spec: KernelSpec, schedule: str, monkeypatch) -> bool:
@@ -278,7 +288,7 @@ needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisa
 @needs_nvdisasm
 @pytest.mark.parametrize("d, causal, nw", [(64, False, 4), (128, True, 8)])
 def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) -> None:
-    from fagen.autotune.sassloops import main_loop_mix
+    from fagen.autotune.sassloops import tile_loop
 
     spec = _spec(head_dim=d, causal=causal, num_warps=nw, block_r=16 * nw)
     mod = compile_spec(spec)
@@ -289,10 +299,16 @@ def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) ->
     assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 and ops.get("LDSM", 0) == 0, ops
     for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "ELECT", "WARPGROUP"):
         assert ops.get(op, 0) > 0, (op, ops)
-    loop = main_loop_mix(mod.cubin, name).merged()
-    # the tile loop: d/16 wgmmas for S, block_c/16 for O += P V; no ldmatrix, no cp.async
-    assert loop.get("HGMMA", 0) == d // 16 + spec.tile.block_c // 16, loop
-    assert loop.get("LDSM", 0) == 0 and loop.get("LDGSTS", 0) == 0, loop
+    text = sass.disassemble(mod.cubin)
+    loop = tile_loop(text, name, WGMMA.tile_work(spec.family_spec, "main"))
+    # the tile loop (walked): d/16 wgmmas for S, block_c/16 for O += P V; no ldmatrix, no cp.async
+    assert not loop.unsolved and loop.count("HGMMA") == d // 16 + spec.tile.block_c // 16, loop.mix
+    assert loop.count("LDSM") == 0 and loop.count("LDGSTS") == 0, loop.mix
+    assert loop.count("MUFU") == spec.tile.block_c // 2 + 2  # one exp2 per score, one per row's alpha
+    assert loop.count("FMUL") <= d // 2 + 4, loop.mix  # the O rescale; the scale is folded into the FFMA
+    # the producer warp's loop: one TMA load per 64-element panel of K_j and of V_j
+    prod = tile_loop(text, name, WGMMA.producer_work(spec.family_spec), anchor=("UTMALDG",), smallest=True)
+    assert prod.count("UTMALDG") == 2 * d // 64 and prod.count("HGMMA") == 0, prod.mix
 
 
 def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> None:
@@ -308,3 +324,65 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90
+
+
+# --------------------------------------------------------------------------- autotuner
+def test_autotuner_candidates_take_the_family_with_its_knobs() -> None:
+    from fagen.autotune.candidates import enumerate_candidates
+
+    spec = _spec(head_dim=128)
+    cands = {(c.block_r, c.block_c, c.num_warps, c.knobs): c for c in enumerate_candidates(spec) if c.impl == "wgmma"}
+    # tiles up to 256 keys, one or two consumer warpgroups, the stages knob
+    assert cands[(64, 192, 4, (("stages", 2),))].status == "pending"
+    assert cands[(128, 192, 8, (("stages", 2),))].status == "pending"
+    assert cands[(64, 128, 4, (("stages", 3),))].status == "pending"
+    assert "smem" in cands[(128, 256, 8, (("stages", 2),))].reason  # 32 + 2 x 128 KiB
+    assert "block_r=64 must be 16 x num_warps=8" in cands[(64, 128, 8, (("stages", 2),))].reason
+    assert cands[(64, 192, 4, (("stages", 2),))].is_default
+
+
+def test_pair_cost_counts_every_warp_and_the_operands_wgmma_reads() -> None:
+    from fagen.families.wgmma.cost import pair_cost
+
+    fs = _spec(head_dim=128).family_spec  # 64 x 192, one consumer warpgroup
+    est = pair_cost(fs)
+    assert est.atomics == 0 and est.warp_iterations == 4 * (128 // 16 + 192 // 16)
+    assert est.lds_wavefronts == (64 * 128 + 2 * 192 * 128) * 2 / 128  # Q_i, K_j, V_j once per pair
+    walked = pair_cost(fs, {"HGMMA": 20, "FFMA": 96, "MUFU": 98})
+    assert walked.warp_instructions == 4 * (20 + 96 + 98) + 2 * 2 + 40  # + the producer warp
+    wide = pair_cost(_spec(head_dim=128, num_warps=8, block_r=128).family_spec)
+    flops = lambda f: 4 * f.block_r * f.block_c * f.head_dim  # noqa: E731
+    # a longer key block spreads the O rescale and the per-tile overhead over more FLOPs
+    narrow = pair_cost(_spec(head_dim=128, block_c=64).family_spec)
+    assert est.warp_instructions / flops(fs) < narrow.warp_instructions / flops(_spec(head_dim=128, block_c=64).family_spec)
+    assert wide.warp_instructions > est.warp_instructions and WGMMA.pair_cost(fs) == est
+
+
+# --------------------------------------------------------------------------- sanitizer
+def test_forward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> None:
+    """Under AddressSanitizer (``cpu.sanitized``) the forward reads and writes inside its tensors and
+    gives the plain run's bits (key padding, causal, GQA, lengths that end inside a tile); with the
+    epilogue's row guard removed its stores past the end of ``o`` are a memory error naming it."""
+    from fagen.emulator import EmulatorMemoryError
+
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 77, 2, 64, generator=gen).half()
+    k = torch.randn(1, 150, 1, 64, generator=gen).half()
+    v = torch.randn(1, 150, 1, 64, generator=gen).half()
+    kpm = torch.rand(1, 150, generator=gen) > 0.2
+    spec = _spec(causal=True, key_padding=True, block_c=64)
+    want = F.run_forward(spec, q, k, v, key_padding_mask=kpm)
+    with cpu.sanitized() as rec:
+        got = F.run_forward(spec, q, k, v, key_padding_mask=kpm)
+    assert rec.roles == {"main"} and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    text = (renderer.templates_dir() / TEMPLATE).read_text()
+    guard = "        if (row >= seqlen_q) continue;\n"
+    assert text.count(guard) == 1
+    mod = _mutated(spec, TEMPLATE, text.replace(guard, ""))
+    real = cpu.cpu_module
+    monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
+    qs = torch.randn(1, 70, 1, 64, generator=gen).half()  # 70 rows: the tile's last 58 lie past o's end
+    with pytest.raises(EmulatorMemoryError, match=r"\bo\b"):
+        with cpu.sanitized():
+            F.run_forward(spec, qs, k[:, :, :1], v[:, :, :1], key_padding_mask=kpm)

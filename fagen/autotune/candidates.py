@@ -99,9 +99,10 @@ class Candidate:
         }
 
 
-def tile_sizes(fam: Family) -> tuple[int, ...]:
-    """quantum x 2^k up to the template limit, plus the midpoint of the two largest."""
-    limit = min(fam.max_block_r, fam.max_block_c)
+def tile_sizes(fam: Family, limit: int | None = None) -> tuple[int, ...]:
+    """quantum x 2^k up to the template limit (``limit``: this one), plus the midpoint of the two
+    largest."""
+    limit = min(fam.max_block_r, fam.max_block_c) if limit is None else limit
     sizes = []
     s = fam.tile_multiple
     while s <= limit:
@@ -133,8 +134,10 @@ def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None
     for impl in family_names():
         fam = get_family(impl)
         paper = _paper_tile(spec, impl)
-        fam_sizes = tuple(sizes) if sizes is not None else tile_sizes(fam)
-        tiles = {(br, bc) for br in fam_sizes for bc in fam_sizes}
+        rows = tuple(sizes) if sizes is not None else tile_sizes(fam)
+        # a family whose streamed block goes further than its owned one (wgmma: 256 keys) gets those too
+        cols = tuple(sizes) if sizes is not None else tile_sizes(fam, fam.max_block_c)
+        tiles = {(br, bc) for br in rows for bc in cols}
         if paper is not None:
             tiles.add(paper)
         knob_points = [tuple(zip([k.name for k in fam.knobs], values))
@@ -195,6 +198,10 @@ def check_resources(cand: Candidate, mod: CompiledModule) -> Candidate:
     cand = replace(cand, registers=main.registers, spill_bytes=spills, sass_loop=main_loop_mix(mod),
                    dq_sass_loop=dq_loop)
     threads = 32 * cand.num_warps
+    if cand.spec is not None:  # as launched: a warp-specialised family adds its producer warpgroup
+        from ..renderer import kernel_infos
+
+        threads = max(k.threads for k in kernel_infos(cand.spec))
     if spills:
         worst = max(mod.resources, key=lambda r: r.spill_bytes)
         return cand.reject(f"spills {spills} B ({worst.kernel.rsplit('_', 1)[-1]} kernel)")

@@ -189,6 +189,14 @@ def occupancy(arch: str, num_warps: int, registers: int, smem_bytes: int) -> Occ
     return Occupancy(blocks, blocks * num_warps, blocks * num_warps / max_warps, limiter)
 
 
+def launch_warps(spec: KernelSpec) -> int:
+    """Warps of the main kernel's block as launched (a warp-specialised family adds its producer
+    warpgroup to ``num_warps``)."""
+    from ..renderer import kernel_infos
+
+    return max(1, kernel_infos(spec)[0].threads // 32)
+
+
 def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
     """HBM bytes moved for one call (all kernels of the module)."""
     d, e, f32 = spec.head_dim, spec.itemsize, 4
@@ -346,7 +354,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     the deterministic backward's dq kernel's (both needed for the SASS issue term)."""
     t = spec.tile
     fam = get_family(spec.impl)
-    occ = occupancy(spec.arch, spec.num_warps, registers, spec.smem_bytes)
+    occ = occupancy(spec.arch, launch_warps(spec), registers, spec.smem_bytes)
     blocks = main_grid_blocks(spec, p)
     launches = len(fam.roles(spec.family_spec))
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)

@@ -288,7 +288,8 @@ class _Walker:
         return not self.diagonal  # floating-point guard arithmetic: the mask of a partial tile
 
 
-def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bool = False) -> TileLoop | None:
+def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bool = False,
+              anchor: tuple[str, ...] = ("HMMA", "HGMMA"), smallest: bool = False) -> TileLoop | None:
     """Walk ``kernel``'s tile loop in ``nvdisasm`` text ``text``: the loop holding the most tensor-core
     instructions (the smallest such), one trip on the path of an interior, fully visible tile pair
     (``diagonal``: a partially masked one) with 16-byte-aligned tensors.
@@ -303,18 +304,29 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     ``diagonal``. Of an if/else (the fall-through ends in an unconditional branch) the side whose path
     issues more 16-byte cp.async (the element-copy fallback for unaligned tensors is not counted), else
     more work, else the shorter on an interior tile (hoisted guards, no mask) and the longer with
-    ``diagonal``; an unconditional backward branch ends the trip. None when the kernel has no loop with
-    HMMA."""
+    ``diagonal``; an unconditional backward branch ends the trip. ``anchor``: the opcodes that pick the
+    loop (a warp-specialised kernel's producer loop is the one holding its TMA loads, ``("UTMALDG",)``);
+    ``smallest``: the smallest loop holding one of them instead of the one holding the most (a spin
+    wait's out-of-line retry that branches back into an earlier loop closes a span around the loads
+    outside the loop too). None when the kernel has no loop with an anchor opcode."""
     instrs = sass.parse(text).get(kernel)
     spans = sorted(set(sass.loop_spans(text).get(kernel, [])))
     if not instrs or not spans:
         return None
     labels = sass.labels(text).get(kernel, {})
+    # A span around an unconditional EXIT is no loop: a spin wait's out-of-line retry, placed after
+    # the kernel's end, branching back into the code before it.
+    exits = [ins.address for ins in instrs if ins.opcode == "EXIT" and not ins.predicate]
+    spans = [s for s in spans if not any(s[0] <= a < s[1] for a in exits)] or spans
 
     def hmma_in(s: tuple[int, int]) -> int:
-        return sum(1 for ins in instrs if s[0] <= ins.address <= s[1] and ins.opcode in ("HMMA", "HGMMA"))
+        return sum(1 for ins in instrs if s[0] <= ins.address <= s[1] and ins.opcode in anchor)
 
-    best = max(spans, key=lambda s: (hmma_in(s), -(s[1] - s[0])))
+    if smallest:
+        held = [s for s in spans if hmma_in(s)]
+        best = min(held, key=lambda s: (s[1] - s[0], s[0])) if held else spans[0]
+    else:
+        best = max(spans, key=lambda s: (hmma_in(s), -(s[1] - s[0])))
     if hmma_in(best) == 0:
         return None
     w = _Walker(instrs, labels, spans, diagonal)

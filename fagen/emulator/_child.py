@@ -27,8 +27,12 @@ def main(folder: str) -> None:
     fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                          ctypes.c_size_t]
     fn.restype = ctypes.c_int
-    holders, buffers = [], []
+    holders, buffers, addrs, mallocs = [], [], [], {}
     for index, a in enumerate(job["args"]):
+        if a["code"] == "M":  # filled in below, once the buffer it points into exists
+            holders.append(None)
+            addrs.append(0)
+            continue
         if a["code"] != "P":
             holders.append(_SCALARS[a["code"]](a["value"]))
         elif a["file"] is None:
@@ -38,11 +42,23 @@ def main(folder: str) -> None:
             ptr = libc.malloc(arr.nbytes)  # exact size: the redzone starts right after it
             ctypes.memmove(ptr, arr.ctypes.data, arr.nbytes)
             buffers.append((ptr, arr, a["out"], index))
+            mallocs[index] = ptr
             holders.append(ctypes.c_void_p(ptr))
+        addrs.append(ctypes.addressof(holders[-1]))
+    for index, a in enumerate(job["args"]):
+        if a["code"] == "M":  # a tensor map by value (64-byte aligned), its address moved into the copy
+            data = bytearray(bytes.fromhex(a["bytes"]))
+            at = a["address_at"]
+            data[at:at + 8] = (mallocs[a["base_arg"]] + a["offset"]).to_bytes(8, "little")
+            raw = (ctypes.c_ubyte * 192)()
+            addr = ctypes.addressof(raw) + (-ctypes.addressof(raw) % 64)
+            ctypes.memmove(addr, bytes(data), len(data))
+            holders[index] = raw
+            addrs[index] = addr
     # Where each buffer lives, so the parent can name the one an ASan report hits.
     with open(os.path.join(folder, "buffers.json"), "w") as f:
         json.dump([{"arg": a, "addr": ptr, "nbytes": arr.nbytes} for ptr, arr, _, a in buffers], f)
-    argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
+    argv = (ctypes.c_void_p * max(1, len(addrs)))(*addrs)
     err = ctypes.create_string_buffer(_ERRLEN)
     status = fn(*job["grid"], *job["block"], job["smem"], argv, err, _ERRLEN)
     where = (ctypes.c_uint * 3)()

@@ -170,15 +170,14 @@ class EmuModule:
         Pointer arguments are numpy arrays (or ``None``): each is copied into
         its own exact-size malloc in the child, so any access past its end
         hits a redzone and raises :class:`EmulatorMemoryError` with the ASan
-        report. After the launch the buffers are copied back into the given
+        report. A tensor map (:class:`fagen.tma.TensorMapFields`) must point into
+        one of the pointer arguments' arrays: the child points it at its copy. After the launch the buffers are copied back into the given
         arrays (when writable) and also returned, by parameter name.
         Needs a module built with ``sanitize=True``.
         """
         if not self.sanitized:
             raise EmulatorError("run_sanitized needs a module built with build(..., sanitize=True)")
         sig = self.sig(name)
-        if "M" in self._codes[name]:
-            raise EmulatorError(f"kernel '{name}': run_sanitized does not pass tensor-map parameters; use launch()")
         return run_in_child(self.path, sig, self._codes[name], dim3(grid, "grid"), dim3(block, "block"),
                             smem_bytes, ordered_args(sig, args), timeout=timeout)
 

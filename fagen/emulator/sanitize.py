@@ -51,6 +51,28 @@ def _blame(report: str, folder: str, sig: KernelSig) -> str:
     return f"; the access is {m.group(1)} bytes {m.group(2)} a {m.group(3)}-byte region (not an argument buffer)"
 
 
+def _tensor_map_arg(value: Any, arrays: dict[int, Any], what: str) -> dict[str, Any]:
+    """A tensor-map argument (:class:`fagen.tma.TensorMapFields`) for the child: its emulator bytes,
+    where in them the global address lies, and the pointer argument whose buffer holds that address
+    (the child moves the address into its copy of the buffer, so the map's reads are bounds-checked
+    like the kernel's own)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(value) or not hasattr(value, "emulator_bytes"):
+        raise EmulatorError(f"{what}: run_sanitized takes fagen.tma.TensorMapFields for a tensor map, "
+                            f"got {type(value).__name__}")
+    a, b = (dataclasses.replace(value, global_address=x).emulator_bytes() for x in (0, 2**64 - 1))
+    at = next(k for k in range(len(a)) if a[k] != b[k])
+    address = value.global_address
+    for i, arr in arrays.items():
+        lo = arr.ctypes.data
+        if lo <= address < lo + arr.nbytes:
+            return {"code": "M", "bytes": value.emulator_bytes().hex(), "address_at": at, "base_arg": i,
+                    "offset": address - lo}
+    raise EmulatorError(f"{what}: the tensor map's address {address:#x} lies in no pointer argument's buffer "
+                        "(a sanitized launch copies each buffer; the map must point into one of them)")
+
+
 def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, block: Dim3, smem_bytes: int,
                  args: Sequence[Any], *, timeout: float | None) -> dict[str, Any]:
     import numpy as np
@@ -58,9 +80,13 @@ def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, blo
     with tempfile.TemporaryDirectory(prefix="fagen-asan-") as tmp:
         job_args: list[dict[str, Any]] = []
         arrays: dict[int, Any] = {}
+        maps: list[tuple[int, Any, str]] = []
         for i, ((ctype, pname), code, value) in enumerate(zip(sig.params, codes, args)):
             what = f"kernel '{sig.name}' argument '{pname}' ({ctype})"
-            if code != "P":
+            if code == "M":
+                job_args.append({})  # after the pointers: it points into one of their copies
+                maps.append((i, value, what))
+            elif code != "P":
                 job_args.append({"code": code, "value": scalar_value(code, value, what)})
             elif value is None:
                 job_args.append({"code": "P", "file": None})
@@ -71,6 +97,8 @@ def run_in_child(so: Path, sig: KernelSig, codes: Sequence[str], grid: Dim3, blo
             else:
                 raise EmulatorError(f"{what}: run_sanitized takes numpy arrays (or None) for pointers, "
                                     f"got {type(value).__name__}")
+        for i, value, what in maps:
+            job_args[i] = _tensor_map_arg(value, arrays, what)
         job = {"so": str(so), "kernel": sig.name, "grid": grid, "block": block, "smem": smem_bytes,
                "args": job_args}
         Path(tmp, "job.json").write_text(json.dumps(job))

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
-from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, Reason
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
+from fagen.families.wgmma.cost import pair_cost
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "register_split",
-           "tensor_map_boxes"]
+           "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -35,6 +36,8 @@ HEAD_DIMS = (64, 128)
 #: The smem swizzle span (bytes) of every TMA box and wgmma descriptor: one panel row.
 SWIZZLE = 128
 PANEL = SWIZZLE // 2  # elements of a 16-bit dtype per panel row
+#: Keys per tile of the default forward (``default_tile``).
+FWD_BLOCK_C = 192
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -69,7 +72,7 @@ class WgmmaFamily(FamilyBase):
     preference: int = 5  # preferred over mma where it applies (sm_90a only)
     tile_multiple: int = 64
     max_block_r: int = 128
-    max_block_c: int = 128
+    max_block_c: int = 256  # wgmma's N of S = Q K_j^T
     warp_choices: tuple[int, ...] = (4, 8)  # consumer warps: one or two warpgroups (the producer's is added)
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
@@ -90,9 +93,12 @@ class WgmmaFamily(FamilyBase):
         return None
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
-        bad = super().config_reason(fs)
+        bad = super().config_reason(fs.with_tile(fs.block_r, 64)) if fs.block_c % 16 == 0 else None
         if bad is not None:
             return bad
+        if fs.block_c % 16 or not 16 <= fs.block_c <= self.max_block_c:
+            return Reason("block_c", f"block_c={fs.block_c} must be a multiple of 16 in 16..{self.max_block_c} "
+                                     f"({self.name}: wgmma N of S = Q K_j^T, k16 steps of O += P V_j)")
         if fs.block_r != 16 * fs.num_warps:
             return Reason("block_r", f"block_r={fs.block_r} must be 16 x num_warps={fs.num_warps} "
                                      f"({self.name}: each consumer warpgroup owns 64 Q rows)")
@@ -100,6 +106,37 @@ class WgmmaFamily(FamilyBase):
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         return 16 * fs.num_warps, self.max_block_c
+
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        """64 Q rows per consumer warpgroup x FWD_BLOCK_C keys (then shrunk by 64 until it fits):
+        the per-tile work outside the per-element softmax (the O rescale, the row reductions'
+        shuffles, the mbarrier handshake, descriptor set-up) spread over 1.5x the keys of a
+        128-key tile (benchmarks/sass_cost.py: d64 854 -> 772, d128 474 -> 415 instructions per
+        1e6 FLOPs), at no spill: S (96 fp32 per thread) + O (d / 2) + P~ fit the consumers' registers."""
+        if fs.direction != "fwd":
+            return None
+        return 16 * fs.num_warps, FWD_BLOCK_C
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        """Per consumer warp and tile pair of the forward: its warpgroup's HGMMA m64nNk16 (each
+        2 x 64 x N x 16 FLOPs, issued by all four warps of the warpgroup): S = Q K_j^T in
+        head_dim / 16 of N = block_c, O += P V_j in block_c / 16 of N = head_dim."""
+        if role != "main" or fs.direction != "fwd":
+            return None
+        return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}
+
+    def producer_work(self, fs: FamilySpec) -> dict[str, float] | None:
+        """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
+        anchor UTMALDG walks its loop): forward, one TMA load per 64-element panel of K_j and of
+        V_j; None for a direction it does not state."""
+        if fs.direction != "fwd":
+            return None
+        return {"UTMALDG": 2 * fs.head_dim / PANEL}
+
+    def producer_warps(self, fs: FamilySpec) -> int:
+        """Warps of the producer warpgroup that run its loop (one elected lane of the first; the
+        other three leave at once)."""
+        return 1
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         if fs.direction != "fwd":
@@ -134,6 +171,9 @@ class WgmmaFamily(FamilyBase):
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"fwd": ("wgmma/fwd.cu.j2",)}[direction]
+
+    def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
+        return pair_cost(fs, sass)
 
     def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """The role's tensor-map arguments (:class:`fagen.tma.TensorMapFields`) for the tensors by
