@@ -84,7 +84,7 @@ def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = T
     g.add_argument("--block-c", type=int, default=None, metavar="B_C",
                    help="rows of K/V per tile (default: the paper's B_c, made to fit M)")
     g.add_argument("--num-warps", type=int, default=field["num_warps"].default, metavar="W",
-                   help=f"warps per thread block, one of {one_of(NUM_WARPS_CHOICES)} (default: %(default)s)")
+                   help=f"warps per thread block, one of {one_of(NUM_WARPS_CHOICES)} (default: the family's choice)")
     g.add_argument("--impl", default=field["impl"].default, metavar="FAMILY",
                    help=f"kernel family, one of {one_of(family_names())} "
                         f"(default: the preferred family that implements the spec)")

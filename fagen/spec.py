@@ -18,7 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .arch import ARCHS, arch_for_capability  # noqa: F401 - re-exported
 # NUM_WARPS_CHOICES and Tile are re-exported here (the CLI and callers read them from fagen.spec).
-from .families import (NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
+from .families import (DEFAULT_NUM_WARPS, NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
                        warp_choices)
 from .layout import SmemLayout
 
@@ -94,7 +94,7 @@ class KernelSpec(BaseModel):
     sram_bytes: int = Field(None, validate_default=True, description="M in bytes; default: the arch's opt-in max")  # type: ignore[assignment]
     block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
     block_c: int | None = Field(None, description="override of B_c (rows of K/V per tile)")
-    num_warps: int = 4
+    num_warps: int | None = Field(None, description="warps per block (wgmma: consumer warps); default: the family's choice")
     #: Resolved at validation (never None on a built spec): the family, and its knobs with defaults filled in.
     impl: str | None = Field(None, description="kernel family; default: the preferred family that supports the spec")
     knobs: Knobs | None = Field(None, description="the family's extra knobs (name -> int); default: the family's defaults")
@@ -128,7 +128,9 @@ class KernelSpec(BaseModel):
 
     @field_validator("num_warps")
     @classmethod
-    def _check_warps(cls, v: int) -> int:
+    def _check_warps(cls, v: int | None) -> int | None:
+        if v is None:
+            return v
         choices = warp_choices()  # of every registered family; the spec's family checks its own
         if v not in choices:
             raise ValueError(f"num_warps must be one of {choices}, got {v}")
@@ -182,9 +184,10 @@ class KernelSpec(BaseModel):
             return self
         # impl=None: the first family in preference order that implements the spec as given
         # (its tile, warps and knobs included).
-        knobs, tried, unsupported = self.knobs, [], []
+        knobs, warps, tried, unsupported = self.knobs, self.num_warps, [], []
         for name in family_names():
             fam = get_family(name)
+            self._resolve_warps(fam, warps)
             why = _family_reason(fam, self._family_spec(None))
             if why:
                 unsupported.append(f"{name}: {why}")
@@ -194,6 +197,7 @@ class KernelSpec(BaseModel):
                 return self
             tried.append((name, err))
             object.__setattr__(self, "knobs", knobs)
+        object.__setattr__(self, "num_warps", warps if warps is not None else DEFAULT_NUM_WARPS)
         if not tried:
             raise _field_error("impl", "unsupported", "no registered kernel family implements this spec ("
                                + "; ".join(unsupported) + ")", None)
@@ -205,6 +209,8 @@ class KernelSpec(BaseModel):
     def _fit(self, fam: Family) -> ValidationError | None:
         """Resolve impl and knobs for ``fam`` and check the spec against it; the error, or None."""
         object.__setattr__(self, "impl", fam.name)
+        if self.num_warps is None:
+            self._resolve_warps(fam, None)
         why = _family_reason(fam, self._family_spec(None))
         if why:
             return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec: {why}", self.impl)
@@ -232,6 +238,12 @@ class KernelSpec(BaseModel):
         if bad is not None:
             return _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
         return None
+
+    def _resolve_warps(self, fam: Family, given: int | None) -> None:
+        """num_warps as given, else the family's default for the spec (``Family.default_warps``)."""
+        object.__setattr__(self, "num_warps", DEFAULT_NUM_WARPS if given is None else given)
+        if given is None:
+            object.__setattr__(self, "num_warps", fam.default_warps(self._family_spec(None)))
 
     # ---------------------------------------------------------------- derived
     @property

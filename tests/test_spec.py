@@ -226,3 +226,19 @@ def test_autotune_candidates_skip_families_without_the_features() -> None:
     for c in cands:
         if "window" not in get_family(c.impl).features:
             assert c.spec is None and "do not implement window" in c.reason
+
+
+def test_num_warps_defaults_to_the_familys_choice() -> None:
+    # a spec naming no num_warps takes its family's default_warps; one naming it keeps it
+    from fagen.families import DEFAULT_NUM_WARPS, get_family
+
+    fwd = KernelSpec(direction="fwd", head_dim=128, dtype="float16", arch="sm_90a")
+    assert fwd.impl == "wgmma" and fwd.num_warps == get_family("wgmma").default_warps(fwd.family_spec) == 8
+    assert KernelSpec(direction="fwd", head_dim=128, dtype="float16", arch="sm_90a", num_warps=4).num_warps == 4
+    # a family that declines the spec does not leave its default behind for the next one
+    capped = KernelSpec(direction="fwd", head_dim=128, dtype="float16", arch="sm_90a", softcap=True)
+    assert capped.impl == "mma" and capped.num_warps == DEFAULT_NUM_WARPS
+    assert KernelSpec(direction="fwd", head_dim=128, dtype="float16", impl="mma").num_warps == DEFAULT_NUM_WARPS
+    # the resolved value is a field like any other: names, dumps and replace() carry it
+    assert "_w8_" in fwd.name and fwd.model_dump()["num_warps"] == 8
+    assert fwd.replace(causal=True).num_warps == 8

@@ -338,13 +338,13 @@ def test_autotuner_candidates_take_the_family_with_its_knobs() -> None:
     assert cands[(64, 128, 4, (("stages", 3),))].status == "pending"
     assert "smem" in cands[(128, 256, 8, (("stages", 2),))].reason  # 32 + 2 x 128 KiB
     assert "block_r=64 must be 16 x num_warps=8" in cands[(64, 128, 8, (("stages", 2),))].reason
-    assert cands[(64, 192, 4, (("stages", 2),))].is_default
+    assert cands[(128, 192, 8, (("stages", 2),))].is_default  # the family's default_warps: two warpgroups
 
 
 def test_pair_cost_counts_every_warp_and_the_operands_wgmma_reads() -> None:
     from fagen.families.wgmma.cost import pair_cost
 
-    fs = _spec(head_dim=128).family_spec  # 64 x 192, one consumer warpgroup
+    fs = _spec(head_dim=128, num_warps=4).family_spec  # 64 x 192, one consumer warpgroup
     est = pair_cost(fs)
     assert est.atomics == 0 and est.warp_iterations == 4 * (128 // 16 + 192 // 16)
     assert est.lds_wavefronts == (64 * 128 + 2 * 192 * 128) * 2 / 128  # Q_i, K_j, V_j once per pair
@@ -353,8 +353,9 @@ def test_pair_cost_counts_every_warp_and_the_operands_wgmma_reads() -> None:
     wide = pair_cost(_spec(head_dim=128, num_warps=8, block_r=128).family_spec)
     flops = lambda f: 4 * f.block_r * f.block_c * f.head_dim  # noqa: E731
     # a longer key block spreads the O rescale and the per-tile overhead over more FLOPs
-    narrow = pair_cost(_spec(head_dim=128, block_c=64).family_spec)
-    assert est.warp_instructions / flops(fs) < narrow.warp_instructions / flops(_spec(head_dim=128, block_c=64).family_spec)
+    narrow_fs = _spec(head_dim=128, block_c=64, num_warps=4).family_spec
+    narrow = pair_cost(narrow_fs)
+    assert est.warp_instructions / flops(fs) < narrow.warp_instructions / flops(narrow_fs)
     assert wide.warp_instructions > est.warp_instructions and WGMMA.pair_cost(fs) == est
 
 

@@ -17,13 +17,13 @@ outside this package is added with :func:`register`.
 """
 from __future__ import annotations
 
-from fagen.families.base import (FEATURES, MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, Constant, Family, FamilyBase,
+from fagen.families.base import (DEFAULT_NUM_WARPS, FEATURES, MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, Constant, Family, FamilyBase,
                                  FamilySpec, Knob, Launch, PairCost, Reason, Tile, feature_reason, lds_wavefronts)
 from fagen.families.mma import MMA
 from fagen.families.simt import SIMT
 from fagen.families.wgmma import WGMMA
 
-__all__ = ["FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMILIES", "Constant", "Family",
+__all__ = ["DEFAULT_NUM_WARPS", "FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMILIES", "Constant", "Family",
            "FamilyBase", "FamilySpec", "Knob", "Launch", "PairCost", "Reason", "Tile", "default_family",
            "family_names", "feature_reason", "get_family", "lds_wavefronts", "register", "unregister",
            "warp_choices"]

@@ -18,6 +18,8 @@ from fagen.layout import SmemLayout
 
 #: Warps per block a family accepts unless it says otherwise (``Family.warp_choices``).
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
+#: Warps per block of a spec that names none, unless its family says otherwise (``Family.default_warps``).
+DEFAULT_NUM_WARPS = 4
 #: Spec features a family must list in ``features`` to take a spec that uses them
 #: (FamilySpec.features): each names a flag (or "top_left" for causal_align, "float64" for the dtype).
 FEATURES = ("top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic",
@@ -203,6 +205,10 @@ class Family(Protocol):
         """The (block_r, block_c) a spec without block_r / block_c starts from (then capped by
         ``tile_caps`` and shrunk until it fits sram_bytes), or None for Algorithm 4's paper point."""
 
+    def default_warps(self, fs: FamilySpec) -> int:
+        """num_warps of a spec that names none (``fs`` carries DEFAULT_NUM_WARPS): one of
+        ``warp_choices``, the shape this family's kernels issue least per unit of work with."""
+
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """SASS opcode -> warp instructions one (average) warp of the ``role`` kernel must issue per
         tile pair of ``fs.tile`` (tensor-core instructions, 16-byte copies, reductions), from which
@@ -286,6 +292,9 @@ class FamilyBase:
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
         return None
+
+    def default_warps(self, fs: FamilySpec) -> int:
+        return DEFAULT_NUM_WARPS
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         return None

@@ -117,6 +117,13 @@ class WgmmaFamily(FamilyBase):
             return None
         return 16 * fs.num_warps, FWD_BLOCK_C
 
+    def default_warps(self, fs: FamilySpec) -> int:
+        """Two consumer warpgroups (FlashAttention-3's shape): each K_j / V_j tile the producer
+        loads feeds 128 Q rows, half the K/V traffic of one warpgroup's 64, at no more issue per
+        FLOP (benchmarks/sass_cost.py: d64 753 -> 748, d128 405 -> 402), each consumer still at
+        the setmaxnreg ceiling of MAX_CONSUMER_REGS."""
+        return 8 if fs.direction == "fwd" else 4
+
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per consumer warp and tile pair of the forward: its warpgroup's HGMMA m64nNk16 (each
         2 x 64 x N x 16 FLOPs, issued by all four warps of the warpgroup): S = Q K_j^T in
