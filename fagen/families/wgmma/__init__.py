@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
+from fagen.families.wgmma import bwd
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, Reason
 from fagen.layout import SmemLayout, place
 
@@ -79,8 +80,8 @@ class WgmmaFamily(FamilyBase):
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
             return f"arch={fs.arch}: wgmma and setmaxnreg need {ARCH}"
-        if fs.direction != "fwd":
-            return f"direction={fs.direction}: only the forward is implemented"
+        if fs.direction == "bwd" and (why := bwd.unsupported_reason(fs)) is not None:
+            return why
         if fs.dtype not in SUPPORTED_DTYPES:
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
         if fs.head_dim not in HEAD_DIMS:
@@ -93,18 +94,31 @@ class WgmmaFamily(FamilyBase):
         bad = super().config_reason(fs)
         if bad is not None:
             return bad
+        if fs.direction == "bwd":
+            return bwd.config_reason(fs)
         if fs.block_r != 16 * fs.num_warps:
             return Reason("block_r", f"block_r={fs.block_r} must be 16 x num_warps={fs.num_warps} "
                                      f"({self.name}: each consumer warpgroup owns 64 Q rows)")
         return None
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
+        if fs.direction == "bwd":
+            return bwd.DEFAULT_BLOCK_R.get(fs.head_dim, 64), 16 * fs.num_warps
         return 16 * fs.num_warps, self.max_block_c
 
+    def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
+        return self.tile_caps(fs) if fs.direction == "bwd" else None
+
+    def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
+        return bwd.tile_work(fs) if fs.direction == "bwd" and role == "main" else None
+
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        if fs.direction == "bwd":
+            return bwd.smem_layout(fs, stages)
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
-        d, e, stages = fs.head_dim, fs.itemsize, fs.knob_values.get(STAGES.name, STAGES.default)
+        d, e = fs.head_dim, fs.itemsize
         return place([
             ("q", "T", fs.block_r * d, e, 1024),
             ("k", "T", stages * fs.block_c * d, e, 1024),
@@ -113,9 +127,11 @@ class WgmmaFamily(FamilyBase):
         ])
 
     def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
-        return (WG_FWD_MAIN,)
+        return bwd.roles() if fs.direction == "bwd" else (WG_FWD_MAIN,)
 
     def launch(self, fs: FamilySpec, role: Role) -> Launch:
+        if fs.direction == "bwd":
+            return bwd.launch(fs, role)
         return Launch((fs.num_threads + 128, 1, 1), fs.block_r)
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
@@ -130,16 +146,18 @@ class WgmmaFamily(FamilyBase):
             Constant("PANELS", "int", fs.head_dim // PANEL, "128-byte swizzle panels across the head dim"),
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
-        )}
+        ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}
 
     def templates(self, direction: str) -> tuple[str, ...]:
-        return {"fwd": ("wgmma/fwd.cu.j2",)}[direction]
+        return {"fwd": ("wgmma/fwd.cu.j2",), "bwd": ("wgmma/bwd.cu.j2",)}[direction]
 
     def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """The role's tensor-map arguments (:class:`fagen.tma.TensorMapFields`) for the tensors by
         parameter name (q, k, v: [B, N, H, d], head dim contiguous)."""
         from fagen.tma import tensor_map_for
 
+        if fs.direction == "bwd":
+            return bwd.tensor_maps(fs, role, tensors)
         boxes = tensor_map_boxes(fs)
         out = {}
         for ctype, name in role.params:
