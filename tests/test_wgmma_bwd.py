@@ -163,10 +163,10 @@ def test_backward_on_the_public_path() -> None:
 
 # --------------------------------------------------------------------------- synchronisation
 TEMPLATE = "wgmma/bwd.cu.j2"
-#: The small configuration of the race tests: one consumer warpgroup, 64 Q rows per block (the
-#: emulator's racecheck shadow memory does not leave room for two consumer warpgroups' tiles).
-RACE_SPEC = dict(num_warps=4, block_r=64, causal=True)
-RACE_CASE = dict(d=64, dtype="float16", nw=4, B=1, Nq=200, Nk=100, H=2, Hkv=1, causal=True)
+#: The race tests' configuration: two consumer warpgroups (their named barriers and the shared
+#: dS^T and dQ_i staging tiles), GQA (two q heads per kv head), several Q blocks per slot.
+RACE_SPEC = dict(num_warps=8, causal=True)
+RACE_CASE = dict(d=64, dtype="float16", nw=8, B=1, Nq=300, Nk=150, H=2, Hkv=1, causal=True)
 
 
 def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeypatch=None) -> EmulatorError | None:
@@ -187,8 +187,10 @@ def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeyp
     return None
 
 
-def test_racecheck_clean() -> None:
-    assert _racecheck_error(_spec(**RACE_SPEC)) is None
+@pytest.mark.parametrize("kw", [RACE_SPEC, dict(num_warps=4, block_r=64, causal=True, key_padding=False)],
+                         ids=["wg2", "wg1-br64"])
+def test_racecheck_clean(kw) -> None:
+    assert _racecheck_error(_spec(**kw)) is None
 
 
 SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<0>\(\);|fa_sync\(\);|"
