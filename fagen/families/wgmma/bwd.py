@@ -24,8 +24,8 @@ from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "smem_layout",
-           "tile_work", "unsupported_reason"]
+__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+           "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
@@ -94,11 +94,22 @@ def launch(fs: FamilySpec, role: Role) -> Launch:
     return Launch((fs.num_threads, 1, 1), fs.num_warps)  # pre / post: one warp per row
 
 
+#: fp32 registers per consumer thread the early dV~ wgmma may keep live (of CONSUMER_REGS = 240):
+#: S^T and dP^T (block_r), the P^T fragments (block_r / 4), dK~ and dV~ (head_dim); above it ptxas spills.
+DV_EARLY_REGS = 208
+
+
+def dv_early(fs: FamilySpec) -> bool:
+    """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
+    return fs.block_r + fs.block_r // 4 + fs.head_dim <= DV_EARLY_REGS
+
+
 def constants(fs: FamilySpec) -> tuple[Constant, ...]:
     mt, cols = dq_split(fs)
     return (
         Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
+        Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
     )
 
 
