@@ -11,8 +11,9 @@ slot's transaction bytes) and an "empty" one (every consumer thread arrives once
 retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
-``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: the backward,
-dropout, head dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen.
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
+dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
