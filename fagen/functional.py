@@ -589,7 +589,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "seed": seed, "offset": offset}
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
-            mod.launch(kern, grid, args)
+            mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v, do=do, dq_accum=dq_accum)})
     out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p))
     if bias_grad:
         bias = t.attn_bias

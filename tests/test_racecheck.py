@@ -437,6 +437,9 @@ def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
     # the Hopper forward (one consumer warpgroup: TMA, mbarriers, wgmma)
     out.append((KernelSpec(direction="fwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
                            impl="wgmma"), PROBLEMS))
+    # the Hopper backward (one consumer warpgroup, 64 Q rows per block; tests/test_wgmma_bwd.py has more)
+    out.append((KernelSpec(direction="bwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
+                           impl="wgmma", num_warps=4, block_r=64), PROBLEMS))
     return out
 
 

@@ -46,7 +46,7 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(direction="bwd"), "direction=bwd"),
+    (dict(direction="bwd", dropout=True), "dropout"),
     (dict(dropout=True), "dropout"),
     (dict(head_dim=96), "head_dim=96"),
     (dict(head_dim=32), "head_dim=32"),
@@ -318,7 +318,9 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     gpu = SimpleNamespace(device=torch.device("cuda", 0), head_dim=64, dtype="float16")
     spec = F._arch_specific_spec("fwd", gpu, "sm_90", flags)
     assert spec is not None and spec.arch == "sm_90a" and spec.impl == "wgmma" and spec.causal
-    assert F._arch_specific_spec("bwd", gpu, "sm_90", flags) is None  # mma takes sm_90: the default path
+    bwd = F._arch_specific_spec("bwd", gpu, "sm_90", flags)  # the backward too (tests/test_wgmma_bwd.py)
+    assert bwd is not None and bwd.impl == "wgmma" and bwd.direction == "bwd"
+    assert F._arch_specific_spec("bwd", gpu, "sm_90", {**flags, "dropout": True}) is None  # mma: the default path
     assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "dropout": True}) is None
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is None
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target

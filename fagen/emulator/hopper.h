@@ -990,6 +990,21 @@ inline void describe_named() {
     }
 }
 
+// A thread that returns with a bulk store / reduce it has not waited for: the CTA's shared
+// memory may be reused before the copy has read its source (CUDA C++ Programming Guide, TMA: wait
+// for the bulk async-group to finish reading shared memory before the thread exits).
+inline void check_exit() {
+    Quiet quiet;
+    if (H.block != g.block_serial) return;
+    const ThreadState& ts = H.threads[g.cur->index];
+    if (!ts.bulk.empty())
+        fail("the thread exits with the bulk store / reduce issued at %s:%d not waited for "
+             "(fa_bulk_wait_group[_read]): its shared source may be reused before the copy reads it",
+             ts.bulk[0].file, ts.bulk[0].line);
+}
+
+inline int register_check_exit = (thread_exit_extra = &check_exit, 0);
+
 inline void describe() {
     Quiet quiet;
     if (H.block != g.block_serial) return;

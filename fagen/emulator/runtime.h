@@ -351,6 +351,8 @@ FAGEN_EMU_NO_TSAN inline Fiber* pop() {
 // ---- Hopper support (fagen/emulator/hopper.h): hopper.h sets this to append
 // its parked threads (warpgroup collectives, mbarrier waits) to deadlock reports.
 inline void (*describe_deadlock_extra)() = nullptr;
+// ... and this to check, when a thread's kernel body returns, what it must not leave in flight.
+inline void (*thread_exit_extra)() = nullptr;
 // ---- end of Hopper support
 
 void describe_deadlock();
@@ -568,6 +570,7 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
 #endif
     (void)arg;
     g.body(g.body_arg);
+    if (thread_exit_extra) thread_exit_extra();
     thread_exit();
 }
 

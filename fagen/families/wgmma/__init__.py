@@ -11,8 +11,9 @@ slot's transaction bytes) and an "empty" one (every consumer thread arrives once
 retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
-``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: the backward,
-dropout, head dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen.
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
+dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
+from fagen.families.wgmma import bwd
 from fagen.families.wgmma.cost import pair_cost
 from fagen.layout import SmemLayout, place
 
@@ -82,8 +84,8 @@ class WgmmaFamily(FamilyBase):
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
             return f"arch={fs.arch}: wgmma and setmaxnreg need {ARCH}"
-        if fs.direction != "fwd":
-            return f"direction={fs.direction}: only the forward is implemented"
+        if fs.direction == "bwd" and (why := bwd.unsupported_reason(fs)) is not None:
+            return why
         if fs.dtype not in SUPPORTED_DTYPES:
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
         if fs.head_dim not in HEAD_DIMS:
@@ -93,6 +95,8 @@ class WgmmaFamily(FamilyBase):
         return None
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
+        if fs.direction == "bwd":
+            return super().config_reason(fs) or bwd.config_reason(fs)
         bad = super().config_reason(fs.with_tile(fs.block_r, 64)) if fs.block_c % 16 == 0 else None
         if bad is not None:
             return bad
@@ -105,6 +109,8 @@ class WgmmaFamily(FamilyBase):
         return None
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
+        if fs.direction == "bwd":
+            return bwd.DEFAULT_BLOCK_R.get(fs.head_dim, 64), 16 * fs.num_warps
         return 16 * fs.num_warps, self.max_block_c
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
@@ -113,31 +119,33 @@ class WgmmaFamily(FamilyBase):
         shuffles, the mbarrier handshake, descriptor set-up) spread over 1.5x the keys of a
         128-key tile (benchmarks/sass_cost.py: d64 854 -> 772, d128 474 -> 415 instructions per
         1e6 FLOPs), at no spill: S (96 fp32 per thread) + O (d / 2) + P~ fit the consumers' registers."""
-        if fs.direction != "fwd":
-            return None
+        if fs.direction == "bwd":
+            return self.tile_caps(fs)  # the backward's rule: fagen.families.wgmma.bwd
         return 16 * fs.num_warps, FWD_BLOCK_C
 
     def default_warps(self, fs: FamilySpec) -> int:
-        """Two consumer warpgroups (FlashAttention-3's shape): each K_j / V_j tile the producer
-        loads feeds 128 Q rows, half the K/V traffic of one warpgroup's 64, at no more issue per
-        FLOP (benchmarks/sass_cost.py: d64 753 -> 748, d128 405 -> 402), each consumer still at
-        the setmaxnreg ceiling of MAX_CONSUMER_REGS."""
-        return 8 if fs.direction == "fwd" else 4
+        """Two consumer warpgroups (FlashAttention-3's shape), both directions. Forward: each K_j /
+        V_j tile the producer loads feeds 128 Q rows, half the K/V traffic of one warpgroup's 64,
+        at no more issue per FLOP (benchmarks/sass_cost.py: d64 753 -> 748, d128 405 -> 402).
+        Backward: FA3's tiles, 128 K/V rows per CTA (d64 128x128, d128 64x128: 448 / 314 against
+        one warpgroup's 458 / 319). Each consumer stays at the setmaxnreg ceiling of MAX_CONSUMER_REGS."""
+        return 8
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per consumer warp and tile pair of the forward: its warpgroup's HGMMA m64nNk16 (each
         2 x 64 x N x 16 FLOPs, issued by all four warps of the warpgroup): S = Q K_j^T in
         head_dim / 16 of N = block_c, O += P V_j in block_c / 16 of N = head_dim."""
-        if role != "main" or fs.direction != "fwd":
+        if role != "main":
             return None
+        if fs.direction == "bwd":
+            return bwd.tile_work(fs)
         return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}
 
     def producer_work(self, fs: FamilySpec) -> dict[str, float] | None:
         """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
-        anchor UTMALDG walks its loop): forward, one TMA load per 64-element panel of K_j and of
-        V_j; None for a direction it does not state."""
-        if fs.direction != "fwd":
-            return None
+        anchor UTMALDG walks its loop): one TMA load per 64-element panel of the two streamed
+        tiles, K_j and V_j forward, Q_i and dO_i backward (whose lse_i / D_i are plain loads of
+        the producer warp's lanes)."""
         return {"UTMALDG": 2 * fs.head_dim / PANEL}
 
     def producer_warps(self, fs: FamilySpec) -> int:
@@ -146,9 +154,12 @@ class WgmmaFamily(FamilyBase):
         return 1
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        if fs.direction == "bwd":
+            return bwd.smem_layout(fs, stages)
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
-        d, e, stages = fs.head_dim, fs.itemsize, fs.knob_values.get(STAGES.name, STAGES.default)
+        d, e = fs.head_dim, fs.itemsize
         return place([
             ("q", "T", fs.block_r * d, e, 1024),
             ("k", "T", stages * fs.block_c * d, e, 1024),
@@ -157,9 +168,11 @@ class WgmmaFamily(FamilyBase):
         ])
 
     def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
-        return (WG_FWD_MAIN,)
+        return bwd.roles() if fs.direction == "bwd" else (WG_FWD_MAIN,)
 
     def launch(self, fs: FamilySpec, role: Role) -> Launch:
+        if fs.direction == "bwd":
+            return bwd.launch(fs, role)
         return Launch((fs.num_threads + 128, 1, 1), fs.block_r)
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
@@ -174,10 +187,10 @@ class WgmmaFamily(FamilyBase):
             Constant("PANELS", "int", fs.head_dim // PANEL, "128-byte swizzle panels across the head dim"),
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
-        )}
+        ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}
 
     def templates(self, direction: str) -> tuple[str, ...]:
-        return {"fwd": ("wgmma/fwd.cu.j2",)}[direction]
+        return {"fwd": ("wgmma/fwd.cu.j2",), "bwd": ("wgmma/bwd.cu.j2",)}[direction]
 
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
         return pair_cost(fs, sass)
@@ -187,6 +200,8 @@ class WgmmaFamily(FamilyBase):
         parameter name (q, k, v: [B, N, H, d], head dim contiguous)."""
         from fagen.tma import tensor_map_for
 
+        if fs.direction == "bwd":
+            return bwd.tensor_maps(fs, role, tensors)
         boxes = tensor_map_boxes(fs)
         out = {}
         for ctype, name in role.params:

@@ -1,0 +1,137 @@
+"""The Hopper family's backward (sm_90a): K_j / V_j resident in shared memory, Q_i / dO_i streamed
+by TMA, every GEMM a ``wgmma``, dQ_i added to the fp32 ``dq_accum`` by one TMA reduce-add.
+
+One CTA per (K/V block j, batch, kv head) of ``32 * num_warps + 128`` threads: ``num_warps / 4``
+consumer warpgroups of 64 K/V rows each (``block_c = 16 * num_warps``) and a producer warpgroup
+whose first warp streams Q_i, dO_i (TMA, 128-byte swizzle) and lse_i, D_i (plain loads by its
+32 lanes, staged in shared memory as lse log2 e and D scale) through ``stages`` mbarrier slots.
+Per Q block a consumer warpgroup computes S^T = K_w Q_i^T and dP^T = V_w dO_i^T (wgmma, both
+operands K-major from smem), P^T and dS^T in registers, dV += P^T dO_i and dK += dS^T Q_i (wgmma,
+A from registers, B MN-major from smem), stores dS^T to smem (stmatrix) and computes its share of
+dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem; one thread adds
+the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
+warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
+
+What the backward template does not implement is declined by name (:func:`unsupported_reason`),
+so ``impl=None`` resolves such specs to ``mma``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
+from fagen.families.base import Constant, FamilySpec, Launch, Reason
+from fagen.layout import SmemLayout, place
+
+__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+           "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
+
+#: Flags the backward template implements (everything else is declined by name).
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
+#: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at d = 128.
+DEFAULT_BLOCK_R = {64: 128, 128: 64}
+#: The backward's tensor-map parameters: (parameter, tensor argument, rows of the box, smem swizzle).
+#: q, do: one panel (64 elements) x block_r rows; k, v: one panel x block_c rows; dq_accum (fp32):
+#: the whole head dim x block_r rows, no swizzle (the staging tile is dense).
+BWD_TMA = (("tma_q", "q", "block_r", 128), ("tma_k", "k", "block_c", 128), ("tma_v", "v", "block_c", 128),
+           ("tma_do", "do", "block_r", 128), ("tma_dqa", "dq_accum", "block_r", 0))
+WG_BWD_MAIN = Role("main", BWD_MAIN.params + tuple((TENSORMAP, name) for name, *_ in BWD_TMA), "k", "block_c",
+                   grid_heads="kv")
+
+
+def unsupported_reason(fs: FamilySpec) -> str | None:
+    """Why the backward template cannot take the spec (the common checks are the family's)."""
+    extra = sorted(fs.flags - BWD_FLAGS)
+    if extra:
+        return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
+    if fs.head_dim not in DEFAULT_BLOCK_R:
+        return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {tuple(DEFAULT_BLOCK_R)}"
+    return None
+
+
+def config_reason(fs: FamilySpec) -> Reason | None:
+    if fs.block_c != 16 * fs.num_warps:
+        return Reason("block_c", f"block_c={fs.block_c} must be 16 x num_warps={fs.num_warps} "
+                                 f"(wgmma backward: each consumer warpgroup owns 64 K/V rows)")
+    if fs.block_r not in (64, 128):
+        return Reason("block_r", f"block_r={fs.block_r} must be 64 or 128 (wgmma backward: m64 tiles of dQ_i, "
+                                 f"N = block_r of S^T)")
+    return None
+
+
+def dq_split(fs: FamilySpec) -> tuple[int, int]:
+    """(m64 tiles of dQ_i, head-dim columns) each consumer warpgroup computes: the Q rows are split
+    between the warpgroups while there are enough m64 tiles, else the head dim."""
+    wgs, mtiles = fs.num_warps // 4, fs.block_r // 64
+    if mtiles >= wgs:
+        return mtiles // wgs, fs.head_dim
+    return 1, fs.head_dim * mtiles // wgs
+
+
+def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
+    d, e, br, bc = fs.head_dim, fs.itemsize, fs.block_r, fs.block_c
+    return place([
+        ("k", "T", bc * d, e, 1024),
+        ("v", "T", bc * d, e, 1024),
+        ("q", "T", stages * br * d, e, 1024),
+        ("dout", "T", stages * br * d, e, 1024),
+        ("ds", "T", bc * br, e, 1024),
+        ("dq", "float", br * d, 4, 128),
+        ("lse", "float", stages * br, 4),
+        ("dlt", "float", stages * br, 4),
+        ("bars", "unsigned long long", 1 + 2 * stages, 8),
+    ])
+
+
+def roles() -> tuple[Role, ...]:
+    return (BWD_PRE, WG_BWD_MAIN, BWD_POST)
+
+
+def launch(fs: FamilySpec, role: Role) -> Launch:
+    if role.name == "main":
+        return Launch((fs.num_threads + 128, 1, 1), fs.block_c)
+    return Launch((fs.num_threads, 1, 1), fs.num_warps)  # pre / post: one warp per row
+
+
+#: fp32 registers per consumer thread the early dV~ wgmma may keep live (of CONSUMER_REGS = 240):
+#: S^T and dP^T (block_r), the P^T fragments (block_r / 4), dK~ and dV~ (head_dim); above it ptxas spills.
+DV_EARLY_REGS = 208
+
+
+def dv_early(fs: FamilySpec) -> bool:
+    """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
+    return fs.block_r + fs.block_r // 4 + fs.head_dim <= DV_EARLY_REGS
+
+
+def constants(fs: FamilySpec) -> tuple[Constant, ...]:
+    mt, cols = dq_split(fs)
+    return (
+        Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
+        Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
+        Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
+    )
+
+
+def bwd_tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, int, int, int]]:
+    """The TMA box of each tensor-map parameter, torch order ([B, N, H, d])."""
+    rows = {"block_r": fs.block_r, "block_c": fs.block_c}
+    return {name: (1, rows[r], 1, 64 if swz else fs.head_dim) for name, _, r, swz in BWD_TMA}
+
+
+def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    from fagen.tma import tensor_map_for
+
+    if role.name != "main":
+        return {}
+    boxes = bwd_tensor_map_boxes(fs)
+    return {name: tensor_map_for(tensors[arg], boxes[name], swizzle=swz) for name, arg, _, swz in BWD_TMA}
+
+
+def tile_work(fs: FamilySpec) -> dict[str, float]:
+    """Per consumer warp and tile pair: HGMMA instructions (S^T and dP^T: d/16 each; dV and dK:
+    block_r/16 each, per warpgroup; dQ_i: block_c/16 per m64 tile and 64 columns of the warpgroup's
+    share) — every warp of a warpgroup issues each of its wgmmas."""
+    d, br, bc = fs.head_dim, fs.block_r, fs.block_c
+    mt, cols = dq_split(fs)
+    return {"HGMMA": 2 * d / 16 + 2 * br / 16 + mt * (cols // 64) * bc / 16}
