@@ -909,71 +909,71 @@ FA_DEVICE void mma_copy_rows(T* dst, const T* src, int row0, int n, long long st
 }  // namespace fa
 namespace fa {
 // A ROWS x DPAD tile of a [*, N, *, d] slice -> smem (row stride LD) in 16-byte cp.async chunks.
-// Thread tid takes chunks e = tid + it * NUM_THREADS (it = 0..ITERS-1): tile row e / CHUNKS,
-// column (e % CHUNKS) * 8. When NUM_THREADS is a multiple of CHUNKS every chunk of a thread sits
-// in one column, ROW_STEP rows apart, so its source is one pointer plus it * ROW_STEP rows and its
-// destination one smem offset plus a constant; otherwise (head dims whose DPAD / 8 does not
-// divide the thread count) each chunk's row and column are derived from e. The object holds only
+// Each thread keeps one column of chunks: thread tid < ACTIVE takes column (tid % CHUNKS) * 8 of
+// rows tid / CHUNKS + it * ROW_STEP (it = 0..ITERS-1), ROW_STEP = NUM_THREADS / CHUNKS rows a pass;
+// when CHUNKS does not divide the thread count (head dims 96, 192, ...) the last
+// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's pointer plus
+// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds only
 // that pointer (the row stride is passed with each call: a kernel argument, read from the
 // constant bank), so the S and O fragments keep the registers.
 template <int ROWS>
 struct FwdTileCopy {
-    static constexpr int CHUNKS = DPAD / 8, TOTAL = ROWS * CHUNKS;
-    static constexpr int ITERS = (TOTAL + NUM_THREADS - 1) / NUM_THREADS;
-    static constexpr bool FIXED_COL = NUM_THREADS % CHUNKS == 0;
-    static constexpr int ROW_STEP = FIXED_COL ? NUM_THREADS / CHUNKS : 0;
+    static constexpr int CHUNKS = DPAD / 8;
+    static_assert(CHUNKS <= NUM_THREADS, "one row of 16-byte chunks per pass at least");
+    static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
+    static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
-    const T* src;  // FIXED_COL: the slice's row r0, column c of this thread's first chunk; else row 0
+    const T* src;  // the slice's row first_row(), column column()
 
-    FA_DEVICE static int first_row() { return FIXED_COL ? (int)threadIdx.x / CHUNKS : 0; }
-    FA_DEVICE static int column() { return FIXED_COL ? ((int)threadIdx.x % CHUNKS) * 8 : 0; }
+    FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
+    FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
-    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
-        : src(FIXED_COL ? base + (long long)first_row() * stride_s + column() : base) {}
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
 
-    // Is chunk `it` of this thread inside the tile (only the last one may not be)?
+    // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
+    FA_DEVICE const T* base(long long stride_s) const {
+        return src - ((long long)first_row() * stride_s + column());
+    }
+
+    // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
+    // pass may leave the tile)?
     FA_DEVICE static bool in_tile(int it) {
-        if constexpr (TOTAL % NUM_THREADS == 0) return true;
-        if (it < ITERS - 1) return true;
-        return (int)threadIdx.x + it * NUM_THREADS < TOTAL;
+        const bool active = ACTIVE == NUM_THREADS || (int)threadIdx.x < ACTIVE;
+        if (ROWS % ROW_STEP == 0 || it < ITERS - 1) return active;
+        return active && first_row() + it * ROW_STEP < ROWS;
     }
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        if constexpr (FIXED_COL) {
-            const T* s = src + (long long)row0 * stride_s;
-            const long long step = (long long)ROW_STEP * stride_s;
-            T* d = dst + first_row() * LD + column();
-            const bool col_ok = column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
+        const T* s = src + (long long)row0 * stride_s;
+        const long long step = (long long)ROW_STEP * stride_s;
+        T* d = dst + first_row() * LD + column();
+        const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
-            for (int it = 0; it < ITERS; ++it)
-                if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
-        } else {
-            edge(dst, row0, row0 + ROWS, stride_s, nullptr);
-        }
+        for (int it = 0; it < ITERS; ++it)
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
     }
 
-    // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled.
+    // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
+    // rolled loop: it runs on the last tile of a sequence (and with key padding) only.
     FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
-#pragma unroll
+        const T* row_zero = base(stride_s);
+#pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             if (!in_tile(it)) continue;
-            const int e = (int)threadIdx.x + it * NUM_THREADS;
-            const int r = FIXED_COL ? first_row() + it * ROW_STEP : e / CHUNKS;
-            const int cc = FIXED_COL ? column() : (e - r * CHUNKS) * 8;
-            const bool valid = cc < HEAD_DIM && row0 + r < n && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
-            const T* s = FIXED_COL ? src + (long long)(row0 + it * ROW_STEP) * stride_s
-                                   : src + (long long)(row0 + r) * stride_s + cc;
-            fa_cp_async_16(dst + r * LD + cc, valid ? s : src, valid);
+            const int r = first_row() + it * ROW_STEP;
+            const bool valid = column() < HEAD_DIM && row0 + r < n && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
+            const T* s = src + (long long)(row0 + it * ROW_STEP) * stride_s;
+            fa_cp_async_16(dst + r * LD + column(), valid ? s : row_zero, valid);
         }
     }
 
     // The tile at row0 of an n-row slice: cp.async chunks (interior tiles without bounds checks),
-    // element copies for a slice that is not 16-byte aligned (vec false, base the slice's row 0).
-    FA_DEVICE void operator()(T* dst, const T* base, int row0, int n, long long stride_s, bool vec,
+    // element copies for a slice that is not 16-byte aligned (vec false).
+    FA_DEVICE void operator()(T* dst, int row0, int n, long long stride_s, bool vec,
                               const unsigned char* kpm_row) const {
         if (!vec) {
-            mma_copy_tile<ROWS>(dst, base, row0, n, stride_s, false, kpm_row);
+            mma_copy_tile<ROWS>(dst, base(stride_s), row0, n, stride_s, false, kpm_row);
         } else if (!HAS_KEY_PADDING && row0 + ROWS <= n) {
             interior(dst, row0, stride_s);
         } else {
@@ -991,10 +991,48 @@ static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stage
 // WARP_M_TILES, Q_IN_REGS: decided by fagen.families.mma (header).
 constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
+// 32-row warps compute S one m16 tile after the other (each Q fragment read from smem per k step,
+// the K fragments the same for both: ptxas keeps them), so the first tile's scores are complete
+// before the second's are started and the live S fragments fit 255 registers beside O.
+constexpr bool FWD_S_SPLIT = MT == 2;
 constexpr int NT_D = DPAD / 8, NT_C = BLOCK_C / 8;
 static_assert(BLOCK_R <= WROWS * NUM_WARPS && (MT == 1 || BLOCK_R % WROWS == 0),
               "mma forward: 16 or 32 Q rows per warp (warps past BLOCK_R only copy)");
 static_assert(SMEM_Q_COUNT == BLOCK_R * LD, "Q_i tile");
+// The keys row `row` may attend under the structural rule (bounds, causal, window): [*lo, *hi),
+// clamped to [0, seqlen_k] (lo >= hi: none). A row past the sequence is not tested here (the
+// caller's rows past seqlen_q are never stored); fwd_row_has_key tests it.
+FA_DEVICE void fwd_row_keys(int row, const MaskParams& mp, int* lo, int* hi) {
+    const MaskBand band = mask_band(mp);
+    const long long base = (long long)row + mask_shift(mp);
+    long long l = 0, h = mp.seqlen_k;
+    if (band.has_lo && base + band.lo > l) l = base + band.lo < h ? base + band.lo : h;
+    if (band.has_hi && base + band.hi + 1 < h) h = base + band.hi + 1 > 0 ? base + band.hi + 1 : 0;
+    *lo = (int)l;
+    *hi = (int)h;
+}
+
+// Has row `row` any key the structural rule allows?
+FA_DEVICE bool fwd_row_has_key(int row, const MaskParams& mp) {
+    int lo, hi;
+    fwd_row_keys(row, mp, &lo, &hi);
+    return row >= 0 && row < mp.seqlen_q && lo < hi;
+}
+
+// The K/V tiles of Q block i0 that tile_kind calls TILE_FULL: j0 in [*f0, *f1) (its rule solved for
+// j0 once per block, so a step tests two bounds; none with a data mask or a Q block past the sequence).
+FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
+    const MaskBand band = mask_band(mp);
+    const long long shift = mask_shift(mp);
+    long long a = 0, z = (long long)mp.seqlen_k - BLOCK_C + 1;  // j0 + BLOCK_C <= seqlen_k
+    if (HAS_DATA_MASK || (long long)i0 + BLOCK_R > mp.seqlen_q) z = 0;
+    if (band.has_hi && (long long)i0 + shift + band.hi - BLOCK_C + 2 < z) z = (long long)i0 + shift + band.hi - BLOCK_C + 2;
+    if (band.has_lo && (long long)i0 + BLOCK_R - 1 + shift + band.lo > a) a = (long long)i0 + BLOCK_R - 1 + shift + band.lo;
+    if (a >= z) a = z = 0;
+    *f0 = (int)a;  // 0 <= a < z <= seqlen_k
+    *f1 = (int)z;
+}
+
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 }  // namespace fa
 
@@ -1069,12 +1107,13 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
     // Without a score modification the softmax runs on the raw q.k accumulator and folds
-    // |scale| log2 e into its exp2 (one FFMA per score: 2^(|scale| log2 e (s - m))); a negative
-    // scale negates Q_i in smem once instead (exact). A scale of 0 (or one whose product with
-    // log2 e is not a normal float) multiplies the scores instead, as a score modification does.
+    // |scale| log2 e into its exp2 (one FFMA per score: 2^(|scale| log2 e (s - m)), subnormal factors
+    // included: the FFMA keeps them); a negative scale negates Q_i in smem once instead (exact). A
+    // scale of 0 folds the smallest subnormal, 2^-149: every finite score of 16-bit inputs then
+    // gives P~ = 2^(tiny) = 1, the uniform softmax of the all-zero scores, and a masked one 0.
     const float scale_log2 = scale * LOG2E;
-    const bool fold = !HAS_SCORE_MOD && fabsf(scale_log2) >= 1.17549435e-38f;  // FLT_MIN
-    const float sl2 = fold ? fabsf(scale_log2) : 1.f;
+    const bool fold = !HAS_SCORE_MOD;
+    const float sl2 = !fold ? 1.f : (scale_log2 == 0.f ? 1.40129846e-45f : fabsf(scale_log2));
 
     const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
@@ -1089,14 +1128,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // softcap / ALiBi / bias (partials/score_mod.cuh); attn_mask addressed per element (stride 0 = broadcast).
     const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                              stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
-    int j_begin, j_end;
+    int j_begin, j_end, jf0, jf1;
     q_block_kv_range(i0, mp, &j_begin, &j_end);
+    fwd_full_range(i0, mp, &jf0, &jf1);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
     if (STAGES > 1 && j_begin < j_end) {
-        copy_k(s.k, k_bh, j_begin, len_k, stride_k_s, k_vec, kpm_b);
-        copy_v(s.v, v_bh, j_begin, len_k, stride_v_s, v_vec, kpm_b);
+        copy_k(s.k, j_begin, len_k, stride_k_s, k_vec, kpm_b);
+        copy_v(s.v, j_begin, len_k, stride_v_s, v_vec, kpm_b);
     }
     fa_cp_async_commit();
 
@@ -1136,7 +1176,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // second per-lane sum would cost the register budget: O is divided by l_r there.
     float m_r[MT][2], l_r[MT][2], l_acc[MT][4];
     const unsigned ones = mma_pack(1.f, 1.f);
-    unsigned seen = 0u;  // bit 2 mt + r: has row (mt, r) an allowed key (in this lane's columns)?
+    // With a data mask, bit 2 mt + r of seen: has row (mt, r) an allowed key (in this lane's columns)?
+    // Without one a row's allowed keys follow from the rule (fwd_row_keys) and are all visited.
+    unsigned seen = 0u;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1150,15 +1192,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
-            copy_k(s.k, k_bh, j0, len_k, stride_k_s, k_vec, kpm_b);
-            copy_v(s.v, v_bh, j0, len_k, stride_v_s, v_vec, kpm_b);
+            copy_k(s.k, j0, len_k, stride_k_s, k_vec, kpm_b);
+            copy_v(s.v, j0, len_k, stride_v_s, v_vec, kpm_b);
             fa_cp_async_commit();
         }
         fa_cp_async_wait_all();
         fa_sync();  // stage cur has landed for every thread; step j-1 is done with stage nxt
         if (STAGES > 1 && j0 + BLOCK_C < j_end) {
-            copy_k(s.k + nxt * BLOCK_C * LD, k_bh, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
-            copy_v(s.v + nxt * BLOCK_C * LD, v_bh, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
+            copy_k(s.k + nxt * BLOCK_C * LD, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
+            copy_v(s.v + nxt * BLOCK_C * LD, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
         }
         fa_cp_async_commit();
         const T* sk = s.k + cur * BLOCK_C * LD;
@@ -1173,31 +1215,48 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             for (int n = 0; n < NT_C; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
+        if constexpr (FWD_S_SPLIT) {
 #pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk) {
-            unsigned a[MT][4];
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if constexpr (Q_IN_REGS) {
+                for (int kk = 0; kk < DPAD / 16; ++kk) {
+                    unsigned a[4];
+                    mma_load_a(a, s.q, LD, wrow + 16 * mt, kk * 16, lane);
 #pragma unroll
-                    for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
-                } else {
-                    mma_load_a(a[mt], s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                    for (int n2 = 0; n2 < NT_C / 2; ++n2) {
+                        unsigned bk[4];
+                        mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+                        mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
+                        mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
+                    }
                 }
-            }
+        } else {
 #pragma unroll
-            for (int n2 = 0; n2 < NT_C / 2; ++n2) {
-                unsigned bk[4];
-                mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+            for (int kk = 0; kk < DPAD / 16; ++kk) {
+                unsigned a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
-                    mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                    if constexpr (Q_IN_REGS) {
+#pragma unroll
+                        for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
+                    } else {
+                        mma_load_a(a[mt], s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                    }
+                }
+#pragma unroll
+                for (int n2 = 0; n2 < NT_C / 2; ++n2) {
+                    unsigned bk[4];
+                    mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
+                        mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                    }
                 }
             }
         }
         // Masked entries -inf, mask math only on tiles that are not fully visible.
-        const bool full = tile_kind(i0, j0, mp) == TILE_FULL;
+        const bool full = j0 >= jf0 && j0 < jf1;  // tile_kind(i0, j0, mp) == TILE_FULL
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int row0 = i0 + wrow + 16 * mt;
@@ -1212,13 +1271,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                         if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
                             sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
                     }
-            } else if (!fold) {
-#pragma unroll
-                for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sacc[mt][n][e] *= scale_log2;
             }
-            if (!full) {
+            if (HAS_DATA_MASK && !full) {
 #pragma unroll
                 for (int n = 0; n < NT_C; ++n)
 #pragma unroll
@@ -1229,7 +1283,26 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                         seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
                         if (!ok) sacc[mt][n][e] = NEG_INF;
                     }
-            } else {
+            } else if (!full) {
+                // Structural rule only: each row's allowed keys are one range, found once per row; an
+                // element then costs a compare (two with a window) and a select, at its column
+                // n * 8 + x relative to this lane's first, j0 + 2 t4.
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    int lo, hi;
+                    fwd_row_keys(row0 + g + 8 * r, mp, &lo, &hi);
+                    lo -= j0 + 2 * t4;
+                    hi -= j0 + 2 * t4;
+#pragma unroll
+                    for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const int c = n * 8 + x;
+                            const bool ok = HAS_WINDOW ? (c >= lo && c < hi) : c < hi;  // lo <= 0 without a window
+                            if (!ok) sacc[mt][n][2 * r + x] = NEG_INF;
+                        }
+                }
+            } else if constexpr (HAS_DATA_MASK) {
                 seen |= 3u << (2 * mt);
             }
         }
@@ -1319,14 +1392,19 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             l += mma_shfl_xor(l, 2);
             // the 16-bit P~'s row sum, whole in every lane of the quad (with dropout: l)
             const float lo = HAS_DROPOUT ? l : l_acc[mt][2 * r];
-            unsigned any = (seen >> (2 * mt + r)) & 1u;
-            any |= mma_shfl_xor_u(any, 1);
-            any |= mma_shfl_xor_u(any, 2);
+            const int row = i0 + wrow + 16 * mt + g + r * 8;
+            unsigned any;
+            if constexpr (HAS_DATA_MASK) {
+                any = (seen >> (2 * mt + r)) & 1u;
+                any |= mma_shfl_xor_u(any, 1);
+                any |= mma_shfl_xor_u(any, 2);
+            } else {
+                any = fwd_row_has_key(row, mp) ? 1u : 0u;
+            }
             const float nan = NEG_INF * 0.f;
             const float m = m_r[mt][r];
             const bool empty = any == 0u, dead = !empty && m == NEG_INF;
             const float inv = empty ? 0.f : (dead ? nan : rp / lo);
-            const int row = i0 + wrow + 16 * mt + g + r * 8;
             if (!active || row >= len_q) continue;
             T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
 #pragma unroll

@@ -2,71 +2,71 @@
    a row stride, bounds checked only on edge tiles. Rendered after mma/warp.cuh. #}
 namespace fa {
 // A ROWS x DPAD tile of a [*, N, *, d] slice -> smem (row stride LD) in 16-byte cp.async chunks.
-// Thread tid takes chunks e = tid + it * NUM_THREADS (it = 0..ITERS-1): tile row e / CHUNKS,
-// column (e % CHUNKS) * 8. When NUM_THREADS is a multiple of CHUNKS every chunk of a thread sits
-// in one column, ROW_STEP rows apart, so its source is one pointer plus it * ROW_STEP rows and its
-// destination one smem offset plus a constant; otherwise (head dims whose DPAD / 8 does not
-// divide the thread count) each chunk's row and column are derived from e. The object holds only
+// Each thread keeps one column of chunks: thread tid < ACTIVE takes column (tid % CHUNKS) * 8 of
+// rows tid / CHUNKS + it * ROW_STEP (it = 0..ITERS-1), ROW_STEP = NUM_THREADS / CHUNKS rows a pass;
+// when CHUNKS does not divide the thread count (head dims 96, 192, ...) the last
+// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's pointer plus
+// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds only
 // that pointer (the row stride is passed with each call: a kernel argument, read from the
 // constant bank), so the S and O fragments keep the registers.
 template <int ROWS>
 struct FwdTileCopy {
-    static constexpr int CHUNKS = DPAD / 8, TOTAL = ROWS * CHUNKS;
-    static constexpr int ITERS = (TOTAL + NUM_THREADS - 1) / NUM_THREADS;
-    static constexpr bool FIXED_COL = NUM_THREADS % CHUNKS == 0;
-    static constexpr int ROW_STEP = FIXED_COL ? NUM_THREADS / CHUNKS : 0;
+    static constexpr int CHUNKS = DPAD / 8;
+    static_assert(CHUNKS <= NUM_THREADS, "one row of 16-byte chunks per pass at least");
+    static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
+    static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
-    const T* src;  // FIXED_COL: the slice's row r0, column c of this thread's first chunk; else row 0
+    const T* src;  // the slice's row first_row(), column column()
 
-    FA_DEVICE static int first_row() { return FIXED_COL ? (int)threadIdx.x / CHUNKS : 0; }
-    FA_DEVICE static int column() { return FIXED_COL ? ((int)threadIdx.x % CHUNKS) * 8 : 0; }
+    FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
+    FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
-    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
-        : src(FIXED_COL ? base + (long long)first_row() * stride_s + column() : base) {}
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
 
-    // Is chunk `it` of this thread inside the tile (only the last one may not be)?
+    // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
+    FA_DEVICE const T* base(long long stride_s) const {
+        return src - ((long long)first_row() * stride_s + column());
+    }
+
+    // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
+    // pass may leave the tile)?
     FA_DEVICE static bool in_tile(int it) {
-        if constexpr (TOTAL % NUM_THREADS == 0) return true;
-        if (it < ITERS - 1) return true;
-        return (int)threadIdx.x + it * NUM_THREADS < TOTAL;
+        const bool active = ACTIVE == NUM_THREADS || (int)threadIdx.x < ACTIVE;
+        if (ROWS % ROW_STEP == 0 || it < ITERS - 1) return active;
+        return active && first_row() + it * ROW_STEP < ROWS;
     }
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        if constexpr (FIXED_COL) {
-            const T* s = src + (long long)row0 * stride_s;
-            const long long step = (long long)ROW_STEP * stride_s;
-            T* d = dst + first_row() * LD + column();
-            const bool col_ok = column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
+        const T* s = src + (long long)row0 * stride_s;
+        const long long step = (long long)ROW_STEP * stride_s;
+        T* d = dst + first_row() * LD + column();
+        const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
-            for (int it = 0; it < ITERS; ++it)
-                if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
-        } else {
-            edge(dst, row0, row0 + ROWS, stride_s, nullptr);
-        }
+        for (int it = 0; it < ITERS; ++it)
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
     }
 
-    // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled.
+    // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
+    // rolled loop: it runs on the last tile of a sequence (and with key padding) only.
     FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
-#pragma unroll
+        const T* row_zero = base(stride_s);
+#pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             if (!in_tile(it)) continue;
-            const int e = (int)threadIdx.x + it * NUM_THREADS;
-            const int r = FIXED_COL ? first_row() + it * ROW_STEP : e / CHUNKS;
-            const int cc = FIXED_COL ? column() : (e - r * CHUNKS) * 8;
-            const bool valid = cc < HEAD_DIM && row0 + r < n && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
-            const T* s = FIXED_COL ? src + (long long)(row0 + it * ROW_STEP) * stride_s
-                                   : src + (long long)(row0 + r) * stride_s + cc;
-            fa_cp_async_16(dst + r * LD + cc, valid ? s : src, valid);
+            const int r = first_row() + it * ROW_STEP;
+            const bool valid = column() < HEAD_DIM && row0 + r < n && (kpm_row == nullptr || kpm_row[row0 + r] != 0);
+            const T* s = src + (long long)(row0 + it * ROW_STEP) * stride_s;
+            fa_cp_async_16(dst + r * LD + column(), valid ? s : row_zero, valid);
         }
     }
 
     // The tile at row0 of an n-row slice: cp.async chunks (interior tiles without bounds checks),
-    // element copies for a slice that is not 16-byte aligned (vec false, base the slice's row 0).
-    FA_DEVICE void operator()(T* dst, const T* base, int row0, int n, long long stride_s, bool vec,
+    // element copies for a slice that is not 16-byte aligned (vec false).
+    FA_DEVICE void operator()(T* dst, int row0, int n, long long stride_s, bool vec,
                               const unsigned char* kpm_row) const {
         if (!vec) {
-            mma_copy_tile<ROWS>(dst, base, row0, n, stride_s, false, kpm_row);
+            mma_copy_tile<ROWS>(dst, base(stride_s), row0, n, stride_s, false, kpm_row);
         } else if (!HAS_KEY_PADDING && row0 + ROWS <= n) {
             interior(dst, row0, stride_s);
         } else {

@@ -2,8 +2,9 @@
 
 Backward: one CTA per (K/V block, batch, head), 16 K/V rows per warp (``block_c = 16 *
 num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline.
-Forward: one CTA per (Q block, batch, head), 16 Q rows per warp (``block_r = 16 *
-num_warps``); K_j / V_j stream through two stages. The deterministic backward adds a ``dq``
+Forward: one CTA per (Q block, batch, head), 16 or 32 Q rows per warp (``block_r`` up to 32 x
+``num_warps``; by default 32 on sm_90 at d <= 64, ``rules.fwd_default_warp_rows``); K_j / V_j stream
+through two stages. The deterministic backward adds a ``dq``
 kernel: one CTA per (Q block, batch, q head), 16 Q rows per warp (a Q block wider than the
 warps in passes), K_j / V_j streamed in ascending order through the main kernel's K/V tiles and
 Q/dO stage 1, S/dP/dS recomputed in sub-steps of ``dq_key_chunk`` keys and dQ_i accumulated in
@@ -23,14 +24,14 @@ from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
                                       SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk, dq_kv_stages, dq_rows, ds_ld,
-                                      fwd_default_block_c, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
+                                      fwd_default_block_c, fwd_default_warp_rows, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
 from fagen.arch import ARCHS
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
            "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "dq_key_chunk",
-           "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
+           "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c", "fwd_default_warp_rows", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
            "pair_cost", "q_in_regs"]
 
 F32 = 4
@@ -99,24 +100,25 @@ class MmaFamily(FamilyBase):
         return None
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
-        """Default tiles: the warp-owned block is 16 rows per warp; the streamed one at most
-        BWD_STREAM_ROWS in the backward (``default_tile``). The forward streams fwd_default_block_c
-        keys per step (128 up to d = 64: the rescale of O, the copy set-up and the row reductions
-        amortised over twice the keys; 64 to d = 128; 32 beyond, where the O accumulator takes half
-        the registers)."""
-        own = 16 * fs.num_warps
+        """Default tiles: the backward's warp-owned K/V block is 16 rows per warp, its streamed Q block
+        at most BWD_STREAM_ROWS (``default_tile``). The forward's Q block is fwd_default_warp_rows
+        per warp (32 up to d = 64 on sm_90 for specs without per-element features, else 16; at most
+        max_block_r), streaming fwd_default_block_c keys per step (128 up to d = 128, 64 beyond or
+        with a data mask past d = 64)."""
         if fs.direction == "bwd":
-            return BWD_STREAM_ROWS, own
-        return own, fwd_default_block_c(fs.head_dim)
+            return BWD_STREAM_ROWS, 16 * fs.num_warps
+        rows = fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) * fs.num_warps
+        return min(rows, self.max_block_r), fwd_default_block_c(fs.head_dim, fs.flags)
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
         """Backward: BWD_STREAM_ROWS Q rows per step x the warps' 16 K/V rows each when two such blocks
         fit sram_bytes (so an SM keeps two blocks' warps resident, as with the paper tile): a longer Q
         block spreads the per-step work (barriers, the copies' set-up, lse/D staging) over more
         tensor-core work (benchmarks/sass_cost.py, docs/performance.md); else BWD_SHORT_STREAM_ROWS.
-        Both are then shrunk until one block fits. Forward: the paper point."""
+        Forward: the caps (the tile issuing the fewest instructions per FLOP, docs/performance.md).
+        Both are then shrunk until one block fits."""
         if fs.direction != "bwd":
-            return None
+            return self.tile_caps(fs)
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
         return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
@@ -173,7 +175,7 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
-                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps),
+                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps, t.block_c, fs.flags),
                          "Q_i A-fragments held in registers"),
             ]
         return {"strides": strides, "constants": tuple(consts)}

@@ -53,19 +53,46 @@ MAX_WIDE_WARP_Q_DIM = 128
 
 
 #: The forward's default K/V step up to this padded head dim is FWD_WIDE_BLOCK_C keys.
-MAX_WIDE_STEP_DIM = 64
+MAX_WIDE_STEP_DIM = 128
 FWD_WIDE_BLOCK_C = 128
+#: The forward's default warps own 32 Q rows (two m16 tiles) up to this padded head dim, 16 beyond.
+MAX_WIDE_WARP_DEFAULT_DIM = 64
 
 
-def fwd_default_block_c(head_dim: int) -> int:
-    """Forward: the default keys per K/V step. 128 up to padded head dim MAX_WIDE_STEP_DIM (S/P take 64
-    registers beside 32 of O: the per-step work -- O's rescale, the copy set-up, the row reductions,
-    the barrier -- amortised over twice the keys, ~18% fewer instructions per FLOP than 64), 64 up
-    to MAX_REG_ACC_DIM, 32 beyond it (the O accumulator takes half the registers)."""
+#: Spec flags whose per-element work (the data masks' loads, the keep bits, score modifications)
+#: needs registers beside the fragments; the forward's default tile is narrower with them.
+FWD_DATA_MASK_FLAGS = frozenset({"key_padding", "attn_mask"})
+FWD_WIDE_WARP_EXCLUDED_FLAGS = FWD_DATA_MASK_FLAGS | {"dropout", "softcap", "alibi", "bias"}
+
+
+def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> int:
+    """Forward: the default keys per K/V step. FWD_WIDE_BLOCK_C up to padded head dim MAX_WIDE_STEP_DIM:
+    O's rescale, the copy set-up, the row reductions and the barrier are per step, so 128 keys
+    amortise them over twice the tensor-core work of 64 (d = 128: 930 against 1118 instructions
+    per 1e6 FLOPs, benchmarks/sass_cost.py); beyond d = 64 a data mask (key padding, attn_mask) takes
+    64 (its per-element loads spill beside 128 keys of S on sm_100). 64 beyond MAX_WIDE_STEP_DIM
+    (d = 192: 1011 against 1376 for 32 keys; the shared-memory fit shrinks it where two K/V stages
+    of 64 keys do not fit), 32 there with a data mask or dropout (their per-element state beside the
+    O accumulator's DPAD / 2 registers: 64 keys spill 56-96 bytes at d = 160 on sm_100)."""
     dp = padded_dim(head_dim)
-    if dp <= MAX_WIDE_STEP_DIM:
+    if dp <= 64:
         return FWD_WIDE_BLOCK_C
-    return 64 if dp <= MAX_REG_ACC_DIM else 32
+    if dp <= MAX_WIDE_STEP_DIM:
+        return 64 if flags & FWD_DATA_MASK_FLAGS else FWD_WIDE_BLOCK_C
+    return 32 if flags & (FWD_DATA_MASK_FLAGS | {"dropout"}) else 64
+
+
+def fwd_default_warp_rows(head_dim: int, capability: tuple[int, int], flags: frozenset[str] = frozenset()) -> int:
+    """Forward: the Q rows a warp owns by default: 32 (two m16 tiles, each K/V fragment feeding 4
+    HMMAs, the K/V copy and the step's set-up shared by twice the rows) up to padded head dim
+    MAX_WIDE_WARP_DEFAULT_DIM on sm_90 without dropout, data masks or score modifications, where
+    the 32 x 128 scores and the 32 x 64 O accumulator fit the registers (d = 64: 1189 against 1345
+    instructions per 1e6 FLOPs for 16-row warps); 16 otherwise: ptxas spills the 32-row warp on
+    sm_80 and sm_100+ (70-370 bytes at d = 64), beside those features' per-element state and beside
+    a window's bounds together with varlen's sequence offsets (~100 bytes)."""
+    wide = (padded_dim(head_dim) <= MAX_WIDE_WARP_DEFAULT_DIM and capability == (9, 0)
+            and not flags & FWD_WIDE_WARP_EXCLUDED_FLAGS and not {"window", "varlen"} <= flags)
+    return 32 if wide else 16
 
 
 def fwd_m_tiles(block_r: int, num_warps: int) -> int:
@@ -74,10 +101,21 @@ def fwd_m_tiles(block_r: int, num_warps: int) -> int:
     return 2 if block_r > 16 * num_warps else 1
 
 
-def fwd_q_in_regs(head_dim: int, block_r: int, num_warps: int) -> bool:
-    """Forward: the Q_i A-fragments held in registers (16-row warps up to MAX_REG_Q_DIM; 32-row
-    warps read them from smem, their O accumulator and S fragments take the registers)."""
-    return q_in_regs(head_dim) and fwd_m_tiles(block_r, num_warps) == 1
+#: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
+#: accumulator of a 16-row warp take at most this many registers per lane together.
+FWD_FRAG_REGS = 128
+
+
+def fwd_q_in_regs(head_dim: int, block_r: int, num_warps: int, block_c: int = 64,
+                  flags: frozenset[str] = frozenset()) -> bool:
+    """Forward: the Q_i A-fragments held in registers (16-row warps up to MAX_REG_Q_DIM whose Q, S and O
+    fragments -- DPAD / 4 + block_c / 2 + DPAD / 2 registers -- fit FWD_FRAG_REGS; else Q is read from
+    smem per k step, one ldmatrix per 16 x 16: d = 128 with 128 keys would hold 160, and its dropout
+    and key-padding kernels spill; a data mask's per-element addressing takes them too; 32-row warps
+    read it from smem, their O accumulator and S fragments take the registers)."""
+    dp = padded_dim(head_dim)
+    fits = dp // 4 + block_c // 2 + dp // 2 <= FWD_FRAG_REGS and not flags & FWD_DATA_MASK_FLAGS
+    return q_in_regs(head_dim) and fwd_m_tiles(block_r, num_warps) == 1 and fits
 
 
 def ds_ld(block_r: int) -> int:
