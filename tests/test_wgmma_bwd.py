@@ -32,11 +32,11 @@ def _spec(**kw) -> KernelSpec:
 # --------------------------------------------------------------------------- selection
 def test_chosen_for_sm90a_backward() -> None:
     for d, dtype, br in ((64, "float16", 128), (128, "bfloat16", 64)):
-        spec = _spec(head_dim=d, dtype=dtype)
-        assert spec.impl == "wgmma" and spec.name.endswith("_s2_wgmma_sm90a"), spec.name
-        assert spec.tile.block_r == br and spec.tile.block_c == 64
-        two = _spec(head_dim=d, dtype=dtype, num_warps=8)
+        two = _spec(head_dim=d, dtype=dtype)  # the family's default_warps: two consumer warpgroups
+        assert two.impl == "wgmma" and two.name.endswith("_w8_s2_wgmma_sm90a"), two.name
         assert two.tile.block_r == br and two.tile.block_c == 128  # FlashAttention-3's tiles
+        one = _spec(head_dim=d, dtype=dtype, num_warps=4)
+        assert one.tile.block_r == br and one.tile.block_c == 64
         assert renderer.kernel_infos(two)[1].threads == 384 and renderer.kernel_infos(two)[0].threads == 256
         for kw in (dict(causal=True), dict(causal=True, causal_align="top_left"), dict(window=True),
                    dict(key_padding=True)):
