@@ -1400,6 +1400,32 @@ FA_DEVICE void fa_named_barrier_arrive(unsigned id, unsigned count, FAGEN_EMU_SI
 }
 FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_one(FAGEN_EMU_SITE_ARGS); }
 #endif
+// The Hopper family's warpgroup helpers, shared by its forward and backward: the constants of
+// the 128-byte swizzle panels, the 16-bit packing of an A fragment register and the SFU's 2^x.
+namespace fa {
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+
+// Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
+FA_DEVICE unsigned wg_pack(float lo, float hi) {
+    const T l = fa_from_float<T>(lo), h = fa_from_float<T>(hi);
+    unsigned short ul, uh;
+    memcpy(&ul, &l, 2);
+    memcpy(&uh, &h, 2);
+    return (unsigned)ul | ((unsigned)uh << 16);
+}
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+#ifndef FAGEN_EMULATOR
+FA_DEVICE float wg_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+FA_DEVICE float wg_exp2(float x) { return exp2f(x); }
+#endif
+}  // namespace fa
 namespace fa {
 // Backward on Hopper: one CTA per (K/V block j, batch, kv head). Warpgroups 0..CONSUMER_WGS-1
 // consume (64 K/V rows each: dK~, dV~ of their rows in fp32 registers for the whole CTA);
@@ -1424,32 +1450,12 @@ static_assert(SMEM_K_COUNT == BLOCK_C * HEAD_DIM && SMEM_V_COUNT == BLOCK_C * HE
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr int PANEL_ELEMS = 64;                                // elements per panel row (128 bytes)
 constexpr int KV_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;           // complete_tx of K_j + V_j
 constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * HEAD_DIM * 2;    // complete_tx of one Q_i + dO_i slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an "empty" barrier
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
 constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
 
-// Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
-FA_DEVICE unsigned wg_pack(float lo, float hi) {
-    const T l = fa_from_float<T>(lo), h = fa_from_float<T>(hi);
-    unsigned short ul, uh;
-    memcpy(&ul, &l, 2);
-    memcpy(&uh, &h, 2);
-    return (unsigned)ul | ((unsigned)uh << 16);
-}
-// 2^x on the SFU (ex2.approx.ftz); the emulator computes it exactly.
-#ifndef FAGEN_EMULATOR
-FA_DEVICE float wg_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-#else
-FA_DEVICE float wg_exp2(float x) { return exp2f(x); }
-#endif
 // A descriptor moved `elems` 16-bit elements on (the start address field, bits 0-13, in 16-byte
 // units; the shared window stays below 2^18 bytes, so the field never carries).
 FA_DEVICE unsigned long long wg_desc_at(unsigned long long desc, int elems) {

@@ -1362,28 +1362,11 @@ FA_DEVICE void fa_named_barrier_arrive(unsigned id, unsigned count, FAGEN_EMU_SI
 }
 FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_one(FAGEN_EMU_SITE_ARGS); }
 #endif
+// The Hopper family's warpgroup helpers, shared by its forward and backward: the constants of
+// the 128-byte swizzle panels, the 16-bit packing of an A fragment register and the SFU's 2^x.
 namespace fa {
-// Forward on Hopper: one CTA per (Q block i, batch, head). Warpgroups 0..CONSUMER_WGS-1 consume
-// (64 Q rows each: S, P, the O accumulator and m, l in registers); warpgroup CONSUMER_WGS
-// produces: one elected lane issues every TMA load (Q_i once, K_j / V_j into STAGES slots).
-// Shared memory (fagen.families.wgmma.smem_layout, every tile 1024-byte aligned): a tile of R
-// rows x HEAD_DIM is PANELS panels of R rows x 128 bytes (64 elements of the head dim), each
-// panel a TMA box written with the 128-byte swizzle that the wgmma descriptors read.
-static_assert(sizeof(T) == 2, "wgmma forward: 16-bit operands");
-static_assert(HEAD_DIM == 64 * PANELS, "whole 128-byte panels");
-static_assert(BLOCK_R == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 Q rows per consumer warpgroup");
-static_assert(BLOCK_C % 16 == 0 && BLOCK_C <= 256 && HEAD_DIM <= 256, "wgmma N extents");
-static_assert(STAGES >= 2, "K_j / V_j pipeline depth (knob 'stages')");
-static_assert(SMEM_Q_COUNT == BLOCK_R * HEAD_DIM && SMEM_K_COUNT == STAGES * BLOCK_C * HEAD_DIM &&
-              SMEM_V_COUNT == STAGES * BLOCK_C * HEAD_DIM && SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
-static_assert(SMEM_Q_OFFSET % 1024 == 0 && SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0,
-              "128-byte swizzled tiles start 1024-byte aligned");
 constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-constexpr int PANEL_ELEMS = 64;                               // elements per panel row (128 bytes)
-constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;               // complete_tx of Q_i
-constexpr int KV_STAGE_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;    // complete_tx of one K_j + V_j slot
-constexpr int CONSUMERS = 128 * CONSUMER_WGS;                 // arrivals on an "empty" barrier
+constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
@@ -1404,6 +1387,28 @@ FA_DEVICE float wg_exp2(float x) {
 #else
 FA_DEVICE float wg_exp2(float x) { return exp2f(x); }
 #endif
+}  // namespace fa
+namespace fa {
+// Forward on Hopper: one CTA per (Q block i, batch, head). Warpgroups 0..CONSUMER_WGS-1 consume
+// (64 Q rows each: S, P, the O accumulator and m, l in registers); warpgroup CONSUMER_WGS
+// produces: one elected lane issues every TMA load (Q_i once, K_j / V_j into STAGES slots).
+// Shared memory (fagen.families.wgmma.smem_layout, every tile 1024-byte aligned): a tile of R
+// rows x HEAD_DIM is PANELS panels of R rows x 128 bytes (64 elements of the head dim), each
+// panel a TMA box written with the 128-byte swizzle that the wgmma descriptors read.
+static_assert(sizeof(T) == 2, "wgmma forward: 16-bit operands");
+static_assert(HEAD_DIM == 64 * PANELS, "whole 128-byte panels");
+static_assert(BLOCK_R == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 Q rows per consumer warpgroup");
+static_assert(BLOCK_C % 16 == 0 && BLOCK_C <= 256 && HEAD_DIM <= 256, "wgmma N extents");
+static_assert(STAGES >= 2, "K_j / V_j pipeline depth (knob 'stages')");
+static_assert(SMEM_Q_COUNT == BLOCK_R * HEAD_DIM && SMEM_K_COUNT == STAGES * BLOCK_C * HEAD_DIM &&
+              SMEM_V_COUNT == STAGES * BLOCK_C * HEAD_DIM && SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
+static_assert(SMEM_Q_OFFSET % 1024 == 0 && SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0,
+              "128-byte swizzled tiles start 1024-byte aligned");
+constexpr float LN2 = 0.6931471805599453f;
+constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;               // complete_tx of Q_i
+constexpr int KV_STAGE_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;    // complete_tx of one K_j + V_j slot
+constexpr int CONSUMERS = 128 * CONSUMER_WGS;                 // arrivals on an "empty" barrier
+
 // Row `row`'s allowed keys are one band (partials/masking.cuh's `allowed`): columns [lo, hi]
 // relative to `col0` (empty, lo > hi, for a row outside the sequence).
 FA_DEVICE void wg_row_band(int row, int col0, const MaskParams& mp, const MaskBand& band, int* lo, int* hi) {

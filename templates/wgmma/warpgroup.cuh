@@ -1,0 +1,26 @@
+// The Hopper family's warpgroup helpers, shared by its forward and backward: the constants of
+// the 128-byte swizzle panels, the 16-bit packing of an A fragment register and the SFU's 2^x.
+namespace fa {
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+
+// Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
+FA_DEVICE unsigned wg_pack(float lo, float hi) {
+    const T l = fa_from_float<T>(lo), h = fa_from_float<T>(hi);
+    unsigned short ul, uh;
+    memcpy(&ul, &l, 2);
+    memcpy(&uh, &h, 2);
+    return (unsigned)ul | ((unsigned)uh << 16);
+}
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+#ifndef FAGEN_EMULATOR
+FA_DEVICE float wg_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+FA_DEVICE float wg_exp2(float x) { return exp2f(x); }
+#endif
+}  // namespace fa
