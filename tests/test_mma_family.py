@@ -482,27 +482,29 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
 
 
 @pytest.mark.parametrize("arch,d,flags,tile,q_regs", [
-    ("sm_90", 64, {}, (128, 128), False),  # FlashAttention-2's 128x128 / 4 warps: 32-row warps
-    ("sm_90", 64, {"causal": True, "window": True}, (128, 128), False),
-    ("sm_80", 64, {}, (64, 128), True),  # ptxas spills 32-row warps on sm_80
-    ("sm_100", 64, {}, (64, 128), True),
-    ("sm_90", 64, {"dropout": True}, (64, 128), True),  # per-element state: 16-row warps
-    ("sm_90", 64, {"key_padding": True}, (64, 128), False),  # a data mask reads Q from smem
-    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (64, 128), True),
-    ("sm_90", 128, {}, (64, 128), False),  # Q, S and O of 128 keys: Q from smem
-    ("sm_80", 128, {"attn_mask": True}, (64, 64), False),
-    ("sm_90", 96, {}, (64, 128), False),
-    ("sm_90", 192, {}, (64, 64), False),
-    ("sm_90", 256, {"dropout": True}, (64, 32), False),
+    ("sm_90", 64, {}, (128, 128, 4), False),  # FlashAttention-2's 128x128 / 4 warps: 32-row warps
+    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 4), False),
+    ("sm_80", 64, {}, (128, 128, 8), True),  # ptxas spills 32-row warps on sm_80: 8 warps of 16 rows
+    ("sm_100", 64, {}, (128, 128, 8), True),
+    ("sm_90", 64, {"dropout": True}, (64, 128, 4), True),  # per-element state: 16-row warps, 4 of them
+    ("sm_90", 64, {"key_padding": True}, (64, 128, 4), False),  # a data mask reads Q from smem
+    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (128, 128, 8), True),
+    ("sm_90", 64, {"bias": True}, (64, 64, 4), True),  # a bias steps 64 keys up to d = 96
+    ("sm_90", 128, {}, (128, 128, 8), False),  # Q, S and O of 128 keys: Q from smem
+    ("sm_80", 128, {}, (64, 128, 4), False),  # a 128-row block of 128 keys exceeds sm_80's shared memory
+    ("sm_80", 128, {"attn_mask": True}, (64, 64, 4), False),
+    ("sm_90", 96, {}, (128, 128, 8), False),
+    ("sm_90", 192, {}, (128, 64, 8), False),
+    ("sm_90", 256, {"dropout": True}, (64, 32, 4), False),
 ])
 def test_forward_default_tiles(arch: str, d: int, flags: dict, tile: tuple, q_regs: bool) -> None:
-    """The forward's default tile per head dim, arch and features (fagen.families.mma.rules:
-    fwd_default_warp_rows, fwd_default_block_c, fwd_q_in_regs), as docs/performance.md measures them."""
+    """The forward's default tile and warps per head dim, arch and features (fagen.families.mma.rules:
+    fwd_default_warp_rows, fwd_default_block_c, fwd_q_in_regs; MmaFamily.default_warps), as
+    docs/performance.md measures them."""
     spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", arch=arch, **flags)
-    assert spec.impl == "mma" and spec.num_warps == 4
-    assert (spec.tile.block_r, spec.tile.block_c) == tile
+    assert spec.impl == "mma" and (spec.tile.block_r, spec.tile.block_c, spec.num_warps) == tile
     consts = {c.name: c.value for c in MMA.template_context(spec.family_spec)["constants"]}
-    assert consts["WARP_M_TILES"] == tile[0] // 64
+    assert consts["WARP_M_TILES"] == tile[0] // (16 * tile[2])
     assert consts["Q_IN_REGS"] is q_regs
 
 

@@ -89,3 +89,22 @@ def test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics(arch: 
         assert not [op for op in ops if op.startswith(("RED", "ATOM"))], (res.kernel, ops)
     dq_ops = mix[mod.rendered.kernel("dq").name]
     assert dq_ops.get("HMMA", 0) > 0 and dq_ops.get("LDSM", 0) > 0 and dq_ops.get("LDGSTS", 0) > 0, dq_ops
+
+
+# One flag at a time at its default tile: each feature's per-element state beside the S/dP fragments
+# (an additive bias once spilled 250-350 bytes beside 128 keys per forward step at d <= 96).
+FEATURE_FLAGS = [dict(bias=True), dict(attn_mask=True), dict(key_padding=True), dict(dropout=True), dict(softcap=True),
+                 dict(alibi=True), dict(window=True, varlen=True)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("flags", FEATURE_FLAGS, ids=lambda f: "-".join(f))
+def test_single_features_at_their_default_tiles_do_not_spill(arch: str, direction: str, d: int, flags: dict) -> None:
+    spec = KernelSpec(direction=direction, head_dim=d, dtype="float16", arch=arch, **flags)
+    if spec.impl != "mma":
+        pytest.skip(f"{spec.name}: not an mma spec")
+    mod = compile(spec)
+    assert all(r.spill_bytes == 0 and r.stack_frame_bytes == 0 for r in mod.resources), \
+        [(r.kernel, r.spill_bytes, r.stack_frame_bytes) for r in mod.resources]

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import Role
-from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
+from fagen.families.base import DEFAULT_NUM_WARPS, Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
 from fagen.families.mma.cost import pair_cost
-from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, MASKED_SCORE_MOD_STEP_REGS,
+from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
+                                      MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
                                       SUPPORTED_DTYPES, acc_in_smem, dq_key_chunk, dq_kv_stages, dq_rows, ds_ld,
                                       fwd_default_block_c, fwd_default_warp_rows, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
@@ -35,6 +36,8 @@ __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX
            "pair_cost", "q_in_regs"]
 
 F32 = 4
+#: Warps of the forward's default where its 16-row warps' 128-row Q block fits (``default_warps``).
+FWD_WIDE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,24 @@ class MmaFamily(FamilyBase):
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
         return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
+
+    def default_warps(self, fs: FamilySpec) -> int:
+        """Forward: FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared
+        memory beside its default K/V step (each K_j / V_j tile copied once for twice the rows;
+        benchmarks/sass_cost.py at d = 96 / 128 / 192 / 256 on sm_90: 1129 / 934 / 1011 / 859 ->
+        1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the warps own 32 rows (sm_90
+        up to d = 64), where the 128-row block would shrink (its warps would idle) and with the
+        per-element features of FWD_WIDE_WARP_EXCLUDED_FLAGS (ptxas spills their state beside the
+        8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: 4."""
+        if fs.direction != "fwd":
+            return DEFAULT_NUM_WARPS
+        if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
+            return DEFAULT_NUM_WARPS
+        if fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) != 16:
+            return DEFAULT_NUM_WARPS
+        rows = 16 * FWD_WIDE_WARPS
+        need = self.smem_layout(fs.with_tile(rows, fwd_default_block_c(fs.head_dim, fs.flags))).total_bytes
+        return FWD_WIDE_WARPS if need <= ARCHS[fs.arch].smem_optin_per_block else DEFAULT_NUM_WARPS
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,

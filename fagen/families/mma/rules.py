@@ -65,6 +65,11 @@ FWD_DATA_MASK_FLAGS = frozenset({"key_padding", "attn_mask"})
 FWD_WIDE_WARP_EXCLUDED_FLAGS = FWD_DATA_MASK_FLAGS | {"dropout", "softcap", "alibi", "bias"}
 
 
+#: With an additive bias the forward steps 64 keys up to this padded head dim, 32 beyond it
+#: (ptxas, sm_80 / sm_90: 64 keys spill 16-48 bytes at d = 128-256, 128 keys 250-350 bytes at d <= 96).
+FWD_BIAS_WIDE_STEP_DIM = 96
+
+
 def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> int:
     """Forward: the default keys per K/V step. FWD_WIDE_BLOCK_C up to padded head dim MAX_WIDE_STEP_DIM:
     O's rescale, the copy set-up, the row reductions and the barrier are per step, so 128 keys
@@ -75,6 +80,8 @@ def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> i
     of 64 keys do not fit), 32 there with a data mask or dropout (their per-element state beside the
     O accumulator's DPAD / 2 registers: 64 keys spill 56-96 bytes at d = 160 on sm_100)."""
     dp = padded_dim(head_dim)
+    if "bias" in flags:  # its per-element loads beside 128 keys of S spill 250-350 bytes up to d = 96
+        return 64 if dp <= FWD_BIAS_WIDE_STEP_DIM else 32
     if dp <= 64:
         return FWD_WIDE_BLOCK_C
     if dp <= MAX_WIDE_STEP_DIM:
