@@ -351,8 +351,8 @@ constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = true;  // the next step's lse_i / D_i stored at once, not at the step's end
-constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
-constexpr int BWD_CHUNK_UNROLL = 2;  // 16-Q-row chunks per trip of the chunk loop
+constexpr bool BWD_SPLIT_MASK = false;  // separate chunk code for fully visible and partial tiles
+constexpr int BWD_CHUNK_UNROLL = 1;  // 16-Q-row chunks per trip of the chunk loop
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).

@@ -159,9 +159,9 @@ class MmaFamily(FamilyBase):
                 Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
                 Constant("LSE_NOW", "bool", lse_now(fs.flags),
                          "the next step's lse_i / D_i stored at once, not at the step's end"),
-                Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(d),
+                Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(d, fs.flags, t.block_r),
                          "separate chunk code for fully visible and partial tiles"),
-                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags),
+                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags, t.block_r),
                          "16-Q-row chunks per trip of the chunk loop"),
             ]
             if fs.has("deterministic"):
