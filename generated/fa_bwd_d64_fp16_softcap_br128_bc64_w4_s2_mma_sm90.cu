@@ -351,6 +351,8 @@ constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = true;  // the next step's lse_i / D_i stored at once, not at the step's end
+constexpr bool BWD_SPLIT_MASK = false;  // separate chunk code for fully visible and partial tiles
+constexpr int BWD_CHUNK_UNROLL = 1;  // 16-Q-row chunks per trip of the chunk loop
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -942,13 +944,19 @@ namespace fa {
 // 16 K/V rows [16w, 16w + 16) of the block and keeps its dK~, dV~ rows in fp32
 // registers (in smem, fragment order, when the head dim is too wide for registers).
 static_assert(STAGES == 1 || STAGES == 2, "Q_i / dO_i / lse_i / D_i pipeline depth (knob 'stages')");
-// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS and LSE_NOW: decided by fagen.families.mma (header).
+// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS, LSE_NOW, BWD_SPLIT_MASK and BWD_CHUNK_UNROLL: decided by fagen.families.mma (header).
 constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
 static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
 static_assert(SMEM_DS_COUNT == BLOCK_C * DS_LD, "dS^T tile");
 static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
+// dO_i's stage st sits DO_FROM_Q elements past Q_i's, D_i's DELTA_FROM_LSE past lse_i's (one smem block):
+// one lane pointer per pair in the chunk loop.
+constexpr int DO_FROM_Q = (SMEM_DO__OFFSET - SMEM_Q_OFFSET) / (int)sizeof(T);
+constexpr int DELTA_FROM_LSE = (SMEM_DELTA_OFFSET - SMEM_LSE_OFFSET) / (int)sizeof(float);
+static_assert(DO_FROM_Q * (int)sizeof(T) == SMEM_DO__OFFSET - SMEM_Q_OFFSET &&
+              DELTA_FROM_LSE * (int)sizeof(float) == SMEM_DELTA_OFFSET - SMEM_LSE_OFFSET, "stage offsets in elements");
 // dQ_i += dS K_j: (16 Q rows x 16 columns) output tiles shared by the warps. DQ_WPM warps share one
 // Q-row tile when the warps outnumber the row tiles (each takes DQ_NCW of its column tiles), else a
 // warp takes whole row tiles; DQ_NCC column tiles are accumulated at a time (2 DQ_NCC x 4 fp32).
@@ -959,6 +967,105 @@ constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
 constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
 constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
 static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
+
+// The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
+template <bool B> struct MmaBool { static constexpr bool value = B; };
+struct MmaMasked {
+    bool value;
+};
+// BWD_SPLIT_MASK (fagen.families.mma.bwd_split_mask): separate chunk code for fully visible tiles (no
+// mask code at all) and partial ones where the registers allow it; elsewhere one chunk code tests the
+// mask under a branch, per element by the whole rule.
+
+// The structural band of one lane on a partial tile of the main kernel (transposed fragments: the lane's
+// keys key0 and key0 + 8 are fixed, its Q rows are row0 + u): lo[r] <= u <= hi[r] is allowed for key
+// key0 + 8 r, both clamped to [0, BLOCK_R] (u < BLOCK_R). The lower bound is the causal / right-window
+// limit and the key bound (a key past the sequence: lo = BLOCK_R, nothing allowed); the upper one the
+// left window (set only with HAS_WINDOW). Rows past the sequence are not excluded: the caller's P and
+// dS are 0 there (zero Q and dO rows, lse +inf, D 0).
+FA_DEVICE void mma_bwd_band(int (&lo)[2], int (&hi)[2], int row0, int key0, const MaskParams& mp) {
+    const MaskBand band = mask_band(mp);
+    const long long shift = mask_shift(mp);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const long long key = (long long)key0 + 8 * r;
+        // o = key - row - shift in [band.lo, band.hi]: row >= key - shift - hi, row <= key - shift - lo
+        long long l = band.has_hi ? key - shift - band.hi - row0 : 0;
+        long long u = band.has_lo ? key - shift - band.lo - row0 : BLOCK_R;
+        if (key >= mp.seqlen_k) l = BLOCK_R;
+        lo[r] = (int)(l < 0 ? 0 : l > BLOCK_R ? BLOCK_R : l);
+        hi[r] = (int)(u < -1 ? -1 : u > BLOCK_R ? BLOCK_R : u);
+    }
+}
+
+// The Q blocks whose tile with the K/V block at col0 is fully visible (tile_kind == TILE_FULL): rows
+// [row0, row0 + BLOCK_R) with lo <= row0 <= hi, tile_kind's rule solved for row0 once per K/V block
+// (inside both sequences, no data mask, the tile's offsets key - row - shift inside the band).
+FA_DEVICE void mma_bwd_full_range(int col0, const MaskParams& mp, long long* lo, long long* hi) {
+    *lo = 0;
+    *hi = (long long)mp.seqlen_q - BLOCK_R;
+    if (HAS_DATA_MASK || col0 < 0 || (long long)col0 + BLOCK_C > mp.seqlen_k) {
+        *lo = 1;
+        *hi = 0;
+        return;
+    }
+    const MaskBand band = mask_band(mp);
+    const long long shift = mask_shift(mp);
+    // largest offset (col0 + BLOCK_C - 1) - row0 - shift <= band.hi; smallest col0 - (row0 + BLOCK_R - 1) - shift >= band.lo
+    if (band.has_hi) {
+        const long long l = (long long)col0 + BLOCK_C - 1 - shift - band.hi;
+        if (l > *lo) *lo = l;
+    }
+    if (band.has_lo) {
+        const long long h = (long long)col0 - BLOCK_R + 1 - shift - band.lo;
+        if (h < *hi) *hi = h;
+    }
+}
+
+// The main kernel's Q_i / dO_i copies with the per-thread set-up done once per head: when the threads
+// tile a stage's rows evenly (NUM_THREADS a multiple of the DPAD / 8 chunks of a row, BLOCK_R x chunks a
+// multiple of NUM_THREADS), thread tid copies chunk tid % chunks of rows tid / chunks + k * STEP_RSTEP,
+// k < STEP_ITERS, from its source pointer of row 0 (held), a step adding row0 rows. With the head dim whole
+// k16 steps and a 16-byte aligned slice an interior step issues its STEP_ITERS cp.async with no test, the
+// sequence's last (partial) block tests each row; anything else goes through mma_copy_rows (the same result).
+constexpr int STEP_CHUNKS = DPAD / 8;
+constexpr bool STEP_EVEN = NUM_THREADS % STEP_CHUNKS == 0 && (BLOCK_R * STEP_CHUNKS) % NUM_THREADS == 0;
+constexpr int STEP_RSTEP = STEP_EVEN ? NUM_THREADS / STEP_CHUNKS : 1;
+constexpr int STEP_ITERS = STEP_EVEN ? BLOCK_R * STEP_CHUNKS / NUM_THREADS : 1;
+struct MmaStepCopy {
+    const T* base;     // the slice's row 0
+    const T* src;      // the thread's first chunk of row 0
+    long long stride;  // row stride (elements)
+    long long step;    // STEP_RSTEP rows
+    int dst;           // the thread's first element in a stage
+    bool vec;          // 16-byte aligned slice
+};
+FA_DEVICE MmaStepCopy mma_step_copy_plan(const T* base, long long stride_s) {
+    const int r = threadIdx.x / STEP_CHUNKS, c = (threadIdx.x % STEP_CHUNKS) * 8;
+    return {base, base + (long long)r * stride_s + c, stride_s, (long long)STEP_RSTEP * stride_s, r * LD + c,
+            mma_vec_ok(base, stride_s)};
+}
+FA_DEVICE void mma_step_copy(T* stage, const MmaStepCopy& cp, int row0, int n) {
+    if constexpr (STEP_EVEN && HEAD_DIM == DPAD) {
+        if (cp.vec) {
+            const T* src = cp.src + (long long)row0 * cp.stride;
+            T* dst = stage + cp.dst;
+            if (row0 + BLOCK_R <= n) {
+#pragma unroll
+                for (int k = 0; k < STEP_ITERS; ++k) fa_cp_async_16(dst + k * STEP_RSTEP * LD, src + k * cp.step, true);
+            } else {  // the sequence's last Q block: rows past n zero-filled (a rolled loop: edge blocks only)
+                const int r = threadIdx.x / STEP_CHUNKS;
+#pragma unroll 1
+                for (int k = 0; k < STEP_ITERS; ++k) {
+                    const bool valid = row0 + r + k * STEP_RSTEP < n;
+                    fa_cp_async_16(dst + k * STEP_RSTEP * LD, valid ? src + k * cp.step : cp.base, valid);
+                }
+            }
+            return;
+        }
+    }
+    mma_copy_rows<BLOCK_R>(stage, cp.base, row0, n, cp.stride, cp.vec);
+}
 
 // lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
 FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
@@ -1128,6 +1235,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
     int i_begin, i_end;
     kv_block_q_range(col0, mp, &i_begin, &i_end);
+    long long full_lo, full_hi;  // the fully visible tiles: full_lo <= i0 <= full_hi
+    mma_bwd_full_range(col0, mp, &full_lo, &full_hi);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
@@ -1142,6 +1251,11 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
         for (int e = 0; e < 4; ++e) { dk_acc[n][e] = 0.f; dv_acc[n][e] = 0.f; }
 
+    // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
+    // the lane's dS^T element (row wrow + g, column 2 t4).
+    const int lane_nm = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
+    const int lane_km = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+    T* const ds_l = s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0);
     unsigned kf[KV_IN_REGS ? DPAD / 16 : 1][4], vf[KV_IN_REGS ? DPAD / 16 : 1][4];
     if constexpr (KV_IN_REGS) {
         fa_cp_async_wait_all();
@@ -1159,7 +1273,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31 (the dropout stream's head index)
         const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
         const T* do_bh = do_ + fa_row_offset(si.q_tok0, b, 0, h, stride_do_b, stride_do_s, stride_do_h);
-        const bool q_vec = mma_vec_ok(q_bh, stride_q_s), do_vec = mma_vec_ok(do_bh, stride_do_s);
+        const MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s), do_cp = mma_step_copy_plan(do_bh, stride_do_s);
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
@@ -1169,8 +1283,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
         if (STAGES > 1 && i_begin < i_end) {
-            mma_copy_rows<BLOCK_R>(s.q, q_bh, i_begin, len_q, stride_q_s, q_vec);
-            mma_copy_rows<BLOCK_R>(s.do_, do_bh, i_begin, len_q, stride_do_s, do_vec);
+            mma_step_copy(s.q, q_cp, i_begin, len_q);
+            mma_step_copy(s.do_, do_cp, i_begin, len_q);
             for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                 const int row = i_begin + r;
                 s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
@@ -1183,8 +1297,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const int cur = it % STAGES, nxt = (it + 1) % STAGES;
             if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
                 fa_sync();
-                mma_copy_rows<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, q_vec);
-                mma_copy_rows<BLOCK_R>(s.do_, do_bh, i0, len_q, stride_do_s, do_vec);
+                mma_step_copy(s.q, q_cp, i0, len_q);
+                mma_step_copy(s.do_, do_cp, i0, len_q);
                 fa_cp_async_commit();
                 for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                     const int row = i0 + r;
@@ -1197,8 +1311,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
-                mma_copy_rows<BLOCK_R>(s.q + nxt * BLOCK_R * LD, q_bh, i0 + BLOCK_R, len_q, stride_q_s, q_vec);
-                mma_copy_rows<BLOCK_R>(s.do_ + nxt * BLOCK_R * LD, do_bh, i0 + BLOCK_R, len_q, stride_do_s, do_vec);
+                mma_step_copy(s.q + nxt * BLOCK_R * LD, q_cp, i0 + BLOCK_R, len_q);
+                mma_step_copy(s.do_ + nxt * BLOCK_R * LD, do_cp, i0 + BLOCK_R, len_q);
                 const int row = i0 + BLOCK_R + tid;
                 if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
                     if (tid < BLOCK_R) {
@@ -1213,14 +1327,31 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             fa_cp_async_commit();
 
             const T* sq = s.q + cur * BLOCK_R * LD;
-            const T* sdo = s.do_ + cur * BLOCK_R * LD;
             const float* slse = s.lse + cur * BLOCK_R;
-            const float* sdelta = s.delta + cur * BLOCK_R;
             // Algorithm 4 line 12: S_ij^masked = mask(S_ij) -- mask math only on tiles that are not fully visible.
-            const bool full = tile_kind(i0, col0, mp) == TILE_FULL;
+            const bool full = i0 >= full_lo && i0 <= full_hi;  // tile_kind(i0, col0, mp) == TILE_FULL
 
-            // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers.
-            for (int c0 = 0; active && c0 < BLOCK_R; c0 += 16) {
+            // The lane's structural band on a partial tile (BWD_SPLIT_MASK, plain score, no data mask):
+            // element (n, e) of chunk c0 is Q row i0 + 2 t4 + c0 + u, u = n * 8 + (e & 1), and key
+            // col0 + wrow + g + 8 (e >> 1); it is allowed iff band_lo[e >> 1] <= u <= band_hi[e >> 1], the
+            // band shifted by 16 rows per chunk (one compare per bound against a constant u). Rows past the
+            // sequence need no test (Q_i, dO_i zero there, lse +inf: P and dS are 0); a key past it gets an
+            // empty band.
+            int band_lo[2] = {0, 0}, band_hi[2] = {BLOCK_R, BLOCK_R};  // set on partial tiles only
+
+            // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers. With
+            // BWD_SPLIT_MASK one chunk code for fully visible tiles (no mask code) and one for partial
+            // tiles, BWD_CHUNK_UNROLL chunks per trip. The chunk's lane addresses (ChunkPtrs: its B
+            // fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows wrow + g,
+            // columns 2 t4) advance by 16 rows / columns per chunk: constant offsets within a trip.
+            struct ChunkPtrs {
+                const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+                const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+                const float* lse;  // lse_i at the lane's Q rows c0 + 2 t4 (D_i's: + DELTA_FROM_LSE)
+                T* ds;  // dS^T at (wrow + g, c0 + 2 t4)
+            };
+            auto chunk = [&](const int c0, const ChunkPtrs& cq, auto masked_t) {
+                const bool masked = masked_t.value;  // a constant with MmaBool, the tile's !full with MmaMasked
                 // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x 16 Q rows)
                 // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
                 float st[2][4] = {}, dpt[2][4] = {};
@@ -1234,8 +1365,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
                         mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
                     }
-                    mma_load_b_nmajor(bq, sq, LD, c0, kk * 16, lane);
-                    mma_load_b_nmajor(bdo, sdo, LD, c0, kk * 16, lane);
+                    fa_ldmatrix_x4(bq, cq.nm + kk * 16);  // mma_load_b_nmajor(bq, sq, LD, c0, kk * 16, lane)
+                    fa_ldmatrix_x4(bdo, cq.nm + DO_FROM_Q + kk * 16);
                     mma_tile(st[0], ak, bq[0], bq[1]);
                     mma_tile(st[1], ak, bq[2], bq[3]);
                     mma_tile(dpt[0], av, bdo[0], bdo[1]);
@@ -1273,8 +1404,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(slse + c0 + n * 8 + MmaAccLayout::col(lane, 0));
-                    const float2 d2 = *reinterpret_cast<const float2*>(sdelta + c0 + n * 8 + MmaAccLayout::col(lane, 0));
+                    const float2 l2 = *reinterpret_cast<const float2*>(cq.lse + n * 8);
+                    const float2 d2 = *reinterpret_cast<const float2*>(cq.lse + DELTA_FROM_LSE + n * 8);
                     lse2[n][0] = l2.x;
                     lse2[n][1] = l2.y;
                     dlt[n][0] = d2.x;
@@ -1289,7 +1420,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
-                            const bool ok = full || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                            const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
                             float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
                             if constexpr (HAS_BIAS_GRAD) {
                                 if (row < mp.seqlen_q && col < mp.seqlen_k)
@@ -1313,16 +1444,22 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         st[n][e] = r.p;
                         dpt[n][e] = r.ds;
                     }
-                if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+                if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (!mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
-                                             mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k)) {
-                                st[n][e] = 0.f;
-                                dpt[n][e] = 0.f;
+                        for (int e = 0; e < 4; ++e) {
+                            bool ok;
+                            if constexpr (HAS_DATA_MASK || !BWD_SPLIT_MASK) {  // the whole rule per element
+                                ok = mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
+                                                 mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                            } else {
+                                const int u = n * 8 + (e & 1);  // the row within the chunk; the band is shifted by c0
+                                ok = u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
                             }
+                            st[n][e] = ok ? st[n][e] : 0.f;
+                            dpt[n][e] = ok ? dpt[n][e] : 0.f;
+                        }
                 }
                 }
                 const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
@@ -1330,8 +1467,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
                                          mma_pack(dpt[1][0], dpt[1][1]), mma_pack(dpt[1][2], dpt[1][3])};
                 // dS^T -> smem for dQ (row = K/V row, column = Q row).
-                unsigned* ds_lo = reinterpret_cast<unsigned*>(s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + c0 + MmaAccLayout::col(lane, 0));
-                unsigned* ds_hi = reinterpret_cast<unsigned*>(s.ds + (wrow + MmaAccLayout::row(lane, 2)) * DS_LD + c0 + MmaAccLayout::col(lane, 0));
+                unsigned* ds_lo = reinterpret_cast<unsigned*>(cq.ds);  // rows wrow + g, wrow + g + 8
+                unsigned* ds_hi = reinterpret_cast<unsigned*>(cq.ds + 8 * DS_LD);
                 ds_lo[0] = ads[0];
                 ds_hi[0] = ads[1];
                 ds_lo[4] = ads[2];
@@ -1341,8 +1478,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
                 for (int nd = 0; nd < DPAD / 16; ++nd) {
                     unsigned bdo[4], bq[4];
-                    mma_load_b_kmajor(bdo, sdo, LD, c0, nd * 16, lane);
-                    mma_load_b_kmajor(bq, sq, LD, c0, nd * 16, lane);
+                    fa_ldmatrix_x4_trans(bdo, cq.km + DO_FROM_Q + nd * 16);  // mma_load_b_kmajor(bdo, sdo, LD, c0, nd * 16, lane)
+                    fa_ldmatrix_x4_trans(bq, cq.km + nd * 16);
                     if constexpr (!ACC_IN_SMEM) {
                         mma_tile(dv_acc[2 * nd], ap, bdo[0], bdo[1]);
                         mma_tile(dv_acc[2 * nd + 1], ap, bdo[2], bdo[3]);
@@ -1350,6 +1487,32 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         mma_tile(dk_acc[2 * nd + 1], ads, bq[2], bq[3]);
                     } else {
                     }
+                }
+            };
+            if (active) {
+                ChunkPtrs cq{sq + lane_nm, sq + lane_km, slse + MmaAccLayout::col(lane, 0), ds_l};
+                auto next = [&]() {
+                    cq.nm += 16 * LD;
+                    cq.km += 16 * LD;
+                    cq.lse += 16;
+                    cq.ds += 16;
+                };
+                auto next_band = [&]() {  // the band relative to the next chunk's first row
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        band_lo[r] -= 16;
+                        band_hi[r] -= 16;
+                    }
+                };
+                if (BWD_SPLIT_MASK && !full && !HAS_SCORE_MOD && !HAS_DATA_MASK) mma_bwd_band(band_lo, band_hi, i0 + 2 * t4, col0 + wrow + g, mp);
+                if constexpr (!BWD_SPLIT_MASK) {  // one chunk code, the mask under a branch (registers)
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaMasked{!full}); next(); }
+                } else if (full) {
+#pragma unroll BWD_CHUNK_UNROLL
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaBool<false>{}); next(); }
+                } else {
+#pragma unroll BWD_CHUNK_UNROLL
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaBool<true>{}); next(); next_band(); }
                 }
             }
             if (!LSE_NOW && has_next && tid < BLOCK_R) {
@@ -1405,13 +1568,23 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                                 fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
                         continue;
                     }
+                    if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
+#pragma unroll
+                        for (int r = 0; r < 2; ++r)
+                            if (row_ok[r]) {
+#pragma unroll
+                                for (int c = 0; c < 2 * DQ_NCC; ++c)
+                                    fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                            }
+                        continue;
+                    }
 #pragma unroll
                     for (int c = 0; c < 2 * DQ_NCC; ++c)
 #pragma unroll
                         for (int r = 0; r < 2; ++r) {
                             const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
                             if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
-                                if (row_ok[r] && (HEAD_DIM == DPAD || nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM))
+                                if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
                                     fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
                             } else {
 #pragma unroll

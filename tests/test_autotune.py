@@ -413,7 +413,7 @@ def _check_row(row: dict, timer) -> list[dict]:
 
 
 def test_gpu_check_rows_with_fake_timer(store_dir: Path) -> None:
-    shape = [(2, 4, 512, 32, "float16", False)]
+    shape = [(2, 4, 2048, 32, "float16", False)]
     kw = dict(top=3, device=FAKE_DEVICE, sizes=(16, 32), warps=(4,))
 
     def key(spec: KernelSpec) -> tuple:

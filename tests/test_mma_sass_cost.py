@@ -178,3 +178,28 @@ def test_walk_of_a_warp_specialised_listing() -> None:
     assert (producer.head, producer.end) == (0xA0, 0xD0) and dict(producer.mix)["UTMALDG"] == 2
     assert producer.total() == 4
     assert tile_loop(WS_LISTING, "ws", {"UTMALDG": 2}, anchor=("UTMALDG",)).head == 0xA0
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("fields", [dict(head_dim=64, arch="sm_90"), dict(head_dim=128, arch="sm_80")],
+                         ids=["d64-sm90", "d128-sm80"])
+def test_backward_mask_math_only_on_partial_tiles(fields: dict) -> None:
+    """The default causal backward: a fully visible tile walks the chunk code without mask math (as many
+    selects as the non-causal kernel, the same instructions within 1%), and a diagonal tile adds one
+    compare and the P / dS selects per element on top: at most 1.3x an interior tile."""
+    def walk(causal: bool, diagonal: bool):
+        spec = KernelSpec(direction="bwd", dtype="float16", causal=causal, **fields)
+        mod = compile(spec)
+        t = spec.tile
+        loop, _ = sass_cost.measure(sass.disassemble(mod.cubin), mod.rendered.kernel("main").name, "bwd",
+                                    spec.head_dim, spec.head_dim, t.block_r, t.block_c, spec.num_warps,
+                                    diagonal=diagonal)
+        return loop, t.block_r * t.block_c // (32 * spec.num_warps)  # score elements per lane and tile
+
+    plain, _ = walk(False, False)
+    interior, _ = walk(True, False)
+    diag, elements = walk(True, True)
+    assert interior.total() == pytest.approx(plain.total(), rel=0.01)
+    assert interior.count("FSEL") == plain.count("FSEL")
+    assert diag.count("FSEL") - interior.count("FSEL") >= 2 * elements  # P and dS of every element tested
+    assert diag.total() <= 1.3 * interior.total()

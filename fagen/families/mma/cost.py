@@ -23,7 +23,11 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
         kv_ldsm = 0 if kv_in_regs(fs.head_dim) else 2 * kd  # K/V A-fragments from registers (KV_IN_REGS)
         hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
         ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
-        elementwise = chunks * 8 * (12 + (20 if fs.has("dropout") else 0))  # 8 elements per lane per chunk
+        # 8 elements per lane per chunk, each: P = exp2 (one FFMA + MUFU), dS (one FFMA + FMUL), its share of
+        # the P / dS packs, the lse / D loads and the chunk's addressing (constant offsets from per-step lane
+        # pointers, two chunks per trip: ~7 measured in the SASS at d = 64 and 128); fully visible tiles
+        # carry no mask math.
+        elementwise = chunks * 8 * (7 + (20 if fs.has("dropout") else 0))
         units = chunks * kd  # dQ: (16 Q rows x 16 columns) tiles shared by all warps
         if fs.has("deterministic"):
             # main: S^T, dP^T, dV~, dK~ (no dS^T, no dQ); the dq kernel (16 Q rows per warp) recomputes

@@ -144,6 +144,31 @@ def dq_key_chunk(head_dim: int, block_c: int) -> int:
     return 16
 
 
+#: Padded head dims at which the backward's main kernel has separate chunk code for fully visible and
+#: partial tiles (BWD_SPLIT_MASK) and, without dropout, does two 16-Q-row chunks per trip
+#: (BWD_CHUNK_UNROLL = 2). Measured with ptxas (sm_80, sm_90, sm_100, sm_120, the standard matrix and
+#: every feature variant): no spills there; the two chunk codes spill at d = 96 (causal), 192 and 256
+#: (dK~/dV~ in smem), with a score modification (bias with dBias on sm_100 / sm_120) and on a Q block of
+#: 48 rows (d = 128 on sm_120); two chunks per trip spill at d = 96, with dropout and in the
+#: deterministic backward's main kernel (d = 128, sm_90).
+BWD_SPLIT_CHUNK_DIMS = (32, 64, 128)
+SCORE_MOD_FLAGS = frozenset({"softcap", "alibi", "bias"})
+
+
+def bwd_split_mask(head_dim: int, flags: frozenset[str], block_r: int) -> bool:
+    """Backward: fully visible tiles run chunk code with no mask code at all, partial ones their own
+    (``BWD_SPLIT_MASK``), at BWD_SPLIT_CHUNK_DIMS without a score modification and with a Q block of
+    whole pairs of 16-row chunks; elsewhere one chunk code tests the mask under a branch."""
+    return padded_dim(head_dim) in BWD_SPLIT_CHUNK_DIMS and not flags & SCORE_MOD_FLAGS and block_r % 32 == 0
+
+
+def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int) -> int:
+    """Backward: 16-Q-row chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
+    overhead, constant offsets within a trip) with split chunk code, without dropout and outside the
+    deterministic backward, else 1. A whole Q block unrolled spills at 4 warps."""
+    return 2 if bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"} else 1
+
+
 def lse_now(flags: frozenset[str]) -> bool:
     """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
     the step and stored at its end (the load's latency hidden) when the score modifications or
