@@ -21,10 +21,10 @@ from typing import Any, Literal
 from fagen.abi import Role
 from fagen.families.base import DEFAULT_NUM_WARPS, Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
 from fagen.families.mma.cost import pair_cost
-from fagen.families.mma.rules import (BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
+from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_chunk_unroll, bwd_split_mask, dq_key_chunk,
+                                      SUPPORTED_DTYPES, acc_in_smem, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
                                       fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
@@ -126,7 +126,8 @@ class MmaFamily(FamilyBase):
             return self.tile_caps(fs)
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
-        return (BWD_STREAM_ROWS if 2 * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
+        blocks = max(1, BWD_RESIDENT_WARPS // fs.num_warps)
+        return (BWD_STREAM_ROWS if blocks * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
 
     def default_warps(self, fs: FamilySpec) -> int:
         """Forward: FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared
@@ -135,9 +136,16 @@ class MmaFamily(FamilyBase):
         1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the warps own 32 rows (sm_90
         up to d = 64), where the 128-row block would shrink (its warps would idle) and with the
         per-element features of FWD_WIDE_WARP_EXCLUDED_FLAGS (ptxas spills their state beside the
-        8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: 4."""
-        if fs.direction != "fwd":
-            return DEFAULT_NUM_WARPS
+        8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: BWD_WIDE_WARPS where
+        ``bwd_wide_warps`` says (128 K/V rows per CTA: each Q_i / dO_i tile copied, and each dQ_i
+        row reduced, once for twice the keys: FlashAttention-2's 128 x 128 / 8 warps at d = 64,
+        64 x 128 / 8 at d = 128) and their block of BWD_SHORT_STREAM_ROWS Q rows fits the arch's
+        shared memory (else warps would idle beside a shrunk K/V block)."""
+        if fs.direction == "bwd":
+            if not bwd_wide_warps(fs.head_dim, fs.flags):
+                return DEFAULT_NUM_WARPS
+            need = self.smem_layout(fs.with_tile(BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)).total_bytes
+            return BWD_WIDE_WARPS if need <= ARCHS[fs.arch].smem_optin_per_block else DEFAULT_NUM_WARPS
         if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
             return DEFAULT_NUM_WARPS
         if fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) != 16:

@@ -25,6 +25,19 @@ MASKED_SCORE_MOD_STEP_REGS = 146
 #: memory (the K/V block is the warps' 16 rows each), else BWD_SHORT_STREAM_ROWS.
 BWD_STREAM_ROWS = 128
 BWD_SHORT_STREAM_ROWS = 64
+#: Warps per SM the backward's default tile keeps resident: BWD_STREAM_ROWS Q rows when that many
+#: warps' blocks of it fit the shared memory.
+BWD_RESIDENT_WARPS = 8
+#: The backward's warps where ``bwd_wide_warps`` holds (else 4).
+BWD_WIDE_WARPS = 8
+
+
+def bwd_wide_warps(head_dim: int, flags: frozenset[str] = frozenset()) -> bool:
+    """Backward: BWD_WIDE_WARPS warps (128 K/V rows per CTA) by default up to padded head dim
+    MAX_REG_ACC_DIM, where dK~ / dV~ live in registers, but not for a window together with varlen
+    past d = 64 (16 bytes spill at d = 128 on sm_80 with causal)."""
+    dp = padded_dim(head_dim)
+    return dp <= MAX_REG_ACC_DIM and not ({"window", "varlen"} <= flags and dp > 64)
 
 
 def padded_dim(head_dim: int) -> int:
@@ -159,6 +172,8 @@ def bwd_split_mask(head_dim: int, flags: frozenset[str], block_r: int) -> bool:
     """Backward: fully visible tiles run chunk code with no mask code at all, partial ones their own
     (``BWD_SPLIT_MASK``), at BWD_SPLIT_CHUNK_DIMS without a score modification and with a Q block of
     whole pairs of 16-row chunks; elsewhere one chunk code tests the mask under a branch."""
+    if {"window", "varlen"} <= flags and padded_dim(head_dim) > 64:
+        return False  # the window's bands beside varlen's offsets spill 104-120 bytes at d = 128 (ptxas)
     return padded_dim(head_dim) in BWD_SPLIT_CHUNK_DIMS and not flags & SCORE_MOD_FLAGS and block_r % 32 == 0
 
 
