@@ -483,7 +483,7 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
 
 @pytest.mark.parametrize("arch,d,flags,tile,q_regs", [
     ("sm_90", 64, {}, (128, 128, 4), False),  # FlashAttention-2's 128x128 / 4 warps: 32-row warps
-    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 4), False),
+    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 8), True),  # masked: 16-row warps (NVRTC 12 spills 32)
     ("sm_80", 64, {}, (128, 128, 8), True),  # ptxas spills 32-row warps on sm_80: 8 warps of 16 rows
     ("sm_100", 64, {}, (128, 128, 8), True),
     ("sm_90", 64, {"dropout": True}, (64, 128, 4), True),  # per-element state: 16-row warps, 4 of them

@@ -154,6 +154,11 @@ class MmaFamily(FamilyBase):
         need = self.smem_layout(fs.with_tile(rows, fwd_default_block_c(fs.head_dim, fs.flags))).total_bytes
         return FWD_WIDE_WARPS if need <= ARCHS[fs.arch].smem_optin_per_block else DEFAULT_NUM_WARPS
 
+    def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
+        """``-default-device``: the backward's chunk step is a generic lambda (one body for the full and
+        the partial tiles), which NVRTC 12 otherwise takes for a host function and refuses."""
+        return ("-default-device",)
+
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
         2 forward, of 2 Br Bc DPAD FLOPs each; the forward without dropout one more per 16 x 16 of P~
