@@ -647,8 +647,10 @@ def test_sample_runs_clean_and_bit_identical_under_racecheck(row) -> None:
 #: The Hopper forward (one consumer warpgroup; two read the same K/V cells, whose FastTrack read
 #: vectors outgrow racecheck's per-phase budget at these tiles): causal and key padding, bf16
 #: with a 3-deep pipeline, several K/V blocks per Q block.
+# the default two consumer warpgroups at d = 64; one at d = 128 with three stages (two warpgroups'
+# 128 x 128 K/V reads of a barrier phase pass racecheck's memory budget)
 WGMMA_CLEAN = [dict(dtype="float16", head_dim=64, causal=True, key_padding=True),
-               dict(dtype="bfloat16", head_dim=128, knobs={"stages": 3})]
+               dict(dtype="bfloat16", head_dim=128, num_warps=4, knobs={"stages": 3})]
 
 
 @pytest.mark.parametrize("row", WGMMA_CLEAN, ids=lambda r: f"wgmma-{r['dtype']}-d{r['head_dim']}")
