@@ -50,6 +50,13 @@ FA_DEVICE double fa_warp_max(double x) {  // NaN-propagating
 FA_DEVICE void fa_atomic_add(double* addr, double v) { atomicAdd(addr, v); }
 FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) { return __umulhi(a, b); }
 FA_DEVICE float fa_neg_inf() { return __int_as_float(0xff800000u); }
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
+// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
+FA_DEVICE float fa_ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
 #define FA_DEVICE inline  // not static: explicit specialisations take no storage class
 FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
@@ -80,6 +87,7 @@ FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
 }
 FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
+FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 #endif
 
 // Tensor-core primitives (mma.sync, ldmatrix, cp.async; sm_80+): partials/mma.cuh.
@@ -857,17 +865,8 @@ FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned lon
     return kb;
 }
 
-// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
-// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
-#ifndef FAGEN_EMULATOR
-FA_DEVICE float mma_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-#else
-FA_DEVICE float mma_exp2(float x) { return exp2f(x); }
-#endif
+// 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
+FA_DEVICE float mma_exp2(float x) { return fa_ex2_approx(x); }
 
 // Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
 FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {

@@ -125,17 +125,8 @@ FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned lon
     return kb;
 }
 
-// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
-// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
-#ifndef FAGEN_EMULATOR
-FA_DEVICE float mma_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-#else
-FA_DEVICE float mma_exp2(float x) { return exp2f(x); }
-#endif
+// 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
+FA_DEVICE float mma_exp2(float x) { return fa_ex2_approx(x); }
 
 // Can a tensor slice be copied in 16-byte units (base and row stride 16-byte aligned)?
 FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {

@@ -12,15 +12,6 @@ FA_DEVICE unsigned wg_pack(float lo, float hi) {
     memcpy(&uh, &h, 2);
     return (unsigned)ul | ((unsigned)uh << 16);
 }
-// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to 0,
-// 2^-inf = 0, NaN stays NaN); the emulator computes it exactly.
-#ifndef FAGEN_EMULATOR
-FA_DEVICE float wg_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-#else
-FA_DEVICE float wg_exp2(float x) { return exp2f(x); }
-#endif
+// 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
+FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
 }  // namespace fa
