@@ -99,7 +99,7 @@ FEATURE_FLAGS = [dict(bias=True), dict(attn_mask=True), dict(key_padding=True), 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [32, 128, 256])  # the smallest, the widest in registers, the widest
 @pytest.mark.parametrize("flags", FEATURE_FLAGS, ids=lambda f: "-".join(f))
 def test_single_features_at_their_default_tiles_do_not_spill(arch: str, direction: str, d: int, flags: dict) -> None:
     spec = KernelSpec(direction=direction, head_dim=d, dtype="float16", arch=arch, **flags)
