@@ -144,15 +144,18 @@ class MmaFamily(FamilyBase):
         if fs.direction == "bwd":
             if not bwd_wide_warps(fs.head_dim, fs.flags):
                 return DEFAULT_NUM_WARPS
-            need = self.smem_layout(fs.with_tile(BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)).total_bytes
-            return BWD_WIDE_WARPS if need <= ARCHS[fs.arch].smem_optin_per_block else DEFAULT_NUM_WARPS
+            fits = self._fits_arch(fs, BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)
+            return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
         if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
             return DEFAULT_NUM_WARPS
         if fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) != 16:
             return DEFAULT_NUM_WARPS
-        rows = 16 * FWD_WIDE_WARPS
-        need = self.smem_layout(fs.with_tile(rows, fwd_default_block_c(fs.head_dim, fs.flags))).total_bytes
-        return FWD_WIDE_WARPS if need <= ARCHS[fs.arch].smem_optin_per_block else DEFAULT_NUM_WARPS
+        fits = self._fits_arch(fs, 16 * FWD_WIDE_WARPS, fwd_default_block_c(fs.head_dim, fs.flags))
+        return FWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
+
+    def _fits_arch(self, fs: FamilySpec, block_r: int, block_c: int) -> bool:
+        """Does one block of this tile fit the arch's opt-in shared memory per block?"""
+        return self.smem_layout(fs.with_tile(block_r, block_c)).total_bytes <= ARCHS[fs.arch].smem_optin_per_block
 
     def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
         """``-default-device``: the backward's chunk step is a generic lambda (one body for the full and
