@@ -499,55 +499,87 @@ def _run_with(monkeypatch, spec: KernelSpec, problem: dict, mod: cpu.CpuModule) 
 
 @pytest.fixture(scope="module")
 def coverage() -> dict[tuple[str, int], list[int]]:
-    """Which candidates execute each barrier site, computed once per test run (xdist workers share
-    it through the run's cache dir, like the builds)."""
+    """Which candidates execute each barrier site, computed once per test run: one cached file
+    per candidate in the run's cache dir (xdist workers share it, like the builds). The workers
+    split the candidates -- each takes the first one nobody has claimed -- and every worker then
+    reads the same shortest prefix of candidates that covers every reachable site, so the result
+    does not depend on who computed what."""
     import hashlib
     import json
     import os
 
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     key = hashlib.sha256(repr((SITES, [c[0].name for c in _candidates()], PROBLEMS)).encode())
     for path in sorted(renderer.templates_dir().rglob("*")):
         if path.is_file():
             key.update(path.read_bytes())
-    out = Path(os.environ["FAGEN_CACHE_DIR"]) / f"racecheck-coverage-{key.hexdigest()[:16]}.json"
-    with FileLock(str(out) + ".lock"):
-        if out.exists():
-            return {(t, off): runs for t, off, runs in json.loads(out.read_text())}
-        cover = _coverage()
-        out.write_text(json.dumps([[t, off, runs] for (t, off), runs in cover.items()]))
+    stem = Path(os.environ["FAGEN_CACHE_DIR"]) / f"racecheck-coverage-{key.hexdigest()[:16]}"
+    cands = _candidates()
+    files = [Path(f"{stem}-{ci}.json") for ci in range(len(cands))]
+
+    def compute(ci: int, block: bool) -> bool:
+        """Candidate ci's sites into its file; False when another worker holds it (block=False)."""
+        lock = FileLock(str(files[ci]) + ".lock")
+        try:
+            lock.acquire(timeout=-1 if block else 0)
+        except Timeout:
+            return False
+        try:
+            if not files[ci].exists():
+                files[ci].write_text(json.dumps(sorted(_candidate_sites(ci, cands[ci]))))
+        finally:
+            lock.release()
+        return True
+
+    def read(ci: int) -> set[int]:
+        compute(ci, block=True)  # waits for a worker computing it, or computes it
+        return set(json.loads(files[ci].read_text()))
+
+    reachable = {i for i, (t, off, _) in enumerate(SITES) if (t, _line_text(t, off)) not in UNREACHABLE}
+    seen: set[int] = set()
+    for ci in range(len(cands)):  # claim work until the prefix computed so far covers every site
+        if reachable <= seen:
+            break
+        if compute(ci, block=False) and all(f.exists() for f in files[:ci + 1]):
+            seen = set().union(*(read(c) for c in range(ci + 1)))
+    cover: dict[tuple[str, int], list[int]] = {(t, off): [] for t, off, _ in SITES}
+    seen = set()
+    for ci in range(len(cands)):  # the shortest covering prefix, the same on every worker
+        if reachable <= seen:
+            break
+        sites = read(ci)
+        seen |= sites
+        for i in sites:
+            cover[SITES[i][:2]].append(ci)
     return cover
 
 
-def _coverage() -> dict[tuple[str, int], list[int]]:
+def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) -> set[int]:
     """Every site of a template gets a marker *next to* its barrier (nothing removed); one
-    racecheck run per candidate and problem reports the markers passed."""
+    racecheck run of the candidate per problem reports the markers passed: the indices into
+    SITES of the sites it executes."""
+    spec, problems = candidate
     mp = pytest.MonkeyPatch()
-    cover: dict[tuple[str, int], list[int]] = {(t, off): [] for t, off, _ in SITES}
+    out: set[int] = set()
     try:
-        for ci, (spec, problems) in enumerate(_candidates()):
-            if all(runs for (t, off), runs in cover.items() if (t, _line_text(t, off)) not in UNREACHABLE):
-                break  # every reachable site has a spec that runs it
-            for template in {t for t, _, _ in SITES}:
-                if template not in renderer.get_family(spec.impl).templates(spec.direction) and \
-                        not template.startswith("partials/"):
-                    continue
-                text = (renderer.templates_dir() / template).read_text()
-                sites = [(off, i) for i, (t, off, _) in enumerate(SITES) if t == template]
-                for off, i in sorted(sites, reverse=True):  # tag each: /*FAGEN_SITE_i*/ marker; barrier
-                    text = text[:off] + f"fagen_emu_race_marker(); /*FAGEN_SITE_{i}*/ " + text[off:]
-                mod = _mutated_module(spec, template, text)
-                src = mod.rendered.source.splitlines()
-                passed = set()
-                for problem in problems:
-                    passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
-                for i in {i for _, i in sites}:
-                    if {n for n, ln in enumerate(src, 1) if f"/*FAGEN_SITE_{i}*/" in ln} & passed:
-                        cover[SITES[i][:2]].append(ci)
+        for template in sorted({t for t, _, _ in SITES}):
+            if template not in renderer.get_family(spec.impl).templates(spec.direction) and \
+                    not template.startswith("partials/"):
+                continue
+            text = (renderer.templates_dir() / template).read_text()
+            sites = [(off, i) for i, (t, off, _) in enumerate(SITES) if t == template]
+            for off, i in sorted(sites, reverse=True):  # tag each: /*FAGEN_SITE_i*/ marker; barrier
+                text = text[:off] + f"fagen_emu_race_marker(); /*FAGEN_SITE_{i}*/ " + text[off:]
+            mod = _mutated_module(spec, template, text)
+            src = mod.rendered.source.splitlines()
+            passed = set()
+            for problem in problems:
+                passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
+            out |= {i for _, i in sites if {n for n, ln in enumerate(src, 1) if f"/*FAGEN_SITE_{i}*/" in ln} & passed}
     finally:
         mp.undo()
-    return cover
+    return out
 
 
 def test_template_barriers_are_discovered() -> None:
