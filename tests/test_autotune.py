@@ -16,7 +16,8 @@ from fagen.autotune import candidates as cand_mod
 from fagen.autotune import cli as at_cli
 from fagen import choices as store
 from fagen.autotune.candidates import Candidate, check_resources, enumerate_candidates, tile_sizes
-from fagen.autotune.model import (Workload, device_model, hbm_bytes, lds_wavefronts, occupancy, predict, rank,
+from fagen.autotune.model import (Workload, device_model, hbm_bytes, l2_hit_fraction, lds_wavefronts, occupancy, predict,
+                                  rank, reread_bytes,
                                   seqlen_bucket, simt_pair_cost)
 from fagen.autotune.timing import DeviceInfo
 from fagen.autotune.tuner import gpu_check_rows, spearman, tune
@@ -179,6 +180,65 @@ def test_model_io_and_occupancy() -> None:
     assert dev.hbm_bytes_per_s == 4.8e12 and dev.fp32_flops_per_s == pytest.approx(66.9e12, rel=0.01)
     pred = predict(spec.replace(block_r=64, block_c=64), Workload(4, 16, 4096, 4096), 64, dev)
     assert math.isfinite(pred.seconds) and pred.wave_factor >= 1 and pred.bound in pred.terms
+
+
+def test_l2_serves_the_rereads_while_the_resident_heads_fit() -> None:
+    """The forward re-reads K_j, V_j once per Q block: at 4k keys one head's K/V (1 MiB at d = 64)
+    stays in the L2 and only the first read reaches HBM; at 2M keys (512 MiB) the re-reads mostly miss."""
+    dev = device_model("sm_90")
+    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90", impl="mma",
+                      block_r=64, block_c=64, num_warps=4)
+    small, big = Workload(2, 8, 4096, 4096), Workload(1, 1, 2**21, 2**21)
+    for w in (small, big):
+        again, working = reread_bytes(spec, w, 64, 64)
+        assert working == 2 * w.seqlen_k * 64 * 2  # one head's K and V
+        # the re-reads: every visited pair reads K_j, V_j; all but the first of each are repeats
+        pairs = math.ceil(w.seqlen_q / 64) * math.ceil(w.seqlen_k / 64)
+        assert again == w.batch * w.heads * (pairs - math.ceil(w.seqlen_k / 64)) * 64 * 64 * 2 * 2
+    assert l2_hit_fraction(spec, small, dev, slots=132) == 1.0
+    # 2M keys: 512 MiB for the one head, half the 50 MiB L2 holds re-read tiles
+    assert l2_hit_fraction(spec, big, dev, slots=132) == pytest.approx(0.5 * 50 * 2**20 / 2**29)
+    pred = predict(spec, small, 128, dev)
+    again, _ = reread_bytes(spec, small, 64, 64)
+    assert pred.dram_bytes == pytest.approx(pred.hbm_bytes - again)
+    assert pred.terms["hbm"] == pytest.approx(pred.dram_bytes / dev.hbm_bytes_per_s)
+    assert pred.terms["l2"] == pytest.approx(pred.hbm_bytes / dev.l2_bytes_per_s)
+    # the backward keeps Q, dO, lse, D and the fp32 dQ accumulator of a head
+    bwd = spec.replace(direction="bwd")
+    assert reread_bytes(bwd, small, 64, 64)[1] == 4096 * (2 * 64 * 2 + 8) + 4096 * 64 * 4
+    # GQA: the heads of a group share one K/V head's re-read set
+    gqa = Workload(2, 8, 4096, 4096, heads_kv=2)
+    assert reread_bytes(spec, gqa, 64, 64)[1] == reread_bytes(spec, small, 64, 64)[1] / 4
+
+
+def test_occupancy_counts_the_main_kernels_block() -> None:
+    """The warp-specialised backward launches its producer warpgroup beside the consumers in the
+    main kernel only: the occupancy is that block's, not the pre kernel's."""
+    from fagen.autotune.model import launch_warps
+    from fagen.renderer import kernel_infos
+
+    for impl, arch in (("wgmma", "sm_90a"), ("mma", "sm_90")):
+        for direction in ("fwd", "bwd"):
+            spec = KernelSpec(direction=direction, head_dim=64, dtype="float16", arch=arch, impl=impl)
+            main = next(k for k in kernel_infos(spec) if k.role.name == "main")
+            assert launch_warps(spec) == main.threads // 32
+            if impl == "wgmma":
+                assert launch_warps(spec) == spec.num_warps + 4  # the producer warpgroup
+
+
+def test_the_exponentials_are_a_term_of_their_own() -> None:
+    """One MUFU.EX2 per score of a visited pair, 16 per SM and clock; float64 has none (software exp)."""
+    dev = device_model("sm_90")
+    w = Workload(1, 4, 1024, 1024)
+    for direction, det, per_score in (("fwd", False, 1), ("bwd", False, 1), ("bwd", True, 2)):
+        spec = KernelSpec(direction=direction, head_dim=64, dtype="float16", arch="sm_90", impl="mma",
+                          block_r=64, block_c=64, num_warps=4, deterministic=det)
+        pred = predict(spec, w, 128, dev)
+        scores = 4 * 1024 * 1024 * per_score
+        assert pred.terms["exp"] == pytest.approx(scores / (132 * 16 * dev.clock_hz))
+        assert pred.seconds >= pred.terms["exp"]
+    f64 = KernelSpec(direction="fwd", head_dim=64, dtype="float64", arch="sm_90", impl="simt")
+    assert "exp" not in predict(f64, w, 128, dev).terms
 
 
 def test_bank_conflict_model() -> None:

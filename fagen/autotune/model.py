@@ -1,11 +1,20 @@
-"""The CPU cost model: HBM traffic, FLOPs, shared memory, issue slots, dQ atomics, occupancy.
+"""The CPU cost model: HBM and L2 traffic, FLOPs, exponentials, shared memory, issue slots,
+dQ atomics, occupancy.
 
-    t = max(bytes / BW / h, flops / peak / h, wavefronts / (SMs * clk) / h_smem,
-            instrs / (4 * SMs * clk) / h, atomics / atomic_rate) * q + launches * t_launch
+    t = max(dram / BW / h, bytes / L2_BW / h, flops / peak / h, exps / mufu_rate / h,
+            wavefronts / (SMs * clk) / h_smem, instrs / (4 * SMs * clk) / h,
+            atomics / atomic_rate) * q + launches * t_launch
 
-bytes       HBM traffic of the paper's IO analysis (Theorem 2 / 5), counted per
+bytes       the memory traffic of the paper's IO analysis (Theorem 2 / 5), counted per
             tile pair actually visited (``fagen.masking.tile_counts``: closed form,
-            so the model costs the same at N = 2**40 as at N = 1024);
+            so the model costs the same at N = 2**40 as at N = 1024); all of it
+            passes through the L2;
+dram        the part of it that reaches HBM: the tiles a kernel re-reads (K/V in the
+            forward, Q/dO/lse/D in the backward) hit the L2 while the (batch, head)s
+            whose blocks are resident together keep their re-read set within its
+            effective capacity (``l2_hit_fraction``);
+exps        one exponential per score of a visited tile pair (MUFU.EX2, 16 per SM and
+            clock: the throughput table of the CUDA C Programming Guide);
 flops       the FLOPs of the visited tiles (masked elements inside a visited
             tile still cost), summed over the kernels of the module (``kernel_gemms``:
             the deterministic backward's dq kernel recomputes S and dP), at the
@@ -62,6 +71,15 @@ BWD_FLOP_FACTOR = 2.5
 #: fp32 atomic adds the L2 retires per SM per clock (an estimate: one 32-byte sector per L2 slice
 #: per clock, about as many slices as SMs, and warps' dQ adds coalesce 8 floats to a sector at best).
 ATOMICS_PER_SM_CLOCK = 4
+#: L2 read bandwidth per SM and clock: the A100 whitepaper's 5120 bytes/clk over its 108 SMs, taken
+#: for every arch (an estimate the GPU check calibrates).
+L2_BYTES_PER_SM_CLOCK = 5120 / 108
+#: Share of the L2 that holds a kernel's re-read tiles; the rest holds the streamed ones (and, on a
+#: split L2, the other partition's copies). An estimate.
+L2_EFFECTIVE = 0.5
+#: Exponentials (MUFU.EX2) per SM and clock on sm_80..sm_120 (CUDA C Programming Guide, arithmetic
+#: instruction throughput: "base-2 exponential" 16 per clock per SM).
+EXP_PER_SM_CLOCK = 16
 #: FLOPs of one warp-wide math instruction, and its SASS opcode, per math unit.
 MATH_OPCODE = {"fp32": "FFMA", "tensor": "HMMA"}
 FLOPS_PER_MATH_INSTRUCTION = {"fp32": 2 * 32, "tensor": 2 * 16 * 8 * 16}  # FFMA x 32 lanes; HMMA.16816
@@ -117,6 +135,17 @@ class DeviceModel:
     hbm_bytes_per_s: float
     fp32_lanes_per_sm: int  # FP32 FMA lanes per SM (64 on sm_80, 128 on sm_86/89/90)
     tensor_flops_per_s: float  # dense fp16/bf16 tensor-core peak with fp32 accumulation
+    l2_bytes: int  # L2 capacity
+
+    @property
+    def l2_bytes_per_s(self) -> float:
+        """L2 bandwidth: SMs x L2_BYTES_PER_SM_CLOCK x clock (estimate)."""
+        return self.sm_count * L2_BYTES_PER_SM_CLOCK * self.clock_hz
+
+    @property
+    def exps_per_s(self) -> float:
+        """Exponentials per second: SMs x EXP_PER_SM_CLOCK x clock."""
+        return self.sm_count * EXP_PER_SM_CLOCK * self.clock_hz
 
     @property
     def fp32_flops_per_s(self) -> float:
@@ -134,12 +163,12 @@ class DeviceModel:
 
 #: Per-arch defaults (the arch's flagship part); see docs/autotune.md for the sources.
 ARCH_DEVICES: dict[str, DeviceModel] = {
-    "sm_80": DeviceModel("A100 SXM4 80GB", 108, 1.410e9, 2.039e12, 64, 312e12),  # 19.5 TFLOP/s FP32
-    "sm_86": DeviceModel("GA102 (A40 / RTX A6000 class)", 84, 1.695e9, 0.936e12, 128, 149.7e12),
-    "sm_89": DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12),  # 82.6 TFLOP/s
-    "sm_90": DeviceModel("H100 SXM5", 132, 1.980e9, 3.35e12, 128, 989.4e12),  # 66.9 TFLOP/s
-    "sm_100": DeviceModel("B200", 148, 1.965e9, 8.0e12, 128, 2250e12),  # datasheet dense fp16 (tcgen05)
-    "sm_120": DeviceModel("RTX 5090", 170, 2.407e9, 1.792e12, 128, 209.5e12),  # 104.8 TFLOP/s
+    "sm_80": DeviceModel("A100 SXM4 80GB", 108, 1.410e9, 2.039e12, 64, 312e12, 40 * 2**20),  # 19.5 TFLOP/s FP32
+    "sm_86": DeviceModel("GA102 (A40 / RTX A6000 class)", 84, 1.695e9, 0.936e12, 128, 149.7e12, 6 * 2**20),
+    "sm_89": DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12, 72 * 2**20),  # 82.6 TFLOP/s
+    "sm_90": DeviceModel("H100 SXM5", 132, 1.980e9, 3.35e12, 128, 989.4e12, 50 * 2**20),  # 66.9 TFLOP/s
+    "sm_100": DeviceModel("B200", 148, 1.965e9, 8.0e12, 128, 2250e12, 126 * 2**20),  # datasheet dense fp16 (tcgen05)
+    "sm_120": DeviceModel("RTX 5090", 170, 2.407e9, 1.792e12, 128, 209.5e12, 96 * 2**20),  # 104.8 TFLOP/s
 }
 #: Archs without constants of their own use a sibling's (scaled by the device's real SM count
 #: when tuning on it): same SM generation, same shared-memory class.
@@ -147,12 +176,12 @@ ARCH_DEVICE_FALLBACK: dict[str, str] = {"sm_87": "sm_86", "sm_90a": "sm_90", "sm
                                         "sm_110": "sm_100", "sm_121": "sm_120"}
 #: Named parts whose numbers differ from their arch's default (substring of the CUDA device name).
 NAMED_DEVICES: tuple[tuple[str, DeviceModel], ...] = (
-    ("H200", DeviceModel("H200 SXM", 132, 1.980e9, 4.8e12, 128, 989.4e12)),
-    ("H100 PCIe", DeviceModel("H100 PCIe", 114, 1.755e9, 2.0e12, 128, 756.5e12)),
-    ("A100-SXM4-40GB", DeviceModel("A100 SXM4 40GB", 108, 1.410e9, 1.555e12, 64, 312e12)),
-    ("A100-PCIE-40GB", DeviceModel("A100 PCIe 40GB", 108, 1.410e9, 1.555e12, 64, 312e12)),
-    ("RTX 3090", DeviceModel("RTX 3090", 82, 1.695e9, 0.936e12, 128, 71e12)),
-    ("RTX 4090", DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12)),
+    ("H200", DeviceModel("H200 SXM", 132, 1.980e9, 4.8e12, 128, 989.4e12, 50 * 2**20)),
+    ("H100 PCIe", DeviceModel("H100 PCIe", 114, 1.755e9, 2.0e12, 128, 756.5e12, 50 * 2**20)),
+    ("A100-SXM4-40GB", DeviceModel("A100 SXM4 40GB", 108, 1.410e9, 1.555e12, 64, 312e12, 40 * 2**20)),
+    ("A100-PCIE-40GB", DeviceModel("A100 PCIe 40GB", 108, 1.410e9, 1.555e12, 64, 312e12, 40 * 2**20)),
+    ("RTX 3090", DeviceModel("RTX 3090", 82, 1.695e9, 0.936e12, 128, 71e12, 6 * 2**20)),
+    ("RTX 4090", DeviceModel("RTX 4090", 128, 2.520e9, 1.008e12, 128, 165.2e12, 72 * 2**20)),
 )
 
 
@@ -194,7 +223,7 @@ def launch_warps(spec: KernelSpec) -> int:
     warpgroup to ``num_warps``)."""
     from ..renderer import kernel_infos
 
-    return max(1, kernel_infos(spec)[0].threads // 32)
+    return max(1, next(k for k in kernel_infos(spec) if k.role.name == "main").threads // 32)
 
 
 def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
@@ -224,6 +253,44 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
         # K_j, V_j re-read once per visited tile pair; Q read and O, lse written once
         per_head = nq * d * e + nq * d * e + nq * f32 + tc["cols_visited"] * 2 * d * e + kpm
     return float(p.batch * p.heads * per_head)
+
+
+def reread_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> tuple[float, float]:
+    """(bytes, working set): the part of ``hbm_bytes`` that re-reads a tile another visited pair of
+    the same (batch, head) read before -- K_j, V_j per pair in the forward (and the deterministic
+    backward's dq kernel), Q_i, dO_i, lse_i, D_i per pair in the backward -- beyond the first read,
+    and the bytes one (batch, head) keeps re-reading (what must stay in the L2 for the re-reads to
+    hit it; the backward's fp32 dQ accumulator, which the atomics keep there, included)."""
+    d, e, f32 = spec.head_dim, spec.itemsize, 4
+    nq, nk = p.seqlen_q, p.seqlen_k
+    tc = tile_counts(nq, nk, block_r, block_c, spec.causal, spec.key_padding,
+                     top_left=spec.causal_align == "top_left", attn_mask=spec.attn_mask)
+    kv_share = (p.heads_kv or p.heads) / p.heads
+    kv_once, kv_pairs = 2 * nk * d * e * kv_share, tc["cols_visited"] * 2 * d * e
+    if spec.direction == "fwd":
+        again, working = max(0.0, kv_pairs - kv_once), 2 * nk * d * e * kv_share
+    else:
+        row = 2 * d * e + 2 * f32
+        again = max(0.0, tc["rows_visited"] * row - nq * row)
+        working = nq * row + (0 if spec.deterministic else nq * d * f32)
+        if spec.deterministic:
+            again += max(0.0, kv_pairs - kv_once)
+            working = max(working, 2 * nk * d * e * kv_share)
+    return float(p.batch * p.heads * again), float(working)
+
+
+def l2_hit_fraction(spec: KernelSpec, p: Workload, dev: DeviceModel, slots: int) -> float:
+    """Share of the re-reads the L2 serves: blocks launch in grid order, (batch, head) slowest, so
+    the ``slots`` resident blocks span ceil(slots / blocks per head) + 1 (batch, head)s; their
+    re-read sets (``reread_bytes``) share L2_EFFECTIVE of the L2. 1 when they fit, else the share
+    that does (an LRU over a cyclic working set keeps about that much)."""
+    bt = spec.tile
+    _, working = reread_bytes(spec, p, bt.block_r, bt.block_c)
+    heads = p.batch * p.heads
+    per_head = max(1, main_grid_blocks(spec, p) // heads)
+    live = min(heads, math.ceil(slots / per_head) + 1)
+    need = live * working
+    return 1.0 if need <= 0 else min(1.0, L2_EFFECTIVE * dev.l2_bytes / need)
 
 
 def kernel_gemms(spec: KernelSpec) -> dict[str, int]:
@@ -319,14 +386,15 @@ def sass_issue_instructions(spec: KernelSpec, block_r: int, block_c: int,
 @dataclass(frozen=True)
 class Prediction:
     seconds: float
-    hbm_bytes: float
+    hbm_bytes: float  # the IO analysis' traffic (``hbm_bytes``); ``dram_bytes`` of it reach HBM
     flops: float
     occupancy: Occupancy
     blocks: int
     waves: int
     wave_factor: float
-    bound: str  # "hbm", "math", "smem", "issue", "atomics" or "occupancy"
+    bound: str  # "hbm", "l2", "math", "exp", "smem", "issue", "atomics" or "occupancy"
     terms: dict[str, float]  # seconds of each roofline term at full occupancy, before quantisation
+    dram_bytes: float = 0.0  # the traffic that misses the L2 (``l2_hit_fraction`` of the re-reads hit)
 
     @property
     def ms(self) -> float:
@@ -360,7 +428,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)
     flops = visited_flops(spec, p, t.block_r, t.block_c)
     if occ.blocks_per_sm == 0:
-        return Prediction(math.inf, traffic, flops, occ, blocks, 0, math.inf, "occupancy", {})
+        return Prediction(math.inf, traffic, flops, occ, blocks, 0, math.inf, "occupancy", {}, traffic)
     slots = dev.sm_count * occ.blocks_per_sm
     waves = math.ceil(blocks / slots)
     q = wave_factor(spec, p, slots)
@@ -369,9 +437,15 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
     busy_warps = occ.warps_per_sm * balance  # warps with work: a small tile leaves some idle
     hide = min(1.0, busy_warps / SATURATION_WARPS)
-    terms = {"hbm": traffic / dev.hbm_bytes_per_s, "math": flops / dev.math_flops_per_s(fam.math_unit)}
-    hidden = {"hbm": terms["hbm"] / hide, "math": terms["math"] / hide}
     n = visited_pairs(spec, p, t.block_r, t.block_c)
+    again, _ = reread_bytes(spec, p, t.block_r, t.block_c)
+    dram = traffic - l2_hit_fraction(spec, p, dev, slots) * again
+    terms = {"hbm": dram / dev.hbm_bytes_per_s, "l2": traffic / dev.l2_bytes_per_s,
+             "math": flops / dev.math_flops_per_s(fam.math_unit)}
+    if spec.dtype != "float64":  # one exponential per score (float64 computes it in software: issue)
+        exps = n * t.block_r * t.block_c * (2 if spec.direction == "bwd" and spec.deterministic else 1)
+        terms["exp"] = exps / dev.exps_per_s
+    hidden = {k: v / hide for k, v in terms.items()}
     sm_clocks = dev.sm_count * dev.clock_hz
     from_sass = sass_issue_instructions(spec, t.block_r, t.block_c, sass_loop, dq_sass_loop)
     if from_sass is not None:
@@ -392,7 +466,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
         hidden["atomics"] = terms["atomics"]
     bound = max(hidden, key=lambda k: (hidden[k], k))
     seconds = hidden[bound] * q + launches * LAUNCH_SECONDS
-    return Prediction(seconds, traffic, flops, occ, blocks, waves, q, bound, terms)
+    return Prediction(seconds, traffic, flops, occ, blocks, waves, q, bound, terms, dram)
 
 
 def ceiling_tflops(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
