@@ -10,9 +10,10 @@
   accesses is not separated by a barrier that orders both (checked in Python, by the
   definition).
 * Every barrier of every template is load-bearing: each ``fa_sync()`` / ``__syncthreads()`` /
-  ``__syncwarp()`` / cp.async wait is replaced, one at a time, by ``fagen_emu_race_marker()``
-  (a no-op the reports name); a spec that runs that code then raises ``EmulatorRaceError``
-  naming the marker.
+  ``__syncwarp()`` / cp.async wait is put behind a racecheck gate and skipped, one at a time,
+  with ``fagen_emu_race_marker()`` (a no-op the reports name) in its place; a spec that runs
+  that code then raises ``EmulatorRaceError`` naming the marker. The gates themselves are
+  checked on a hand-written kernel.
 * No false positives: a covering sample of specs (the SIMT and mma families, every kernel role;
   the Hopper forward) runs clean under ``fagen.runtime.cpu.racecheck()`` with the same results
   as a plain launch. (The Hopper primitives themselves: tests/test_racecheck_hopper.py.)
@@ -253,6 +254,49 @@ def test_event_api_models_an_asynchronous_agent_that_barriers_do_not_order() -> 
     e = _race(mod, "agent_api", 1, 64, 256, [out, 1])
     assert e.kind == "read-after-write" and "write by asynchronous agent 0" in str(e), str(e)
     assert "read by block (0,0,0) thread (0,0,0)" in str(e), str(e)
+
+
+GATES = r"""
+// Thread t stores word t, then reads its left neighbour's (gate 0 orders that); gate 1 guards a
+// barrier nothing needs (no shared-memory access follows it).
+extern "C" __global__ void gated(float* out, int unused) {
+    float* s = reinterpret_cast<float*>(fa_smem());
+    const int t = threadIdx.x;
+    s[t] = float(t);
+    (fagen_emu_race_gate(0) ? fa_sync() : (void)0);
+    if (t > 0) out[t] = s[t - 1];
+    (fagen_emu_race_gate(1) ? fa_sync() : (void)0);
+    out[64 + t] = float(t);
+}
+"""
+
+
+def test_a_gate_skips_only_the_selected_barrier() -> None:
+    """race_gate(i): gate i is a marker in place of its barrier; -1 opens all; -2 marks all and
+    keeps every barrier (which gates a launch passed); other values are refused. The run's
+    outcome, by the definition: skipping gate 0 leaves the read of a neighbour's store unordered
+    (a read-after-write naming gate 0's line), skipping gate 1 orders nothing anyone needs."""
+    mod = _module(GATES, "gated", _P)
+    g0, g1 = (_src_line(mod, f"fagen_emu_race_gate({i})") for i in (0, 1))
+    out = np.zeros(128, np.float32)
+    for gate, marks in ((-1, set()), (-2, {g0, g1}), (1, {g1})):
+        mod.race_gate(gate)
+        mod.launch("gated", 1, 64, 256, [out, 0])
+        assert np.array_equal(out[1:64], np.arange(63, dtype=np.float32))
+        assert {f"{mod.source_path.name}:{ln}" for ln in mod.race_marker_lines()} == marks, gate
+    mod.race_gate(0)
+    e = _race(mod, "gated", 1, 64, 256, [out, 0])
+    assert e.kind == "read-after-write" and f"after marker at {g0}" in str(e), str(e)
+    mod.race_gate(-1)
+    mod.launch("gated", 1, 64, 256, [out, 0])  # open again: clean
+    for bad in (-3, 1.5, True, "0"):
+        with pytest.raises(EmulatorError, match="gate must be an int"):
+            mod.race_gate(bad)  # type: ignore[arg-type]
+    with pytest.raises(EmulatorError, match="racecheck=True"):
+        build(PRIMS + GATES, [KernelSig("gated", _P)]).race_gate(0)
+    plain = build(PRIMS + GATES, [KernelSig("gated", _P)])  # outside racecheck every gate is open
+    plain.launch("gated", 1, 64, 256, [out, 0])
+    assert np.array_equal(out[1:64], np.arange(63, dtype=np.float32))
 
 
 def test_racecheck_modules_only() -> None:
@@ -555,10 +599,31 @@ def coverage() -> dict[tuple[str, int], list[int]]:
     return cover
 
 
+def _gated_module(spec: KernelSpec, template: str) -> cpu.CpuModule:
+    """``spec``'s module with every barrier site of ``template`` behind a racecheck gate
+    (``fagen_emu_race_gate(i) ? barrier : (void)0``, tagged /*FAGEN_SITE_i*/): one build asks
+    of each of them in turn whether it is load-bearing (``EmuModule.race_gate``)."""
+    key = (spec, template)
+    if key not in _GATED:
+        text = (renderer.templates_dir() / template).read_text()
+        for off, i in sorted(((off, i) for i, (t, off, _) in enumerate(SITES) if t == template), reverse=True):
+            m = BARRIER.match(text, off)
+            text = text[:off] + f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? {m.group(0)} : (void)0)" + text[m.end():]
+        _GATED[key] = _mutated_module(spec, template, text)
+    return _GATED[key]
+
+
+_GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
+
+
+def _site_lines(mod: cpu.CpuModule, i: int) -> set[int]:
+    """The lines of the gated module's kernel source that hold site i."""
+    return {n for n, ln in enumerate(mod.rendered.source.splitlines(), 1) if f"/*FAGEN_SITE_{i}*/" in ln}
+
+
 def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) -> set[int]:
-    """Every site of a template gets a marker *next to* its barrier (nothing removed); one
-    racecheck run of the candidate per problem reports the markers passed: the indices into
-    SITES of the sites it executes."""
+    """The indices into SITES of the sites the candidate executes: its gated modules with every
+    gate a marker that keeps its barrier (gate -2), one racecheck run per problem."""
     spec, problems = candidate
     mp = pytest.MonkeyPatch()
     out: set[int] = set()
@@ -567,16 +632,16 @@ def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) ->
             if template not in renderer.get_family(spec.impl).templates(spec.direction) and \
                     not template.startswith("partials/"):
                 continue
-            text = (renderer.templates_dir() / template).read_text()
-            sites = [(off, i) for i, (t, off, _) in enumerate(SITES) if t == template]
-            for off, i in sorted(sites, reverse=True):  # tag each: /*FAGEN_SITE_i*/ marker; barrier
-                text = text[:off] + f"fagen_emu_race_marker(); /*FAGEN_SITE_{i}*/ " + text[off:]
-            mod = _mutated_module(spec, template, text)
-            src = mod.rendered.source.splitlines()
+            mod = _gated_module(spec, template)
+            emu = mod._build(sanitize=False, racecheck=True)
             passed = set()
-            for problem in problems:
-                passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
-            out |= {i for _, i in sites if {n for n, ln in enumerate(src, 1) if f"/*FAGEN_SITE_{i}*/" in ln} & passed}
+            emu.race_gate(-2)
+            try:
+                for problem in problems:
+                    passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
+            finally:
+                emu.race_gate(-1)
+            out |= {i for i, (t, _, _) in enumerate(SITES) if t == template and _site_lines(mod, i) & passed}
     finally:
         mp.undo()
     return out
@@ -595,30 +660,31 @@ def test_removing_a_barrier_is_a_race_naming_it(site, coverage, monkeypatch) -> 
         assert not runs, f"templates/{template}:{line} is listed as unreachable, but {_candidates()[runs[0]][0].name} runs it"
         return
     assert runs, f"no candidate spec executes the barrier at templates/{template}:{line}; add one to _candidates()"
-    text = (renderer.templates_dir() / template).read_text()
-    m = BARRIER.match(text, off)
-    mutated = text[:off] + "fagen_emu_race_marker()" + text[m.end():]
+    idx = SITES.index(site)
     tried = []
     if (template, _line_text(template, off)) in UNNEEDED:
         runs = runs[:1]  # known: confirm on one spec that it is still not needed
     for ci in runs:  # the candidates that run this barrier, each on its problems, until one races
         spec, problems = _candidates()[ci]
-        mod = _mutated_module(spec, template, mutated)
-        marker_line = next(n for n, ln in enumerate(mod.rendered.source.splitlines(), 1)
-                           if "fagen_emu_race_marker()" in ln)
-        for problem in problems:
-            try:
-                record = _run_with(monkeypatch, spec, problem, mod)
-            except EmulatorRaceError as e:
-                stem = mod._build(sanitize=False, racecheck=True).source_path.name
-                assert f"marker at {stem}:{marker_line}" in str(e), \
-                    f"templates/{template}:{line}: the report does not name the removed barrier:\n{e}"
-                assert (template, _line_text(template, off)) not in UNNEEDED, "listed as unneeded, but it is"
-                return
-            tried.append((spec.name, problem, any(ln == marker_line for _, ln in record.marker_lines)))
+        mod = _gated_module(spec, template)
+        emu = mod._build(sanitize=False, racecheck=True)
+        lines = _site_lines(mod, idx)
+        emu.race_gate(idx)  # this barrier skipped, a marker in its place
+        try:
+            for problem in problems:
+                try:
+                    record = _run_with(monkeypatch, spec, problem, mod)
+                except EmulatorRaceError as e:
+                    assert any(f"marker at {emu.source_path.name}:{ln}" in str(e) for ln in lines), \
+                        f"templates/{template}:{line}: the report does not name the removed barrier:\n{e}"
+                    assert (template, _line_text(template, off)) not in UNNEEDED, "listed as unneeded, but it is"
+                    return
+                tried.append((spec.name, problem, any(ln in lines for _, ln in record.marker_lines)))
+        finally:
+            emu.race_gate(-1)
     assert any(ran for _, _, ran in tried), f"templates/{template}:{line}: no run passed the removed barrier"
     assert (template, _line_text(template, off)) in UNNEEDED, (
-        f"templates/{template}:{line}: {text[off:m.end()]} removed, every run is still clean ({tried}): "
+        f"templates/{template}:{line}: {_line_text(template, off)} removed, every run is still clean ({tried}): "
         "the barrier is not needed (remove it from the template)")
 
 

@@ -153,6 +153,18 @@ class EmuModule:
         fn.argtypes, fn.restype = [], ctypes.c_ulonglong
         return int(fn())
 
+    def race_gate(self, gate: int) -> None:
+        """Racecheck modules: select the barrier gate ``fagen_emu_race_gate(gate)`` that becomes a
+        marker and skips its barrier in the following launches; -1 opens every gate, -2 makes
+        every gate a marker that keeps its barrier (which gates a launch passes)."""
+        if not self.racecheck:
+            raise EmulatorError("race_gate needs a module built with build(..., racecheck=True)")
+        if isinstance(gate, bool) or not isinstance(gate, int) or gate < -2:
+            raise EmulatorError(f"race_gate: gate must be an int >= -2, got {gate!r}")
+        fn = self._load().fagen_emu_race_gate_select
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        fn(gate)
+
     def race_marker_lines(self) -> set[int]:
         """Racecheck modules: the kernel-source lines of the markers the last launch passed."""
         if not self.racecheck:

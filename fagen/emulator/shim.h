@@ -39,6 +39,11 @@
 // Racecheck marker (racecheck.h): a no-op that a racecheck report names when
 // a thread passed it; put in place of a barrier to see what the barrier orders.
 static inline void fagen_emu_race_marker(FAGEN_EMU_SITE) { fagen_emu::race_marker(FAGEN_EMU_SITE_ARGS); }
+// Racecheck gate (racecheck.h): ``fagen_emu_race_gate(i) ? barrier : (void)0`` runs the
+// barrier unless the module selected gate i (then it is a marker in its place).
+static inline bool fagen_emu_race_gate(int gate, FAGEN_EMU_SITE) {
+    return fagen_emu::race_gate(gate, FAGEN_EMU_SITE_ARGS);
+}
 
 // Built-in variables.
 #define threadIdx (fagen_emu_state.cur->tid)
