@@ -13,8 +13,8 @@ The mix maps an opcode -- the mnemonic before its first dot, ``HMMA`` for
 >>> mix is None or all(isinstance(n, int) for k in mix.values() for n in k.values())
 True
 
-Results are memoised per cubin (in process, and on disk under the cache dir's
-``sass/`` keyed by the cubin's sha256 and the disassembler's identity).
+Results -- the disassembly and the mixes -- are memoised per cubin (in process, and on disk
+under the cache dir's ``sass/`` keyed by the cubin's sha256 and the disassembler's identity).
 """
 from __future__ import annotations
 
@@ -70,17 +70,49 @@ def _tool_id(tool: Path) -> str:
 
 
 def disassemble(cubin: bytes) -> str | None:
-    """``nvdisasm -c`` output (code sections only), or None without a disassembler."""
+    """``nvdisasm -c`` output (code sections only), or None without a disassembler; remembered
+    per cubin in process and on disk (gzip, under the cache dir's ``sass/``)."""
     tool = nvdisasm_path()
     if tool is None:
         return None
+    return _disassembly(bytes(cubin), _tool_id(tool))
+
+
+@functools.lru_cache(maxsize=32)
+def _disassembly(cubin: bytes, tool_id: str) -> str:
+    import gzip
+
+    path = _text_path(cubin, tool_id)
+    if path is not None:
+        try:
+            return gzip.decompress(path.read_bytes()).decode()
+        except (OSError, ValueError, EOFError):  # absent, or a torn file: disassemble again
+            pass
+    tool = nvdisasm_path()
+    assert tool is not None
     with tempfile.TemporaryDirectory(prefix="fagen-sass-") as d:
-        path = Path(d) / "k.cubin"
-        path.write_bytes(cubin)
-        res = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True, check=False)
+        src = Path(d) / "k.cubin"
+        src.write_bytes(cubin)
+        res = subprocess.run([str(tool), "-c", str(src)], capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SassError(f"nvdisasm rejected the cubin ({len(cubin)} bytes): {res.stderr.strip() or res.returncode}")
+    if path is not None:
+        try:
+            from .cache import atomic_write
+
+            atomic_write(path, gzip.compress(res.stdout.encode(), compresslevel=3))
+        except (OSError, CacheDirError):
+            pass
     return res.stdout
+
+
+def _text_path(cubin: bytes, tool_id: str) -> Path | None:
+    try:
+        from .cache import cache_root, digest
+
+        return cache_root("sass") / f"{digest('sass-text-1', hashlib.sha256(cubin).digest(), tool_id)}.txt.gz"
+    except (OSError, CacheDirError):  # no place to remember it: disassemble every time
+        return None
 
 
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([A-Za-z_$][\w$]*)")
@@ -226,4 +258,5 @@ def loop_mix(cubin: bytes) -> dict[str, dict[str, int]] | None:
 
 def clear_memo() -> None:
     _analysis.cache_clear()
+    _disassembly.cache_clear()
     nvdisasm_path.cache_clear()

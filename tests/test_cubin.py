@@ -320,9 +320,35 @@ def test_parse_and_mix_of_a_listing() -> None:
     assert sass._loops(nested) == {"k_main": (0x0, 0x48)}
 
 
+@needs_nvdisasm
+def test_the_disassembly_is_remembered_in_process_and_on_disk(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One nvdisasm run per cubin: a second call is served from memory, a new process (the memo
+    cleared) from the cache dir; a torn cache file is disassembled again; another cubin runs it."""
+    import subprocess
+
+    cubin = compile_spec(SPEC).cubin
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
+    sass.clear_memo()
+    first = sass.disassemble(cubin)
+    assert len(runs) == 1 and first and ".text." in first
+    assert sass.disassemble(cubin) == first and len(runs) == 1
+    sass.clear_memo()
+    assert sass.disassemble(cubin) == first and len(runs) == 1  # from the disk
+    (cached,) = (fresh_cache / "sass").glob("*.txt.gz")
+    cached.write_bytes(cached.read_bytes()[:20])  # torn
+    sass.clear_memo()
+    assert sass.disassemble(cubin) == first and len(runs) == 2
+    other = compile_spec(SPEC.replace(head_dim=32)).cubin
+    assert sass.disassemble(other) != first and len(runs) == 3
+    sass.clear_memo()
+
+
 def test_no_disassembler_gives_none(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(sass, "nvdisasm_path", lambda: None)
     sass._analysis.cache_clear()
+    sass._disassembly.cache_clear()
     cubin = compile_spec(SPEC).cubin
     assert sass.instruction_mix(cubin) is None and sass.loop_mix(cubin) is None and sass.disassemble(cubin) is None
     assert cli.main(["compile", "--head-dim", "64", "--causal", "--json"]) == 0
