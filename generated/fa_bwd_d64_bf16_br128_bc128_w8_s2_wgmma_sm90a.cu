@@ -1455,10 +1455,11 @@ constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
 constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
 
-// A descriptor moved `elems` 16-bit elements on (the start address field, bits 0-13, in 16-byte
-// units; the shared window stays below 2^18 bytes, so the field never carries).
-FA_DEVICE unsigned long long wg_desc_at(unsigned long long desc, int elems) {
-    return desc + (unsigned long long)((elems * 2) >> 4);
+// A descriptor moved `elems` 16-bit elements on (a multiple of 8: the start address field, bits
+// 0-13, in 16-byte units; the shared window stays below 2^18 bytes, so the field never carries).
+// Unsigned: a zero-extended offset, one 64-bit uniform add (a signed one sign-extends first).
+FA_DEVICE unsigned long long wg_desc_at(unsigned long long desc, unsigned elems) {
+    return desc + (unsigned long long)(elems >> 3);
 }
 struct alignas(8) WgF2 {
     float x, y;
@@ -1748,13 +1749,21 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const unsigned long long dk_mn = fa_wgmma_desc(sk, BLOCK_C * 128, 1024, 128);    // K_j, MN-major
         // stmatrix rows: lanes 8m..8m+7 address matrix m's rows (row half m & 1, Q columns 8 (2kc + (m >> 1))).
         const int sm_m = lane >> 3, sm_kr = 64 * wg + 16 * warp + 8 * (sm_m & 1) + (lane & 7);
-        float* dq_row = sdq + (16 * warp + g) * HEAD_DIM + 2 * t4;  // this thread's dQ_i staging elements
+        // This warpgroup's share of dQ_i: m64 tiles from gm0, head-dim columns from cb0 (dq_split); its
+        // descriptors and staging address hoisted, so each wgmma / store adds an immediate.
+        const int gm0 = DQ_COLS == HEAD_DIM ? wg * DQ_MT : 0, cb0 = DQ_COLS == HEAD_DIM ? 0 : wg * DQ_COLS;
+        const unsigned long long dds_w = wg_desc_at(dds_a, (unsigned)(gm0 * BLOCK_C * PANEL_ELEMS));
+        const unsigned long long dkmn_w = wg_desc_at(dk_mn, (unsigned)((cb0 / 64) * BLOCK_C * PANEL_ELEMS));
+        float* dq_row = sdq + (64 * gm0 + 16 * warp + g) * HEAD_DIM + cb0 + 2 * t4;  // this thread's staging elements
         int it = 0;
         for (int hq = hk * group; hq < (hk + 1) * group; ++hq)
             for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
                 const int st = it % STAGES;
                 fa_mbarrier_wait_parity(&full[st], (it / STAGES) & 1);
-                const int so = st * BLOCK_R * HEAD_DIM;  // the slot's offset (elements)
+                // The slot's descriptors: its offset added once (unsigned), every k step an immediate on them.
+                const unsigned so = (unsigned)st * (BLOCK_R * HEAD_DIM);
+                const unsigned long long q_k = wg_desc_at(dq_b, so), do_k = wg_desc_at(ddo_b, so);
+                const unsigned long long q_mn = wg_desc_at(dq_mn, so), do_mn = wg_desc_at(ddo_mn, so);
 
                 // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: m64n{BLOCK_R}k16 per 16 columns of the head
                 // dim, A and B K-major (8-row groups 1024 bytes apart; a k step moves 32 bytes); two
@@ -1767,7 +1776,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                     const int p = kk / 4, koff = (kk % 4) * 16;
                     fa_wgmma_m64nNk16_ss<T, BLOCK_R, 0, 0>(s_acc, wg_desc_at(dk_a, p * BLOCK_C * PANEL_ELEMS + koff),
-                                                           wg_desc_at(dq_b, so + p * BLOCK_R * PANEL_ELEMS + koff),
+                                                           wg_desc_at(q_k, p * BLOCK_R * PANEL_ELEMS + koff),
                                                            kk > 0 ? 1 : 0);
                 }
                 fa_wgmma_commit_group();
@@ -1775,7 +1784,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                     const int p = kk / 4, koff = (kk % 4) * 16;
                     fa_wgmma_m64nNk16_ss<T, BLOCK_R, 0, 0>(dp_acc, wg_desc_at(dv_a, p * BLOCK_C * PANEL_ELEMS + koff),
-                                                           wg_desc_at(ddo_b, so + p * BLOCK_R * PANEL_ELEMS + koff),
+                                                           wg_desc_at(do_k, p * BLOCK_R * PANEL_ELEMS + koff),
                                                            kk > 0 ? 1 : 0);
                 }
                 fa_wgmma_commit_group();
@@ -1805,10 +1814,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 fa_wgmma_fence();
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(ddo_mn, so + kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(do_mn, kc * 16 * PANEL_ELEMS), 1);
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(dq_mn, so + kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
                 fa_wgmma_commit_group();
 
                 // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8.
@@ -1826,16 +1835,15 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // m64 tiles x DQ_COLS columns, 64 at a time, staged in fp32.
 #pragma unroll
                 for (int u = 0; u < DQ_MT * DQ_CHUNKS; ++u) {
-                    const int gm = (DQ_COLS == HEAD_DIM ? wg * DQ_MT : 0) + u / DQ_CHUNKS;
-                    const int cb = (DQ_COLS == HEAD_DIM ? 0 : wg * DQ_COLS) + 64 * (u % DQ_CHUNKS);
+                    const int gm = u / DQ_CHUNKS, cb = 64 * (u % DQ_CHUNKS);  // relative to gm0, cb0
                     float dq_acc[32];
 #pragma unroll
                     for (int x = 0; x < 32; ++x) fa_wgmma_fence_operand(dq_acc[x]);
                     fa_wgmma_fence();
 #pragma unroll
                     for (int kc = 0; kc < BLOCK_C / 16; ++kc)
-                        fa_wgmma_m64nNk16_ss<T, 64, 1, 1>(dq_acc, wg_desc_at(dds_a, (gm * BLOCK_C + kc * 16) * PANEL_ELEMS),
-                                                          wg_desc_at(dk_mn, ((cb / 64) * BLOCK_C + kc * 16) * PANEL_ELEMS),
+                        fa_wgmma_m64nNk16_ss<T, 64, 1, 1>(dq_acc, wg_desc_at(dds_w, (gm * BLOCK_C + kc * 16) * PANEL_ELEMS),
+                                                          wg_desc_at(dkmn_w, ((cb / 64) * BLOCK_C + kc * 16) * PANEL_ELEMS),
                                                           kc > 0 ? 1 : 0);
                     fa_wgmma_commit_group();
                     fa_wgmma_wait_group<0>();
