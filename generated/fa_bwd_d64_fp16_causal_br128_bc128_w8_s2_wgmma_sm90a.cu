@@ -1475,6 +1475,20 @@ FA_DEVICE void wg_key_band(int key, int row0, const MaskParams& mp, const MaskBa
     *lo = (int)(a - row0);
     *hi = (int)(z < a - 1 ? a - 1 - row0 : z - row0);
 }
+// Whether the tile of Q rows [i0, i0 + BLOCK_R) x this CTA's keys needs wg_p's mask math: keys
+// past the sequence (`cols_full` false: the CTA's block ends past len_k) or a causal / window band
+// crossing it. Rows past len_q need none (their -lse log2 e is -inf: P = 0), nor padded keys (kp).
+FA_DEVICE bool wg_tile_masked(int i0, int col0, bool cols_full, const MaskParams& mp) {
+    if (!cols_full) return true;
+    if constexpr (IS_CAUSAL || HAS_WINDOW) {
+        const long long shift = mask_shift(mp);
+        const MaskBand band = mask_band(mp);
+        const long long o_min = (long long)col0 - (i0 + BLOCK_R - 1) - shift;  // key - row - shift over the tile
+        const long long o_max = (long long)col0 + BLOCK_C - 1 - i0 - shift;
+        return (band.has_hi && o_max > band.hi) || (band.has_lo && o_min < band.lo);
+    }
+    return false;
+}
 // P^T = exp2(S^T scale log2 e - lse log2 e) on the thread's accumulator elements (element x: Q
 // row i0 + c(x), key key0 + 8 ((x >> 1) & 1)); nlse holds -lse log2 e (-inf: P = 0). MASKED: the
 // mask math of a partial tile.
@@ -1678,7 +1692,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 }
             }
             const float d_scale = scale;
-            int it = 0;
+            unsigned it = 0;  // Q blocks streamed: slot it % STAGES, round it / STAGES (unsigned: shifts and masks)
 #pragma unroll 1
             for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
                 const long long x0 = fa_lse_index(si, b, hq, 0, stride_lse_b, stride_lse_h);
@@ -1686,16 +1700,19 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const float* dlt_h = delta + x0;
 #pragma unroll 1
                 for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
-                    const int st = it % STAGES;
+                    const int st = (int)(it % STAGES);
                     // Round 0 waits on the phase before the first, which counts as complete.
                     fa_mbarrier_wait_parity(&empty[st], ((it / STAGES) & 1) ^ 1);
+                    const float* lse_r = lse_h + (i0 + lane);  // this lane's rows: lane + 32 rr
+                    const float* dlt_r = dlt_h + (i0 + lane);
 #pragma unroll
-                    for (int r = lane; r < BLOCK_R; r += 32) {  // BLOCK_R / 32 rows per lane
+                    for (int rr = 0; rr < BLOCK_R / 32; ++rr) {  // BLOCK_R / 32 rows per lane
+                        const int r = lane + 32 * rr;
                         float l2 = fa_neg_inf(), dd = 0.f;  // rows past the sequence: P = 0, dS = 0
                         if (i0 + r < len_q) {
-                            const float l = lse_h[i0 + r];
+                            const float l = lse_r[32 * rr];
                             l2 = l == fa_neg_inf() ? fa_neg_inf() : -l * LOG2E;  // no allowed key: P = 0
-                            dd = dlt_h[i0 + r] * d_scale;
+                            dd = dlt_r[32 * rr] * d_scale;
                         }
                         slse[st * BLOCK_R + r] = l2;
                         sdlt[st * BLOCK_R + r] = dd;
@@ -1724,6 +1741,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int t = tid % 128, warp = t / 32, lane = t % 32, g = lane >> 2, t4 = lane & 3;
     const int kr0 = 64 * wg + 16 * warp + g;  // this thread's K/V rows in the block: kr0 and kr0 + 8
     const float scale_log2 = scale * LOG2E;
+    const bool cols_full = col0 + BLOCK_C <= len_k;  // every key of the block inside the sequence
     bool kp[2] = {true, true};  // key padding: the thread's two keys take part
     if constexpr (HAS_KEY_PADDING) {
         const unsigned char* kpm_b = kpm + (long long)b * seqlen_k;
@@ -1755,10 +1773,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const unsigned long long dds_w = wg_desc_at(dds_a, (unsigned)(gm0 * BLOCK_C * PANEL_ELEMS));
         const unsigned long long dkmn_w = wg_desc_at(dk_mn, (unsigned)((cb0 / 64) * BLOCK_C * PANEL_ELEMS));
         float* dq_row = sdq + (64 * gm0 + 16 * warp + g) * HEAD_DIM + cb0 + 2 * t4;  // this thread's staging elements
-        int it = 0;
+        unsigned it = 0;  // as the producer's
         for (int hq = hk * group; hq < (hk + 1) * group; ++hq)
             for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
-                const int st = it % STAGES;
+                const int st = (int)(it % STAGES);
                 fa_mbarrier_wait_parity(&full[st], (it / STAGES) & 1);
                 // The slot's descriptors: its offset added once (unsigned), every k step an immediate on them.
                 const unsigned so = (unsigned)st * (BLOCK_R * HEAD_DIM);
@@ -1793,7 +1811,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
 
                 // P^T: the mask math only on tiles not fully visible; padded keys P = 0.
-                if (tile_kind(i0, col0, mp) == TILE_FULL)
+                if (!wg_tile_masked(i0, col0, cols_full, mp))
                     wg_p<false>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
                 else
                     wg_p<true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
