@@ -1,9 +1,9 @@
 """The Hopper family's backward (``wgmma``, sm_90a): selection and declines, numerics of dq / dk / dv
 on the CPU emulator against a float64 oracle (flash-attn's criterion: Nq != Nk, lengths not
 multiples of the tiles, both causal alignments, a window, rows that see no key, key padding, GQA),
-racecheck, its synchronisation (removing a wait, a named barrier or a proxy fence is caught) and
-the SASS NVRTC compiles for sm_90a (HGMMA in the tile loop, no ldmatrix, no spills, no local
-memory). No GPU needed."""
+racecheck, AddressSanitizer (clean; a removed row guard caught), its synchronisation (removing a
+wait, a named barrier or a proxy fence is caught) and the SASS NVRTC compiles for sm_90a (HGMMA in
+the tile loop, no ldmatrix, no spills, no local memory). No GPU needed."""
 from __future__ import annotations
 
 import re
@@ -291,6 +291,41 @@ def test_a_thread_returning_with_a_bulk_reduce_in_flight_is_reported() -> None:
     np.testing.assert_array_equal(acc, np.ones(64, np.float32))
     with pytest.raises(EmulatorKernelError, match=rf"exits with the bulk store / reduce issued at .*:{line} not waited"):
         mod.launch("exits", 1, 1, 1024, [acc, 1])
+
+
+# --------------------------------------------------------------------------- sanitizer
+#: Causal, key padding, GQA (two q heads per kv head), Nq and Nk ending inside a tile.
+ASAN_CASE = dict(d=64, dtype="float16", nw=8, B=1, Nq=77, Nk=150, H=2, Hkv=1, causal=True, kpm=True)
+#: Guards whose removal makes a kernel touch memory past a tensor's end in ASAN_CASE, and the tensor:
+#: the producer's lse_i / D_i row guard (the last q head's rows past Nq) and the dK / dV rows' key
+#: guard (the last K/V block's keys past Nk).
+ASAN_GUARDS = (("                        if (i0 + r < len_q) {", "                        {", r"argument '(lse|delta)'"),
+               ("        if (key >= len_k) continue;\n", "", r"argument 'd[kv]'"))
+
+
+def test_backward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> None:
+    """Under AddressSanitizer (``cpu.sanitized``) the backward's pre, main and post kernels read and
+    write inside their tensors and give the plain run's bits; with a row guard removed, the reads /
+    writes past a tensor's end are a memory error naming it."""
+    from fagen.emulator import EmulatorMemoryError
+
+    spec = _case_spec(ASAN_CASE)
+    t = _inputs(ASAN_CASE, torch.Generator().manual_seed(31))
+    want, _, _ = _run(ASAN_CASE, t, spec)
+    with cpu.sanitized() as rec:
+        got, _, _ = _run(ASAN_CASE, t, spec)
+    assert rec.roles == {"pre", "main", "post"} and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    text = (renderer.templates_dir() / TEMPLATE).read_text()
+    real = cpu.cpu_module
+    for guard, replacement, tensor in ASAN_GUARDS:
+        assert text.count(guard) == 1, guard
+        mod = _mutated(spec, text.replace(guard, replacement))
+        monkeypatch.setattr(cpu, "cpu_module", lambda s, mod=mod: mod if s == spec else real(s))
+        with pytest.raises(EmulatorMemoryError, match=tensor):
+            with cpu.sanitized():
+                _run(ASAN_CASE, t, spec)
+    monkeypatch.setattr(cpu, "cpu_module", real)
 
 
 # --------------------------------------------------------------------------- SASS
