@@ -1413,6 +1413,12 @@ FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_on
 namespace fa {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+// The head dim in whole panels: the width of every Q / K / V / dO tile in shared memory. Past
+// HEAD_DIM (d = 96: columns 96..127) the TMA loads zero-fill (the tensor maps end at HEAD_DIM), so
+// a wgmma with N = PAD_DIM computes zeros there and the k loops stop at HEAD_DIM.
+constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
+static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
+              "the head dim: k16 steps, PANELS panels");
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
@@ -1431,26 +1437,26 @@ namespace fa {
 // warpgroup CONSUMER_WGS produces: its first warp loads K_j / V_j once and streams Q_i / dO_i
 // (TMA, one elected lane) and lse_i / D_i (plain loads, all 32 lanes) into STAGES slots.
 // Shared memory (fagen.families.wgmma.bwd.smem_layout, swizzled tiles 1024-byte aligned): a tile
-// of R rows x HEAD_DIM is PANELS panels of R rows x 128 bytes, each a TMA box with the 128-byte
+// of R rows x PAD_DIM is PANELS panels of R rows x 128 bytes, each a TMA box with the 128-byte
 // swizzle the wgmma descriptors read; dS^T is BLOCK_R / 64 panels of BLOCK_C key rows x 64 Q
-// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is dense fp32.
+// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is dense fp32,
+// BLOCK_R x HEAD_DIM (the columns past HEAD_DIM that dK~, dV~ and dQ_i compute are zero, unused).
 static_assert(sizeof(T) == 2, "wgmma backward: 16-bit operands");
-static_assert(HEAD_DIM == 64 * PANELS, "whole 128-byte panels");
 static_assert(BLOCK_C == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 K/V rows per consumer warpgroup");
-static_assert(BLOCK_R % 64 == 0 && BLOCK_R <= 256 && HEAD_DIM <= 256, "wgmma N extents, m64 tiles of dQ_i");
+static_assert(BLOCK_R % 64 == 0 && BLOCK_R <= 256 && PAD_DIM <= 256, "wgmma N extents, m64 tiles of dQ_i");
 static_assert(STAGES >= 2, "Q_i / dO_i pipeline depth (knob 'stages')");
 static_assert(DQ_COLS % 64 == 0 && DQ_MT * (BLOCK_R / 64 / DQ_MT) == BLOCK_R / 64 &&
-              DQ_MT * DQ_COLS * CONSUMER_WGS == HEAD_DIM * BLOCK_R / 64, "dQ_i split over the warpgroups");
-static_assert(SMEM_K_COUNT == BLOCK_C * HEAD_DIM && SMEM_V_COUNT == BLOCK_C * HEAD_DIM &&
-              SMEM_Q_COUNT == STAGES * BLOCK_R * HEAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * HEAD_DIM &&
+              DQ_MT * DQ_COLS * CONSUMER_WGS == PAD_DIM * BLOCK_R / 64, "dQ_i split over the warpgroups");
+static_assert(SMEM_K_COUNT == BLOCK_C * PAD_DIM && SMEM_V_COUNT == BLOCK_C * PAD_DIM &&
+              SMEM_Q_COUNT == STAGES * BLOCK_R * PAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * PAD_DIM &&
               SMEM_DS_COUNT == BLOCK_C * BLOCK_R && SMEM_DQ_COUNT == BLOCK_R * HEAD_DIM &&
               SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DLT_COUNT == STAGES * BLOCK_R &&
               SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
-constexpr int KV_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;           // complete_tx of K_j + V_j
-constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * HEAD_DIM * 2;    // complete_tx of one Q_i + dO_i slot
+constexpr int KV_BYTES = 2 * BLOCK_C * PAD_DIM * 2;            // complete_tx of K_j + V_j (whole boxes)
+constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * PAD_DIM * 2;     // complete_tx of one Q_i + dO_i slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an "empty" barrier
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
 constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
@@ -1719,8 +1725,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     }
                     if (leader) {
                         fa_mbarrier_arrive_expect_tx(&full[st], QDO_STAGE_BYTES);
-                        T* qst = sq + st * BLOCK_R * HEAD_DIM;
-                        T* dost = sdo + st * BLOCK_R * HEAD_DIM;
+                        T* qst = sq + st * BLOCK_R * PAD_DIM;
+                        T* dost = sdo + st * BLOCK_R * PAD_DIM;
 #pragma unroll
                         for (int p = 0; p < PANELS; ++p) {
                             fa_tma_load_4d(qst + p * BLOCK_R * PANEL_ELEMS, &tma_q, &full[st], p * PANEL_ELEMS, hq, i0, b);
@@ -1749,9 +1755,9 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     }
 
     // dK~, dV~ (fp32): accumulator element 4n + e: row kr0 + 8 (e >> 1), column 8n + 2 t4 + (e & 1).
-    float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
+    float dk_acc[PAD_DIM / 2], dv_acc[PAD_DIM / 2];
 #pragma unroll
-    for (int x = 0; x < HEAD_DIM / 2; ++x) { dk_acc[x] = 0.f; dv_acc[x] = 0.f; }
+    for (int x = 0; x < PAD_DIM / 2; ++x) { dk_acc[x] = 0.f; dv_acc[x] = 0.f; }
 
     if (any) {
         fa_mbarrier_wait_parity(kv_full, 0);
@@ -1769,7 +1775,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const int sm_m = lane >> 3, sm_kr = 64 * wg + 16 * warp + 8 * (sm_m & 1) + (lane & 7);
         // This warpgroup's share of dQ_i: m64 tiles from gm0, head-dim columns from cb0 (dq_split); its
         // descriptors and staging address hoisted, so each wgmma / store adds an immediate.
-        const int gm0 = DQ_COLS == HEAD_DIM ? wg * DQ_MT : 0, cb0 = DQ_COLS == HEAD_DIM ? 0 : wg * DQ_COLS;
+        const int gm0 = DQ_COLS == PAD_DIM ? wg * DQ_MT : 0, cb0 = DQ_COLS == PAD_DIM ? 0 : wg * DQ_COLS;
         const unsigned long long dds_w = wg_desc_at(dds_a, (unsigned)(gm0 * BLOCK_C * PANEL_ELEMS));
         const unsigned long long dkmn_w = wg_desc_at(dk_mn, (unsigned)((cb0 / 64) * BLOCK_C * PANEL_ELEMS));
         float* dq_row = sdq + (64 * gm0 + 16 * warp + g) * HEAD_DIM + cb0 + 2 * t4;  // this thread's staging elements
@@ -1779,7 +1785,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const int st = (int)(it % STAGES);
                 fa_mbarrier_wait_parity(&full[st], (it / STAGES) & 1);
                 // The slot's descriptors: its offset added once (unsigned), every k step an immediate on them.
-                const unsigned so = (unsigned)st * (BLOCK_R * HEAD_DIM);
+                const unsigned so = (unsigned)st * (BLOCK_R * PAD_DIM);
                 const unsigned long long q_k = wg_desc_at(dq_b, so), do_k = wg_desc_at(ddo_b, so);
                 const unsigned long long q_mn = wg_desc_at(dq_mn, so), do_mn = wg_desc_at(ddo_mn, so);
 
@@ -1821,7 +1827,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // dV~ += P^T dO_i, dK~ += dS^T Q_i: A from registers, B MN-major (panels BLOCK_R x 128
                 // bytes apart, 8-row groups 1024 bytes apart).
 #pragma unroll
-                for (int x = 0; x < HEAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
+                for (int x = 0; x < PAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
                 fa_wgmma_wait_group<0>();  // dP^T retired (dV~ waits for dK~: the registers, DV_EARLY)
 #pragma unroll
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(dp_acc[x]);
@@ -1832,10 +1838,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 fa_wgmma_fence();
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(do_mn, kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(do_mn, kc * 16 * PANEL_ELEMS), 1);
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
                 fa_wgmma_commit_group();
 
                 // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8.
@@ -1869,7 +1875,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int x = 0; x < 32; ++x) fa_wgmma_fence_operand(dq_acc[x]);
                     if (u == 0) {
 #pragma unroll
-                        for (int x = 0; x < HEAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
+                        for (int x = 0; x < PAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
 #pragma unroll
                         for (int kc = 0; kc < BLOCK_R / 16; ++kc)
 #pragma unroll
@@ -1880,8 +1886,9 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int n = 0; n < 8; ++n)
 #pragma unroll
                         for (int h2 = 0; h2 < 2; ++h2)
-                            *reinterpret_cast<WgF2*>(dq_row + (64 * gm + 8 * h2) * HEAD_DIM + cb + 8 * n) =
-                                WgF2{dq_acc[4 * n + 2 * h2], dq_acc[4 * n + 2 * h2 + 1]};
+                            if (PAD_DIM == HEAD_DIM || cb0 + cb + 8 * n < HEAD_DIM)  // d = 96: not the zero columns
+                                *reinterpret_cast<WgF2*>(dq_row + (64 * gm + 8 * h2) * HEAD_DIM + cb + 8 * n) =
+                                    WgF2{dq_acc[4 * n + 2 * h2], dq_acc[4 * n + 2 * h2 + 1]};
                 }
                 fa_fence_proxy_async();                    // the staging tile (generic) -> the TMA reduce
                 fa_named_barrier_sync(BAR_DQ, CONSUMERS);  // staged by every warpgroup; dS^T read by all

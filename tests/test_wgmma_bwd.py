@@ -31,7 +31,7 @@ def _spec(**kw) -> KernelSpec:
 
 # --------------------------------------------------------------------------- selection
 def test_chosen_for_sm90a_backward() -> None:
-    for d, dtype, br in ((64, "float16", 128), (128, "bfloat16", 64)):
+    for d, dtype, br in ((64, "float16", 128), (96, "float16", 64), (128, "bfloat16", 64)):
         two = _spec(head_dim=d, dtype=dtype)  # the family's default_warps: two consumer warpgroups
         assert two.impl == "wgmma" and two.name.endswith("_w8_s2_wgmma_sm90a"), two.name
         assert two.tile.block_r == br and two.tile.block_c == 128  # FlashAttention-3's tiles
@@ -53,7 +53,7 @@ def test_chosen_for_sm90a_backward() -> None:
     (dict(bias=True), "bias"),
     (dict(varlen=True), "varlen"),
     (dict(deterministic=True), "deterministic"),
-    (dict(head_dim=96), "head_dim=96"),
+    (dict(head_dim=192), "head_dim=192"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(arch="sm_90"), "arch=sm_90"),
 ])
@@ -90,6 +90,10 @@ CASES = [
     dict(d=128, dtype="float16", nw=4, B=1, Nq=90, Nk=200, H=1, Hkv=1, causal=True, align="top_left"),
     dict(d=64, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),  # batch 1: every key padded
     dict(d=64, dtype="float16", nw=8, B=1, Nq=130, Nk=260, H=3, Hkv=1, window=(40, 10)),
+    # d = 96 in the d = 128 tiles (zero-filled columns 96..127): the two warpgroups split dQ_i's 128
+    # columns (the second stages 32 of its 64), one warpgroup computes both 64-column chunks
+    dict(d=96, dtype="float16", nw=8, B=1, Nq=150, Nk=200, H=2, Hkv=1, causal=True),
+    dict(d=96, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=100, H=1, Hkv=1, kpm=True),
 ]
 
 
@@ -333,7 +337,7 @@ needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisa
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("d, causal, nw", [(64, False, 8), (128, True, 8), (128, False, 4)])
+@pytest.mark.parametrize("d, causal, nw", [(64, False, 8), (96, True, 8), (128, True, 8), (128, False, 4)])
 def test_sass_hgmma_in_the_tile_loop_no_ldmatrix_no_spills(d, causal, nw) -> None:
     from fagen.autotune.sassloops import tile_loop
 
