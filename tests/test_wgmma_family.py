@@ -35,7 +35,7 @@ def _spec(**kw) -> KernelSpec:
 # --------------------------------------------------------------------------- selection
 def test_registered_and_chosen_for_sm90a_only() -> None:
     assert WGMMA in BUILTIN_FAMILIES and get_family("wgmma") is WGMMA
-    for d, dtype in ((64, "float16"), (96, "float16"), (128, "bfloat16")):
+    for d, dtype in ((64, "float16"), (96, "float16"), (128, "bfloat16"), (192, "bfloat16"), (256, "float16")):
         spec = _spec(head_dim=d, dtype=dtype)
         assert spec.impl == "wgmma" and spec.name.endswith("_s2_wgmma_sm90a"), spec.name
         assert _spec(head_dim=d, dtype=dtype, causal=True, causal_align="top_left").impl == "wgmma"
@@ -48,7 +48,7 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 @pytest.mark.parametrize("change, why", [
     (dict(direction="bwd", dropout=True), "dropout"),
     (dict(dropout=True), "dropout"),
-    (dict(head_dim=192), "head_dim=192"),
+    (dict(head_dim=80), "head_dim=80"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(softcap=True), "softcap"),
@@ -133,6 +133,9 @@ CASES = [
     # d = 96: one and a half panels (TMA zero-fills columns 96..127, O += P V at N = 128)
     dict(d=96, dtype="float16", nw=8, bc=192, B=1, Nq=150, Nk=230, H=2, Hkv=1, causal=True),
     dict(d=96, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),
+    # d = 192 / 256: three / four panels, the default key block shrunk to 64 (shared memory)
+    dict(d=192, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=200, H=1, Hkv=1, causal=True),
+    dict(d=256, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=2, Hkv=1, kpm=True),
 ]
 
 
@@ -289,7 +292,7 @@ needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisa
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("d, causal, nw", [(64, False, 4), (96, True, 8), (128, True, 8)])
+@pytest.mark.parametrize("d, causal, nw", [(64, False, 4), (96, True, 8), (128, True, 8), (256, False, 8)])
 def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) -> None:
     from fagen.autotune.sassloops import tile_loop
 
@@ -326,7 +329,7 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     assert F._arch_specific_spec("bwd", gpu, "sm_90", {**flags, "dropout": True}) is None  # mma: the default path
     assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "dropout": True}) is None
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
-    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 192}), "sm_90", flags) is None
+    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90

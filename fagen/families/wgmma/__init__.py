@@ -12,8 +12,8 @@ retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
-dims other than 64, 96 and 128, softcap, ALiBi, attn_mask, bias, varlen. The backward is
-:mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), softcap, ALiBi,
+attn_mask, bias, varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ __all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA"
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-#: Head dims the templates take. Each smem tile is whole 64-element (128-byte) swizzle panels wide
-#: (:func:`~fagen.families.wgmma.panels.padded_dim`); d = 96 fills one and a half: its TMA loads
-#: zero-fill columns 96..127.
-HEAD_DIMS = (64, 96, 128)
+#: Head dims the forward takes (the backward: ``bwd.DEFAULT_BLOCK_R``). Each smem tile is whole
+#: 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
+#: d = 96 fills one and a half: its TMA loads zero-fill columns 96..127.
+HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Keys per tile of the default forward (``default_tile``).
 FWD_BLOCK_C = 192
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
