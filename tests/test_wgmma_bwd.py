@@ -175,14 +175,15 @@ RACE_SPEC_1WG = dict(num_warps=4, block_r=64, causal=True)
 RACE_CASE = dict(d=64, dtype="float16", nw=8, B=1, Nq=300, Nk=150, H=2, Hkv=1, causal=True)
 
 
-def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeypatch=None) -> EmulatorError | None:
+def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeypatch=None,
+                     case: dict = RACE_CASE) -> EmulatorError | None:
     real = cpu.cpu_module
     if mod is not None:
         monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
-    t = _inputs(RACE_CASE, torch.Generator().manual_seed(5))
+    t = _inputs(case, torch.Generator().manual_seed(5))
     try:
         with cpu.racecheck():
-            grads, g64, g_pt = _run(RACE_CASE, t, spec)
+            grads, g64, g_pt = _run(case, t, spec)
     except EmulatorError as e:
         return e
     finally:
@@ -193,9 +194,11 @@ def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeyp
     return None
 
 
-@pytest.mark.parametrize("kw", [RACE_SPEC, RACE_SPEC_1WG], ids=["wg2", "wg1-br64"])
+@pytest.mark.parametrize("kw", [RACE_SPEC, RACE_SPEC_1WG, {**RACE_SPEC, "head_dim": 96}],
+                         ids=["wg2", "wg1-br64", "wg2-d96"])
 def test_racecheck_clean(kw) -> None:
-    assert _racecheck_error(_spec(**kw)) is None
+    case = {**RACE_CASE, "d": kw.get("head_dim", RACE_CASE["d"])}
+    assert _racecheck_error(_spec(**kw), case=case) is None
 
 
 SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<\d>\(\);|fa_sync\(\);|"
