@@ -1,13 +1,13 @@
 """Static SASS of the Hopper family's (``wgmma``, sm_90a) backward main kernels, no GPU needed.
 
-For each row (fp16 / bf16, head dim 64 / 128, causal or not, one or two consumer warpgroups)
+For each row (fp16 / bf16, head dim 64 / 96 / 128, causal or not, one or two consumer warpgroups)
 NVRTC compiles the kernel for sm_90a and nvdisasm disassembles it; ``fagen.autotune.sassloops.
 tile_loop`` walks one trip of its tile loop on the path of an interior tile pair (``[diag]``: a
 partially masked one, causal rows), with the HGMMA count the family's ``tile_work`` states.
 Printed per row: registers at launch and after ``setmaxnreg`` (consumer / producer), spill bytes,
 smem, the loop's HGMMA / LDSM, its instructions per warp and their sum over the consumer warps
 per 1e6 backward FLOPs of the tile pair (10 Br Bc d), beside FlashAttention-3's figure (static
-SASS of its released sm_90a binary, interior tile; two consumer warpgroups).
+SASS of its released sm_90a binary, interior tile; two consumer warpgroups; none at d = 96).
 
     python benchmarks/wgmma_bwd_sass.py
 """
@@ -29,7 +29,7 @@ FA3_BWD = {(64, False): 551, (64, True): 525, (128, False): 321, (128, True): 38
 
 def rows() -> list[KernelSpec]:
     return [KernelSpec(direction="bwd", head_dim=d, dtype=dt, causal=c, num_warps=w, arch="sm_90a")
-            for w in (8, 4) for d in (64, 128) for dt in ("float16", "bfloat16") for c in (False, True)]
+            for w in (8, 4) for d in (64, 96, 128) for dt in ("float16", "bfloat16") for c in (False, True)]
 
 
 def main() -> int:
@@ -57,7 +57,7 @@ def main() -> int:
             per = loop.total() * spec.num_warps / (flops / 1e6)
             print(f"{label:<60} {regs:>11} {res.spill_store_bytes + res.spill_load_bytes:>5} {res.smem_bytes:>7} "
                   f"{loop.count('HGMMA'):>5.0f} {loop.count('LDSM'):>4.0f} {loop.total():>5.0f} {per:>9.0f} "
-                  f"{FA3_BWD[(spec.head_dim, spec.causal)]:>5}")
+                  f"{FA3_BWD.get((spec.head_dim, spec.causal), '-'):>5}")
     return 0
 
 

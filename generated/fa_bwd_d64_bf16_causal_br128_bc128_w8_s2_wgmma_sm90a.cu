@@ -1413,6 +1413,12 @@ FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_on
 namespace fa {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+// The head dim in whole panels: the width of every Q / K / V / dO tile in shared memory. Past
+// HEAD_DIM (d = 96: columns 96..127) the TMA loads zero-fill (the tensor maps end at HEAD_DIM), so
+// a wgmma with N = PAD_DIM computes zeros there and the k loops stop at HEAD_DIM.
+constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
+static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
+              "the head dim: k16 steps, PANELS panels");
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
@@ -1431,34 +1437,35 @@ namespace fa {
 // warpgroup CONSUMER_WGS produces: its first warp loads K_j / V_j once and streams Q_i / dO_i
 // (TMA, one elected lane) and lse_i / D_i (plain loads, all 32 lanes) into STAGES slots.
 // Shared memory (fagen.families.wgmma.bwd.smem_layout, swizzled tiles 1024-byte aligned): a tile
-// of R rows x HEAD_DIM is PANELS panels of R rows x 128 bytes, each a TMA box with the 128-byte
+// of R rows x PAD_DIM is PANELS panels of R rows x 128 bytes, each a TMA box with the 128-byte
 // swizzle the wgmma descriptors read; dS^T is BLOCK_R / 64 panels of BLOCK_C key rows x 64 Q
-// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is dense fp32.
+// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is dense fp32,
+// BLOCK_R x HEAD_DIM (the columns past HEAD_DIM that dK~, dV~ and dQ_i compute are zero, unused).
 static_assert(sizeof(T) == 2, "wgmma backward: 16-bit operands");
-static_assert(HEAD_DIM == 64 * PANELS, "whole 128-byte panels");
 static_assert(BLOCK_C == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 K/V rows per consumer warpgroup");
-static_assert(BLOCK_R % 64 == 0 && BLOCK_R <= 256 && HEAD_DIM <= 256, "wgmma N extents, m64 tiles of dQ_i");
+static_assert(BLOCK_R % 64 == 0 && BLOCK_R <= 256 && PAD_DIM <= 256, "wgmma N extents, m64 tiles of dQ_i");
 static_assert(STAGES >= 2, "Q_i / dO_i pipeline depth (knob 'stages')");
 static_assert(DQ_COLS % 64 == 0 && DQ_MT * (BLOCK_R / 64 / DQ_MT) == BLOCK_R / 64 &&
-              DQ_MT * DQ_COLS * CONSUMER_WGS == HEAD_DIM * BLOCK_R / 64, "dQ_i split over the warpgroups");
-static_assert(SMEM_K_COUNT == BLOCK_C * HEAD_DIM && SMEM_V_COUNT == BLOCK_C * HEAD_DIM &&
-              SMEM_Q_COUNT == STAGES * BLOCK_R * HEAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * HEAD_DIM &&
+              DQ_MT * DQ_COLS * CONSUMER_WGS == PAD_DIM * BLOCK_R / 64, "dQ_i split over the warpgroups");
+static_assert(SMEM_K_COUNT == BLOCK_C * PAD_DIM && SMEM_V_COUNT == BLOCK_C * PAD_DIM &&
+              SMEM_Q_COUNT == STAGES * BLOCK_R * PAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * PAD_DIM &&
               SMEM_DS_COUNT == BLOCK_C * BLOCK_R && SMEM_DQ_COUNT == BLOCK_R * HEAD_DIM &&
               SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DLT_COUNT == STAGES * BLOCK_R &&
               SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
-constexpr int KV_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;           // complete_tx of K_j + V_j
-constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * HEAD_DIM * 2;    // complete_tx of one Q_i + dO_i slot
+constexpr int KV_BYTES = 2 * BLOCK_C * PAD_DIM * 2;            // complete_tx of K_j + V_j (whole boxes)
+constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * PAD_DIM * 2;     // complete_tx of one Q_i + dO_i slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an "empty" barrier
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
 constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
 
-// A descriptor moved `elems` 16-bit elements on (the start address field, bits 0-13, in 16-byte
-// units; the shared window stays below 2^18 bytes, so the field never carries).
-FA_DEVICE unsigned long long wg_desc_at(unsigned long long desc, int elems) {
-    return desc + (unsigned long long)((elems * 2) >> 4);
+// A descriptor moved `elems` 16-bit elements on (a multiple of 8: the start address field, bits
+// 0-13, in 16-byte units; the shared window stays below 2^18 bytes, so the field never carries).
+// Unsigned: a zero-extended offset, one 64-bit uniform add (a signed one sign-extends first).
+FA_DEVICE unsigned long long wg_desc_at(unsigned long long desc, unsigned elems) {
+    return desc + (unsigned long long)(elems >> 3);
 }
 struct alignas(8) WgF2 {
     float x, y;
@@ -1473,6 +1480,20 @@ FA_DEVICE void wg_key_band(int key, int row0, const MaskParams& mp, const MaskBa
     if (key >= mp.seqlen_k) z = a - 1;
     *lo = (int)(a - row0);
     *hi = (int)(z < a - 1 ? a - 1 - row0 : z - row0);
+}
+// Whether the tile of Q rows [i0, i0 + BLOCK_R) x this CTA's keys needs wg_p's mask math: keys
+// past the sequence (`cols_full` false: the CTA's block ends past len_k) or a causal / window band
+// crossing it. Rows past len_q need none (their -lse log2 e is -inf: P = 0), nor padded keys (kp).
+FA_DEVICE bool wg_tile_masked(int i0, int col0, bool cols_full, const MaskParams& mp) {
+    if (!cols_full) return true;
+    if constexpr (IS_CAUSAL || HAS_WINDOW) {
+        const long long shift = mask_shift(mp);
+        const MaskBand band = mask_band(mp);
+        const long long o_min = (long long)col0 - (i0 + BLOCK_R - 1) - shift;  // key - row - shift over the tile
+        const long long o_max = (long long)col0 + BLOCK_C - 1 - i0 - shift;
+        return (band.has_hi && o_max > band.hi) || (band.has_lo && o_min < band.lo);
+    }
+    return false;
 }
 // P^T = exp2(S^T scale log2 e - lse log2 e) on the thread's accumulator elements (element x: Q
 // row i0 + c(x), key key0 + 8 ((x >> 1) & 1)); nlse holds -lse log2 e (-inf: P = 0). MASKED: the
@@ -1677,7 +1698,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 }
             }
             const float d_scale = scale;
-            int it = 0;
+            unsigned it = 0;  // Q blocks streamed: slot it % STAGES, round it / STAGES (unsigned: shifts and masks)
 #pragma unroll 1
             for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
                 const long long x0 = fa_lse_index(si, b, hq, 0, stride_lse_b, stride_lse_h);
@@ -1685,24 +1706,27 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const float* dlt_h = delta + x0;
 #pragma unroll 1
                 for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
-                    const int st = it % STAGES;
+                    const int st = (int)(it % STAGES);
                     // Round 0 waits on the phase before the first, which counts as complete.
                     fa_mbarrier_wait_parity(&empty[st], ((it / STAGES) & 1) ^ 1);
+                    const float* lse_r = lse_h + (i0 + lane);  // this lane's rows: lane + 32 rr
+                    const float* dlt_r = dlt_h + (i0 + lane);
 #pragma unroll
-                    for (int r = lane; r < BLOCK_R; r += 32) {  // BLOCK_R / 32 rows per lane
+                    for (int rr = 0; rr < BLOCK_R / 32; ++rr) {  // BLOCK_R / 32 rows per lane
+                        const int r = lane + 32 * rr;
                         float l2 = fa_neg_inf(), dd = 0.f;  // rows past the sequence: P = 0, dS = 0
                         if (i0 + r < len_q) {
-                            const float l = lse_h[i0 + r];
+                            const float l = lse_r[32 * rr];
                             l2 = l == fa_neg_inf() ? fa_neg_inf() : -l * LOG2E;  // no allowed key: P = 0
-                            dd = dlt_h[i0 + r] * d_scale;
+                            dd = dlt_r[32 * rr] * d_scale;
                         }
                         slse[st * BLOCK_R + r] = l2;
                         sdlt[st * BLOCK_R + r] = dd;
                     }
                     if (leader) {
                         fa_mbarrier_arrive_expect_tx(&full[st], QDO_STAGE_BYTES);
-                        T* qst = sq + st * BLOCK_R * HEAD_DIM;
-                        T* dost = sdo + st * BLOCK_R * HEAD_DIM;
+                        T* qst = sq + st * BLOCK_R * PAD_DIM;
+                        T* dost = sdo + st * BLOCK_R * PAD_DIM;
 #pragma unroll
                         for (int p = 0; p < PANELS; ++p) {
                             fa_tma_load_4d(qst + p * BLOCK_R * PANEL_ELEMS, &tma_q, &full[st], p * PANEL_ELEMS, hq, i0, b);
@@ -1723,6 +1747,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int t = tid % 128, warp = t / 32, lane = t % 32, g = lane >> 2, t4 = lane & 3;
     const int kr0 = 64 * wg + 16 * warp + g;  // this thread's K/V rows in the block: kr0 and kr0 + 8
     const float scale_log2 = scale * LOG2E;
+    const bool cols_full = col0 + BLOCK_C <= len_k;  // every key of the block inside the sequence
     bool kp[2] = {true, true};  // key padding: the thread's two keys take part
     if constexpr (HAS_KEY_PADDING) {
         const unsigned char* kpm_b = kpm + (long long)b * seqlen_k;
@@ -1730,9 +1755,9 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     }
 
     // dK~, dV~ (fp32): accumulator element 4n + e: row kr0 + 8 (e >> 1), column 8n + 2 t4 + (e & 1).
-    float dk_acc[HEAD_DIM / 2], dv_acc[HEAD_DIM / 2];
+    float dk_acc[PAD_DIM / 2], dv_acc[PAD_DIM / 2];
 #pragma unroll
-    for (int x = 0; x < HEAD_DIM / 2; ++x) { dk_acc[x] = 0.f; dv_acc[x] = 0.f; }
+    for (int x = 0; x < PAD_DIM / 2; ++x) { dk_acc[x] = 0.f; dv_acc[x] = 0.f; }
 
     if (any) {
         fa_mbarrier_wait_parity(kv_full, 0);
@@ -1748,13 +1773,21 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const unsigned long long dk_mn = fa_wgmma_desc(sk, BLOCK_C * 128, 1024, 128);    // K_j, MN-major
         // stmatrix rows: lanes 8m..8m+7 address matrix m's rows (row half m & 1, Q columns 8 (2kc + (m >> 1))).
         const int sm_m = lane >> 3, sm_kr = 64 * wg + 16 * warp + 8 * (sm_m & 1) + (lane & 7);
-        float* dq_row = sdq + (16 * warp + g) * HEAD_DIM + 2 * t4;  // this thread's dQ_i staging elements
-        int it = 0;
+        // This warpgroup's share of dQ_i: m64 tiles from gm0, head-dim columns from cb0 (dq_split); its
+        // descriptors and staging address hoisted, so each wgmma / store adds an immediate.
+        const int gm0 = DQ_COLS == PAD_DIM ? wg * DQ_MT : 0, cb0 = DQ_COLS == PAD_DIM ? 0 : wg * DQ_COLS;
+        const unsigned long long dds_w = wg_desc_at(dds_a, (unsigned)(gm0 * BLOCK_C * PANEL_ELEMS));
+        const unsigned long long dkmn_w = wg_desc_at(dk_mn, (unsigned)((cb0 / 64) * BLOCK_C * PANEL_ELEMS));
+        float* dq_row = sdq + (64 * gm0 + 16 * warp + g) * HEAD_DIM + cb0 + 2 * t4;  // this thread's staging elements
+        unsigned it = 0;  // as the producer's
         for (int hq = hk * group; hq < (hk + 1) * group; ++hq)
             for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
-                const int st = it % STAGES;
+                const int st = (int)(it % STAGES);
                 fa_mbarrier_wait_parity(&full[st], (it / STAGES) & 1);
-                const int so = st * BLOCK_R * HEAD_DIM;  // the slot's offset (elements)
+                // The slot's descriptors: its offset added once (unsigned), every k step an immediate on them.
+                const unsigned so = (unsigned)st * (BLOCK_R * PAD_DIM);
+                const unsigned long long q_k = wg_desc_at(dq_b, so), do_k = wg_desc_at(ddo_b, so);
+                const unsigned long long q_mn = wg_desc_at(dq_mn, so), do_mn = wg_desc_at(ddo_mn, so);
 
                 // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: m64n{BLOCK_R}k16 per 16 columns of the head
                 // dim, A and B K-major (8-row groups 1024 bytes apart; a k step moves 32 bytes); two
@@ -1767,7 +1800,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                     const int p = kk / 4, koff = (kk % 4) * 16;
                     fa_wgmma_m64nNk16_ss<T, BLOCK_R, 0, 0>(s_acc, wg_desc_at(dk_a, p * BLOCK_C * PANEL_ELEMS + koff),
-                                                           wg_desc_at(dq_b, so + p * BLOCK_R * PANEL_ELEMS + koff),
+                                                           wg_desc_at(q_k, p * BLOCK_R * PANEL_ELEMS + koff),
                                                            kk > 0 ? 1 : 0);
                 }
                 fa_wgmma_commit_group();
@@ -1775,7 +1808,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                     const int p = kk / 4, koff = (kk % 4) * 16;
                     fa_wgmma_m64nNk16_ss<T, BLOCK_R, 0, 0>(dp_acc, wg_desc_at(dv_a, p * BLOCK_C * PANEL_ELEMS + koff),
-                                                           wg_desc_at(ddo_b, so + p * BLOCK_R * PANEL_ELEMS + koff),
+                                                           wg_desc_at(do_k, p * BLOCK_R * PANEL_ELEMS + koff),
                                                            kk > 0 ? 1 : 0);
                 }
                 fa_wgmma_commit_group();
@@ -1784,7 +1817,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
 
                 // P^T: the mask math only on tiles not fully visible; padded keys P = 0.
-                if (tile_kind(i0, col0, mp) == TILE_FULL)
+                if (!wg_tile_masked(i0, col0, cols_full, mp))
                     wg_p<false>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
                 else
                     wg_p<true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
@@ -1794,7 +1827,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // dV~ += P^T dO_i, dK~ += dS^T Q_i: A from registers, B MN-major (panels BLOCK_R x 128
                 // bytes apart, 8-row groups 1024 bytes apart).
 #pragma unroll
-                for (int x = 0; x < HEAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
+                for (int x = 0; x < PAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
                 fa_wgmma_wait_group<0>();  // dP^T retired (dV~ waits for dK~: the registers, DV_EARLY)
 #pragma unroll
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(dp_acc[x]);
@@ -1805,10 +1838,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 fa_wgmma_fence();
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(ddo_mn, so + kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dv_acc, pa[kc], wg_desc_at(do_mn, kc * 16 * PANEL_ELEMS), 1);
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
-                    fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(dq_mn, so + kc * 16 * PANEL_ELEMS), 1);
+                    fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
                 fa_wgmma_commit_group();
 
                 // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8.
@@ -1826,16 +1859,15 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // m64 tiles x DQ_COLS columns, 64 at a time, staged in fp32.
 #pragma unroll
                 for (int u = 0; u < DQ_MT * DQ_CHUNKS; ++u) {
-                    const int gm = (DQ_COLS == HEAD_DIM ? wg * DQ_MT : 0) + u / DQ_CHUNKS;
-                    const int cb = (DQ_COLS == HEAD_DIM ? 0 : wg * DQ_COLS) + 64 * (u % DQ_CHUNKS);
+                    const int gm = u / DQ_CHUNKS, cb = 64 * (u % DQ_CHUNKS);  // relative to gm0, cb0
                     float dq_acc[32];
 #pragma unroll
                     for (int x = 0; x < 32; ++x) fa_wgmma_fence_operand(dq_acc[x]);
                     fa_wgmma_fence();
 #pragma unroll
                     for (int kc = 0; kc < BLOCK_C / 16; ++kc)
-                        fa_wgmma_m64nNk16_ss<T, 64, 1, 1>(dq_acc, wg_desc_at(dds_a, (gm * BLOCK_C + kc * 16) * PANEL_ELEMS),
-                                                          wg_desc_at(dk_mn, ((cb / 64) * BLOCK_C + kc * 16) * PANEL_ELEMS),
+                        fa_wgmma_m64nNk16_ss<T, 64, 1, 1>(dq_acc, wg_desc_at(dds_w, (gm * BLOCK_C + kc * 16) * PANEL_ELEMS),
+                                                          wg_desc_at(dkmn_w, ((cb / 64) * BLOCK_C + kc * 16) * PANEL_ELEMS),
                                                           kc > 0 ? 1 : 0);
                     fa_wgmma_commit_group();
                     fa_wgmma_wait_group<0>();
@@ -1843,7 +1875,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int x = 0; x < 32; ++x) fa_wgmma_fence_operand(dq_acc[x]);
                     if (u == 0) {
 #pragma unroll
-                        for (int x = 0; x < HEAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
+                        for (int x = 0; x < PAD_DIM / 2; ++x) { fa_wgmma_fence_operand(dv_acc[x]); fa_wgmma_fence_operand(dk_acc[x]); }
 #pragma unroll
                         for (int kc = 0; kc < BLOCK_R / 16; ++kc)
 #pragma unroll
@@ -1854,8 +1886,9 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int n = 0; n < 8; ++n)
 #pragma unroll
                         for (int h2 = 0; h2 < 2; ++h2)
-                            *reinterpret_cast<WgF2*>(dq_row + (64 * gm + 8 * h2) * HEAD_DIM + cb + 8 * n) =
-                                WgF2{dq_acc[4 * n + 2 * h2], dq_acc[4 * n + 2 * h2 + 1]};
+                            if (PAD_DIM == HEAD_DIM || cb0 + cb + 8 * n < HEAD_DIM)  // d = 96: not the zero columns
+                                *reinterpret_cast<WgF2*>(dq_row + (64 * gm + 8 * h2) * HEAD_DIM + cb + 8 * n) =
+                                    WgF2{dq_acc[4 * n + 2 * h2], dq_acc[4 * n + 2 * h2 + 1]};
                 }
                 fa_fence_proxy_async();                    // the staging tile (generic) -> the TMA reduce
                 fa_named_barrier_sync(BAR_DQ, CONSUMERS);  // staged by every warpgroup; dS^T read by all

@@ -1375,6 +1375,12 @@ FA_DEVICE bool fa_elect_one(FAGEN_EMU_SITE) { return fagen_emu::hopper::elect_on
 namespace fa {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+// The head dim in whole panels: the width of every Q / K / V / dO tile in shared memory. Past
+// HEAD_DIM (d = 96: columns 96..127) the TMA loads zero-fill (the tensor maps end at HEAD_DIM), so
+// a wgmma with N = PAD_DIM computes zeros there and the k loops stop at HEAD_DIM.
+constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
+static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
+              "the head dim: k16 steps, PANELS panels");
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
@@ -1392,20 +1398,19 @@ namespace fa {
 // (64 Q rows each: S, P, the O accumulator and m, l in registers); warpgroup CONSUMER_WGS
 // produces: one elected lane issues every TMA load (Q_i once, K_j / V_j into STAGES slots).
 // Shared memory (fagen.families.wgmma.smem_layout, every tile 1024-byte aligned): a tile of R
-// rows x HEAD_DIM is PANELS panels of R rows x 128 bytes (64 elements of the head dim), each
+// rows x PAD_DIM is PANELS panels of R rows x 128 bytes (64 elements of the head dim), each
 // panel a TMA box written with the 128-byte swizzle that the wgmma descriptors read.
 static_assert(sizeof(T) == 2, "wgmma forward: 16-bit operands");
-static_assert(HEAD_DIM == 64 * PANELS, "whole 128-byte panels");
 static_assert(BLOCK_R == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 Q rows per consumer warpgroup");
-static_assert(BLOCK_C % 16 == 0 && BLOCK_C <= 256 && HEAD_DIM <= 256, "wgmma N extents");
+static_assert(BLOCK_C % 16 == 0 && BLOCK_C <= 256 && PAD_DIM <= 256, "wgmma N extents");
 static_assert(STAGES >= 2, "K_j / V_j pipeline depth (knob 'stages')");
-static_assert(SMEM_Q_COUNT == BLOCK_R * HEAD_DIM && SMEM_K_COUNT == STAGES * BLOCK_C * HEAD_DIM &&
-              SMEM_V_COUNT == STAGES * BLOCK_C * HEAD_DIM && SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
+static_assert(SMEM_Q_COUNT == BLOCK_R * PAD_DIM && SMEM_K_COUNT == STAGES * BLOCK_C * PAD_DIM &&
+              SMEM_V_COUNT == STAGES * BLOCK_C * PAD_DIM && SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
 static_assert(SMEM_Q_OFFSET % 1024 == 0 && SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0,
               "128-byte swizzled tiles start 1024-byte aligned");
 constexpr float LN2 = 0.6931471805599453f;
-constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;               // complete_tx of Q_i
-constexpr int KV_STAGE_BYTES = 2 * BLOCK_C * HEAD_DIM * 2;    // complete_tx of one K_j + V_j slot
+constexpr int Q_BYTES = BLOCK_R * PAD_DIM * 2;                // complete_tx of Q_i (whole boxes)
+constexpr int KV_STAGE_BYTES = 2 * BLOCK_C * PAD_DIM * 2;     // complete_tx of one K_j + V_j slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                 // arrivals on an "empty" barrier
 
 // Row `row`'s allowed keys are one band (partials/masking.cuh's `allowed`): columns [lo, hi]
@@ -1522,8 +1527,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 // Round 0 waits on the phase before the first, which counts as complete.
                 fa_mbarrier_wait_parity(&kv_empty[st], ((it / STAGES) & 1) ^ 1);
                 fa_mbarrier_arrive_expect_tx(&kv_full[st], KV_STAGE_BYTES);
-                T* kst = sk + st * BLOCK_C * HEAD_DIM;
-                T* vst = sv + st * BLOCK_C * HEAD_DIM;
+                T* kst = sk + st * BLOCK_C * PAD_DIM;
+                T* vst = sv + st * BLOCK_C * PAD_DIM;
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
                     fa_tma_load_4d(kst + p * BLOCK_C * PANEL_ELEMS, &tma_k, &kv_full[st], p * PANEL_ELEMS, hk, j0, b);
@@ -1548,10 +1553,11 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;
 
     // O_i = 0; m_i = -inf (scaled, log2 domain), l_i = 0 (l is this thread's fp32 partial sum over
-    // its columns). Accumulator element 4n + e: row row0 + 8 (e >> 1), column 8n + 2 t4 + (e & 1).
-    float o_acc[HEAD_DIM / 2];
+    // its columns). Accumulator element 4n + e: row row0 + 8 (e >> 1), column 8n + 2 t4 + (e & 1);
+    // PAD_DIM columns, those past HEAD_DIM zero.
+    float o_acc[PAD_DIM / 2];
 #pragma unroll
-    for (int x = 0; x < HEAD_DIM / 2; ++x) o_acc[x] = 0.f;
+    for (int x = 0; x < PAD_DIM / 2; ++x) o_acc[x] = 0.f;
     float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.f, 0.f};
     unsigned seen[2] = {0u, 0u};  // has the row an allowed key (in this thread's columns)?
 
@@ -1562,7 +1568,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const unsigned long long dv = fa_wgmma_desc(sv, BLOCK_C * 128, 1024, 128);
     const unsigned dq_lo = (unsigned)dq, dk_lo = (unsigned)dk, dv_lo = (unsigned)dv;
     const unsigned long long dq_hi = dq & ~0xffffffffull, dk_hi = dk & ~0xffffffffull, dv_hi = dv & ~0xffffffffull;
-    constexpr unsigned STAGE_UNITS = BLOCK_C * HEAD_DIM * 2 / 16;  // one K_j (or V_j) slot, in 16-byte units
+    constexpr unsigned STAGE_UNITS = BLOCK_C * PAD_DIM * 2 / 16;  // one K_j (or V_j) slot, in 16-byte units
 
     // Intra-warpgroup overlap: trip `it` issues S_it = Q_i K_it^T and O += P~_{it-1} V_{it-1} back
     // to back, waits for S_it only (wgmma.wait_group 1), runs tile it's softmax while the tensor
@@ -1589,11 +1595,11 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // fragment), B = V_j MN-major (panels BLOCK_C x 128 bytes apart, 8-key groups 1024 bytes apart).
     auto issue_pv = [&](unsigned stage_units) {
 #pragma unroll
-        for (int x = 0; x < HEAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
+        for (int x = 0; x < PAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
         fa_wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < BLOCK_C / 16; ++kc)
-            fa_wgmma_m64nNk16_rs<T, HEAD_DIM, 1>(o_acc, pa[kc], dv_hi | (dv_lo + stage_units + kc * 16 * 128 / 16), 1);
+            fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(o_acc, pa[kc], dv_hi | (dv_lo + stage_units + kc * 16 * 128 / 16), 1);
         fa_wgmma_commit_group();
     };
     // After the wait on S: masked entries MASKED (mask math only on tiles not fully visible), then
@@ -1664,7 +1670,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // After the wait on O += P~ V: the accumulator and P~ are the thread's again.
     auto pv_retired = [&]() {
 #pragma unroll
-        for (int x = 0; x < HEAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
+        for (int x = 0; x < PAD_DIM / 2; ++x) fa_wgmma_fence_operand(o_acc[x]);
 #pragma unroll
         for (int kc = 0; kc < BLOCK_C / 16; ++kc)
 #pragma unroll

@@ -1,9 +1,9 @@
 """The Hopper family's backward (``wgmma``, sm_90a): selection and declines, numerics of dq / dk / dv
 on the CPU emulator against a float64 oracle (flash-attn's criterion: Nq != Nk, lengths not
 multiples of the tiles, both causal alignments, a window, rows that see no key, key padding, GQA),
-racecheck, its synchronisation (removing a wait, a named barrier or a proxy fence is caught) and
-the SASS NVRTC compiles for sm_90a (HGMMA in the tile loop, no ldmatrix, no spills, no local
-memory). No GPU needed."""
+racecheck, AddressSanitizer (clean; a removed row guard caught), its synchronisation (removing a
+wait, a named barrier or a proxy fence is caught) and the SASS NVRTC compiles for sm_90a (HGMMA in
+the tile loop, no ldmatrix, no spills, no local memory). No GPU needed."""
 from __future__ import annotations
 
 import re
@@ -31,7 +31,7 @@ def _spec(**kw) -> KernelSpec:
 
 # --------------------------------------------------------------------------- selection
 def test_chosen_for_sm90a_backward() -> None:
-    for d, dtype, br in ((64, "float16", 128), (128, "bfloat16", 64)):
+    for d, dtype, br in ((64, "float16", 128), (96, "float16", 64), (128, "bfloat16", 64)):
         two = _spec(head_dim=d, dtype=dtype)  # the family's default_warps: two consumer warpgroups
         assert two.impl == "wgmma" and two.name.endswith("_w8_s2_wgmma_sm90a"), two.name
         assert two.tile.block_r == br and two.tile.block_c == 128  # FlashAttention-3's tiles
@@ -53,7 +53,7 @@ def test_chosen_for_sm90a_backward() -> None:
     (dict(bias=True), "bias"),
     (dict(varlen=True), "varlen"),
     (dict(deterministic=True), "deterministic"),
-    (dict(head_dim=96), "head_dim=96"),
+    (dict(head_dim=192), "head_dim=192: the wgmma backward takes head_dim in (64, 96, 128)"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(arch="sm_90"), "arch=sm_90"),
 ])
@@ -90,6 +90,10 @@ CASES = [
     dict(d=128, dtype="float16", nw=4, B=1, Nq=90, Nk=200, H=1, Hkv=1, causal=True, align="top_left"),
     dict(d=64, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),  # batch 1: every key padded
     dict(d=64, dtype="float16", nw=8, B=1, Nq=130, Nk=260, H=3, Hkv=1, window=(40, 10)),
+    # d = 96 in the d = 128 tiles (zero-filled columns 96..127): the two warpgroups split dQ_i's 128
+    # columns (the second stages 32 of its 64), one warpgroup computes both 64-column chunks
+    dict(d=96, dtype="float16", nw=8, B=1, Nq=150, Nk=200, H=2, Hkv=1, causal=True),
+    dict(d=96, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=100, H=1, Hkv=1, kpm=True),
 ]
 
 
@@ -171,14 +175,15 @@ RACE_SPEC_1WG = dict(num_warps=4, block_r=64, causal=True)
 RACE_CASE = dict(d=64, dtype="float16", nw=8, B=1, Nq=300, Nk=150, H=2, Hkv=1, causal=True)
 
 
-def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeypatch=None) -> EmulatorError | None:
+def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeypatch=None,
+                     case: dict = RACE_CASE) -> EmulatorError | None:
     real = cpu.cpu_module
     if mod is not None:
         monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
-    t = _inputs(RACE_CASE, torch.Generator().manual_seed(5))
+    t = _inputs(case, torch.Generator().manual_seed(5))
     try:
         with cpu.racecheck():
-            grads, g64, g_pt = _run(RACE_CASE, t, spec)
+            grads, g64, g_pt = _run(case, t, spec)
     except EmulatorError as e:
         return e
     finally:
@@ -189,9 +194,11 @@ def _racecheck_error(spec: KernelSpec, mod: cpu.CpuModule | None = None, monkeyp
     return None
 
 
-@pytest.mark.parametrize("kw", [RACE_SPEC, RACE_SPEC_1WG], ids=["wg2", "wg1-br64"])
+@pytest.mark.parametrize("kw", [RACE_SPEC, RACE_SPEC_1WG, {**RACE_SPEC, "head_dim": 96}],
+                         ids=["wg2", "wg1-br64", "wg2-d96"])
 def test_racecheck_clean(kw) -> None:
-    assert _racecheck_error(_spec(**kw)) is None
+    case = {**RACE_CASE, "d": kw.get("head_dim", RACE_CASE["d"])}
+    assert _racecheck_error(_spec(**kw), case=case) is None
 
 
 SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<\d>\(\);|fa_sync\(\);|"
@@ -293,12 +300,47 @@ def test_a_thread_returning_with_a_bulk_reduce_in_flight_is_reported() -> None:
         mod.launch("exits", 1, 1, 1024, [acc, 1])
 
 
+# --------------------------------------------------------------------------- sanitizer
+#: Causal, key padding, GQA (two q heads per kv head), Nq and Nk ending inside a tile.
+ASAN_CASE = dict(d=64, dtype="float16", nw=8, B=1, Nq=77, Nk=150, H=2, Hkv=1, causal=True, kpm=True)
+#: Guards whose removal makes a kernel touch memory past a tensor's end in ASAN_CASE, and the tensor:
+#: the producer's lse_i / D_i row guard (the last q head's rows past Nq) and the dK / dV rows' key
+#: guard (the last K/V block's keys past Nk).
+ASAN_GUARDS = (("                        if (i0 + r < len_q) {", "                        {", r"argument '(lse|delta)'"),
+               ("        if (key >= len_k) continue;\n", "", r"argument 'd[kv]'"))
+
+
+def test_backward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> None:
+    """Under AddressSanitizer (``cpu.sanitized``) the backward's pre, main and post kernels read and
+    write inside their tensors and give the plain run's bits; with a row guard removed, the reads /
+    writes past a tensor's end are a memory error naming it."""
+    from fagen.emulator import EmulatorMemoryError
+
+    spec = _case_spec(ASAN_CASE)
+    t = _inputs(ASAN_CASE, torch.Generator().manual_seed(31))
+    want, _, _ = _run(ASAN_CASE, t, spec)
+    with cpu.sanitized() as rec:
+        got, _, _ = _run(ASAN_CASE, t, spec)
+    assert rec.roles == {"pre", "main", "post"} and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    text = (renderer.templates_dir() / TEMPLATE).read_text()
+    real = cpu.cpu_module
+    for guard, replacement, tensor in ASAN_GUARDS:
+        assert text.count(guard) == 1, guard
+        mod = _mutated(spec, text.replace(guard, replacement))
+        monkeypatch.setattr(cpu, "cpu_module", lambda s, mod=mod: mod if s == spec else real(s))
+        with pytest.raises(EmulatorMemoryError, match=tensor):
+            with cpu.sanitized():
+                _run(ASAN_CASE, t, spec)
+    monkeypatch.setattr(cpu, "cpu_module", real)
+
+
 # --------------------------------------------------------------------------- SASS
 needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("d, causal, nw", [(64, False, 8), (128, True, 8), (128, False, 4)])
+@pytest.mark.parametrize("d, causal, nw", [(64, False, 8), (96, True, 8), (128, True, 8), (128, False, 4)])
 def test_sass_hgmma_in_the_tile_loop_no_ldmatrix_no_spills(d, causal, nw) -> None:
     from fagen.autotune.sassloops import tile_loop
 

@@ -19,7 +19,7 @@ from fagen.compiler import compile as compile_spec
 from fagen.emulator import EmulatorError, EmulatorRaceError
 from fagen.families import BUILTIN_FAMILIES, FamilySpec, get_family
 from fagen.families.mma import MMA
-from fagen.families.wgmma import WGMMA, register_split, tensor_map_boxes
+from fagen.families.wgmma import WGMMA, padded_dim, register_split, tensor_map_boxes
 from fagen.runtime import cpu
 from fagen.tma import TensorMapFields
 
@@ -35,7 +35,7 @@ def _spec(**kw) -> KernelSpec:
 # --------------------------------------------------------------------------- selection
 def test_registered_and_chosen_for_sm90a_only() -> None:
     assert WGMMA in BUILTIN_FAMILIES and get_family("wgmma") is WGMMA
-    for d, dtype in ((64, "float16"), (128, "bfloat16")):
+    for d, dtype in ((64, "float16"), (96, "float16"), (128, "bfloat16"), (192, "bfloat16"), (256, "float16")):
         spec = _spec(head_dim=d, dtype=dtype)
         assert spec.impl == "wgmma" and spec.name.endswith("_s2_wgmma_sm90a"), spec.name
         assert _spec(head_dim=d, dtype=dtype, causal=True, causal_align="top_left").impl == "wgmma"
@@ -48,7 +48,7 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 @pytest.mark.parametrize("change, why", [
     (dict(direction="bwd", dropout=True), "dropout"),
     (dict(dropout=True), "dropout"),
-    (dict(head_dim=96), "head_dim=96"),
+    (dict(head_dim=80), "head_dim=80"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(softcap=True), "softcap"),
@@ -130,6 +130,12 @@ CASES = [
     # extreme is the min of the raw scores) and a zero one
     dict(d=128, dtype="bfloat16", nw=8, bc=192, B=1, Nq=140, Nk=450, H=1, Hkv=1, causal=True, scale=-0.3),
     dict(d=64, dtype="float16", nw=4, bc=192, B=1, Nq=100, Nk=230, H=2, Hkv=1, scale=0.0),
+    # d = 96: one and a half panels (TMA zero-fills columns 96..127, O += P V at N = 128)
+    dict(d=96, dtype="float16", nw=8, bc=192, B=1, Nq=150, Nk=230, H=2, Hkv=1, causal=True),
+    dict(d=96, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),
+    # d = 192 / 256: three / four panels, the default key block shrunk to 64 (shared memory)
+    dict(d=192, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=200, H=1, Hkv=1, causal=True),
+    dict(d=256, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=2, Hkv=1, kpm=True),
 ]
 
 
@@ -286,7 +292,7 @@ needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisa
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("d, causal, nw", [(64, False, 4), (128, True, 8)])
+@pytest.mark.parametrize("d, causal, nw", [(64, False, 4), (96, True, 8), (128, True, 8), (256, False, 8)])
 def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) -> None:
     from fagen.autotune.sassloops import tile_loop
 
@@ -308,7 +314,7 @@ def test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills(d, causal, nw) ->
     assert loop.count("FMUL") <= d // 2 + 4, loop.mix  # the O rescale; the scale is folded into the FFMA
     # the producer warp's loop: one TMA load per 64-element panel of K_j and of V_j
     prod = tile_loop(text, name, WGMMA.producer_work(spec.family_spec), anchor=("UTMALDG",), smallest=True)
-    assert prod.count("UTMALDG") == 2 * d // 64 and prod.count("HGMMA") == 0, prod.mix
+    assert prod.count("UTMALDG") == 2 * padded_dim(d) // 64 and prod.count("HGMMA") == 0, prod.mix
 
 
 def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> None:
@@ -322,7 +328,8 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     assert bwd is not None and bwd.impl == "wgmma" and bwd.direction == "bwd"
     assert F._arch_specific_spec("bwd", gpu, "sm_90", {**flags, "dropout": True}) is None  # mma: the default path
     assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "dropout": True}) is None
-    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is None
+    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
+    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90

@@ -3,6 +3,12 @@
 namespace fa {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
+// The head dim in whole panels: the width of every Q / K / V / dO tile in shared memory. Past
+// HEAD_DIM (d = 96: columns 96..127) the TMA loads zero-fill (the tensor maps end at HEAD_DIM), so
+// a wgmma with N = PAD_DIM computes zeros there and the k loops stop at HEAD_DIM.
+constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
+static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
+              "the head dim: k16 steps, PANELS panels");
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {

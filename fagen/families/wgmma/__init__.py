@@ -12,8 +12,8 @@ retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
-dims other than 64 and 128, softcap, ALiBi, attn_mask, bias, varlen. The backward is
-:mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), softcap, ALiBi,
+attn_mask, bias, varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -25,19 +25,19 @@ from fagen.abi import FWD_MAIN, TENSORMAP, Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
 from fagen.families.wgmma import bwd
 from fagen.families.wgmma.cost import pair_cost
+from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "register_split",
-           "pair_cost", "tensor_map_boxes"]
+__all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "padded_dim",
+           "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-#: Head dims the templates take: whole 64-element (128-byte) swizzle panels.
-HEAD_DIMS = (64, 128)
-#: The smem swizzle span (bytes) of every TMA box and wgmma descriptor: one panel row.
-SWIZZLE = 128
-PANEL = SWIZZLE // 2  # elements of a 16-bit dtype per panel row
+#: Head dims the forward takes (the backward: ``bwd.DEFAULT_BLOCK_R``). Each smem tile is whole
+#: 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
+#: d = 96 fills one and a half: its TMA loads zero-fill columns 96..127.
+HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Keys per tile of the default forward (``default_tile``).
 FWD_BLOCK_C = 192
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
@@ -89,7 +89,7 @@ class WgmmaFamily(FamilyBase):
         if fs.dtype not in SUPPORTED_DTYPES:
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
         if fs.head_dim not in HEAD_DIMS:
-            return f"head_dim={fs.head_dim}: the templates take whole 128-byte swizzle panels, head_dim in {HEAD_DIMS}"
+            return f"head_dim={fs.head_dim}: the templates take head_dim in {HEAD_DIMS}"
         if fs.has("dropout"):
             return "dropout: the keep-mask replay is not implemented yet"
         return None
@@ -146,7 +146,7 @@ class WgmmaFamily(FamilyBase):
         anchor UTMALDG walks its loop): one TMA load per 64-element panel of the two streamed
         tiles, K_j and V_j forward, Q_i and dO_i backward (whose lse_i / D_i are plain loads of
         the producer warp's lanes)."""
-        return {"UTMALDG": 2 * fs.head_dim / PANEL}
+        return {"UTMALDG": 2 * padded_dim(fs.head_dim) / PANEL}
 
     def producer_warps(self, fs: FamilySpec) -> int:
         """Warps of the producer warpgroup that run its loop (one elected lane of the first; the
@@ -159,7 +159,7 @@ class WgmmaFamily(FamilyBase):
             return bwd.smem_layout(fs, stages)
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
-        d, e = fs.head_dim, fs.itemsize
+        d, e = padded_dim(fs.head_dim), fs.itemsize
         return place([
             ("q", "T", fs.block_r * d, e, 1024),
             ("k", "T", stages * fs.block_c * d, e, 1024),
@@ -184,7 +184,7 @@ class WgmmaFamily(FamilyBase):
         consumer, producer = register_split(fs.num_warps, blocks)
         return {"strides": {}, "constants": (
             Constant("CONSUMER_WGS", "int", fs.num_warps // 4, "consumer warpgroups (64 Q rows each)"),
-            Constant("PANELS", "int", fs.head_dim // PANEL, "128-byte swizzle panels across the head dim"),
+            Constant("PANELS", "int", padded_dim(fs.head_dim) // PANEL, "128-byte swizzle panels across the head dim"),
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
         ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}

@@ -22,6 +22,7 @@ from typing import Any
 
 from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
+from fagen.families.wgmma.panels import padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
@@ -29,8 +30,9 @@ __all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_te
 
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
-#: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at d = 128.
-DEFAULT_BLOCK_R = {64: 128, 128: 64}
+#: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
+#: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
+DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
 #: The backward's tensor-map parameters: (parameter, tensor argument, rows of the box, smem swizzle).
 #: q, do: one panel (64 elements) x block_r rows; k, v: one panel x block_c rows; dq_accum (fp32):
 #: the whole head dim x block_r rows, no swizzle (the staging tile is dense).
@@ -62,22 +64,22 @@ def config_reason(fs: FamilySpec) -> Reason | None:
 
 def dq_split(fs: FamilySpec) -> tuple[int, int]:
     """(m64 tiles of dQ_i, head-dim columns) each consumer warpgroup computes: the Q rows are split
-    between the warpgroups while there are enough m64 tiles, else the head dim."""
-    wgs, mtiles = fs.num_warps // 4, fs.block_r // 64
+    between the warpgroups while there are enough m64 tiles, else the (padded) head dim."""
+    wgs, mtiles, d = fs.num_warps // 4, fs.block_r // 64, padded_dim(fs.head_dim)
     if mtiles >= wgs:
-        return mtiles // wgs, fs.head_dim
-    return 1, fs.head_dim * mtiles // wgs
+        return mtiles // wgs, d
+    return 1, d * mtiles // wgs
 
 
 def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
-    d, e, br, bc = fs.head_dim, fs.itemsize, fs.block_r, fs.block_c
+    d, e, br, bc = padded_dim(fs.head_dim), fs.itemsize, fs.block_r, fs.block_c
     return place([
         ("k", "T", bc * d, e, 1024),
         ("v", "T", bc * d, e, 1024),
         ("q", "T", stages * br * d, e, 1024),
         ("dout", "T", stages * br * d, e, 1024),
         ("ds", "T", bc * br, e, 1024),
-        ("dq", "float", br * d, 4, 128),
+        ("dq", "float", br * fs.head_dim, 4, 128),  # dense: the dq_accum box
         ("lse", "float", stages * br, 4),
         ("dlt", "float", stages * br, 4),
         ("bars", "unsigned long long", 1 + 2 * stages, 8),
@@ -101,7 +103,7 @@ DV_EARLY_REGS = 208
 
 def dv_early(fs: FamilySpec) -> bool:
     """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
-    return fs.block_r + fs.block_r // 4 + fs.head_dim <= DV_EARLY_REGS
+    return fs.block_r + fs.block_r // 4 + padded_dim(fs.head_dim) <= DV_EARLY_REGS
 
 
 def constants(fs: FamilySpec) -> tuple[Constant, ...]:
