@@ -272,10 +272,11 @@ extern "C" __global__ void gated(float* out, int unused) {
 
 
 def test_a_gate_skips_only_the_selected_barrier() -> None:
-    """race_gate(i): gate i is a marker in place of its barrier; -1 opens all; -2 marks all and
-    keeps every barrier (which gates a launch passed); other values are refused. The run's
+    """race_gate(i): gate i skips its barrier, a marker in its place; -1 opens all; -2 marks all
+    and keeps every barrier (which gates a launch passed); other values are refused. The run's
     outcome, by the definition: skipping gate 0 leaves the read of a neighbour's store unordered
-    (a read-after-write naming gate 0's line), skipping gate 1 orders nothing anyone needs."""
+    (a read-after-write naming gate 0's line), skipping gate 1 orders nothing anyone needs; a
+    plain build skips the barrier as well (the reverse thread order then reads unwritten words)."""
     mod = _module(GATES, "gated", _P)
     g0, g1 = (_src_line(mod, f"fagen_emu_race_gate({i})") for i in (0, 1))
     out = np.zeros(128, np.float32)
@@ -292,11 +293,15 @@ def test_a_gate_skips_only_the_selected_barrier() -> None:
     for bad in (-3, 1.5, True, "0"):
         with pytest.raises(EmulatorError, match="gate must be an int"):
             mod.race_gate(bad)  # type: ignore[arg-type]
-    with pytest.raises(EmulatorError, match="racecheck=True"):
-        build(PRIMS + GATES, [KernelSig("gated", _P)]).race_gate(0)
-    plain = build(PRIMS + GATES, [KernelSig("gated", _P)])  # outside racecheck every gate is open
-    plain.launch("gated", 1, 64, 256, [out, 0])
-    assert np.array_equal(out[1:64], np.arange(63, dtype=np.float32))
+    # a plain build skips the selected barrier too: in the reverse thread order thread t reads word
+    # t - 1 before thread t - 1 stored it
+    plain = build(PRIMS + GATES, [KernelSig("gated", _P)], extra_flags=("-DFAGEN_EMU_REVERSE_SCHEDULE",))
+    for gate, right in ((-1, True), (1, True), (0, False), (-2, True)):
+        plain.race_gate(gate)
+        out[:] = -1
+        plain.launch("gated", 1, 64, 256, [out, 0])
+        assert np.array_equal(out[1:64], np.arange(63, dtype=np.float32)) == right, gate
+    plain.race_gate(-1)
 
 
 def test_racecheck_modules_only() -> None:

@@ -14,7 +14,7 @@ import torch
 import fagen.functional as F
 from fagen import KernelSpec, renderer, sass
 from fagen.compiler import compile as compile_spec
-from fagen.emulator import EmulatorError, EmulatorRaceError
+from fagen.emulator import EmulatorError
 from fagen.families import get_family
 from fagen.families.wgmma import WGMMA
 from fagen.families.wgmma.bwd import BWD_TMA, bwd_tensor_map_boxes, dq_split
@@ -250,20 +250,42 @@ def _mutated(spec: KernelSpec, text: str) -> cpu.CpuModule:
 UNDETECTED: set[str] = set()
 
 
+def _gated_text(template: str, sites: list[tuple[int, str]]) -> str:
+    """``template`` with each synchronisation site i behind a gate:
+    ``(fagen_emu_race_gate(i) /*FAGEN_SITE_i*/ ? (void)(call) : (void)0);`` -- one build then skips
+    each in turn (``EmuModule.race_gate``)."""
+    text = (renderer.templates_dir() / template).read_text()
+    for i, (off, call) in sorted(enumerate(sites), key=lambda x: -x[1][0]):
+        text = (text[:off] + f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? (void)({call.rstrip(';')}) : (void)0);"
+                + text[off + len(call):])
+    return text
+
+
+_GATED: dict[KernelSpec, cpu.CpuModule] = {}
+
+
+def _gated(spec: KernelSpec) -> cpu.CpuModule:
+    if spec not in _GATED:
+        _GATED[spec] = _mutated(spec, _gated_text(TEMPLATE, _sync_sites()))
+    return _GATED[spec]
+
+
 @pytest.mark.parametrize("site", _sync_sites(), ids=lambda s: f"{s[0]}:{s[1][:36]}")
 def test_removing_a_synchronisation_is_reported(site, monkeypatch) -> None:
     """Each wait, barrier and fence removed in turn: racecheck reports the run (or it fails)."""
-    off, call = site
-    text = (renderer.templates_dir() / TEMPLATE).read_text()
-    cut = text[:off] + "/* removed */;" + text[off + len(call):]
+    i, call = _sync_sites().index(site), site[1]
     # the configuration whose rendering holds the site (the DV_EARLY branches differ)
     spec = next(s for s in (_spec(**RACE_SPEC), _spec(**RACE_SPEC_1WG))
-                if _rendered(s, cut).source != renderer.render(s).source)
-    mod = _mutated(spec, cut)
+                if f"/*FAGEN_SITE_{i}*/" in _gated(s).rendered.source)
+    mod = _gated(spec)
+    emu = mod._build(sanitize=False, racecheck=True)
+    emu.race_gate(i)
     try:
         err = _racecheck_error(spec, mod, monkeypatch)
     except AssertionError:
         err = AssertionError("wrong gradients")
+    finally:
+        emu.race_gate(-1)
     assert (err is not None) == (call not in UNDETECTED), f"{call} removed: {err or 'not reported'}"
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import fagen.functional as F
-import fagen.settings
 from fagen import KernelSpec, renderer, sass
 from fagen.abi import FWD_MAIN, is_tensormap
 from fagen.compiler import compile as compile_spec
@@ -223,36 +222,60 @@ def test_the_template_synchronises_at_nine_sites() -> None:
 PLAIN_UNDETECTED = {"fa_mbarrier_wait_parity(q_full, 0);", "fa_mbarrier_wait_parity(&kv_full[0], 0);", "fa_sync();"}
 
 
-def _broken(mod: cpu.CpuModule, spec: KernelSpec, schedule: str, monkeypatch) -> bool:
+def _broken(spec: KernelSpec, gate: int, schedule: str, monkeypatch) -> bool:
+    """The forward with synchronisation site ``gate`` skipped, in the emulator's ``schedule``
+    thread order: an emulator error or a wrong O."""
+    mod = _gated(spec, schedule)
+    emu = mod._build(sanitize=False)
     real = cpu.cpu_module
     monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
-    fagen.settings.configure(emu_schedule=schedule)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 130, 1, 64, generator=gen).to(torch.float16)
     k = torch.randn(1, 520, 1, 64, generator=gen).to(torch.float16)  # several K/V blocks per Q block
     want, _ = attention(q.double(), k.double(), k.double(), causal=True)
+    emu.race_gate(gate)
     try:
         o, _ = F.run_forward(spec, q, k, k)
     except EmulatorError:
         return True  # the emulator names the misuse (or the deadlock)
     finally:
-        fagen.settings.reset()
+        emu.race_gate(-1)
         monkeypatch.setattr(cpu, "cpu_module", real)
     return not torch.allclose(o.double(), want, atol=1e-2)
 
 
+_GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
+
+
+def _gated(spec: KernelSpec, schedule: str = "forward") -> cpu.CpuModule:
+    """``spec``'s module in ``schedule``'s thread order, every synchronisation site i of the
+    template behind a gate (``(fagen_emu_race_gate(i) ? (void)(call) : (void)0);``): one build
+    skips each in turn (``EmuModule.race_gate``)."""
+    if (spec, schedule) not in _GATED:
+        text = (renderer.templates_dir() / TEMPLATE).read_text()
+        for i, (off, call) in sorted(enumerate(_sync_sites()), key=lambda x: -x[1][0]):
+            text = (text[:off] + f"(fagen_emu_race_gate({i}) ? (void)({call.rstrip(';')}) : (void)0);"
+                    + text[off + len(call):])
+        _GATED[(spec, schedule)] = _mutated(spec, TEMPLATE, text, schedule)
+    return _GATED[(spec, schedule)]
+
+
 @pytest.mark.parametrize("site", _sync_sites(), ids=lambda s: f"{s[0]}:{s[1][:30]}")
 def test_removing_a_wait_breaks_the_run(site, monkeypatch) -> None:
-    off, call = site
+    i, call = _sync_sites().index(site), site[1]
     spec = _spec(causal=True)
-    text = (renderer.templates_dir() / TEMPLATE).read_text()
-    mod = _mutated(spec, TEMPLATE, text[:off] + "/* removed */;" + text[off + len(call):])
-    broken = any(_broken(mod, spec, schedule, monkeypatch) for schedule in ("forward", "reverse"))
+    broken = any(_broken(spec, i, schedule, monkeypatch) for schedule in ("forward", "reverse"))
     assert broken == (call not in PLAIN_UNDETECTED), (
         f"{call} removed: {'caught' if broken else 'the forward is still right in both thread orders'}")
     if call in PLAIN_UNDETECTED:
-        assert isinstance(_racecheck_error(mod, spec, monkeypatch), EmulatorRaceError), (
-            f"{call} removed: racecheck does not report it")
+        mod = _gated(spec)
+        emu = mod._build(sanitize=False, racecheck=True)
+        emu.race_gate(i)
+        try:
+            assert isinstance(_racecheck_error(mod, spec, monkeypatch), EmulatorRaceError), (
+                f"{call} removed: racecheck does not report it")
+        finally:
+            emu.race_gate(-1)
 
 
 def _racecheck_error(mod: cpu.CpuModule, spec: KernelSpec, monkeypatch) -> EmulatorError | None:
@@ -271,7 +294,7 @@ def _racecheck_error(mod: cpu.CpuModule, spec: KernelSpec, monkeypatch) -> Emula
     return None
 
 
-def _mutated(spec: KernelSpec, template: str, text: str) -> cpu.CpuModule:
+def _mutated(spec: KernelSpec, template: str, text: str, schedule: str = "forward") -> cpu.CpuModule:
     import jinja2
 
     env = renderer._env().overlay(loader=jinja2.ChoiceLoader([jinja2.DictLoader({template: text}),
@@ -280,7 +303,7 @@ def _mutated(spec: KernelSpec, template: str, text: str) -> cpu.CpuModule:
     real = renderer._env
     renderer._env = lambda: env  # type: ignore[assignment]
     try:
-        cpu.CpuModule.__init__(mod, spec)
+        cpu.CpuModule.__init__(mod, spec, schedule)
         mod.rendered = renderer.render.__wrapped__(spec)
     finally:
         renderer._env = real  # type: ignore[assignment]

@@ -154,11 +154,10 @@ class EmuModule:
         return int(fn())
 
     def race_gate(self, gate: int) -> None:
-        """Racecheck modules: select the barrier gate ``fagen_emu_race_gate(gate)`` that becomes a
-        marker and skips its barrier in the following launches; -1 opens every gate, -2 makes
-        every gate a marker that keeps its barrier (which gates a launch passes)."""
-        if not self.racecheck:
-            raise EmulatorError("race_gate needs a module built with build(..., racecheck=True)")
+        """Select the barrier gate ``fagen_emu_race_gate(gate)`` that skips its barrier in the
+        following launches (in a racecheck module a marker takes its place); -1 opens every gate,
+        -2 makes every gate a marker that keeps its barrier (racecheck: which gates a launch
+        passes)."""
         if isinstance(gate, bool) or not isinstance(gate, int) or gate < -2:
             raise EmulatorError(f"race_gate: gate must be an int >= -2, got {gate!r}")
         fn = self._load().fagen_emu_race_gate_select

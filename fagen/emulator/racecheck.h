@@ -45,17 +45,27 @@ namespace fagen_emu {
 // barrier prevented names the marker. In other builds it does nothing.
 FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line);
 // A barrier behind a *gate*: ``fagen_emu_race_gate(i) ? barrier : (void)0``.
-// The gate numbered fagen_emu_race_gate_select(i) (exported below) turns into a
-// marker and skips its barrier; -2 makes every gate a marker that keeps its
+// The gate numbered fagen_emu_race_gate_select(i) (exported below) skips its
+// barrier, a marker in its place; -2 makes every gate a marker that keeps its
 // barrier (which gates a run passes); -1 (the default) opens every gate. One
-// build then asks of each of its barriers in turn whether it is load-bearing.
-FAGEN_EMU_NO_TSAN bool race_gate(int gate, const char* file, int line);
+// build then asks of each of its barriers in turn whether it is load-bearing
+// (in every build; the markers count in racecheck builds only).
+static int race_gate_selected = -1;
+FAGEN_EMU_NO_TSAN inline bool race_gate(int gate, const char* file, int line) {
+    if (race_gate_selected == -1 || (race_gate_selected != -2 && gate != race_gate_selected)) return true;
+    race_marker(file, line);
+    return race_gate_selected == -2;
+}
 }  // namespace fagen_emu
+
+// Selects the gate that skips its barrier (-1: none; -2: every gate marks, none skips).
+extern "C" __attribute__((visibility("default"))) void fagen_emu_race_gate_select(int gate) {
+    fagen_emu::race_gate_selected = gate;
+}
 
 #if !defined(FAGEN_EMU_RACECHECK)
 namespace fagen_emu {
 FAGEN_EMU_NO_TSAN void race_marker(const char*, int) {}
-FAGEN_EMU_NO_TSAN bool race_gate(int, const char*, int) { return true; }
 }  // namespace fagen_emu
 #else
 #include <dlfcn.h>
@@ -752,18 +762,7 @@ FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line) {
     ++race::T.sites[s & 0x7fffffffu].marks;
     race::tick(g.cur->index, s);
 }
-static int race_gate_selected = -1;  // see race_gate
-FAGEN_EMU_NO_TSAN bool race_gate(int gate, const char* file, int line) {
-    if (race_gate_selected == -1 || (race_gate_selected != -2 && gate != race_gate_selected)) return true;
-    race_marker(file, line);
-    return race_gate_selected == -2;
-}
 }  // namespace fagen_emu
-
-// Selects the gate that skips its barrier (-1: none; -2: every gate marks, none skips).
-extern "C" __attribute__((visibility("default"))) void fagen_emu_race_gate_select(int gate) {
-    fagen_emu::race_gate_selected = gate;
-}
 
 extern "C" __attribute__((visibility("default"))) unsigned long long fagen_emu_race_markers() {
     return fagen_emu::race::T.markers;
