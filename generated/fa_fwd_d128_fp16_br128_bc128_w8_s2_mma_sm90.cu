@@ -929,6 +929,13 @@ struct FwdTileCopy {
 
     FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
 
+    // Can a slice at base with row stride stride_s take the cp.async paths (interior, edge)? Base and
+    // row stride 16-byte aligned and a pass's row step, ROW_STEP rows, at most 2^31 - 1 bytes (else:
+    // element copies).
+    FA_DEVICE static bool vec_ok(const T* base, long long stride_s) {
+        return mma_vec_ok(base, stride_s) && stride_s >= 0 && stride_s <= 0x7fffffffll / (ROW_STEP * (long long)sizeof(T));
+    }
+
     // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
     FA_DEVICE const T* base(long long stride_s) const {
         return src - ((long long)first_row() * stride_s + column());
@@ -948,9 +955,13 @@ struct FwdTileCopy {
         const long long step = (long long)ROW_STEP * stride_s;
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
+        // chunk it's source is one wide multiply-add, s + it x (the pass's row step in bytes, which
+        // vec_ok keeps within 32 bits): IMAD.WIDE instead of a 64-bit add chain.
+        const int sb = (int)(step * (long long)sizeof(T));
+        const char* s8 = reinterpret_cast<const char*>(s);
 #pragma unroll
         for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
@@ -1032,6 +1043,20 @@ FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
     *f1 = (int)z;
 }
 
+// x, as a value the compiler cannot re-derive from its inputs: a loop-invariant held in a register
+// over the K/V loop instead of recomputed (rematerialised) every step.
+// 32-row warps leave them to the compiler: their fragments take the registers.
+FA_DEVICE int fwd_opaque(int x, bool always = false) {
+#ifdef FAGEN_EMULATOR
+    return x;
+#else
+    if (WARP_M_TILES == 2 && !always) return x;
+    int y;
+    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+#endif
+}
+
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 }  // namespace fa
 
@@ -1102,7 +1127,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     if (IS_VARLEN && i0 >= si.len_q) return;
     const int len_q = si.len_q, len_k = si.len_k;
     const int wrow = warp * WROWS;  // this warp's Q rows within the block
-    const bool active = wrow < BLOCK_R;  // warp-uniform: warps past the block own no rows
+    // warp-uniform: warps past the block own no rows (none when the warps tile it exactly)
+    const bool active = (MT == 1 && BLOCK_R >= WROWS * NUM_WARPS) || wrow < BLOCK_R;
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
     // Without a score modification the softmax runs on the raw q.k accumulator and folds
@@ -1118,7 +1144,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
-    const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
+    const bool k_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(k_bh, stride_k_s)) != 0,
+               v_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(v_bh, stride_v_s)) != 0;
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
     const FwdTileCopy<BLOCK_C> copy_k(k_bh, stride_k_s), copy_v(v_bh, stride_v_s);
 
@@ -1130,6 +1157,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     int j_begin, j_end, jf0, jf1;
     q_block_kv_range(i0, mp, &j_begin, &j_end);
     fwd_full_range(i0, mp, &jf0, &jf1);
+    jf0 = fwd_opaque(jf0, true);  // held over the loop (the compiler would re-derive them every step)
+    jf1 = fwd_opaque(jf1, true);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
@@ -1174,7 +1203,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // sum, one HMMA per 16 keys). With dropout the keep mask hides the dropped P~ from the GEMM and a
     // second per-lane sum would cost the register budget: O is divided by l_r there.
     float m_r[MT][2], l_r[MT][2], l_acc[MT][4];
-    const unsigned ones = mma_pack(1.f, 1.f);
+    const unsigned ones = (unsigned)fwd_opaque((int)mma_pack(1.f, 1.f));
     // With a data mask, bit 2 mt + r of seen: has row (mt, r) an allowed key (in this lane's columns)?
     // Without one a row's allowed keys follow from the rule (fwd_row_keys) and are all visited.
     unsigned seen = 0u;
@@ -1187,7 +1216,17 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             l_acc[mt][2 * r] = l_acc[mt][2 * r + 1] = 0.f;
         }
 
+    // The lanes' ldmatrix row offsets (elements) in Q_i (this warp's rows) and in a K_j / V_j stage,
+    // held over the loop: a fragment is then that offset plus a constant (mma_load_a,
+    // mma_load_b_nmajor, mma_load_b_kmajor's addressing).
+    // (32-row warps: derived in the step, where the compiler places them.)
+    const int q_lane0 = fwd_opaque((wrow + (lane & 15)) * LD + (lane >> 4) * 8);
+    const int k_lane0 = fwd_opaque(((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
+    const int v_lane0 = fwd_opaque(((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
+        const int q_lane = MT == 1 ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
+        const int k_lane = MT == 1 ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
+        const int v_lane = MT == 1 ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
@@ -1220,11 +1259,11 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
                     unsigned a[4];
-                    mma_load_a(a, s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                    fa_ldmatrix_x4(a, s.q + q_lane + 16 * mt * LD + kk * 16);
 #pragma unroll
                     for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                         unsigned bk[4];
-                        mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+                        fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
                         mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
                         mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
                     }
@@ -1239,13 +1278,13 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
                         for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
                     } else {
-                        mma_load_a(a[mt], s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                        fa_ldmatrix_x4(a[mt], s.q + q_lane + 16 * mt * LD + kk * 16);
                     }
                 }
 #pragma unroll
                 for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                     unsigned bk[4];
-                    mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+                    fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
@@ -1363,7 +1402,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
             for (int nd = 0; nd < DPAD / 16; ++nd) {
                 unsigned bv[4];
-                mma_load_b_kmajor(bv, sv, LD, kc * 16, nd * 16, lane);
+                fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);

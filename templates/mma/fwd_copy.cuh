@@ -23,6 +23,13 @@ struct FwdTileCopy {
 
     FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
 
+    // Can a slice at base with row stride stride_s take the cp.async paths (interior, edge)? Base and
+    // row stride 16-byte aligned and a pass's row step, ROW_STEP rows, at most 2^31 - 1 bytes (else:
+    // element copies).
+    FA_DEVICE static bool vec_ok(const T* base, long long stride_s) {
+        return mma_vec_ok(base, stride_s) && stride_s >= 0 && stride_s <= 0x7fffffffll / (ROW_STEP * (long long)sizeof(T));
+    }
+
     // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
     FA_DEVICE const T* base(long long stride_s) const {
         return src - ((long long)first_row() * stride_s + column());
@@ -42,9 +49,13 @@ struct FwdTileCopy {
         const long long step = (long long)ROW_STEP * stride_s;
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
+        // chunk it's source is one wide multiply-add, s + it x (the pass's row step in bytes, which
+        // vec_ok keeps within 32 bits): IMAD.WIDE instead of a 64-bit add chain.
+        const int sb = (int)(step * (long long)sizeof(T));
+        const char* s8 = reinterpret_cast<const char*>(s);
 #pragma unroll
         for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
