@@ -911,10 +911,10 @@ namespace fa {
 // Each thread keeps one column of chunks: thread tid < ACTIVE takes column (tid % CHUNKS) * 8 of
 // rows tid / CHUNKS + it * ROW_STEP (it = 0..ITERS-1), ROW_STEP = NUM_THREADS / CHUNKS rows a pass;
 // when CHUNKS does not divide the thread count (head dims 96, 192, ...) the last
-// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's pointer plus
-// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds only
-// that pointer (the row stride is passed with each call: a kernel argument, read from the
-// constant bank), so the S and O fragments keep the registers.
+// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's first chunk plus
+// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds one
+// pointer (the row stride is passed with each call: a kernel argument, read from the constant
+// bank), so the S and O fragments keep the registers.
 template <int ROWS>
 struct FwdTileCopy {
     static constexpr int CHUNKS = DPAD / 8;
@@ -922,23 +922,32 @@ struct FwdTileCopy {
     static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
-    const T* src;  // the slice's row first_row(), column column()
+    // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
+    // thread's first chunk is derived per tile) or, with varlen (the slice's sequence offset comes
+    // from memory), the thread's own first chunk, row first_row() and column column() of the slice
+    // (ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step).
+    static constexpr bool HOLD_THREAD = IS_VARLEN;
+    const T* p;
 
     FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
     FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
-    FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
+        : p(HOLD_THREAD ? base + (long long)first_row() * stride_s + column() : base) {}
+
+    // The slice's row 0 and the thread's first chunk in it.
+    FA_DEVICE const T* base(long long stride_s) const {
+        return HOLD_THREAD ? p - ((long long)first_row() * stride_s + column()) : p;
+    }
+    FA_DEVICE const T* thread_src(long long stride_s) const {
+        return HOLD_THREAD ? p : p + (long long)first_row() * stride_s + column();
+    }
 
     // Can a slice at base with row stride stride_s take the cp.async paths (interior, edge)? Base and
     // row stride 16-byte aligned and a pass's row step, ROW_STEP rows, at most 2^31 - 1 bytes (else:
     // element copies).
     FA_DEVICE static bool vec_ok(const T* base, long long stride_s) {
         return mma_vec_ok(base, stride_s) && stride_s >= 0 && stride_s <= 0x7fffffffll / (ROW_STEP * (long long)sizeof(T));
-    }
-
-    // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
-    FA_DEVICE const T* base(long long stride_s) const {
-        return src - ((long long)first_row() * stride_s + column());
     }
 
     // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
@@ -951,14 +960,15 @@ struct FwdTileCopy {
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        const T* s = src + (long long)row0 * stride_s;
-        const long long step = (long long)ROW_STEP * stride_s;
+        // This thread's first chunk (from the tile's row 0: its byte offset in the tile, first_row()
+        // x stride + column(), and the pass's row step fit 32 bits, vec_ok). Chunk it's source is one
+        // wide multiply-add off it, s + it x step (IMAD.WIDE).
+        const int sb = (int)stride_s * (ROW_STEP * (int)sizeof(T));
+        const char* s8 = HOLD_THREAD ? reinterpret_cast<const char*>(p + (long long)row0 * stride_s)
+                                     : reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
+                                           (first_row() * (int)stride_s + column()) * (int)sizeof(T);
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
-        // chunk it's source is one wide multiply-add, s + it x (the pass's row step in bytes, which
-        // vec_ok keeps within 32 bits): IMAD.WIDE instead of a 64-bit add chain.
-        const int sb = (int)(step * (long long)sizeof(T));
-        const char* s8 = reinterpret_cast<const char*>(s);
 #pragma unroll
         for (int it = 0; it < ITERS; ++it)
             if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
@@ -968,6 +978,7 @@ struct FwdTileCopy {
     // rolled loop: it runs on the last tile of a sequence (and with key padding) only.
     FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
         const T* row_zero = base(stride_s);
+        const T* src = thread_src(stride_s);
 #pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             if (!in_tile(it)) continue;
@@ -1044,13 +1055,17 @@ FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
 }
 
 // x, as a value the compiler cannot re-derive from its inputs: a loop-invariant held in a register
-// over the K/V loop instead of recomputed (rematerialised) every step.
-// 32-row warps leave them to the compiler: their fragments take the registers.
+// over the K/V loop instead of recomputed (rematerialised) every step. Only where the registers
+// allow: FWD_HOLD (16-row warps without a score modification) for the lane offsets and flags,
+// `always` (every kernel without a score modification) for the two uniform bounds of the full-tile
+// range. Elsewhere the compiler places them (held, ptxas spilled 40 bytes at d = 64 with 32-row
+// warps, 184-296 at d = 256 with a bias on sm_80).
+constexpr bool FWD_HOLD = WARP_M_TILES == 1 && !HAS_SCORE_MOD;
 FA_DEVICE int fwd_opaque(int x, bool always = false) {
 #ifdef FAGEN_EMULATOR
     return x;
 #else
-    if (WARP_M_TILES == 2 && !always) return x;
+    if (always ? HAS_SCORE_MOD : !FWD_HOLD) return x;
     int y;
     asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
     return y;
@@ -1224,9 +1239,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int k_lane0 = fwd_opaque(((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
     const int v_lane0 = fwd_opaque(((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
-        const int q_lane = MT == 1 ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
-        const int k_lane = MT == 1 ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
-        const int v_lane = MT == 1 ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+        const int q_lane = FWD_HOLD ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
+        const int k_lane = FWD_HOLD ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
+        const int v_lane = FWD_HOLD ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
