@@ -911,10 +911,10 @@ namespace fa {
 // Each thread keeps one column of chunks: thread tid < ACTIVE takes column (tid % CHUNKS) * 8 of
 // rows tid / CHUNKS + it * ROW_STEP (it = 0..ITERS-1), ROW_STEP = NUM_THREADS / CHUNKS rows a pass;
 // when CHUNKS does not divide the thread count (head dims 96, 192, ...) the last
-// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's pointer plus
-// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds only
-// that pointer (the row stride is passed with each call: a kernel argument, read from the
-// constant bank), so the S and O fragments keep the registers.
+// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's first chunk plus
+// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds one
+// pointer (the row stride is passed with each call: a kernel argument, read from the constant
+// bank), so the S and O fragments keep the registers.
 template <int ROWS>
 struct FwdTileCopy {
     static constexpr int CHUNKS = DPAD / 8;
@@ -922,16 +922,32 @@ struct FwdTileCopy {
     static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
-    const T* src;  // the slice's row first_row(), column column()
+    // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
+    // thread's first chunk is derived per tile) or, with varlen (the slice's sequence offset comes
+    // from memory), the thread's own first chunk, row first_row() and column column() of the slice
+    // (ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step).
+    static constexpr bool HOLD_THREAD = IS_VARLEN;
+    const T* p;
 
     FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
     FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
-    FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
+        : p(HOLD_THREAD ? base + (long long)first_row() * stride_s + column() : base) {}
 
-    // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
+    // The slice's row 0 and the thread's first chunk in it.
     FA_DEVICE const T* base(long long stride_s) const {
-        return src - ((long long)first_row() * stride_s + column());
+        return HOLD_THREAD ? p - ((long long)first_row() * stride_s + column()) : p;
+    }
+    FA_DEVICE const T* thread_src(long long stride_s) const {
+        return HOLD_THREAD ? p : p + (long long)first_row() * stride_s + column();
+    }
+
+    // Can a slice at base with row stride stride_s take the cp.async paths (interior, edge)? Base and
+    // row stride 16-byte aligned and a pass's row step, ROW_STEP rows, at most 2^31 - 1 bytes (else:
+    // element copies).
+    FA_DEVICE static bool vec_ok(const T* base, long long stride_s) {
+        return mma_vec_ok(base, stride_s) && stride_s >= 0 && stride_s <= 0x7fffffffll / (ROW_STEP * (long long)sizeof(T));
     }
 
     // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
@@ -944,19 +960,25 @@ struct FwdTileCopy {
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        const T* s = src + (long long)row0 * stride_s;
-        const long long step = (long long)ROW_STEP * stride_s;
+        // This thread's first chunk (from the tile's row 0: its byte offset in the tile, first_row()
+        // x stride + column(), and the pass's row step fit 32 bits, vec_ok). Chunk it's source is one
+        // wide multiply-add off it, s + it x step (IMAD.WIDE).
+        const int sb = (int)stride_s * (ROW_STEP * (int)sizeof(T));
+        const char* s8 = HOLD_THREAD ? reinterpret_cast<const char*>(p + (long long)row0 * stride_s)
+                                     : reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
+                                           (first_row() * (int)stride_s + column()) * (int)sizeof(T);
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
         for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
     // rolled loop: it runs on the last tile of a sequence (and with key padding) only.
     FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
         const T* row_zero = base(stride_s);
+        const T* src = thread_src(stride_s);
 #pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             if (!in_tile(it)) continue;
@@ -1032,6 +1054,24 @@ FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
     *f1 = (int)z;
 }
 
+// x, as a value the compiler cannot re-derive from its inputs: a loop-invariant held in a register
+// over the K/V loop instead of recomputed (rematerialised) every step. Only where the registers
+// allow: FWD_HOLD (16-row warps without a score modification) for the lane offsets and flags,
+// `always` (every kernel without a score modification) for the two uniform bounds of the full-tile
+// range. Elsewhere the compiler places them (held, ptxas spilled 40 bytes at d = 64 with 32-row
+// warps, 184-296 at d = 256 with a bias on sm_80).
+constexpr bool FWD_HOLD = WARP_M_TILES == 1 && !HAS_SCORE_MOD;
+FA_DEVICE int fwd_opaque(int x, bool always = false) {
+#ifdef FAGEN_EMULATOR
+    return x;
+#else
+    if (always ? HAS_SCORE_MOD : !FWD_HOLD) return x;
+    int y;
+    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+#endif
+}
+
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 }  // namespace fa
 
@@ -1102,7 +1142,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     if (IS_VARLEN && i0 >= si.len_q) return;
     const int len_q = si.len_q, len_k = si.len_k;
     const int wrow = warp * WROWS;  // this warp's Q rows within the block
-    const bool active = wrow < BLOCK_R;  // warp-uniform: warps past the block own no rows
+    // warp-uniform: warps past the block own no rows (none when the warps tile it exactly)
+    const bool active = (MT == 1 && BLOCK_R >= WROWS * NUM_WARPS) || wrow < BLOCK_R;
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
     // Without a score modification the softmax runs on the raw q.k accumulator and folds
@@ -1118,7 +1159,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
-    const bool k_vec = mma_vec_ok(k_bh, stride_k_s), v_vec = mma_vec_ok(v_bh, stride_v_s);
+    const bool k_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(k_bh, stride_k_s)) != 0,
+               v_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(v_bh, stride_v_s)) != 0;
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
     const FwdTileCopy<BLOCK_C> copy_k(k_bh, stride_k_s), copy_v(v_bh, stride_v_s);
 
@@ -1130,6 +1172,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     int j_begin, j_end, jf0, jf1;
     q_block_kv_range(i0, mp, &j_begin, &j_end);
     fwd_full_range(i0, mp, &jf0, &jf1);
+    jf0 = fwd_opaque(jf0, true);  // held over the loop (the compiler would re-derive them every step)
+    jf1 = fwd_opaque(jf1, true);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
@@ -1174,7 +1218,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // sum, one HMMA per 16 keys). With dropout the keep mask hides the dropped P~ from the GEMM and a
     // second per-lane sum would cost the register budget: O is divided by l_r there.
     float m_r[MT][2], l_r[MT][2], l_acc[MT][4];
-    const unsigned ones = mma_pack(1.f, 1.f);
+    const unsigned ones = (unsigned)fwd_opaque((int)mma_pack(1.f, 1.f));
     // With a data mask, bit 2 mt + r of seen: has row (mt, r) an allowed key (in this lane's columns)?
     // Without one a row's allowed keys follow from the rule (fwd_row_keys) and are all visited.
     unsigned seen = 0u;
@@ -1187,7 +1231,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             l_acc[mt][2 * r] = l_acc[mt][2 * r + 1] = 0.f;
         }
 
+    // The lanes' ldmatrix row offsets (elements) in Q_i (this warp's rows) and in a K_j / V_j stage,
+    // held over the loop: a fragment is then that offset plus a constant (mma_load_a,
+    // mma_load_b_nmajor, mma_load_b_kmajor's addressing).
+    // (32-row warps: derived in the step, where the compiler places them.)
+    const int q_lane0 = fwd_opaque((wrow + (lane & 15)) * LD + (lane >> 4) * 8);
+    const int k_lane0 = fwd_opaque(((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
+    const int v_lane0 = fwd_opaque(((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
     for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
+        const int q_lane = FWD_HOLD ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
+        const int k_lane = FWD_HOLD ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
+        const int v_lane = FWD_HOLD ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
         const int cur = it % STAGES, nxt = (it + 1) % STAGES;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
@@ -1220,11 +1274,11 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
                     unsigned a[4];
-                    mma_load_a(a, s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                    fa_ldmatrix_x4(a, s.q + q_lane + 16 * mt * LD + kk * 16);
 #pragma unroll
                     for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                         unsigned bk[4];
-                        mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+                        fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
                         mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
                         mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
                     }
@@ -1239,13 +1293,13 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
                         for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
                     } else {
-                        mma_load_a(a[mt], s.q, LD, wrow + 16 * mt, kk * 16, lane);
+                        fa_ldmatrix_x4(a[mt], s.q + q_lane + 16 * mt * LD + kk * 16);
                     }
                 }
 #pragma unroll
                 for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                     unsigned bk[4];
-                    mma_load_b_nmajor(bk, sk, LD, n2 * 16, kk * 16, lane);
+                    fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
@@ -1363,7 +1417,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
             for (int nd = 0; nd < DPAD / 16; ++nd) {
                 unsigned bv[4];
-                mma_load_b_kmajor(bv, sv, LD, kc * 16, nd * 16, lane);
+                fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);

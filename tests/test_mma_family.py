@@ -224,6 +224,31 @@ def test_unaligned_slices_fall_back_to_element_copies() -> None:
         assert torch.equal(a, b)
 
 
+def test_forward_row_stride_past_the_32_bit_pass_step_takes_element_copies() -> None:
+    """The forward's K/V cp.async paths address a thread's chunks in 32 bits off the tile's row 0
+    (FwdTileCopy::vec_ok): a 16-byte-aligned row stride whose pass of ROW_STEP rows exceeds 2^31 - 1
+    bytes (the K/V slices then span gigabytes: here 3 rows of one shared buffer) is copied with
+    64-bit addressing and gives exactly the contiguous layout's result."""
+    torch.manual_seed(5)
+    d, n = 16, 3
+    spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", impl="mma", block_r=128, block_c=128, num_warps=8)
+    row_step = 32 * spec.num_warps // (d // 8)  # 128 rows a pass
+    stride = ((2**31 - 1) // (row_step * 2) // 8 + 1) * 8  # the least multiple of 8 elements past the limit
+    assert stride * row_step * 2 > 2**31 - 1 and stride % 8 == 0
+    q = torch.randn(1, n, 1, d, dtype=torch.float16)
+    buf = torch.empty(stride * (n - 1) + d, dtype=torch.float16)
+    k, v = (torch.as_strided(buf, (1, n, 1, d), (0, stride, d, 1)) for _ in range(2))
+    k_c, v_c = torch.randn(1, n, 1, d, dtype=torch.float16), torch.randn(1, n, 1, d, dtype=torch.float16)
+    k_buf = buf.clone()
+    torch.as_strided(k_buf, (1, n, 1, d), (0, stride, d, 1)).copy_(k_c)
+    torch.as_strided(buf, (1, n, 1, d), (0, stride, d, 1)).copy_(v_c)
+    k = torch.as_strided(k_buf, (1, n, 1, d), (0, stride, d, 1))
+    assert k.stride(1) == stride and torch.equal(k, k_c) and torch.equal(v, v_c)
+    o, lse = F.run_forward(spec, q, k, v)
+    o_c, lse_c = F.run_forward(spec, q, k_c, v_c)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+
+
 @pytest.mark.parametrize("dtype,causal,p", [("float16", True, 0.0), ("bfloat16", False, 0.2)])
 def test_gqa_through_the_mma_kernels(dtype: str, causal: bool, p: float) -> None:
     """k, v with fewer heads (GQA): the forward reads K/V head h / (H / H_kv); the backward CTA of a
@@ -483,7 +508,10 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
 
 @pytest.mark.parametrize("arch,d,flags,tile,q_regs", [
     ("sm_90", 64, {}, (128, 128, 4), False),  # FlashAttention-2's 128x128 / 4 warps: 32-row warps
-    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 8), True),  # masked: 16-row warps (NVRTC 12 spills 32)
+    ("sm_90", 64, {"causal": True}, (128, 128, 4), False),  # causal's one bound per row fits 32-row warps
+    ("sm_90", 32, {"causal": True, "varlen": True}, (128, 128, 4), False),
+    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 8), True),  # a window's two bounds: 16-row warps
+    ("sm_90", 32, {"window": True}, (128, 128, 8), True),  # (ptxas spills 32-row warps beside them)
     ("sm_80", 64, {}, (128, 128, 8), True),  # ptxas spills 32-row warps on sm_80: 8 warps of 16 rows
     ("sm_100", 64, {}, (128, 128, 8), True),
     ("sm_90", 64, {"dropout": True}, (64, 128, 4), True),  # per-element state: 16-row warps, 4 of them

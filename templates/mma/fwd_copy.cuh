@@ -5,10 +5,10 @@ namespace fa {
 // Each thread keeps one column of chunks: thread tid < ACTIVE takes column (tid % CHUNKS) * 8 of
 // rows tid / CHUNKS + it * ROW_STEP (it = 0..ITERS-1), ROW_STEP = NUM_THREADS / CHUNKS rows a pass;
 // when CHUNKS does not divide the thread count (head dims 96, 192, ...) the last
-// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's pointer plus
-// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds only
-// that pointer (the row stride is passed with each call: a kernel argument, read from the
-// constant bank), so the S and O fragments keep the registers.
+// NUM_THREADS - ACTIVE threads copy nothing. So a chunk's source is the thread's first chunk plus
+// it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds one
+// pointer (the row stride is passed with each call: a kernel argument, read from the constant
+// bank), so the S and O fragments keep the registers.
 template <int ROWS>
 struct FwdTileCopy {
     static constexpr int CHUNKS = DPAD / 8;
@@ -16,16 +16,32 @@ struct FwdTileCopy {
     static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
-    const T* src;  // the slice's row first_row(), column column()
+    // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
+    // thread's first chunk is derived per tile) or, with varlen (the slice's sequence offset comes
+    // from memory), the thread's own first chunk, row first_row() and column column() of the slice
+    // (ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step).
+    static constexpr bool HOLD_THREAD = IS_VARLEN;
+    const T* p;
 
     FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
     FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
-    FA_DEVICE FwdTileCopy(const T* base, long long stride_s) : src(base + (long long)first_row() * stride_s + column()) {}
+    FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
+        : p(HOLD_THREAD ? base + (long long)first_row() * stride_s + column() : base) {}
 
-    // The slice's row 0 (recomputed from src: the loop holds one pointer per tensor).
+    // The slice's row 0 and the thread's first chunk in it.
     FA_DEVICE const T* base(long long stride_s) const {
-        return src - ((long long)first_row() * stride_s + column());
+        return HOLD_THREAD ? p - ((long long)first_row() * stride_s + column()) : p;
+    }
+    FA_DEVICE const T* thread_src(long long stride_s) const {
+        return HOLD_THREAD ? p : p + (long long)first_row() * stride_s + column();
+    }
+
+    // Can a slice at base with row stride stride_s take the cp.async paths (interior, edge)? Base and
+    // row stride 16-byte aligned and a pass's row step, ROW_STEP rows, at most 2^31 - 1 bytes (else:
+    // element copies).
+    FA_DEVICE static bool vec_ok(const T* base, long long stride_s) {
+        return mma_vec_ok(base, stride_s) && stride_s >= 0 && stride_s <= 0x7fffffffll / (ROW_STEP * (long long)sizeof(T));
     }
 
     // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
@@ -38,19 +54,25 @@ struct FwdTileCopy {
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        const T* s = src + (long long)row0 * stride_s;
-        const long long step = (long long)ROW_STEP * stride_s;
+        // This thread's first chunk (from the tile's row 0: its byte offset in the tile, first_row()
+        // x stride + column(), and the pass's row step fit 32 bits, vec_ok). Chunk it's source is one
+        // wide multiply-add off it, s + it x step (IMAD.WIDE).
+        const int sb = (int)stride_s * (ROW_STEP * (int)sizeof(T));
+        const char* s8 = HOLD_THREAD ? reinterpret_cast<const char*>(p + (long long)row0 * stride_s)
+                                     : reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
+                                           (first_row() * (int)stride_s + column()) * (int)sizeof(T);
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
         for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, s + it * step, col_ok);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
     // rolled loop: it runs on the last tile of a sequence (and with key padding) only.
     FA_DEVICE void edge(T* dst, int row0, int n, long long stride_s, const unsigned char* kpm_row) const {
         const T* row_zero = base(stride_s);
+        const T* src = thread_src(stride_s);
 #pragma unroll 1
         for (int it = 0; it < ITERS; ++it) {
             if (!in_tile(it)) continue;

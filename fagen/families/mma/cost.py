@@ -61,11 +61,12 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     hmma = mt * (kd * (block_c // 8) + (block_c // 16) * (dp // 8))  # S = Q K^T, O += P V
     ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
     # per score: max, FFMA, exp2, sum and half a pack (5; dropout's keep bits 10 more); per O element one
-    # rescale multiply a step; per 16-byte K/V chunk ~3 (pointer step, issue), ~40 per step (barrier,
-    # stage and loop bookkeeping); l = rowsum(P~) without dropout: one HMMA per 16 keys and m16 tile.
+    # rescale multiply a step; per 16-byte K/V chunk 2 (its source one wide multiply-add off the thread's
+    # row pointer, the cp.async), ~40 per step (barrier, the copies' set-up, stage and loop bookkeeping);
+    # l = rowsum(P~) without dropout: one HMMA per 16 keys and m16 tile.
     chunks = 2 * block_c * (dp // 8) / (32 * w)  # 16-byte cp.async per warp (K_j and V_j)
     ones = 0 if fs.has("dropout") else mt * (block_c // 16)
     elementwise = (mt * ((block_c // 8) * 4 * (5 + (10 if fs.has("dropout") else 0)) + (dp // 8) * 4)
-                   + 3 * chunks + 40 + ones)
+                   + 2 * chunks + 40 + ones)
     return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
                     warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)
