@@ -181,10 +181,23 @@ def bwd_split_mask(head_dim: int, flags: frozenset[str], block_r: int) -> bool:
     return padded_dim(head_dim) in BWD_SPLIT_CHUNK_DIMS and not flags & SCORE_MOD_FLAGS and block_r % 32 == 0
 
 
+def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
+    """Backward: 16-Q-row sub-chunks per chunk of the main kernel (``BWD_CHUNK_SUB``): 2 where the
+    K_j / V_j A-fragments are read from smem per chunk (``kv_in_regs`` off) and the chunk loop would
+    do two chunks per trip: each A-fragment then feeds the S^T / dP^T tiles of 32 Q rows, one ldmatrix
+    per 4 HMMAs instead of 2 (d = 128: 0.72 -> 0.52 ldmatrix per HMMA in the chunk loop, the
+    registers the two unrolled 16-row chunks took); else 1."""
+    two = bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"}
+    return 2 if two and not kv_in_regs(head_dim) and block_r % 32 == 0 else 1
+
+
 def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int) -> int:
-    """Backward: 16-Q-row chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
+    """Backward: chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
     overhead, constant offsets within a trip) with split chunk code, without dropout and outside the
-    deterministic backward, else 1. A whole Q block unrolled spills at 4 warps."""
+    deterministic backward, for 16-row chunks (``bwd_chunk_sub`` 1), else 1. A whole Q block unrolled
+    spills at 4 warps."""
+    if bwd_chunk_sub(head_dim, flags, block_r) > 1:
+        return 1
     return 2 if bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"} else 1
 
 
