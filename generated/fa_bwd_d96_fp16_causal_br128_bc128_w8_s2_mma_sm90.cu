@@ -1312,12 +1312,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
         }
         fa_cp_async_commit();
-        // The loop's lse / D loads of the next step (row i0 + BLOCK_R + tid): cursors advanced per step
-        // (with a data mask, whose addressing takes the registers, indexed from lse_bh / delta_bh).
-        const float* lse_nx = lse_bh + (i_begin + BLOCK_R + tid);
-        const float* delta_nx = delta_bh + (i_begin + BLOCK_R + tid);
-        auto lse_at = [&](int row) { return HAS_DATA_MASK ? lse_bh[row] : *lse_nx; };
-        auto delta_at = [&](int row) { return HAS_DATA_MASK ? delta_bh[row] : *delta_nx; };
 
         for (int i0 = i_begin, it = 0; i0 < i_end; i0 += BLOCK_R, ++it) {
             const int cur = it % STAGES, nxt = (it + 1) % STAGES;
@@ -1342,15 +1336,13 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const int row = i0 + BLOCK_R + tid;
                 if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
                     if (tid < BLOCK_R) {
-                        s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_at(row)) : -fa_neg_inf();
-                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_at(row) * d_stage : 0.f;
+                        s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
                     }
                 } else if (tid < BLOCK_R && row < len_q) {
-                    next_lse = lse_at(row);
-                    next_delta = delta_at(row) * d_stage;
+                    next_lse = lse_bh[row];
+                    next_delta = delta_bh[row] * d_stage;
                 }
-                lse_nx += BLOCK_R;
-                delta_nx += BLOCK_R;
             }
             fa_cp_async_commit();
 

@@ -191,7 +191,7 @@ def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
     (``kv_in_regs`` off), without dropout, the deterministic backward, a score modification, a data
     mask (key padding, attn_mask) or a window beside varlen, on Q blocks of whole 32-row chunks: each
     A-fragment then feeds the S^T / dP^T tiles of 32 Q rows, one ldmatrix per 4 HMMAs instead of 2
-    (benchmarks/sass_cost.py, sm_90: d = 128 743 -> 717, d = 96 1002 -> 952 instructions per 1e6
+    (benchmarks/sass_cost.py, sm_90: d = 128 755 -> 719 with DQ_2D, d = 96 1002 -> 959 instructions per 1e6
     FLOPs; at d = 128 in the registers the two unrolled 16-row chunks took); else 1. Measured with
     ptxas (sm_80, sm_90, sm_100, sm_120): no spills there."""
     dp = padded_dim(head_dim)
