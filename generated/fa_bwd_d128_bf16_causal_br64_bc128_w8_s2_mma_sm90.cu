@@ -360,7 +360,8 @@ constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of 
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
 constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
-constexpr int BWD_CHUNK_UNROLL = 2;  // 16-Q-row chunks per trip of the chunk loop
+constexpr int BWD_CHUNK_SUB = 2;  // 16-Q-row sub-chunks per chunk of the chunk loop
+constexpr int BWD_CHUNK_UNROLL = 1;  // chunks per trip of the chunk loop
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -943,8 +944,13 @@ namespace fa {
 // 16 K/V rows [16w, 16w + 16) of the block and keeps its dK~, dV~ rows in fp32
 // registers (in smem, fragment order, when the head dim is too wide for registers).
 static_assert(STAGES == 1 || STAGES == 2, "Q_i / dO_i / lse_i / D_i pipeline depth (knob 'stages')");
-// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS, LSE_NOW, BWD_SPLIT_MASK and BWD_CHUNK_UNROLL: decided by fagen.families.mma (header).
+// DS_LD (dS^T row stride), ACC_IN_SMEM, KV_IN_REGS, LSE_NOW, BWD_SPLIT_MASK, BWD_CHUNK_SUB and BWD_CHUNK_UNROLL:
+// decided by fagen.families.mma (header).
 constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
+// A chunk of the main kernel is BWD_CHUNK_SUB x 16 Q rows: each K_j / V_j A-fragment read from smem
+// (KV_IN_REGS off) feeds the S^T / dP^T tiles of all its 16-row sub-chunks.
+constexpr int CS = BWD_CHUNK_SUB, CHUNK_ROWS = 16 * BWD_CHUNK_SUB;
+static_assert((CS == 1 || CS == 2) && BLOCK_R % CHUNK_ROWS == 0, "16-row sub-chunks per chunk, whole chunks per Q block");
 static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
@@ -965,6 +971,11 @@ constexpr int DQ_WPM = NUM_WARPS > DQ_MT && NUM_WARPS % DQ_MT == 0 && DQ_NCT % (
 constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
 constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
 constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
+// DQ_2D: the warps tile dQ_i in (32 Q rows x 32 columns) blocks, one per warp (BLOCK_R / 32 x DPAD / 32
+// of them, a head dim of whole k16 steps): per k16 step of the keys a warp reads two dS and two K_j
+// fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above read 5 per 8 at 16 x 64).
+constexpr bool DQ_2D = HEAD_DIM == DPAD && BLOCK_R % 32 == 0 && DPAD % 32 == 0 &&
+                       (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS;
 static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
 
 // The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
@@ -1024,40 +1035,47 @@ FA_DEVICE void mma_bwd_full_range(int col0, const MaskParams& mp, long long* lo,
 // The main kernel's Q_i / dO_i copies with the per-thread set-up done once per head: when the threads
 // tile a stage's rows evenly (NUM_THREADS a multiple of the DPAD / 8 chunks of a row, BLOCK_R x chunks a
 // multiple of NUM_THREADS), thread tid copies chunk tid % chunks of rows tid / chunks + k * STEP_RSTEP,
-// k < STEP_ITERS, from its source pointer of row 0 (held), a step adding row0 rows. With the head dim whole
-// k16 steps and a 16-byte aligned slice an interior step issues its STEP_ITERS cp.async with no test, the
-// sequence's last (partial) block tests each row; anything else goes through mma_copy_rows (the same result).
+// k < STEP_ITERS. The steps are copied in order (row0 = first, first + BLOCK_R, ...): the plan holds the
+// thread's source pointer at the next step's first row (a cursor, advanced by BLOCK_R rows per call), so
+// an interior step's addresses are that pointer plus constant multiples of the row stride. With the head
+// dim whole k16 steps and a 16-byte aligned slice an interior step issues its STEP_ITERS cp.async with no
+// test, the sequence's last (partial) block tests each row; anything else goes through mma_copy_rows
+// (the same result).
 constexpr int STEP_CHUNKS = DPAD / 8;
 constexpr bool STEP_EVEN = NUM_THREADS % STEP_CHUNKS == 0 && (BLOCK_R * STEP_CHUNKS) % NUM_THREADS == 0;
 constexpr int STEP_RSTEP = STEP_EVEN ? NUM_THREADS / STEP_CHUNKS : 1;
 constexpr int STEP_ITERS = STEP_EVEN ? BLOCK_R * STEP_CHUNKS / NUM_THREADS : 1;
 struct MmaStepCopy {
     const T* base;     // the slice's row 0
-    const T* src;      // the thread's first chunk of row 0
+    const T* src;      // the thread's first chunk of the next step's first row (the cursor)
     long long stride;  // row stride (elements)
-    long long step;    // STEP_RSTEP rows
     int dst;           // the thread's first element in a stage
     bool vec;          // 16-byte aligned slice
 };
-FA_DEVICE MmaStepCopy mma_step_copy_plan(const T* base, long long stride_s) {
+FA_DEVICE MmaStepCopy mma_step_copy_plan(const T* base, long long stride_s, int first) {
     const int r = threadIdx.x / STEP_CHUNKS, c = (threadIdx.x % STEP_CHUNKS) * 8;
-    return {base, base + (long long)r * stride_s + c, stride_s, (long long)STEP_RSTEP * stride_s, r * LD + c,
-            mma_vec_ok(base, stride_s)};
+    return {base, base + (long long)(first + r) * stride_s + c, stride_s, r * LD + c, mma_vec_ok(base, stride_s)};
 }
-FA_DEVICE void mma_step_copy(T* stage, const MmaStepCopy& cp, int row0, int n) {
+// Copies rows [row0, row0 + BLOCK_R) (row0: the cursor's step) and advances the cursor one step.
+FA_DEVICE void mma_step_copy(T* stage, MmaStepCopy& cp, int row0, int n) {
+    // with a data mask (its addressing takes the registers) the source is derived from row0 instead
+    const T* src = HAS_DATA_MASK ? cp.base + (long long)(row0 + (int)threadIdx.x / STEP_CHUNKS) * cp.stride +
+                                       ((int)threadIdx.x % STEP_CHUNKS) * 8
+                                 : cp.src;
+    cp.src += (long long)BLOCK_R * cp.stride;
     if constexpr (STEP_EVEN && HEAD_DIM == DPAD) {
         if (cp.vec) {
-            const T* src = cp.src + (long long)row0 * cp.stride;
+            const long long step = (long long)STEP_RSTEP * cp.stride;
             T* dst = stage + cp.dst;
             if (row0 + BLOCK_R <= n) {
 #pragma unroll
-                for (int k = 0; k < STEP_ITERS; ++k) fa_cp_async_16(dst + k * STEP_RSTEP * LD, src + k * cp.step, true);
+                for (int k = 0; k < STEP_ITERS; ++k) fa_cp_async_16(dst + k * STEP_RSTEP * LD, src + k * step, true);
             } else {  // the sequence's last Q block: rows past n zero-filled (a rolled loop: edge blocks only)
                 const int r = threadIdx.x / STEP_CHUNKS;
 #pragma unroll 1
                 for (int k = 0; k < STEP_ITERS; ++k) {
                     const bool valid = row0 + r + k * STEP_RSTEP < n;
-                    fa_cp_async_16(dst + k * STEP_RSTEP * LD, valid ? src + k * cp.step : cp.base, valid);
+                    fa_cp_async_16(dst + k * STEP_RSTEP * LD, valid ? src + k * step : cp.base, valid);
                 }
             }
             return;
@@ -1234,8 +1252,11 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
     int i_begin, i_end;
     kv_block_q_range(col0, mp, &i_begin, &i_end);
-    long long full_lo, full_hi;  // the fully visible tiles: full_lo <= i0 <= full_hi
-    mma_bwd_full_range(col0, mp, &full_lo, &full_hi);
+    long long full_lo64, full_hi64;  // the fully visible tiles: full_lo <= i0 <= full_hi
+    mma_bwd_full_range(col0, mp, &full_lo64, &full_hi64);
+    // as ints (i0 is one, >= 0): the range clamped to [0, INT_MAX], an empty one staying empty
+    const int full_lo = (int)(full_lo64 < 0 ? 0 : full_lo64 > 0x7fffffffLL ? 0x7fffffffLL : full_lo64);
+    const int full_hi = (int)(full_hi64 < -1 ? -1 : full_hi64 > 0x7fffffffLL ? 0x7fffffffLL : full_hi64);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
@@ -1272,7 +1293,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31 (the dropout stream's head index)
         const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
         const T* do_bh = do_ + fa_row_offset(si.q_tok0, b, 0, h, stride_do_b, stride_do_s, stride_do_h);
-        const MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s), do_cp = mma_step_copy_plan(do_bh, stride_do_s);
+        MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s, i_begin), do_cp = mma_step_copy_plan(do_bh, stride_do_s, i_begin);
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
@@ -1333,16 +1354,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             // The lane's structural band on a partial tile (BWD_SPLIT_MASK, plain score, no data mask):
             // element (n, e) of chunk c0 is Q row i0 + 2 t4 + c0 + u, u = n * 8 + (e & 1), and key
             // col0 + wrow + g + 8 (e >> 1); it is allowed iff band_lo[e >> 1] <= u <= band_hi[e >> 1], the
-            // band shifted by 16 rows per chunk (one compare per bound against a constant u). Rows past the
+            // band shifted by CHUNK_ROWS rows per chunk (one compare per bound against a constant u). Rows past the
             // sequence need no test (Q_i, dO_i zero there, lse +inf: P and dS are 0); a key past it gets an
             // empty band.
             int band_lo[2] = {0, 0}, band_hi[2] = {BLOCK_R, BLOCK_R};  // set on partial tiles only
 
-            // 16 Q rows (two n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers. With
+            // CHUNK_ROWS Q rows (2 CS n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers. With
             // BWD_SPLIT_MASK one chunk code for fully visible tiles (no mask code) and one for partial
             // tiles, BWD_CHUNK_UNROLL chunks per trip. The chunk's lane addresses (ChunkPtrs: its B
             // fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows wrow + g,
-            // columns 2 t4) advance by 16 rows / columns per chunk: constant offsets within a trip.
+            // columns 2 t4) advance by CHUNK_ROWS rows / columns per chunk: constant offsets within a trip.
             struct ChunkPtrs {
                 const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
                 const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
@@ -1351,9 +1372,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             };
             auto chunk = [&](const int c0, const ChunkPtrs& cq, auto masked_t) {
                 const bool masked = masked_t.value;  // a constant with MmaBool, the tile's !full with MmaMasked
-                // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x 16 Q rows)
+                // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x CHUNK_ROWS Q rows)
                 // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
-                float st[2][4] = {}, dpt[2][4] = {};
+                float st[2 * CS][4] = {}, dpt[2 * CS][4] = {};
 #pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
                     unsigned ak[4], av[4], bq[4], bdo[4];
@@ -1364,12 +1385,15 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
                         mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
                     }
-                    fa_ldmatrix_x4(bq, cq.nm + kk * 16);  // mma_load_b_nmajor(bq, sq, LD, c0, kk * 16, lane)
-                    fa_ldmatrix_x4(bdo, cq.nm + DO_FROM_Q + kk * 16);
-                    mma_tile(st[0], ak, bq[0], bq[1]);
-                    mma_tile(st[1], ak, bq[2], bq[3]);
-                    mma_tile(dpt[0], av, bdo[0], bdo[1]);
-                    mma_tile(dpt[1], av, bdo[2], bdo[3]);
+#pragma unroll
+                    for (int sc = 0; sc < CS; ++sc) {  // mma_load_b_nmajor(bq, sq, LD, c0 + 16 sc, kk * 16, lane)
+                        fa_ldmatrix_x4(bq, cq.nm + sc * 16 * LD + kk * 16);
+                        fa_ldmatrix_x4(bdo, cq.nm + sc * 16 * LD + DO_FROM_Q + kk * 16);
+                        mma_tile(st[2 * sc], ak, bq[0], bq[1]);
+                        mma_tile(st[2 * sc + 1], ak, bq[2], bq[3]);
+                        mma_tile(dpt[2 * sc], av, bdo[0], bdo[1]);
+                        mma_tile(dpt[2 * sc + 1], av, bdo[2], bdo[3]);
+                    }
                 }
                 // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
                 // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
@@ -1379,11 +1403,12 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
                 // the four share the keep bits.
                 unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
+                static_assert(8 * CS <= 32, "keep bits of a chunk in one word");
                 if constexpr (HAS_DROPOUT) {
                     const int m = g & 3;
                     if ((col_offset & 3) == 0) {  // global (row, col) = (row_offset + row, col_offset + col)
 #pragma unroll
-                    for (int n = 0; n < 2; ++n) {
+                    for (int n = 0; n < 2 * CS; ++n) {
                         const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
                                                         (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
                                                         (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8),
@@ -1393,16 +1418,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                             keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
                     }
                     } else {  // the 4-key groups straddle Philox calls: one call per element
-                        for (int n = 0; n < 2; ++n)
+                        for (int n = 0; n < 2 * CS; ++n)
                             for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + MmaAccLayout::col(lane, e), key wrow + MmaAccLayout::row(lane, e)
                                 keep_bits |= (fa_dropout_keep(
                                     seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
                                     (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u) << (4 * n + e);
                     }
                 }
-                float lse2[2][2], dlt[2][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
+                float lse2[2 * CS][2], dlt[2 * CS][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
 #pragma unroll
-                for (int n = 0; n < 2; ++n) {
+                for (int n = 0; n < 2 * CS; ++n) {
                     const float2 l2 = *reinterpret_cast<const float2*>(cq.lse + n * 8);
                     const float2 d2 = *reinterpret_cast<const float2*>(cq.lse + DELTA_FROM_LSE + n * 8);
                     lse2[n][0] = l2.x;
@@ -1415,7 +1440,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
                     // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
 #pragma unroll
-                    for (int n = 0; n < 2; ++n)
+                    for (int n = 0; n < 2 * CS; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
@@ -1434,7 +1459,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         }
                 } else {
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
+                for (int n = 0; n < 2 * CS; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
                         const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
@@ -1445,7 +1470,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     }
                 if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
-                    for (int n = 0; n < 2; ++n)
+                    for (int n = 0; n < 2 * CS; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             bool ok;
@@ -1461,29 +1486,42 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         }
                 }
                 }
-                const unsigned ap[4] = {mma_pack(st[0][0], st[0][1]), mma_pack(st[0][2], st[0][3]),
-                                        mma_pack(st[1][0], st[1][1]), mma_pack(st[1][2], st[1][3])};
-                const unsigned ads[4] = {mma_pack(dpt[0][0], dpt[0][1]), mma_pack(dpt[0][2], dpt[0][3]),
-                                         mma_pack(dpt[1][0], dpt[1][1]), mma_pack(dpt[1][2], dpt[1][3])};
+                unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
+#pragma unroll
+                for (int sc = 0; sc < CS; ++sc) {
+                    ap[sc][0] = mma_pack(st[2 * sc][0], st[2 * sc][1]);
+                    ap[sc][1] = mma_pack(st[2 * sc][2], st[2 * sc][3]);
+                    ap[sc][2] = mma_pack(st[2 * sc + 1][0], st[2 * sc + 1][1]);
+                    ap[sc][3] = mma_pack(st[2 * sc + 1][2], st[2 * sc + 1][3]);
+                    ads[sc][0] = mma_pack(dpt[2 * sc][0], dpt[2 * sc][1]);
+                    ads[sc][1] = mma_pack(dpt[2 * sc][2], dpt[2 * sc][3]);
+                    ads[sc][2] = mma_pack(dpt[2 * sc + 1][0], dpt[2 * sc + 1][1]);
+                    ads[sc][3] = mma_pack(dpt[2 * sc + 1][2], dpt[2 * sc + 1][3]);
+                }
                 // dS^T -> smem for dQ (row = K/V row, column = Q row).
-                unsigned* ds_lo = reinterpret_cast<unsigned*>(cq.ds);  // rows wrow + g, wrow + g + 8
-                unsigned* ds_hi = reinterpret_cast<unsigned*>(cq.ds + 8 * DS_LD);
-                ds_lo[0] = ads[0];
-                ds_hi[0] = ads[1];
-                ds_lo[4] = ads[2];
-                ds_hi[4] = ads[3];
+#pragma unroll
+                for (int sc = 0; sc < CS; ++sc) {
+                    unsigned* ds_lo = reinterpret_cast<unsigned*>(cq.ds + 16 * sc);  // rows wrow + g, wrow + g + 8
+                    unsigned* ds_hi = reinterpret_cast<unsigned*>(cq.ds + 16 * sc + 8 * DS_LD);
+                    ds_lo[0] = ads[sc][0];
+                    ds_hi[0] = ads[sc][1];
+                    ds_lo[4] = ads[sc][2];
+                    ds_hi[4] = ads[sc][3];
+                }
                 // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
                 // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T from registers, B = Q_i via ldmatrix.trans: tau folded into dS)
 #pragma unroll
+                for (int sc = 0; sc < CS; ++sc)
+#pragma unroll
                 for (int nd = 0; nd < DPAD / 16; ++nd) {
-                    unsigned bdo[4], bq[4];
-                    fa_ldmatrix_x4_trans(bdo, cq.km + DO_FROM_Q + nd * 16);  // mma_load_b_kmajor(bdo, sdo, LD, c0, nd * 16, lane)
-                    fa_ldmatrix_x4_trans(bq, cq.km + nd * 16);
+                    unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
+                    fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
+                    fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
                     if constexpr (!ACC_IN_SMEM) {
-                        mma_tile(dv_acc[2 * nd], ap, bdo[0], bdo[1]);
-                        mma_tile(dv_acc[2 * nd + 1], ap, bdo[2], bdo[3]);
-                        mma_tile(dk_acc[2 * nd], ads, bq[0], bq[1]);
-                        mma_tile(dk_acc[2 * nd + 1], ads, bq[2], bq[3]);
+                        mma_tile(dv_acc[2 * nd], ap[sc], bdo[0], bdo[1]);
+                        mma_tile(dv_acc[2 * nd + 1], ap[sc], bdo[2], bdo[3]);
+                        mma_tile(dk_acc[2 * nd], ads[sc], bq[0], bq[1]);
+                        mma_tile(dk_acc[2 * nd + 1], ads[sc], bq[2], bq[3]);
                     } else {
                     }
                 }
@@ -1491,27 +1529,27 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             if (active) {
                 ChunkPtrs cq{sq + lane_nm, sq + lane_km, slse + MmaAccLayout::col(lane, 0), ds_l};
                 auto next = [&]() {
-                    cq.nm += 16 * LD;
-                    cq.km += 16 * LD;
-                    cq.lse += 16;
-                    cq.ds += 16;
+                    cq.nm += CHUNK_ROWS * LD;
+                    cq.km += CHUNK_ROWS * LD;
+                    cq.lse += CHUNK_ROWS;
+                    cq.ds += CHUNK_ROWS;
                 };
                 auto next_band = [&]() {  // the band relative to the next chunk's first row
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        band_lo[r] -= 16;
-                        band_hi[r] -= 16;
+                        band_lo[r] -= CHUNK_ROWS;
+                        band_hi[r] -= CHUNK_ROWS;
                     }
                 };
                 if (BWD_SPLIT_MASK && !full && !HAS_SCORE_MOD && !HAS_DATA_MASK) mma_bwd_band(band_lo, band_hi, i0 + 2 * t4, col0 + wrow + g, mp);
                 if constexpr (!BWD_SPLIT_MASK) {  // one chunk code, the mask under a branch (registers)
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaMasked{!full}); next(); }
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaMasked{!full}); next(); }
                 } else if (full) {
 #pragma unroll BWD_CHUNK_UNROLL
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaBool<false>{}); next(); }
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaBool<false>{}); next(); }
                 } else {
 #pragma unroll BWD_CHUNK_UNROLL
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += 16) { chunk(c0, cq, MmaBool<true>{}); next(); next_band(); }
+                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaBool<true>{}); next(); next_band(); }
                 }
             }
             if (!LSE_NOW && has_next && tid < BLOCK_R) {
@@ -1530,6 +1568,51 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
             // otherwise the row guards are computed once per item.
             const bool dq_unguarded = HEAD_DIM == DPAD && full;
+            if constexpr (DQ_2D) {
+                const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
+                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+                bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+                    unsigned af[2][4];
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        unsigned bk[4];
+                        mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
+#pragma unroll
+                        for (int m = 0; m < 2; ++m) {
+                            mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                            mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+                        }
+                    }
+                }
+                // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+                float* dq_row[4];
+                dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+#pragma unroll
+                for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+                if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (row_ok[q]) {
+#pragma unroll
+                            for (int c = 0; c < 4; ++c)
+                                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                        }
+                    }
+                }
+            } else
 #pragma unroll
             for (int k = 0; k < DQ_PER_WARP; ++k) {
                 const int it = warp + k * NUM_WARPS;

@@ -185,8 +185,9 @@ def test_walk_of_a_warp_specialised_listing() -> None:
                          ids=["d64-sm90", "d128-sm80"])
 def test_backward_mask_math_only_on_partial_tiles(fields: dict) -> None:
     """The default causal backward: a fully visible tile walks the chunk code without mask math (as many
-    selects as the non-causal kernel, the same instructions within 1%), and a diagonal tile adds one
-    compare and the P / dS selects per element on top: at most 1.3x an interior tile."""
+    selects as the non-causal kernel, at most 1% more instructions: ptxas's register allocation of the
+    two kernels may leave either a few moves ahead), and a diagonal tile adds one compare and the P / dS
+    selects per element on top: at most 1.3x an interior tile."""
     def walk(causal: bool, diagonal: bool):
         spec = KernelSpec(direction="bwd", dtype="float16", causal=causal, **fields)
         mod = compile(spec)
@@ -199,7 +200,7 @@ def test_backward_mask_math_only_on_partial_tiles(fields: dict) -> None:
     plain, _ = walk(False, False)
     interior, _ = walk(True, False)
     diag, elements = walk(True, True)
-    assert interior.total() == pytest.approx(plain.total(), rel=0.01)
+    assert interior.total() <= 1.01 * plain.total()
     assert interior.count("FSEL") == plain.count("FSEL")
     assert diag.count("FSEL") - interior.count("FSEL") >= 2 * elements  # P and dS of every element tested
     assert diag.total() <= 1.3 * interior.total()

@@ -24,7 +24,7 @@ from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
+                                      SUPPORTED_DTYPES, acc_in_smem, bwd_chunk_sub, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
                                       fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
@@ -32,7 +32,7 @@ from fagen.arch import ARCHS
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
-           "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "bwd_chunk_unroll",
+           "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "bwd_chunk_sub", "bwd_chunk_unroll",
            "bwd_split_mask", "dq_key_chunk", "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c",
            "fwd_default_warp_rows", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
            "pair_cost", "q_in_regs"]
@@ -202,8 +202,10 @@ class MmaFamily(FamilyBase):
                          "the next step's lse_i / D_i stored at once, not at the step's end"),
                 Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(d, fs.flags, t.block_r),
                          "separate chunk code for fully visible and partial tiles"),
+                Constant("BWD_CHUNK_SUB", "int", bwd_chunk_sub(d, fs.flags, t.block_r),
+                         "16-Q-row sub-chunks per chunk of the chunk loop"),
                 Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags, t.block_r),
-                         "16-Q-row chunks per trip of the chunk loop"),
+                         "chunks per trip of the chunk loop"),
             ]
             if fs.has("deterministic"):
                 stages = fs.knob_values.get(STAGES.name, STAGES.default)

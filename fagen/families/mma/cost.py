@@ -5,7 +5,7 @@ import math
 from collections.abc import Mapping
 
 from fagen.families.base import FamilySpec, PairCost
-from fagen.families.mma.rules import dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
+from fagen.families.mma.rules import bwd_chunk_sub, dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
     """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
@@ -20,7 +20,9 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     if fs.direction == "bwd":
         active = block_c // 16  # warps owning K/V rows
         chunks = block_r // 16  # 16 Q rows at a time
-        kv_ldsm = 0 if kv_in_regs(fs.head_dim) else 2 * kd  # K/V A-fragments from registers (KV_IN_REGS)
+        # K/V A-fragments from registers (KV_IN_REGS) or read once per chunk of BWD_CHUNK_SUB 16-row sub-chunks
+        sub = bwd_chunk_sub(fs.head_dim, fs.flags, block_r)
+        kv_ldsm = 0 if kv_in_regs(fs.head_dim) else 2 * kd / sub
         hmma = chunks * 8 * kd  # S^T, dP^T, dV~, dK~
         ldsm = chunks * (kv_ldsm + 2 * kd + 2 * kd)
         # 8 elements per lane per chunk, each: P = exp2 (one FFMA + MUFU), dS (one FFMA + FMUL), its share of
@@ -45,6 +47,9 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
             return PairCost(lds_wavefronts=4.0 * total_ldsm, warp_instructions=float(instr),
                             warp_iterations=float(total_hmma), busiest_warp_iterations=float(busiest), atomics=0.0)
         dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
+        if (fs.head_dim == dp and block_r % 32 == 0 and dp % 32 == 0
+                and (block_r // 32) * (dp // 32) == w):  # DQ_2D: 32 x 32 per warp, 2 + 2 ldmatrix per 8 HMMAs
+            dq_ldsm = dq_hmma // 2
         busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
         stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk
         total_hmma = active * hmma + dq_hmma

@@ -184,10 +184,34 @@ def bwd_split_mask(head_dim: int, flags: frozenset[str], block_r: int) -> bool:
     return padded_dim(head_dim) in BWD_SPLIT_CHUNK_DIMS and not flags & SCORE_MOD_FLAGS and block_r % 32 == 0
 
 
+#: Padded head dims past MAX_REG_KV_DIM whose backward takes 32-row chunks (``bwd_chunk_sub``).
+BWD_WIDE_CHUNK_DIMS = (96, 128)
+
+
+def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
+    """Backward: 16-Q-row sub-chunks per chunk of the main kernel (``BWD_CHUNK_SUB``): 2 at padded head
+    dims BWD_WIDE_CHUNK_DIMS, where the K_j / V_j A-fragments are read from smem per chunk
+    (``kv_in_regs`` off), without dropout, the deterministic backward, a score modification, a data
+    mask (key padding, attn_mask) or a window beside varlen, on Q blocks of whole 32-row chunks: each
+    A-fragment then feeds the S^T / dP^T tiles of 32 Q rows, one ldmatrix per 4 HMMAs instead of 2
+    (benchmarks/sass_cost.py, sm_90: d = 128 755 -> 719 with DQ_2D, d = 96 1002 -> 959 instructions per 1e6
+    FLOPs; at d = 128 in the registers the two unrolled 16-row chunks took); else 1. Measured with
+    ptxas (sm_80, sm_90, sm_100, sm_120): no spills there."""
+    dp = padded_dim(head_dim)
+    if flags & ({"dropout", "deterministic"} | SCORE_MOD_FLAGS) or {"window", "varlen"} <= flags:
+        return 1
+    if flags & {"key_padding", "attn_mask"}:
+        return 1  # their per-element loads beside 32 rows of S^T / dP^T spill 32-204 bytes on sm_100 / sm_120
+    return 2 if dp in BWD_WIDE_CHUNK_DIMS and not kv_in_regs(head_dim) and block_r % 32 == 0 else 1
+
+
 def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int) -> int:
-    """Backward: 16-Q-row chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
+    """Backward: chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
     overhead, constant offsets within a trip) with split chunk code, without dropout and outside the
-    deterministic backward, else 1. A whole Q block unrolled spills at 4 warps."""
+    deterministic backward, for 16-row chunks (``bwd_chunk_sub`` 1), else 1. A whole Q block unrolled
+    spills at 4 warps."""
+    if bwd_chunk_sub(head_dim, flags, block_r) > 1:
+        return 1
     return 2 if bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"} else 1
 
 
