@@ -192,14 +192,14 @@ def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
     """Backward: 16-Q-row sub-chunks per chunk of the main kernel (``BWD_CHUNK_SUB``): 2 at padded head
     dims BWD_WIDE_CHUNK_DIMS, where the K_j / V_j A-fragments are read from smem per chunk
     (``kv_in_regs`` off), without dropout, the deterministic backward, a score modification, a data
-    mask (key padding, attn_mask) or a window beside varlen, on Q blocks of whole 32-row chunks: each
+    mask (key padding, attn_mask) or varlen, on Q blocks of whole 32-row chunks: each
     A-fragment then feeds the S^T / dP^T tiles of 32 Q rows, one ldmatrix per 4 HMMAs instead of 2
     (benchmarks/sass_cost.py, sm_90: d = 128 755 -> 719 with DQ_2D, d = 96 1002 -> 959 instructions per 1e6
     FLOPs; at d = 128 in the registers the two unrolled 16-row chunks took); else 1. Measured with
     ptxas (sm_80, sm_90, sm_100, sm_120): no spills there."""
     dp = padded_dim(head_dim)
-    if flags & ({"dropout", "deterministic"} | SCORE_MOD_FLAGS) or {"window", "varlen"} <= flags:
-        return 1
+    if flags & ({"dropout", "deterministic", "varlen"} | SCORE_MOD_FLAGS):
+        return 1  # varlen: its per-row length state beside 32 rows spills 44-148 bytes with NVRTC 12
     if flags & {"key_padding", "attn_mask"}:
         return 1  # their per-element loads beside 32 rows of S^T / dP^T spill 32-204 bytes on sm_100 / sm_120
     return 2 if dp in BWD_WIDE_CHUNK_DIMS and not kv_in_regs(head_dim) and block_r % 32 == 0 else 1
