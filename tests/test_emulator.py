@@ -490,6 +490,51 @@ def test_cache_memo_disk_and_corruption(tmp_path: Path, monkeypatch: pytest.Monk
     assert (y == 1.5).all()
 
 
+def test_the_prelude_is_precompiled_once_and_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime, shim and CUDA headers every unit starts with are one header with its precompiled
+    header in the cache dir, made once per flag set and taken by every later build (g++ -H names the
+    .gch it reads); without a usable .gch the unit still builds the same kernels."""
+    import subprocess
+
+    import fagen.emulator.builder as emu_build
+
+    other = CACHE_SOURCE.replace("void fill(", "void fill2(").replace("= v;", "= 2 * v;")
+    pch_builds = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (pch_builds.append(cmd) if "c++-header" in cmd else None,
+                                                            real(cmd, **kw))[1])
+    m1 = build(CACHE_SOURCE, CACHE_SIGS, cache_dir=tmp_path)
+    m2 = build(other, [KernelSig("fill2", CACHE_SIGS[0].params)], cache_dir=tmp_path)
+    assert len(pch_builds) == 1  # one prelude, one flag set: one precompiled header
+    (header,) = tmp_path.glob("prelude-*.h")
+    assert header.with_name(header.name + ".gch").stat().st_size > 0
+    for m in (m1, m2):
+        assert m.path.with_suffix(".cpp").read_text().startswith(f'#include "{header.name}"')
+    cpp = m2.path.with_suffix(".cpp")
+    flags = emu_build.compile_flags(sanitize=False, debug=False) + ["-I", emu_build.cuda_include_dir()]
+    used = real([emu_build.compiler()[0], *flags, "-H", "-fsyntax-only", cpp.name], cwd=tmp_path,
+                capture_output=True, text=True)
+    assert f"! {header.name}.gch" in used.stderr.replace("./", ""), used.stderr[:500]
+    build(CACHE_SOURCE, CACHE_SIGS, sanitize=True, cache_dir=tmp_path)  # another flag set: its own
+    assert len(pch_builds) == 2 and len(list(tmp_path.glob("prelude-*.h.gch"))) == 2
+    # an unusable .gch (here: garbage) is ignored by g++, which parses the header instead
+    for gch in tmp_path.glob("prelude-*.h.gch"):
+        gch.write_bytes(b"not a precompiled header")
+    third = CACHE_SOURCE.replace("void fill(", "void fill3(").replace("= v;", "= 3 * v;")
+    m3 = build(third, [KernelSig("fill3", CACHE_SIGS[0].params)], cache_dir=tmp_path)
+    y = np.zeros(32, np.float32)
+    for m, name, want in ((m1, "fill", 1.5), (m2, "fill2", 3.0), (m3, "fill3", 4.5)):
+        m.launch(name, 1, 32, 0, [y, 1.5])
+        assert (y == want).all(), name
+    # a prelude that does not precompile: the prelude is pasted into the unit
+    monkeypatch.setattr(emu_build, "_prelude_header", lambda *a, **k: None)
+    fourth = CACHE_SOURCE.replace("void fill(", "void fill4(")
+    m4 = build(fourth, [KernelSig("fill4", CACHE_SIGS[0].params)], cache_dir=tmp_path)
+    assert "fagen CPU emulator runtime" in m4.path.with_suffix(".cpp").read_text()[:400]
+    m4.launch("fill4", 1, 32, 0, [y, 1.5])
+    assert (y == 1.5).all()
+
+
 def test_compile_error_carries_log(tmp_path: Path) -> None:
     src = PRIMITIVES + '\nextern "C" __global__ void broken(float* y) { y[0] = undefined_name; }\n'
     with pytest.raises(EmulatorBuildError) as info:

@@ -99,14 +99,54 @@ def render_wrappers(kernels: Sequence[KernelSig]) -> str:
 HOPPER_MARKER = "FAGEN_HOPPER_PRIMITIVES"
 
 
-def translation_unit(source: str, wrappers: str, stem: str) -> str:
+def prelude(source: str) -> str:
+    """What every translation unit starts with: the runtime, the shim and, for a source that
+    uses the Hopper primitives, hopper.h."""
     runtime, shim, hopper = _support_text()
     if HOPPER_MARKER not in source:
         hopper = ""
+    return f"{runtime}\n{shim}\n{hopper}\n"
+
+
+def translation_unit(source: str, wrappers: str, stem: str, prelude_header: str | None = None) -> str:
+    """The emulator's C++ for ``source``: the prelude (pasted, or ``#include``d from
+    ``prelude_header``, whose precompiled header g++ then takes), the kernel source and the
+    launch wrappers."""
+    head = f'#include "{prelude_header}"\n' if prelude_header else prelude(source)
     return (
-        f"{runtime}\n{shim}\n{hopper}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
+        f"{head}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
         f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
     )
+
+
+def _prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Path) -> str | None:
+    """The prelude as a header in ``root`` with its precompiled header beside it, built once per
+    (prelude, compiler, flags) and shared by every module built with them: g++ then skips parsing
+    the runtime, the shim and the CUDA headers (about a quarter of a module's build). None when
+    the precompiled header cannot be made (the prelude is then pasted into the unit)."""
+    name = f"prelude-{cache.digest(text, cxx_id, chr(0).join(flags))[:24]}.h"
+    header, gch = root / name, root / f"{name}.gch"
+    ok = gch.with_name(gch.name + ".ok")
+    if ok.exists() and header.exists() and gch.exists():
+        return name
+    try:
+        with cache.locked(gch):
+            if not (ok.exists() and header.exists() and gch.exists()):
+                cache.atomic_write(header, text.encode())
+                tmp = cache.temp_path(gch)
+                try:
+                    proc = subprocess.run([cxx, *(f for f in flags if f != "-shared"), "-x", "c++-header", name,
+                                           "-o", tmp.name], cwd=root, capture_output=True, text=True, check=False)
+                    if proc.returncode != 0:
+                        _log.info("no precompiled emulator prelude (%s): %s", name, proc.stderr.strip()[:200])
+                        return None
+                    os.replace(tmp, gch)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                cache.atomic_write(ok, b"")
+    except OSError:
+        return None
+    return name
 
 
 def build(
@@ -154,7 +194,9 @@ def build(
             if not _is_valid(so):  # another process may have built it meanwhile
                 _log.info("building %s%s for the CPU emulator with %s", names[0],
                           f" (+{len(names) - 1} more)" if len(names) > 1 else "", Path(cxx).name)
-                _compile(cxx, flags + ["-I", include], translation_unit(source, wrappers, stem), source, root, stem)
+                full = flags + ["-I", include]
+                pch = _prelude_header(cxx, cxx_id, full, prelude(source), root)
+                _compile(cxx, full, translation_unit(source, wrappers, stem, pch), source, root, stem)
     module = EmuModule(so, sigs, sanitized=sanitize, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
