@@ -34,6 +34,8 @@ from fagen import KernelSpec, renderer
 from fagen.emulator import EmulatorError, EmulatorRaceError, KernelSig, build
 from fagen.runtime import cpu
 
+import gates
+
 REPO = Path(__file__).resolve().parent.parent
 PRIMS = (REPO / "templates/partials/primitives.cuh").read_text() + (REPO / "templates/partials/mma.cuh").read_text()
 
@@ -522,20 +524,6 @@ def _run(spec: KernelSpec, t: dict) -> None:
                              deterministic=spec.deterministic, **t["opt"])
 
 
-def _mutated_module(spec: KernelSpec, template: str, text: str) -> cpu.CpuModule:
-    env = renderer._env().overlay(loader=__import__("jinja2").ChoiceLoader(
-        [__import__("jinja2").DictLoader({template: text}), renderer._env().loader]))
-    mod = cpu.CpuModule.__new__(cpu.CpuModule)
-    real = renderer._env
-    renderer._env = lambda: env  # type: ignore[assignment]
-    try:
-        cpu.CpuModule.__init__(mod, spec)
-        mod.rendered = renderer.render.__wrapped__(spec)
-    finally:
-        renderer._env = real  # type: ignore[assignment]
-    return mod
-
-
 def _run_with(monkeypatch, spec: KernelSpec, problem: dict, mod: cpu.CpuModule) -> cpu.RacecheckedLaunches:
     real = cpu.cpu_module
     t = _inputs(spec, problem)
@@ -606,24 +594,16 @@ def coverage() -> dict[tuple[str, int], list[int]]:
 
 def _gated_module(spec: KernelSpec, template: str) -> cpu.CpuModule:
     """``spec``'s module with every barrier site of ``template`` behind a racecheck gate
-    (``fagen_emu_race_gate(i) ? barrier : (void)0``, tagged /*FAGEN_SITE_i*/): one build asks
-    of each of them in turn whether it is load-bearing (``EmuModule.race_gate``)."""
+    (``tests/gates.py``): one build asks of each of them in turn whether it is load-bearing."""
     key = (spec, template)
     if key not in _GATED:
         text = (renderer.templates_dir() / template).read_text()
-        for off, i in sorted(((off, i) for i, (t, off, _) in enumerate(SITES) if t == template), reverse=True):
-            m = BARRIER.match(text, off)
-            text = text[:off] + f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? {m.group(0)} : (void)0)" + text[m.end():]
-        _GATED[key] = _mutated_module(spec, template, text)
+        sites = [(off, BARRIER.match(text, off).group(0), i) for i, (t, off, _) in enumerate(SITES) if t == template]
+        _GATED[key] = gates.mutated_module(spec, template, gates.gated(text, sites))
     return _GATED[key]
 
 
 _GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
-
-
-def _site_lines(mod: cpu.CpuModule, i: int) -> set[int]:
-    """The lines of the gated module's kernel source that hold site i."""
-    return {n for n, ln in enumerate(mod.rendered.source.splitlines(), 1) if f"/*FAGEN_SITE_{i}*/" in ln}
 
 
 def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) -> set[int]:
@@ -646,7 +626,7 @@ def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) ->
                     passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
             finally:
                 emu.race_gate(-1)
-            out |= {i for i, (t, _, _) in enumerate(SITES) if t == template and _site_lines(mod, i) & passed}
+            out |= {i for i, (t, _, _) in enumerate(SITES) if t == template and gates.site_lines(mod, i) & passed}
     finally:
         mp.undo()
     return out
@@ -673,7 +653,7 @@ def test_removing_a_barrier_is_a_race_naming_it(site, coverage, monkeypatch) -> 
         spec, problems = _candidates()[ci]
         mod = _gated_module(spec, template)
         emu = mod._build(sanitize=False, racecheck=True)
-        lines = _site_lines(mod, idx)
+        lines = gates.site_lines(mod, idx)
         emu.race_gate(idx)  # this barrier skipped, a marker in its place
         try:
             for problem in problems:

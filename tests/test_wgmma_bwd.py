@@ -20,6 +20,7 @@ from fagen.families.wgmma import WGMMA
 from fagen.families.wgmma.bwd import BWD_TMA, bwd_tensor_map_boxes, dq_split
 from fagen.runtime import cpu
 
+import gates
 from featref import assert_close, attention
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -224,49 +225,21 @@ def test_the_template_synchronises_at_these_sites() -> None:
     assert get_family("wgmma").template_context(_spec(**RACE_SPEC_1WG).family_spec)["constants"][-1].value is True
 
 
-def _rendered(spec: KernelSpec, text: str) -> renderer.Rendered:
-    """The spec rendered with ``text`` as the backward template."""
-    import jinja2
-
-    env = renderer._env().overlay(loader=jinja2.ChoiceLoader([jinja2.DictLoader({TEMPLATE: text}),
-                                                              renderer._env().loader]))
-    real = renderer._env
-    renderer._env = lambda: env  # type: ignore[assignment]
-    try:
-        return renderer.render.__wrapped__(spec)
-    finally:
-        renderer._env = real  # type: ignore[assignment]
-
-
-def _mutated(spec: KernelSpec, text: str) -> cpu.CpuModule:
-    mod = cpu.CpuModule.__new__(cpu.CpuModule)
-    cpu.CpuModule.__init__(mod, spec)
-    mod.rendered = _rendered(spec, text)
-    return mod
-
-
 #: Removals the emulator does not report (none: the last bulk wait, before thread 0 exits, is its
 #: check that no thread returns with a bulk store / reduce in flight).
 UNDETECTED: set[str] = set()
-
-
-def _gated_text(template: str, sites: list[tuple[int, str]]) -> str:
-    """``template`` with each synchronisation site i behind a gate:
-    ``(fagen_emu_race_gate(i) /*FAGEN_SITE_i*/ ? (void)(call) : (void)0);`` -- one build then skips
-    each in turn (``EmuModule.race_gate``)."""
-    text = (renderer.templates_dir() / template).read_text()
-    for i, (off, call) in sorted(enumerate(sites), key=lambda x: -x[1][0]):
-        text = (text[:off] + f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? (void)({call.rstrip(';')}) : (void)0);"
-                + text[off + len(call):])
-    return text
 
 
 _GATED: dict[KernelSpec, cpu.CpuModule] = {}
 
 
 def _gated(spec: KernelSpec) -> cpu.CpuModule:
+    """``spec``'s module with every synchronisation site i of the backward behind gate i
+    (``tests/gates.py``): one build skips each in turn."""
     if spec not in _GATED:
-        _GATED[spec] = _mutated(spec, _gated_text(TEMPLATE, _sync_sites()))
+        text = (renderer.templates_dir() / TEMPLATE).read_text()
+        sites = [(off, call, i) for i, (off, call) in enumerate(_sync_sites())]
+        _GATED[spec] = gates.mutated_module(spec, TEMPLATE, gates.gated(text, sites))
     return _GATED[spec]
 
 
@@ -349,7 +322,7 @@ def test_backward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> N
     real = cpu.cpu_module
     for guard, replacement, tensor in ASAN_GUARDS:
         assert text.count(guard) == 1, guard
-        mod = _mutated(spec, text.replace(guard, replacement))
+        mod = gates.mutated_module(spec, TEMPLATE, text.replace(guard, replacement))
         monkeypatch.setattr(cpu, "cpu_module", lambda s, mod=mod: mod if s == spec else real(s))
         with pytest.raises(EmulatorMemoryError, match=tensor):
             with cpu.sanitized():

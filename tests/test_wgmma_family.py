@@ -22,6 +22,7 @@ from fagen.families.wgmma import WGMMA, padded_dim, register_split, tensor_map_b
 from fagen.runtime import cpu
 from fagen.tma import TensorMapFields
 
+import gates
 from featref import assert_close, assert_lse_close, attention
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -249,14 +250,11 @@ _GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
 
 def _gated(spec: KernelSpec, schedule: str = "forward") -> cpu.CpuModule:
     """``spec``'s module in ``schedule``'s thread order, every synchronisation site i of the
-    template behind a gate (``(fagen_emu_race_gate(i) ? (void)(call) : (void)0);``): one build
-    skips each in turn (``EmuModule.race_gate``)."""
+    template behind gate i (``tests/gates.py``): one build skips each in turn."""
     if (spec, schedule) not in _GATED:
         text = (renderer.templates_dir() / TEMPLATE).read_text()
-        for i, (off, call) in sorted(enumerate(_sync_sites()), key=lambda x: -x[1][0]):
-            text = (text[:off] + f"(fagen_emu_race_gate({i}) ? (void)({call.rstrip(';')}) : (void)0);"
-                    + text[off + len(call):])
-        _GATED[(spec, schedule)] = _mutated(spec, TEMPLATE, text, schedule)
+        sites = [(off, call, i) for i, (off, call) in enumerate(_sync_sites())]
+        _GATED[(spec, schedule)] = gates.mutated_module(spec, TEMPLATE, gates.gated(text, sites), schedule)
     return _GATED[(spec, schedule)]
 
 
@@ -292,22 +290,6 @@ def _racecheck_error(mod: cpu.CpuModule, spec: KernelSpec, monkeypatch) -> Emula
     finally:
         monkeypatch.setattr(cpu, "cpu_module", real)
     return None
-
-
-def _mutated(spec: KernelSpec, template: str, text: str, schedule: str = "forward") -> cpu.CpuModule:
-    import jinja2
-
-    env = renderer._env().overlay(loader=jinja2.ChoiceLoader([jinja2.DictLoader({template: text}),
-                                                              renderer._env().loader]))
-    mod = cpu.CpuModule.__new__(cpu.CpuModule)
-    real = renderer._env
-    renderer._env = lambda: env  # type: ignore[assignment]
-    try:
-        cpu.CpuModule.__init__(mod, spec, schedule)
-        mod.rendered = renderer.render.__wrapped__(spec)
-    finally:
-        renderer._env = real  # type: ignore[assignment]
-    return mod
 
 
 # --------------------------------------------------------------------------- SASS
@@ -412,7 +394,7 @@ def test_forward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> No
     text = (renderer.templates_dir() / TEMPLATE).read_text()
     guard = "        if (row >= seqlen_q) continue;\n"
     assert text.count(guard) == 1
-    mod = _mutated(spec, TEMPLATE, text.replace(guard, ""))
+    mod = gates.mutated_module(spec, TEMPLATE, text.replace(guard, ""))
     real = cpu.cpu_module
     monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
     qs = torch.randn(1, 70, 1, 64, generator=gen).half()  # 70 rows: the tile's last 58 lie past o's end
