@@ -82,7 +82,7 @@ def disassemble(cubin: bytes) -> str | None:
 def _disassembly(cubin: bytes, tool_id: str) -> str:
     import gzip
 
-    path = _text_path(cubin, tool_id)
+    path = _sass_path("sass-text-1", cubin, tool_id, ".txt.gz")
     if path is not None:
         try:
             return gzip.decompress(path.read_bytes()).decode()
@@ -106,11 +106,12 @@ def _disassembly(cubin: bytes, tool_id: str) -> str:
     return res.stdout
 
 
-def _text_path(cubin: bytes, tool_id: str) -> Path | None:
+def _sass_path(fmt: str, cubin: bytes, tool_id: str, suffix: str) -> Path | None:
+    """Where the cache dir's ``sass/`` remembers ``fmt`` of ``cubin`` (None: nowhere to remember it)."""
     try:
         from .cache import cache_root, digest
 
-        return cache_root("sass") / f"{digest('sass-text-1', hashlib.sha256(cubin).digest(), tool_id)}.txt.gz"
+        return cache_root("sass") / f"{digest(fmt, hashlib.sha256(cubin).digest(), tool_id)}{suffix}"
     except (OSError, CacheDirError):  # no place to remember it: disassemble every time
         return None
 
@@ -202,21 +203,12 @@ def _loops(text: str) -> dict[str, tuple[int, int] | None]:
 _FORMAT = "sass-analysis-1"  # bump when what _analysis stores changes
 
 
-def _disk_path(cubin: bytes, tool: Path) -> Path | None:
-    try:
-        from .cache import cache_root, digest
-
-        return cache_root("sass") / f"{digest(_FORMAT, hashlib.sha256(cubin).digest(), _tool_id(tool))}.json"
-    except (OSError, CacheDirError):  # no place to remember it: disassemble every time
-        return None
-
-
 @functools.lru_cache(maxsize=256)
 def _analysis(cubin: bytes) -> dict | None:
     tool = nvdisasm_path()
     if tool is None:
         return None
-    path = _disk_path(cubin, tool)
+    path = _sass_path(_FORMAT, cubin, _tool_id(tool), ".json")
     if path is not None:
         try:
             return json.loads(path.read_text())

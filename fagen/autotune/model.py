@@ -268,14 +268,14 @@ def reread_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> t
     kv_share = (p.heads_kv or p.heads) / p.heads
     kv_once, kv_pairs = 2 * nk * d * e * kv_share, tc["cols_visited"] * 2 * d * e
     if spec.direction == "fwd":
-        again, working = max(0.0, kv_pairs - kv_once), 2 * nk * d * e * kv_share
+        again, working = max(0.0, kv_pairs - kv_once), kv_once
     else:
         row = 2 * d * e + 2 * f32
         again = max(0.0, tc["rows_visited"] * row - nq * row)
         working = nq * row + (0 if spec.deterministic else nq * d * f32)
         if spec.deterministic:
             again += max(0.0, kv_pairs - kv_once)
-            working = max(working, 2 * nk * d * e * kv_share)
+            working = max(working, kv_once)
     return float(p.batch * p.heads * again), float(working)
 
 
