@@ -24,7 +24,7 @@ from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_chunk_sub, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
+                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
                                       fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
@@ -195,7 +195,12 @@ class MmaFamily(FamilyBase):
         consts = [Constant("DPAD", "int", dp, "head dim padded to the MMA k extent (zero columns)")]
         if fs.direction == "bwd":
             strides["DS_LD"] = ds_ld(t.block_r)
+            two_d = bwd_2d(d, fs.flags, t.block_r, t.block_c, fs.num_warps)
             consts += [
+                Constant("BWD_2D", "bool", two_d,
+                         "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
+                Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
+                         "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
                 Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
                 Constant("LSE_NOW", "bool", lse_now(fs.flags),
@@ -230,6 +235,19 @@ class MmaFamily(FamilyBase):
         dp = padded_dim(head_dim)
         ld = dp + 8
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        if direction == "bwd" and bwd_2d(head_dim, fs.flags, block_r, block_c, fs.num_warps):
+            ldp = block_c + 8
+            entries = [
+                ("k", "T", block_c * ld, itemsize),
+                ("v", "T", block_c * ld, itemsize),
+                ("q", "T", stages * block_r * ld, itemsize),
+                ("do_", "T", self._do_stages(fs) * block_r * ld, itemsize),
+                ("p", "T", block_r * ldp, itemsize),
+                ("ds", "T", block_r * ldp, itemsize),
+                ("lse", "float", stages * block_r, F32),
+                ("delta", "float", stages * block_r, F32),
+            ]
+            return place(entries)
         if direction == "bwd":
             entries = [
                 ("k", "T", block_c * ld, itemsize),
@@ -250,6 +268,18 @@ class MmaFamily(FamilyBase):
                 ("v", "T", stages * block_c * ld, itemsize),
             ])
         raise ValueError(f"unknown direction {direction!r}")
+
+    def _do_stages(self, fs: FamilySpec) -> int:
+        """The two-dimensional backward's dO_i buffers (``rules.bwd_do_stages``): one per stage when the
+        layout with them fits the arch's opt-in shared memory per block."""
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        dp, itemsize = padded_dim(fs.head_dim), fs.itemsize
+        ld, ldp = dp + 8, fs.block_c + 8
+        two = place([("k", "T", fs.block_c * ld, itemsize), ("v", "T", fs.block_c * ld, itemsize),
+                     ("q", "T", stages * fs.block_r * ld, itemsize), ("do_", "T", stages * fs.block_r * ld, itemsize),
+                     ("p", "T", fs.block_r * ldp, itemsize), ("ds", "T", fs.block_r * ldp, itemsize),
+                     ("lse", "float", stages * fs.block_r, F32), ("delta", "float", stages * fs.block_r, F32)])
+        return bwd_do_stages(stages, two.total_bytes <= ARCHS[fs.arch].smem_optin_per_block)
 
     def role_smem_bytes(self, fs: FamilySpec, role: Role) -> int:
         """The deterministic dq kernel carves the backward layout but uses its K/V tiles and Q/dO

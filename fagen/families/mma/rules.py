@@ -215,6 +215,31 @@ def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int) -> int:
     return 2 if bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"} else 1
 
 
+#: Spec flags the two-dimensional backward layout (``bwd_2d``) takes: the masking rule's bands and
+#: bounds (tested per element on partial tiles) and packed sequences.
+BWD_2D_FLAGS = frozenset({"causal", "window", "top_left", "varlen"})
+#: The tile and warps of the two-dimensional layout: FlashAttention-2's at d = 128.
+BWD_2D_TILE = (64, 128, 8)
+BWD_2D_DIM = 128
+
+
+def bwd_2d(head_dim: int, flags: frozenset[str], block_r: int, block_c: int, num_warps: int) -> bool:
+    """Backward: FlashAttention-2's two-dimensional warp layout (``BWD_2D``, templates/mma/bwd_2d.cu.j2)
+    for head dim BWD_2D_DIM on the BWD_2D_TILE tile (Q rows x K/V rows, warps) with no flag outside
+    BWD_2D_FLAGS: the 8 warps split S / dP and dQ_i into 32 x 32 blocks and dK~ / dV~ into 32 keys x
+    64 columns, P and dS go through shared memory, and each fragment a warp reads feeds 4 HMMAs (0.45
+    ldmatrix per HMMA against 0.6 with 16 K/V rows per warp)."""
+    return (head_dim == BWD_2D_DIM and (block_r, block_c, num_warps) == BWD_2D_TILE
+            and not flags - BWD_2D_FLAGS)
+
+
+def bwd_do_stages(stages: int, fits_two: bool) -> int:
+    """Backward, two-dimensional layout: dO_i's buffers (``DO_STAGES``): one per stage when they fit the
+    arch's shared memory beside P and dS (sm_90: 171 KiB), else one (sm_80's 163 KiB: the next dO_i
+    is copied once every warp is done with this one, after dV~)."""
+    return stages if fits_two else 1
+
+
 def lse_now(flags: frozenset[str]) -> bool:
     """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
     the step and stored at its end (the load's latency hidden) when the score modifications or
