@@ -122,6 +122,10 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
 //       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
 //       needs sm_90 and .global); before sm_90 two red.global.add.f32.
+//   fa_mov_b32(x), fa_mov_b64(x)   mov.b32 / mov.b64: x unchanged. A copy whose source the compiler
+//       cannot see through: a loop invariant so produced is held in a register over the loop
+//       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
+//       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -228,6 +232,16 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b) {
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p + 1)), "f"(b) : "memory");
 #endif
 }
+FA_DEVICE unsigned fa_mov_b32(unsigned x) {
+    unsigned y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
+    unsigned long long y;
+    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+    return y;
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -263,6 +277,8 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
+FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
 FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     if (reinterpret_cast<uintptr_t>(p) & 7u)
         fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
@@ -271,6 +287,11 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     atomicAdd(p + 1, b);
 }
 #endif
+FA_DEVICE bool fa_hold(bool b) { return fa_mov_b32(b ? 1u : 0u) != 0u; }
+template <typename P>
+FA_DEVICE P* fa_hold(P* p) {
+    return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
+}
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
 FA_DEVICE float fa_to_float(float x) { return x; }
@@ -356,6 +377,8 @@ constexpr int LD = 136;  // padded smem row stride (elements)
 constexpr int DS_LD = 72;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 128;  // head dim padded to the MMA k extent (zero columns)
+constexpr bool BWD_2D = true;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
+constexpr int DO_STAGES = 2;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
@@ -386,24 +409,29 @@ constexpr int SMEM_DO__COUNT = 17408;
 constexpr int SMEM_DO__ALIGN = 16;
 static_assert(SMEM_DO__OFFSET == fa_align_up(SMEM_Q_OFFSET + SMEM_Q_COUNT * (int)sizeof(T), SMEM_DO__ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DO__OFFSET % SMEM_DO__ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DS_OFFSET = 139264;
-constexpr int SMEM_DS_COUNT = 9216;
+constexpr int SMEM_P_OFFSET = 139264;
+constexpr int SMEM_P_COUNT = 8704;
+constexpr int SMEM_P_ALIGN = 16;
+static_assert(SMEM_P_OFFSET == fa_align_up(SMEM_DO__OFFSET + SMEM_DO__COUNT * (int)sizeof(T), SMEM_P_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_P_OFFSET % SMEM_P_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_DS_OFFSET = 156672;
+constexpr int SMEM_DS_COUNT = 8704;
 constexpr int SMEM_DS_ALIGN = 16;
-static_assert(SMEM_DS_OFFSET == fa_align_up(SMEM_DO__OFFSET + SMEM_DO__COUNT * (int)sizeof(T), SMEM_DS_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_DS_OFFSET == fa_align_up(SMEM_P_OFFSET + SMEM_P_COUNT * (int)sizeof(T), SMEM_DS_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DS_OFFSET % SMEM_DS_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_LSE_OFFSET = 157696;
+constexpr int SMEM_LSE_OFFSET = 174080;
 constexpr int SMEM_LSE_COUNT = 128;
 constexpr int SMEM_LSE_ALIGN = 16;
 static_assert(SMEM_LSE_OFFSET == fa_align_up(SMEM_DS_OFFSET + SMEM_DS_COUNT * (int)sizeof(T), SMEM_LSE_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_LSE_OFFSET % SMEM_LSE_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DELTA_OFFSET = 158208;
+constexpr int SMEM_DELTA_OFFSET = 174592;
 constexpr int SMEM_DELTA_COUNT = 128;
 constexpr int SMEM_DELTA_ALIGN = 16;
 static_assert(SMEM_DELTA_OFFSET == fa_align_up(SMEM_LSE_OFFSET + SMEM_LSE_COUNT * (int)sizeof(float), SMEM_DELTA_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DELTA_OFFSET % SMEM_DELTA_ALIGN == 0, "smem buffer misaligned");
 constexpr int SMEM_BYTES = fa_align_up(SMEM_DELTA_OFFSET + SMEM_DELTA_COUNT * (int)sizeof(float), 16);
 constexpr int SMEM_ALIGN = 16;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 158720, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 175104, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -411,6 +439,7 @@ struct Smem {
     T* v;
     T* q;
     T* do_;
+    T* p;
     T* ds;
     float* lse;
     float* delta;
@@ -422,6 +451,7 @@ FA_DEVICE Smem smem_carve() {
     s.v = reinterpret_cast<T*>(base + SMEM_V_OFFSET);
     s.q = reinterpret_cast<T*>(base + SMEM_Q_OFFSET);
     s.do_ = reinterpret_cast<T*>(base + SMEM_DO__OFFSET);
+    s.p = reinterpret_cast<T*>(base + SMEM_P_OFFSET);
     s.ds = reinterpret_cast<T*>(base + SMEM_DS_OFFSET);
     s.lse = reinterpret_cast<float*>(base + SMEM_LSE_OFFSET);
     s.delta = reinterpret_cast<float*>(base + SMEM_DELTA_OFFSET);
@@ -951,11 +981,6 @@ constexpr int NT_D = DPAD / 8;              // n8 tiles across the head dim
 // (KV_IN_REGS off) feeds the S^T / dP^T tiles of all its 16-row sub-chunks.
 constexpr int CS = BWD_CHUNK_SUB, CHUNK_ROWS = 16 * BWD_CHUNK_SUB;
 static_assert((CS == 1 || CS == 2) && BLOCK_R % CHUNK_ROWS == 0, "16-row sub-chunks per chunk, whole chunks per Q block");
-static_assert(BLOCK_C <= 16 * NUM_WARPS, "mma backward: 16 K/V rows per warp (warps past BLOCK_C only copy and share dQ)");
-static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
-static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == STAGES * BLOCK_R * LD, "Q_i/dO_i stages");
-static_assert(SMEM_DS_COUNT == BLOCK_C * DS_LD, "dS^T tile");
-static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
 // dO_i's stage st sits DO_FROM_Q elements past Q_i's, D_i's DELTA_FROM_LSE past lse_i's (one smem block):
 // one lane pointer per pair in the chunk loop.
 constexpr int DO_FROM_Q = (SMEM_DO__OFFSET - SMEM_Q_OFFSET) / (int)sizeof(T);
@@ -1098,6 +1123,10 @@ FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l
 struct MmaPds {
     float p, ds;
 };
+// Its two halves for the plain score (no score modification, no dropout): P = exp2(qk scale log2 e -
+// lse2) and ds_scale dS = P (ds_scale dP - dlt), dlt = ds_scale D (one FMA).
+FA_DEVICE float mma_p(float qk, float lse2, float scale_log2) { return mma_exp2(fmaf(qk, scale_log2, -lse2)); }  // NaN score/lse: NaN
+FA_DEVICE float mma_ds(float p, float dp, float dlt, float ds_scale) { return p * fmaf(dp, ds_scale, -dlt); }
 FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
                          float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
                          float* dbias_out = nullptr) {
@@ -1111,8 +1140,8 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
         }
         return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
     } else {
-        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
-        return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
+        const float p = mma_p(qk, lse2, scale_log2);
+        return {HAS_DROPOUT && !keep ? 0.f : p, mma_ds(p, dp, dlt, ds_scale)};
     }
 }
 }  // namespace fa
@@ -1156,8 +1185,98 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     for (int x = lane; x < HEAD_DIM; x += 32) dqa[x] = 0.f;
 }
 
+namespace fa {
+// BWD_2D: the 8 warps tile each GEMM of a step in two dimensions, as FlashAttention-2 does at
+// d = 128 with a 64 x 128 tile (Dao 2023):
+//   S = Q_i K_j^T, dP = dO_i V_j^T   warp (w / 4, w % 4): 32 Q rows x 32 keys
+//   dV~ += P^T dO_i, dK~ += dS^T Q_i  warp (w % 4, w / 4): 32 keys x 64 head-dim columns
+//   dQ_i += dS K_j                    warp (w / 4, w % 4): 32 Q rows x 32 head-dim columns
+// P and tau dS go through shared memory ([BLOCK_R][LDP], row-major) between the first two and the
+// last three GEMMs, so each fragment a warp reads feeds 4 HMMAs (0.45 ldmatrix per HMMA against 0.6
+// for 16 K/V rows per warp, which read all of Q_i and dO_i twice per warp and step).
+// DO_STAGES (fagen.families.mma.rules.bwd_do_stages): dO_i's buffers. With one (the arch's shared
+// memory holds no second beside P and dS) the next dO_i is copied once every warp is done with this
+// one, after dV~, and lands behind dK~ and dQ_i.
+constexpr int LDP = BLOCK_C + 8;  // P / dS row stride: an odd number of 16-byte units (ldmatrix conflict-free)
+constexpr int S_WN = 4, S_ROWS = 32, S_KEYS = 32;  // S / dP / dQ: warp w at (w / S_WN, w % S_WN)
+constexpr int KV_WK = 4, KV_ROWS = 32, KV_COLS = DPAD / 2;  // dV~ / dK~: warp w at (w % KV_WK, w / KV_WK)
+static_assert(BLOCK_R == 2 * S_ROWS && BLOCK_C == S_WN * S_KEYS && NUM_WARPS == 2 * S_WN, "BWD_2D: 64 x 128 tile, 8 warps");
+static_assert(BLOCK_C == KV_WK * KV_ROWS && DPAD == 2 * KV_COLS && DPAD == S_WN * 32, "BWD_2D: dK~/dV~ and dQ_i blocks");
+static_assert(HEAD_DIM == DPAD && !ACC_IN_SMEM && !IS_DETERMINISTIC && !HAS_DROPOUT && !HAS_SCORE_MOD && !HAS_DATA_MASK,
+              "BWD_2D: a head dim of whole k16 steps, dK~/dV~ in registers, no dropout, score modification or data mask");
+static_assert(DO_STAGES == 1 || DO_STAGES == STAGES, "dO_i buffers: one, or one per stage");
+static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j/V_j tiles");
+static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == DO_STAGES * BLOCK_R * LD, "Q_i / dO_i buffers");
+static_assert(SMEM_P_COUNT == BLOCK_R * LDP && SMEM_DS_COUNT == BLOCK_R * LDP, "P and tau dS tiles");
+static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
+constexpr bool DO_LATE = STAGES > 1 && DO_STAGES == 1;  // the next dO_i copied after dV~
+// Lane offsets, in elements, of the fragment loads at (0, 0): mma_load_a (row stride LD), mma_load_b_nmajor
+// (LD), mma_load_b_kmajor (LD), mma_load_a_trans (LDP), mma_load_a (LDP).
+FA_DEVICE int mma2d_lane_a(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
+FA_DEVICE int mma2d_lane_nm(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
+FA_DEVICE int mma2d_lane_km(int lane, int ld) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8; }
+
+// The allowed keys of one lane's rows on a partial tile of the S block. The lane holds keys key0 + v
+// (v = 8 n + x < S_KEYS, x < 2) of rows row0 + d (d = 16 m + 8 r < S_ROWS). For a row and a key inside
+// both sequences the masking rule's offset o = key - row - shift (partials/masking.cuh) lies in
+// (-2^31, 2^31): o = v - d + off with off = key0 - row0 - shift taken modulo 2^32 (exact for those
+// rows and keys). So key0 + v is allowed iff lo + d <= v <= min(hi + d, kmax): lo, hi the band
+// [band.lo, band.hi] minus off, in 64 bits, clamped to +-2^29 (an unbounded side: out of reach), kmax
+// the key bound (key < seqlen_k). Rows past the sequence need no test: Q_i and dO_i are zero there and
+// lse +inf, so P and dS are 0.
+struct Mma2dBand {
+    int lo, hi, kmax;
+};
+FA_DEVICE int mma2d_clamp(long long x) { return (int)(x < -(1LL << 29) ? -(1LL << 29) : x > (1LL << 29) ? (1LL << 29) : x); }
+FA_DEVICE Mma2dBand mma2d_band(int row0, int key0, const MaskParams& mp) {
+    const MaskBand band = mask_band(mp);
+    const unsigned shift = IS_TOP_LEFT ? 0u : (unsigned)mp.seqlen_k - (unsigned)mp.seqlen_q;
+    const int off = (int)((unsigned)key0 - (unsigned)row0 - shift);
+    return {band.has_lo ? mma2d_clamp(band.lo - off) : -(1 << 29), band.has_hi ? mma2d_clamp(band.hi - off) : (1 << 29),
+            mp.seqlen_k - 1 - key0};
+}
+
+// The step copies of Q_i / dO_i (mma_step_copy's plan: the thread's cursor, advanced one step per call),
+// for N tensors of the same rows: one test of the 16-byte path (every slice aligned: `vec`, held by the
+// caller) and one of the sequence's last block for all; with an unaligned slice each takes element
+// copies (mma_copy_rows).
+static_assert(STEP_EVEN, "BWD_2D: the threads tile a Q_i / dO_i row block evenly");
+template <int N>
+FA_DEVICE void mma2d_step_copy(T* const (&stage)[N], MmaStepCopy* const (&cp)[N], bool vec, int row0, int n) {
+    const T* src[N];
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+        src[t] = cp[t]->src;
+        cp[t]->src += (long long)BLOCK_R * cp[t]->stride;
+    }
+    if (!vec) {
+#pragma unroll
+        for (int t = 0; t < N; ++t) mma_copy_rows<BLOCK_R>(stage[t], cp[t]->base, row0, n, cp[t]->stride, false);
+        return;
+    }
+    if (row0 + BLOCK_R <= n) {
+#pragma unroll
+        for (int k = 0; k < STEP_ITERS; ++k)
+#pragma unroll
+            for (int t = 0; t < N; ++t)
+                fa_cp_async_16(stage[t] + cp[t]->dst + k * STEP_RSTEP * LD, src[t] + k * STEP_RSTEP * cp[t]->stride, true);
+    } else {  // the sequence's last Q block: rows past n zero-filled (a rolled loop: edge blocks only)
+        const int r = threadIdx.x / STEP_CHUNKS;
+#pragma unroll 1
+        for (int k = 0; k < STEP_ITERS; ++k) {
+            const bool valid = row0 + r + k * STEP_RSTEP < n;
+#pragma unroll
+            for (int t = 0; t < N; ++t)
+                fa_cp_async_16(stage[t] + cp[t]->dst + k * STEP_RSTEP * LD,
+                               valid ? src[t] + k * STEP_RSTEP * cp[t]->stride : cp[t]->base, valid);
+        }
+    }
+}
+}  // namespace fa
+
 // ===========================================================================
-// Main kernel: Algorithm 4 on tensor cores. One CTA per (K/V block j, batch, head).
+// Main kernel: Algorithm 4 on tensor cores, two-dimensional warp layout. One CTA per (K/V block j,
+// batch, head).
 // ===========================================================================
 extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_d128_bf16_causal_br64_bc128_w8_s2_mma_sm90_main(
     const __nv_bfloat16* q,
@@ -1231,20 +1350,13 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
     const int group = heads / heads_kv;  // q heads sharing this K/V head (GQA; 1 without)
     const int col0 = j * BLOCK_C;
-    // The sequence (varlen: packed, cu_seqlens; the seqlen args are the max lengths). A K/V block
-    // past its sequence's length returns before any barrier (uniform over the CTA).
+    // The sequence (varlen: packed, cu_seqlens). A K/V block past its sequence returns before any barrier.
     const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
     if (IS_VARLEN && col0 >= si.len_k) return;
     const int len_q = si.len_q, len_k = si.len_k;
-    const int wrow = warp * 16;  // this warp's K/V rows within the block
-    const bool active = wrow < BLOCK_C;  // warp-uniform: warps past the block own no rows
     const Smem s = smem_carve();
     const float scale_log2 = scale * LOG2E;
-    // D_i staged as tau D_i where the plain score's tau dS = P (tau dP - tau D) is one FMA (tau, the
-    // softmax scale, folded into dS: dQ~ and dK~ need no scaling); as D_i with score modifications.
-    const float d_stage = HAS_SCORE_MOD ? 1.f : scale;
     const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
-
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
 
@@ -1254,336 +1366,236 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     kv_block_q_range(col0, mp, &i_begin, &i_end);
     long long full_lo64, full_hi64;  // the fully visible tiles: full_lo <= i0 <= full_hi
     mma_bwd_full_range(col0, mp, &full_lo64, &full_hi64);
-    // as ints (i0 is one, >= 0): the range clamped to [0, INT_MAX], an empty one staying empty
     const int full_lo = (int)(full_lo64 < 0 ? 0 : full_lo64 > 0x7fffffffLL ? 0x7fffffffLL : full_lo64);
     const int full_hi = (int)(full_hi64 < -1 ? -1 : full_hi64 > 0x7fffffffLL ? 0x7fffffffLL : full_hi64);
 
-    // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
-    const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
-    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, len_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s), kpm_b);
-    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, len_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
+    // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k are zero)
+    mma_copy_tile<BLOCK_C>(s.k, k_bh, col0, len_k, stride_k_s, mma_vec_ok(k_bh, stride_k_s));
+    mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, len_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s));
     fa_cp_async_commit();
 
-    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order)
-    float dk_acc[ACC_IN_SMEM ? 1 : NT_D][4], dv_acc[ACC_IN_SMEM ? 1 : NT_D][4];
+    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers: the warp's 32 keys x 64 columns of each)
+    float dk_acc[2][KV_COLS / 8][4], dv_acc[2][KV_COLS / 8][4];
 #pragma unroll
-    for (int n = 0; n < (ACC_IN_SMEM ? 1 : NT_D); ++n)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { dk_acc[n][e] = 0.f; dv_acc[n][e] = 0.f; }
+        for (int n = 0; n < KV_COLS / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { dk_acc[m][n][e] = 0.f; dv_acc[m][n][e] = 0.f; }
 
-    // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
-    // the lane's dS^T element (row wrow + g, column 2 t4).
-    const int lane_nm = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
-    const int lane_km = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
-    T* const ds_l = s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0);
-    unsigned kf[KV_IN_REGS ? DPAD / 16 : 1][4], vf[KV_IN_REGS ? DPAD / 16 : 1][4];
-    if constexpr (KV_IN_REGS) {
-        fa_cp_async_wait_all();
-        fa_sync();
-#pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk) {
-            if (!active) break;
-            mma_load_a(kf[kk], s.k, LD, wrow, kk * 16, lane);
-            mma_load_a(vf[kk], s.v, LD, wrow, kk * 16, lane);
-        }
-    }
+    const int sm0 = (warp / S_WN) * S_ROWS, sn0 = (warp % S_WN) * S_KEYS;  // S / dP / dQ_i block corner
+    const int vk0 = (warp % KV_WK) * KV_ROWS, vd0 = (warp / KV_WK) * KV_COLS;  // dK~ / dV~ block corner
+    // The lane's fragment addresses at the blocks' corners (stage 0; a stage adds a constant).
+    const int a_q = sm0 * LD + mma2d_lane_a(lane, LD);  // Q_i / dO_i A fragments (S, dP)
+    const T* const b_k = s.k + sn0 * LD + mma2d_lane_nm(lane, LD);  // K_j B fragments (S)
+    const T* const b_v = s.v + sn0 * LD + mma2d_lane_nm(lane, LD);  // V_j B fragments (dP)
+    const int b_qd = vd0 + mma2d_lane_km(lane, LD);  // Q_i / dO_i B fragments, k-major (dK~, dV~)
+    const T* const a_p = s.p + vk0 + mma2d_lane_nm(lane, LDP);  // P^T A fragments (mma_load_a_trans)
+    const T* const a_ds_t = s.ds + vk0 + mma2d_lane_nm(lane, LDP);  // tau dS^T A fragments
+    const T* const a_ds = s.ds + sm0 * LDP + mma2d_lane_a(lane, LDP);  // tau dS A fragments (dQ_i)
+    const T* const b_kq = s.k + sn0 + mma2d_lane_km(lane, LD);  // K_j B fragments, k-major (dQ_i)
+    T* const p_l = s.p + (sm0 + g) * LDP + sn0 + 2 * t4;  // the lane's P element (row g, column 2 t4)
+    T* const ds_l = s.ds + (sm0 + g) * LDP + sn0 + 2 * t4;
 
     // Every q head of the group adds to this K/V head's dK~, dV~.
     for (int h = hk * group; h < hk * group + group; ++h) {
-        const long long bh = (long long)b * heads + h;  // B*H may exceed 2**31 (the dropout stream's head index)
         const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
         const T* do_bh = do_ + fa_row_offset(si.q_tok0, b, 0, h, stride_do_b, stride_do_s, stride_do_h);
         MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s, i_begin), do_cp = mma_step_copy_plan(do_bh, stride_do_s, i_begin);
+        const bool pair_vec = fa_hold(q_cp.vec && do_cp.vec);  // held over the loop (not re-derived)
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
+        const float* const lse_h = fa_hold(lse_bh);  // the next step's loads: held over the loop
+        const float* const delta_h = fa_hold(delta_bh);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
-        // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
-        if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
+        if (h != hk * group) fa_sync();  // the previous head's last step is done with the buffers
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
         if (STAGES > 1 && i_begin < i_end) {
-            mma_step_copy(s.q, q_cp, i_begin, len_q);
-            mma_step_copy(s.do_, do_cp, i_begin, len_q);
+            mma2d_step_copy<2>({s.q, s.do_}, {&q_cp, &do_cp}, pair_vec, i_begin, len_q);
             for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                 const int row = i_begin + r;
                 s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+                s.delta[r] = row < len_q ? delta_bh[row] * scale : 0.f;
             }
         }
         fa_cp_async_commit();
 
         for (int i0 = i_begin, it = 0; i0 < i_end; i0 += BLOCK_R, ++it) {
             const int cur = it % STAGES, nxt = (it + 1) % STAGES;
-            if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the stage
+            if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the buffers
                 fa_sync();
-                mma_step_copy(s.q, q_cp, i0, len_q);
-                mma_step_copy(s.do_, do_cp, i0, len_q);
+                mma2d_step_copy<2>({s.q, s.do_}, {&q_cp, &do_cp}, pair_vec, i0, len_q);
                 fa_cp_async_commit();
                 for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
                     const int row = i0 + r;
                     s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                    s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+                    s.delta[r] = row < len_q ? delta_bh[row] * scale : 0.f;
                 }
             }
             fa_cp_async_wait_all();
-            fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T
+            fa_sync();  // Q_i, dO_i landed for every thread; step i-1 is done with P, dS and stage nxt
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
-                mma_step_copy(s.q + nxt * BLOCK_R * LD, q_cp, i0 + BLOCK_R, len_q);
-                mma_step_copy(s.do_ + nxt * BLOCK_R * LD, do_cp, i0 + BLOCK_R, len_q);
+                if constexpr (DO_LATE)
+                    mma2d_step_copy<1>({s.q + nxt * BLOCK_R * LD}, {&q_cp}, pair_vec, i0 + BLOCK_R, len_q);
+                else
+                    mma2d_step_copy<2>({s.q + nxt * BLOCK_R * LD, s.do_ + nxt * BLOCK_R * LD}, {&q_cp, &do_cp}, pair_vec,
+                                       i0 + BLOCK_R, len_q);
                 const int row = i0 + BLOCK_R + tid;
-                if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
-                    if (tid < BLOCK_R) {
-                        s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
-                    }
-                } else if (tid < BLOCK_R && row < len_q) {
-                    next_lse = lse_bh[row];
-                    next_delta = delta_bh[row] * d_stage;
+                if (tid < BLOCK_R && row < len_q) {
+                    next_lse = lse_h[row];
+                    next_delta = delta_h[row] * scale;
                 }
             }
             fa_cp_async_commit();
-
-            const T* sq = s.q + cur * BLOCK_R * LD;
-            const float* slse = s.lse + cur * BLOCK_R;
+            const T* const sq = s.q + cur * BLOCK_R * LD;
+            const T* const sdo = s.do_ + (DO_STAGES > 1 ? cur : 0) * BLOCK_R * LD;
+            const float* const slse = s.lse + cur * BLOCK_R;
             // Algorithm 4 line 12: S_ij^masked = mask(S_ij) -- mask math only on tiles that are not fully visible.
             const bool full = i0 >= full_lo && i0 <= full_hi;  // tile_kind(i0, col0, mp) == TILE_FULL
 
-            // The lane's structural band on a partial tile (BWD_SPLIT_MASK, plain score, no data mask):
-            // element (n, e) of chunk c0 is Q row i0 + 2 t4 + c0 + u, u = n * 8 + (e & 1), and key
-            // col0 + wrow + g + 8 (e >> 1); it is allowed iff band_lo[e >> 1] <= u <= band_hi[e >> 1], the
-            // band shifted by CHUNK_ROWS rows per chunk (one compare per bound against a constant u). Rows past the
-            // sequence need no test (Q_i, dO_i zero there, lse +inf: P and dS are 0); a key past it gets an
-            // empty band.
-            int band_lo[2] = {0, 0}, band_hi[2] = {BLOCK_R, BLOCK_R};  // set on partial tiles only
-
-            // CHUNK_ROWS Q rows (2 CS n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers. With
-            // BWD_SPLIT_MASK one chunk code for fully visible tiles (no mask code) and one for partial
-            // tiles, BWD_CHUNK_UNROLL chunks per trip. The chunk's lane addresses (ChunkPtrs: its B
-            // fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows wrow + g,
-            // columns 2 t4) advance by CHUNK_ROWS rows / columns per chunk: constant offsets within a trip.
-            struct ChunkPtrs {
-                const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
-                const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
-                const float* lse;  // lse_i at the lane's Q rows c0 + 2 t4 (D_i's: + DELTA_FROM_LSE)
-                T* ds;  // dS^T at (wrow + g, c0 + 2 t4)
-            };
-            auto chunk = [&](const int c0, const ChunkPtrs& cq, auto masked_t) {
-                const bool masked = masked_t.value;  // a constant with MmaBool, the tile's !full with MmaMasked
-                // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x CHUNK_ROWS Q rows)
-                // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
-                float st[2 * CS][4] = {}, dpt[2 * CS][4] = {};
+            // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (the warp's 32 Q rows x 32 keys)
+            // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP = dO_i V_j^T, the same block)
+            float sacc[2][4][4] = {}, dpacc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+            // one product after the other: the fragments of one operand pair in flight at a time
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {  // x = 0: S = Q_i K_j^T; x = 1: dP = dO_i V_j^T
+                const T* const a_src = x == 0 ? sq : sdo;
+                const T* const b_src = x == 0 ? b_k : b_v;
+                float (&acc)[2][4][4] = x == 0 ? sacc : dpacc;
 #pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
-                    unsigned ak[4], av[4], bq[4], bdo[4];
-                    if constexpr (KV_IN_REGS) {
+                    unsigned a[2][4];
 #pragma unroll
-                        for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
-                    } else {
-                        mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
-                        mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
-                    }
+                    for (int m = 0; m < 2; ++m)  // mma_load_a(a[m], sq / sdo, LD, sm0 + 16 m, kk * 16, lane)
+                        fa_ldmatrix_x4(a[m], a_src + a_q + 16 * m * LD + kk * 16);
 #pragma unroll
-                    for (int sc = 0; sc < CS; ++sc) {  // mma_load_b_nmajor(bq, sq, LD, c0 + 16 sc, kk * 16, lane)
-                        fa_ldmatrix_x4(bq, cq.nm + sc * 16 * LD + kk * 16);
-                        fa_ldmatrix_x4(bdo, cq.nm + sc * 16 * LD + DO_FROM_Q + kk * 16);
-                        mma_tile(st[2 * sc], ak, bq[0], bq[1]);
-                        mma_tile(st[2 * sc + 1], ak, bq[2], bq[3]);
-                        mma_tile(dpt[2 * sc], av, bdo[0], bdo[1]);
-                        mma_tile(dpt[2 * sc + 1], av, bdo[2], bdo[3]);
-                    }
-                }
-                // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
-                // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
-                // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
-                // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i)
-                // Z_ij: one Philox call covers keys 4c..4c+3 of one Q row. The 4 lanes g = 4a..4a+3
-                // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
-                // the four share the keep bits.
-                unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
-                static_assert(8 * CS <= 32, "keep bits of a chunk in one word");
-                if constexpr (HAS_DROPOUT) {
-                    const int m = g & 3;
-                    if ((col_offset & 3) == 0) {  // global (row, col) = (row_offset + row, col_offset + col)
+                    for (int c = 0; c < 2; ++c) {  // mma_load_b_nmajor(b, s.k / s.v, LD, sn0 + 16 c, kk * 16, lane)
+                        unsigned bf[4];
+                        fa_ldmatrix_x4(bf, b_src + 16 * c * LD + kk * 16);
 #pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n) {
-                        const unsigned mine = mma_keep4(seed, offset, (unsigned)bh,
-                                                        (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
-                                                        (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8),
-                                                        drop_threshold);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
-                            keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
-                    }
-                    } else {  // the 4-key groups straddle Philox calls: one call per element
-                        for (int n = 0; n < 2 * CS; ++n)
-                            for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + MmaAccLayout::col(lane, e), key wrow + MmaAccLayout::row(lane, e)
-                                keep_bits |= (fa_dropout_keep(
-                                    seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
-                                    (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u) << (4 * n + e);
-                    }
-                }
-                float lse2[2 * CS][2], dlt[2 * CS][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
-#pragma unroll
-                for (int n = 0; n < 2 * CS; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(cq.lse + n * 8);
-                    const float2 d2 = *reinterpret_cast<const float2*>(cq.lse + DELTA_FROM_LSE + n * 8);
-                    lse2[n][0] = l2.x;
-                    lse2[n][1] = l2.y;
-                    dlt[n][0] = d2.x;
-                    dlt[n][1] = d2.y;
-                }
-                if constexpr (HAS_SCORE_MOD) {
-                    // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
-                    // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
-                    // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
-                            const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
-                            if constexpr (HAS_BIAS_GRAD) {
-                                if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
-                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
-                            }
-                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
-                            st[n][e] = r.p;
-                            dpt[n][e] = r.ds;
+                        for (int m = 0; m < 2; ++m) {
+                            mma_tile(acc[m][2 * c], a[m], bf[0], bf[1]);
+                            mma_tile(acc[m][2 * c + 1], a[m], bf[2], bf[3]);
                         }
-                } else {
-#pragma unroll
-                for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
-                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                 scale, rp_keep, 0, 0, sp);
-                        st[n][e] = r.p;
-                        dpt[n][e] = r.ds;
-                    }
-                if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            bool ok;
-                            if constexpr (HAS_DATA_MASK || !BWD_SPLIT_MASK) {  // the whole rule per element
-                                ok = mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
-                                                 mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            } else {
-                                const int u = n * 8 + (e & 1);  // the row within the chunk; the band is shifted by c0
-                                ok = u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
-                            }
-                            st[n][e] = ok ? st[n][e] : 0.f;
-                            dpt[n][e] = ok ? dpt[n][e] : 0.f;
-                        }
-                }
-                }
-                unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc) {
-                    ap[sc][0] = mma_pack(st[2 * sc][0], st[2 * sc][1]);
-                    ap[sc][1] = mma_pack(st[2 * sc][2], st[2 * sc][3]);
-                    ap[sc][2] = mma_pack(st[2 * sc + 1][0], st[2 * sc + 1][1]);
-                    ap[sc][3] = mma_pack(st[2 * sc + 1][2], st[2 * sc + 1][3]);
-                    ads[sc][0] = mma_pack(dpt[2 * sc][0], dpt[2 * sc][1]);
-                    ads[sc][1] = mma_pack(dpt[2 * sc][2], dpt[2 * sc][3]);
-                    ads[sc][2] = mma_pack(dpt[2 * sc + 1][0], dpt[2 * sc + 1][1]);
-                    ads[sc][3] = mma_pack(dpt[2 * sc + 1][2], dpt[2 * sc + 1][3]);
-                }
-                // dS^T -> smem for dQ (row = K/V row, column = Q row).
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc) {
-                    unsigned* ds_lo = reinterpret_cast<unsigned*>(cq.ds + 16 * sc);  // rows wrow + g, wrow + g + 8
-                    unsigned* ds_hi = reinterpret_cast<unsigned*>(cq.ds + 16 * sc + 8 * DS_LD);
-                    ds_lo[0] = ads[sc][0];
-                    ds_hi[0] = ads[sc][1];
-                    ds_lo[4] = ads[sc][2];
-                    ds_hi[4] = ads[sc][3];
-                }
-                // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
-                // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T from registers, B = Q_i via ldmatrix.trans: tau folded into dS)
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc)
-#pragma unroll
-                for (int nd = 0; nd < DPAD / 16; ++nd) {
-                    unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
-                    fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
-                    fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
-                    if constexpr (!ACC_IN_SMEM) {
-                        mma_tile(dv_acc[2 * nd], ap[sc], bdo[0], bdo[1]);
-                        mma_tile(dv_acc[2 * nd + 1], ap[sc], bdo[2], bdo[3]);
-                        mma_tile(dk_acc[2 * nd], ads[sc], bq[0], bq[1]);
-                        mma_tile(dk_acc[2 * nd + 1], ads[sc], bq[2], bq[3]);
-                    } else {
                     }
                 }
-            };
-            if (active) {
-                ChunkPtrs cq{sq + lane_nm, sq + lane_km, slse + MmaAccLayout::col(lane, 0), ds_l};
-                auto next = [&]() {
-                    cq.nm += CHUNK_ROWS * LD;
-                    cq.km += CHUNK_ROWS * LD;
-                    cq.lse += CHUNK_ROWS;
-                    cq.ds += CHUNK_ROWS;
-                };
-                auto next_band = [&]() {  // the band relative to the next chunk's first row
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        band_lo[r] -= CHUNK_ROWS;
-                        band_hi[r] -= CHUNK_ROWS;
-                    }
-                };
-                if (BWD_SPLIT_MASK && !full && !HAS_SCORE_MOD && !HAS_DATA_MASK) mma_bwd_band(band_lo, band_hi, i0 + 2 * t4, col0 + wrow + g, mp);
-                if constexpr (!BWD_SPLIT_MASK) {  // one chunk code, the mask under a branch (registers)
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaMasked{!full}); next(); }
-                } else if (full) {
-#pragma unroll BWD_CHUNK_UNROLL
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaBool<false>{}); next(); }
-                } else {
-#pragma unroll BWD_CHUNK_UNROLL
-                    for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaBool<true>{}); next(); next_band(); }
+                if (x == 0 && has_next && tid < BLOCK_R) {  // the next step's lse_i / D_i, their load behind S
+                    s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
+                    s.delta[nxt * BLOCK_R + tid] = next_delta;
                 }
             }
-            if (!LSE_NOW && has_next && tid < BLOCK_R) {
-                s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
-                s.delta[nxt * BLOCK_R + tid] = next_delta;
-            }
-            fa_sync();  // dS^T complete
-
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS via ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans;
-            // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
-            // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-            // Item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
-            // (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds
-            // its columns, DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of
-            // the tile) with constant offsets. A fully visible tile (rows inside the sequence, every
-            // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
-            // otherwise the row guards are computed once per item.
-            const bool dq_unguarded = HEAD_DIM == DPAD && full;
-            if constexpr (DQ_2D) {
-                const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
-                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-                bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+            // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
+            // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
+            // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
+            // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i) (tau dS in one FMA: D staged as tau D)
+            // lse_i and tau D_i at the lane's rows sm0 + 16 m + g + 8 r.
+            float l2[2][2], dl[2][2];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    l2[m][r] = slse[sm0 + 16 * m + g + 8 * r];
+                    dl[m][r] = slse[DELTA_FROM_LSE + sm0 + 16 * m + g + 8 * r];
+                }
+            // dQ_i's row guards on a partial tile: the lane's rows sm0 + g + 8 q inside the sequence, with an allowed key
+            unsigned dq_ok = 0u;
+            if (!full) {
 #pragma unroll
                 for (int q = 0; q < 4; ++q)
-                    row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+                    dq_ok |= (i0 + sm0 + g + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf() ? 1u : 0u) << q;
+            }
+            // Masked pairs take no part: P and dS exactly 0, whatever dP or D hold (partial tiles only).
+            const Mma2dBand bd = mma2d_band(i0 + sm0 + g, col0 + sn0 + 2 * t4, mp);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {  // the lane's row sm0 + 16 m + g + 8 r: elements e = 2 r + x
+                    const int vlo = bd.lo + 16 * m + 8 * r, vhi = min(bd.hi + 16 * m + 8 * r, bd.kmax);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const int v = 8 * n + x, e = 2 * r + x;  // the key within the lane's: a constant
+                            const MmaPds pd = mma_pds(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][r], dl[m][r],
+                                                      scale_log2, scale, 1.f, 0, 0, sp);
+                            const bool ok = full || (v >= vlo && v <= vhi);
+                            sacc[m][n][e] = ok ? pd.p : 0.f;
+                            dpacc[m][n][e] = ok ? pd.ds : 0.f;
+                        }
+                }
+            // P and tau dS -> shared memory (row = Q row, column = key), one 32-bit pair per store.
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int off = (16 * m + 8 * r) * LDP + 8 * n;
+                        *reinterpret_cast<unsigned*>(p_l + off) = mma_pack(sacc[m][n][2 * r], sacc[m][n][2 * r + 1]);
+                        *reinterpret_cast<unsigned*>(ds_l + off) = mma_pack(dpacc[m][n][2 * r], dpacc[m][n][2 * r + 1]);
+                    }
+            fa_sync();  // P and tau dS complete
+
+            // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T via ldmatrix.trans of P, B = dO_i via ldmatrix.trans)
+#pragma unroll
+            for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
+                unsigned ap[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)  // mma_load_a_trans(ap[m], s.p, LDP, vk0 + 16 m, kq * 16, lane)
+                    fa_ldmatrix_x4_trans(ap[m], a_p + kq * 16 * LDP + 16 * m);
+#pragma unroll
+                for (int c = 0; c < KV_COLS / 16; ++c) {  // mma_load_b_kmajor(bdo, sdo, LD, kq * 16, vd0 + 16 c, lane)
+                    unsigned bdo[4];
+                    fa_ldmatrix_x4_trans(bdo, sdo + b_qd + kq * 16 * LD + 16 * c);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        mma_tile(dv_acc[m][2 * c], ap[m], bdo[0], bdo[1]);
+                        mma_tile(dv_acc[m][2 * c + 1], ap[m], bdo[2], bdo[3]);
+                    }
+                }
+            }
+            if constexpr (DO_LATE) {  // every warp is done with dO_i: copy the next one into its buffer
+                fa_sync();
+                if (has_next) mma2d_step_copy<1>({s.do_}, {&do_cp}, pair_vec, i0 + BLOCK_R, len_q);
+                fa_cp_async_commit();
+            }
+            // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T via ldmatrix.trans of tau dS, B = Q_i via ldmatrix.trans: tau folded into dS)
+#pragma unroll
+            for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
+                unsigned ads[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m) fa_ldmatrix_x4_trans(ads[m], a_ds_t + kq * 16 * LDP + 16 * m);
+#pragma unroll
+                for (int c = 0; c < KV_COLS / 16; ++c) {
+                    unsigned bq[4];
+                    fa_ldmatrix_x4_trans(bq, sq + b_qd + kq * 16 * LD + 16 * c);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        mma_tile(dk_acc[m][2 * c], ads[m], bq[0], bq[1]);
+                        mma_tile(dk_acc[m][2 * c + 1], ads[m], bq[2], bq[3]);
+                    }
+                }
+            }
+
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS (row-major), B = K_j via ldmatrix.trans; the warp's 32 Q rows x
+            // 32 columns, the rows of its S block (lse_i in l2). A fully masked row (lse = -inf, stored as
+            // +inf) keeps dQ exactly 0 (no 0 * NaN from K); a fully visible tile inside the sequence adds
+            // with no guard at all.
+            {
+                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
 #pragma unroll
                 for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
                     unsigned af[2][4];
 #pragma unroll
-                    for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+                    for (int m = 0; m < 2; ++m) fa_ldmatrix_x4(af[m], a_ds + 16 * m * LDP + kk * 16);
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
+                    for (int c = 0; c < 2; ++c) {  // mma_load_b_kmajor(bk, s.k, LD, kk * 16, sn0 + 16 c, lane)
                         unsigned bk[4];
-                        mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
+                        fa_ldmatrix_x4_trans(bk, b_kq + kk * 16 * LD + 16 * c);
 #pragma unroll
                         for (int m = 0; m < 2; ++m) {
                             mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
@@ -1591,12 +1603,12 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         }
                     }
                 }
-                // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+                // the lane's rows sm0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
                 float* dq_row[4];
-                dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+                dq_row[0] = dq_bh + (long long)(i0 + sm0 + g) * dq_rs + sn0 + 2 * t4;
 #pragma unroll
                 for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
-                if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
+                if (full) {
 #pragma unroll
                     for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -1605,103 +1617,39 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 } else {
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        if (row_ok[q]) {
+                        if ((dq_ok >> q) & 1u) {
 #pragma unroll
                             for (int c = 0; c < 4; ++c)
                                 fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
                         }
                     }
                 }
-            } else
-#pragma unroll
-            for (int k = 0; k < DQ_PER_WARP; ++k) {
-                const int it = warp + k * NUM_WARPS;
-                if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
-                const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
-                unsigned af[BLOCK_C / 16][4];
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
-                const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
-                bool row_ok[2] = {true, true};
-                if (!dq_unguarded) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
-                }
-                float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
-                float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
-#pragma unroll
-                for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
-                    float acc[2 * DQ_NCC][4] = {};
-#pragma unroll
-                    for (int kk = 0; kk < BLOCK_C / 16; ++kk)
-#pragma unroll
-                        for (int c = 0; c < DQ_NCC; ++c) {
-                            unsigned bk[4];
-                            mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
-                            mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
-                            mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
-                        }
-                    if (dq_unguarded) {
-#pragma unroll
-                        for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-                                fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                        continue;
-                    }
-                    if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
-#pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            if (row_ok[r]) {
-#pragma unroll
-                                for (int c = 0; c < 2 * DQ_NCC; ++c)
-                                    fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                            }
-                        continue;
-                    }
-#pragma unroll
-                    for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
-                            if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
-                                if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
-                                    fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
-                            } else {
-#pragma unroll
-                                for (int x = 0; x < 2; ++x)
-                                    if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
-                                        fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
-                            }
-                        }
-                }
             }
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
-    // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS; dV = dV~ / (1 - p))
-    const float dv_scale = HAS_DROPOUT ? rp_keep : 1.f;
+    // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS)
+    // The lane's block, derived afresh from the thread index (nothing of it held over the loop).
+    const int tid_e = (int)fa_mov_b32(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
+    const int key_e = col0 + (warp_e % KV_WK) * KV_ROWS + (lane_e >> 2), col_e = (warp_e / KV_WK) * KV_COLS + 2 * (lane_e & 3);
 #pragma unroll
-    for (int n = 0; n < NT_D; ++n)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = col0 + wrow + MmaAccLayout::row(lane, e);
-            const int x = n * 8 + MmaAccLayout::col(lane, e);
-            float dkv, dvv;
-            if constexpr (ACC_IN_SMEM) {
-            } else {
-                dkv = dk_acc[n][e];
-                dvv = dv_acc[n][e];
+        for (int n = 0; n < KV_COLS / 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int col = key_e + 16 * m + 8 * r;  // col0 + vk0 + g + 16 m + 8 r
+                const int x = col_e + n * 8;  // vd0 + 2 t4 + 8 n
+                if (col < len_k) {
+                    T* const dk_p = dk + fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x;
+                    T* const dv_p = dv + fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x;
+                    dk_p[0] = fa_from_float<T>(dk_acc[m][n][2 * r]);
+                    dk_p[1] = fa_from_float<T>(dk_acc[m][n][2 * r + 1]);
+                    dv_p[0] = fa_from_float<T>(dv_acc[m][n][2 * r]);
+                    dv_p[1] = fa_from_float<T>(dv_acc[m][n][2 * r + 1]);
+                }
             }
-            if (active && col < len_k && x < HEAD_DIM) {
-                // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
-                const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
-                dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
-            }
-        }
 }
 
 // ===========================================================================

@@ -122,6 +122,10 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
 //       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
 //       needs sm_90 and .global); before sm_90 two red.global.add.f32.
+//   fa_mov_b32(x), fa_mov_b64(x)   mov.b32 / mov.b64: x unchanged. A copy whose source the compiler
+//       cannot see through: a loop invariant so produced is held in a register over the loop
+//       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
+//       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -228,6 +232,16 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b) {
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(p + 1)), "f"(b) : "memory");
 #endif
 }
+FA_DEVICE unsigned fa_mov_b32(unsigned x) {
+    unsigned y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
+    unsigned long long y;
+    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+    return y;
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -263,6 +277,8 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
     fagen_emu::cp_async_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
+FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
 FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     if (reinterpret_cast<uintptr_t>(p) & 7u)
         fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
@@ -271,6 +287,11 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     atomicAdd(p + 1, b);
 }
 #endif
+FA_DEVICE bool fa_hold(bool b) { return fa_mov_b32(b ? 1u : 0u) != 0u; }
+template <typename P>
+FA_DEVICE P* fa_hold(P* p) {
+    return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
+}
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
 FA_DEVICE float fa_to_float(float x) { return x; }
@@ -356,6 +377,8 @@ constexpr int LD = 72;  // padded smem row stride (elements)
 constexpr int DS_LD = 136;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
+constexpr bool BWD_2D = false;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
+constexpr int DO_STAGES = 0;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
@@ -1098,6 +1121,10 @@ FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l
 struct MmaPds {
     float p, ds;
 };
+// Its two halves for the plain score (no score modification, no dropout): P = exp2(qk scale log2 e -
+// lse2) and ds_scale dS = P (ds_scale dP - dlt), dlt = ds_scale D (one FMA).
+FA_DEVICE float mma_p(float qk, float lse2, float scale_log2) { return mma_exp2(fmaf(qk, scale_log2, -lse2)); }  // NaN score/lse: NaN
+FA_DEVICE float mma_ds(float p, float dp, float dlt, float ds_scale) { return p * fmaf(dp, ds_scale, -dlt); }
 FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
                          float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
                          float* dbias_out = nullptr) {
@@ -1111,8 +1138,8 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
         }
         return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
     } else {
-        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
-        return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
+        const float p = mma_p(qk, lse2, scale_log2);
+        return {HAS_DROPOUT && !keep ? 0.f : p, mma_ds(p, dp, dlt, ds_scale)};
     }
 }
 }  // namespace fa
