@@ -266,6 +266,16 @@ extern "C" __global__ void red2(const float* v, const int* idx, float* out, int 
     fa_red_add_f32x2(out + 2 * idx[t] + off, v[2 * t], v[2 * t + 1]);
 }
 
+// fa_mov_b32 / fa_mov_b64 / fa_hold: thread t copies word t (and the 64-bit word t) and its bool / pointer.
+extern "C" __global__ void movs(const unsigned* w, const unsigned long long* d, const float* base, unsigned* o32,
+                                unsigned long long* o64, int* flags, long long* offs) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    o32[t] = fa_mov_b32(w[t]);
+    o64[t] = fa_mov_b64(d[t]);
+    flags[t] = fa_hold((w[t] & 1u) != 0u) ? 1 : 0;
+    offs[t] = (long long)(fa_hold(base + t) - base);
+}
+
 extern "C" __global__ void misaligned(const float* src, float* out) {
     float* s = reinterpret_cast<float*>(fa_smem());
     fa_cp_async_16(s + 2, src, true);  // 8-byte aligned destination: invalid
@@ -288,6 +298,8 @@ SIGS = [
                             ("int", "m_valid"), ("int", "mode"))),
     KernelSig("misaligned", (("const float*", "src"), ("float*", "out"))),
     KernelSig("red2", (("const float*", "v"), ("const int*", "idx"), ("float*", "out"), ("int", "off"))),
+    KernelSig("movs", (("const unsigned*", "w"), ("const unsigned long long*", "d"), ("const float*", "base"),
+                       ("unsigned*", "o32"), ("unsigned long long*", "o64"), ("int*", "flags"), ("long long*", "offs"))),
     KernelSig("diverge", (("float*", "out"), ("int", "exit_half"))),
 ]
 
@@ -455,6 +467,26 @@ def test_red_add_f32x2_is_two_atomic_adds(mod) -> None:
     np.testing.assert_array_equal(out, want)
     with pytest.raises(EmulatorKernelError, match="fa_red_add_f32x2.*not 8-byte aligned"):
         mod.launch("red2", 1, 32, 0, [v, idx, np.zeros(2 * slots + 2, np.float32), 1])
+
+
+# ------------------------------------------------------------------ mov / hold
+def test_mov_copies_every_bit_and_hold_keeps_bools_and_pointers(mod) -> None:
+    """PTX ISA "mov": mov.b32 / mov.b64 copy the source register's bits unchanged (no conversion, so
+    NaN payloads, signed zeros and all-ones words survive). Model: the identity on the bit patterns;
+    fa_hold of a bool keeps its truth value, of a pointer its address."""
+    rng = np.random.default_rng(5)
+    n = 256
+    w = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    w[:6] = [0, 1, 0xFFFFFFFF, 0x7FC00001, 0x80000000, 0xFF800000]  # NaN payload, -0.0, -inf as float bits
+    d = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * 2 + (w & 1)
+    d[:2] = [0xFFFFFFFFFFFFFFFF, 0x7FF8000000000001]
+    o32, o64 = np.zeros(n, np.uint32), np.zeros(n, np.uint64)
+    flags, offs = np.full(n, -1, np.int32), np.full(n, -1, np.int64)
+    mod.launch("movs", 2, 128, 0, [w, d, np.zeros(n, np.float32), o32, o64, flags, offs])
+    np.testing.assert_array_equal(o32, w)
+    np.testing.assert_array_equal(o64, d)
+    np.testing.assert_array_equal(flags, (w & 1).astype(np.int32))
+    np.testing.assert_array_equal(offs, np.arange(n))
 
 
 # ---------------------------------------------------------------------- GEMM

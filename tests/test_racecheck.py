@@ -420,6 +420,7 @@ UNNEEDED = {
     ("mma/fwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
     ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
     ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight past the pass"),
+    ("mma/bwd_2d.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
 }
 
 
@@ -481,6 +482,13 @@ def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
             out.append((KernelSpec(direction="fwd", **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", deterministic=True, **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", **common), PROBLEMS))
+    # the mma backward's two-dimensional layout (mma/bwd_2d.cu.j2: d = 128, 64 x 128, 8 warps), GQA,
+    # three Q blocks (the prefetch) and causal dead rows; both stage counts; on sm_80 dO_i has one buffer
+    # (the next one copied after dV~)
+    for arch, knobs in (("sm_90", (("stages", 2),)), ("sm_80", (("stages", 2),)), ("sm_90", (("stages", 1),))):
+        out.append((KernelSpec(direction="bwd", arch=arch, head_dim=128, dtype="float16", impl="mma", causal=True,
+                               block_r=64, block_c=128, num_warps=8, knobs=knobs),
+                    (dict(nq=150, nk=130, heads=2, heads_kv=1),)))
     # the mma forward with a negative softmax scale (Q_i negated in shared memory once)
     out.append((KernelSpec(direction="fwd", head_dim=16, dtype="float16", impl="mma", causal=True, num_warps=2,
                            block_r=32, block_c=16, knobs=(("stages", 2),)),
@@ -606,6 +614,14 @@ def _gated_module(spec: KernelSpec, template: str) -> cpu.CpuModule:
 _GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
 
 
+def _rendered_templates(spec: KernelSpec) -> set[str]:
+    """The family's templates for the spec's direction and the family templates they include."""
+    names = set(renderer.get_family(spec.impl).templates(spec.direction))
+    for name in list(names):
+        names |= set(re.findall(r'\{%\s*include\s+"([^"]+)"', (renderer.templates_dir() / name).read_text()))
+    return names
+
+
 def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) -> set[int]:
     """The indices into SITES of the sites the candidate executes: its gated modules with every
     gate a marker that keeps its barrier (gate -2), one racecheck run per problem."""
@@ -614,8 +630,7 @@ def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) ->
     out: set[int] = set()
     try:
         for template in sorted({t for t, _, _ in SITES}):
-            if template not in renderer.get_family(spec.impl).templates(spec.direction) and \
-                    not template.startswith("partials/"):
+            if template not in _rendered_templates(spec) and not template.startswith("partials/"):
                 continue
             mod = _gated_module(spec, template)
             emu = mod._build(sanitize=False, racecheck=True)

@@ -24,7 +24,7 @@ from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
+                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
                                       fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
@@ -199,6 +199,8 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("BWD_2D", "bool", two_d,
                          "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
+                Constant("BWD_2D_FRESH", "bool", two_d and bwd_2d_fresh(ARCHS[fs.arch].capability),
+                         "two-dimensional layout: the dK~/dV~ B-fragment lane offset derived afresh each step"),
                 Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
                          "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),

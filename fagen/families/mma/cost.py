@@ -5,7 +5,7 @@ import math
 from collections.abc import Mapping
 
 from fagen.families.base import FamilySpec, PairCost
-from fagen.families.mma.rules import bwd_chunk_sub, dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
+from fagen.families.mma.rules import bwd_2d, bwd_chunk_sub, dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
     """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
@@ -17,6 +17,20 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     block_r, block_c = fs.block_r, fs.block_c
     dp, w = padded_dim(fs.head_dim), fs.num_warps
     kd = dp // 16  # k16 steps across the head dim
+    if fs.direction == "bwd" and bwd_2d(fs.head_dim, fs.flags, block_r, block_c, w):
+        # FlashAttention-2's two-dimensional layout (templates/mma/bwd_2d.cu.j2), per warp: S and dP in
+        # 32 x 32 blocks (2 A + 2 B ldmatrix per k16 step of each), dV~ and dK~ in 32 keys x dp / 2 columns
+        # (2 A + dp / 32 B per 16 Q rows of each), dQ_i in 32 x 32 (2 + 2 per 16 keys); P and dS stored
+        # as 32-bit pairs (16 each); per score of the 32 x 32 block P (one FFMA + MUFU), dS (one FFMA +
+        # FMUL), its share of the packs and the lse / D loads (~7); the dQ_i reductions (one per element).
+        hmma = 10 * block_r * block_c * dp / 4096 / w
+        ldsm = 8 * kd + 2 * (2 + dp // 32) * (block_r // 16) + 4 * (block_c // 16)
+        stores = 2 * (32 * 32) // 64
+        elementwise = 32 * 32 // 32 * 7
+        instr = w * (hmma + ldsm + stores + elementwise) + block_r * fs.head_dim / 32
+        return PairCost(lds_wavefronts=w * (4.0 * ldsm + stores), warp_instructions=float(instr),
+                        warp_iterations=float(w * hmma), busiest_warp_iterations=float(hmma),
+                        atomics=float(block_r * fs.head_dim))
     if fs.direction == "bwd":
         active = block_c // 16  # warps owning K/V rows
         chunks = block_r // 16  # 16 Q rows at a time

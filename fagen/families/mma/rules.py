@@ -240,6 +240,14 @@ def bwd_do_stages(stages: int, fits_two: bool) -> int:
     return stages if fits_two else 1
 
 
+def bwd_2d_fresh(capability: tuple[int, int]) -> bool:
+    """Two-dimensional backward: the dV~ / dK~ B-fragment lane offset derived afresh from the thread index
+    every step (``BWD_2D_FRESH``) rather than held over the loop, before sm_90: there dO_i's late copy
+    takes registers of the S / dP phase and ptxas spills the held offset (4-8 bytes, NVRTC 13.5); on
+    sm_90+ holding it costs fewer instructions (d = 128, sm_90: 677 against 684 per 1e6 FLOPs)."""
+    return capability < (9, 0)
+
+
 def lse_now(flags: frozenset[str]) -> bool:
     """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
     the step and stored at its end (the load's latency hidden) when the score modifications or
