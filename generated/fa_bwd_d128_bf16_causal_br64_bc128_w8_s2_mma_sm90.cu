@@ -378,6 +378,7 @@ constexpr int DS_LD = 72;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 128;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool BWD_2D = true;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
+constexpr bool BWD_2D_FRESH = false;  // two-dimensional layout: the dK~/dV~ B-fragment lane offset derived afresh each step
 constexpr int DO_STAGES = 2;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
@@ -1215,6 +1216,10 @@ constexpr bool DO_LATE = STAGES > 1 && DO_STAGES == 1;  // the next dO_i copied 
 FA_DEVICE int mma2d_lane_a(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
 FA_DEVICE int mma2d_lane_nm(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
 FA_DEVICE int mma2d_lane_km(int lane, int ld) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8; }
+// The lane offset of thread tid's K_j / V_j B fragments in its S / dP block (sn0 * LD + ..).
+FA_DEVICE int mma2d_b_kv(int tid) { return ((tid / 32) % S_WN) * S_KEYS * LD + mma2d_lane_nm(tid % 32, LD); }
+// The lane offset of thread tid's Q_i / dO_i B fragments, k-major, in its dK~ / dV~ block (vd0 + ..).
+FA_DEVICE int mma2d_b_qd(int tid) { return (tid / 32 / KV_WK) * KV_COLS + mma2d_lane_km(tid % 32, LD); }
 
 // The allowed keys of one lane's rows on a partial tile of the S block. The lane holds keys key0 + v
 // (v = 8 n + x < S_KEYS, x < 2) of rows row0 + d (d = 16 m + 8 r < S_ROWS). For a row and a key inside
@@ -1387,9 +1392,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int vk0 = (warp % KV_WK) * KV_ROWS, vd0 = (warp / KV_WK) * KV_COLS;  // dK~ / dV~ block corner
     // The lane's fragment addresses at the blocks' corners (stage 0; a stage adds a constant).
     const int a_q = sm0 * LD + mma2d_lane_a(lane, LD);  // Q_i / dO_i A fragments (S, dP)
-    const T* const b_k = s.k + sn0 * LD + mma2d_lane_nm(lane, LD);  // K_j B fragments (S)
-    const T* const b_v = s.v + sn0 * LD + mma2d_lane_nm(lane, LD);  // V_j B fragments (dP)
-    const int b_qd = vd0 + mma2d_lane_km(lane, LD);  // Q_i / dO_i B fragments, k-major (dK~, dV~)
+    const int b_qd_held = vd0 + mma2d_lane_km(lane, LD);  // Q_i / dO_i B fragments, k-major (dK~, dV~)
+    const int b_kv_held = sn0 * LD + mma2d_lane_nm(lane, LD);  // K_j / V_j B fragments (S, dP)
     const T* const a_p = s.p + vk0 + mma2d_lane_nm(lane, LDP);  // P^T A fragments (mma_load_a_trans)
     const T* const a_ds_t = s.ds + vk0 + mma2d_lane_nm(lane, LDP);  // tau dS^T A fragments
     const T* const a_ds = s.ds + sm0 * LDP + mma2d_lane_a(lane, LDP);  // tau dS A fragments (dQ_i)
@@ -1459,12 +1463,14 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 
             // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (the warp's 32 Q rows x 32 keys)
             // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP = dO_i V_j^T, the same block)
+            // K_j / V_j B fragments (S, dP): with BWD_2D_FRESH the lane offset derived afresh as below
+            const int b_kv = BWD_2D_FRESH ? mma2d_b_kv((int)fa_mov_b32(threadIdx.x)) : b_kv_held;
             float sacc[2][4][4] = {}, dpacc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
             // one product after the other: the fragments of one operand pair in flight at a time
 #pragma unroll
             for (int x = 0; x < 2; ++x) {  // x = 0: S = Q_i K_j^T; x = 1: dP = dO_i V_j^T
                 const T* const a_src = x == 0 ? sq : sdo;
-                const T* const b_src = x == 0 ? b_k : b_v;
+                const T* const b_src = (x == 0 ? s.k : s.v) + b_kv;
                 float (&acc)[2][4][4] = x == 0 ? sacc : dpacc;
 #pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
@@ -1501,32 +1507,35 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     l2[m][r] = slse[sm0 + 16 * m + g + 8 * r];
                     dl[m][r] = slse[DELTA_FROM_LSE + sm0 + 16 * m + g + 8 * r];
                 }
-            // dQ_i's row guards on a partial tile: the lane's rows sm0 + g + 8 q inside the sequence, with an allowed key
-            unsigned dq_ok = 0u;
-            if (!full) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    dq_ok |= (i0 + sm0 + g + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf() ? 1u : 0u) << q;
-            }
-            // Masked pairs take no part: P and dS exactly 0, whatever dP or D hold (partial tiles only).
-            const Mma2dBand bd = mma2d_band(i0 + sm0 + g, col0 + sn0 + 2 * t4, mp);
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {  // the lane's row sm0 + 16 m + g + 8 r: elements e = 2 r + x
-                    const int vlo = bd.lo + 16 * m + 8 * r, vhi = min(bd.hi + 16 * m + 8 * r, bd.kmax);
+                for (int n = 0; n < 4; ++n)
 #pragma unroll
-                    for (int n = 0; n < 4; ++n)
+                    for (int e = 0; e < 4; ++e) {
+                        const MmaPds pd = mma_pds(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][e >> 1], dl[m][e >> 1],
+                                                  scale_log2, scale, 1.f, 0, 0, sp);
+                        sacc[m][n][e] = pd.p;
+                        dpacc[m][n][e] = pd.ds;
+                    }
+            if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+                const Mma2dBand bd = mma2d_band(i0 + sm0 + g, col0 + sn0 + 2 * t4, mp);
 #pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const int v = 8 * n + x, e = 2 * r + x;  // the key within the lane's: a constant
-                            const MmaPds pd = mma_pds(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][r], dl[m][r],
-                                                      scale_log2, scale, 1.f, 0, 0, sp);
-                            const bool ok = full || (v >= vlo && v <= vhi);
-                            sacc[m][n][e] = ok ? pd.p : 0.f;
-                            dpacc[m][n][e] = ok ? pd.ds : 0.f;
-                        }
-                }
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {  // the lane's row sm0 + 16 m + g + 8 r: elements e = 2 r + x
+                        const int vlo = bd.lo + 16 * m + 8 * r, vhi = min(bd.hi + 16 * m + 8 * r, bd.kmax);
+#pragma unroll
+                        for (int n = 0; n < 4; ++n)
+#pragma unroll
+                            for (int x = 0; x < 2; ++x) {
+                                const int v = 8 * n + x, e = 2 * r + x;  // the key within the lane's: a constant
+                                const bool ok = v >= vlo && v <= vhi;
+                                sacc[m][n][e] = ok ? sacc[m][n][e] : 0.f;
+                                dpacc[m][n][e] = ok ? dpacc[m][n][e] : 0.f;
+                            }
+                    }
+            }
             // P and tau dS -> shared memory (row = Q row, column = key), one 32-bit pair per store.
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -1540,6 +1549,10 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     }
             fa_sync();  // P and tau dS complete
 
+            // Q_i / dO_i B fragments, k-major (dV~, dK~). BWD_2D_FRESH (fagen.families.mma.rules.bwd_2d_fresh):
+            // the lane offset derived afresh from the thread index each step (held over the loop, ptxas
+            // spills it on sm_80, where dO_i's late copy takes registers of the S / dP phase).
+            const int b_qd = BWD_2D_FRESH ? mma2d_b_qd((int)fa_mov_b32(threadIdx.x)) : b_qd_held;
             // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T via ldmatrix.trans of P, B = dO_i via ldmatrix.trans)
 #pragma unroll
             for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
@@ -1617,7 +1630,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 } else {
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        if ((dq_ok >> q) & 1u) {
+                        if (i0 + sm0 + g + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf()) {
 #pragma unroll
                             for (int c = 0; c < 4; ++c)
                                 fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);

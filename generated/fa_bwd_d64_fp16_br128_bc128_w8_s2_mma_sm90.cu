@@ -378,6 +378,7 @@ constexpr int DS_LD = 136;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool BWD_2D = false;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
+constexpr bool BWD_2D_FRESH = false;  // two-dimensional layout: the dK~/dV~ B-fragment lane offset derived afresh each step
 constexpr int DO_STAGES = 0;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
