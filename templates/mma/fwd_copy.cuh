@@ -17,17 +17,33 @@ struct FwdTileCopy {
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
     // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
-    // thread's first chunk is derived per tile) or, with varlen (the slice's sequence offset comes
-    // from memory), the thread's own first chunk, row first_row() and column column() of the slice
-    // (ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step).
-    static constexpr bool HOLD_THREAD = IS_VARLEN;
+    // thread's first chunk is derived per tile) or the thread's own first chunk, row first_row() and
+    // column column() of the slice: with varlen (the slice's sequence offset comes from memory;
+    // ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step) and on 16-row warps
+    // when every thread copies (EVEN; the 32-row warps' registers hold S and O: there the compiler
+    // places it). EVEN tiles also take the 32-bit row stride forms below (interior); with idle
+    // threads (d = 96, 192) they cost more than they save.
+    static constexpr bool EVEN = ACTIVE == NUM_THREADS;
+    static constexpr bool HOLD_THREAD = IS_VARLEN || (EVEN && WARP_M_TILES == 1);
     const T* p;
 
     FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
     FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
 
     FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
-        : p(HOLD_THREAD ? base + (long long)first_row() * stride_s + column() : base) {}
+        : p(HOLD_THREAD ? held(base + (long long)first_row() * stride_s + column()) : base) {}
+
+    // x as a value the compiler cannot re-derive (it would rebuild the thread's pointer from the
+    // kernel argument and the slice offset every step).
+    FA_DEVICE static const T* held(const T* x) {
+#ifdef FAGEN_EMULATOR
+        return x;
+#else
+        const T* y;
+        asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+        return y;
+#endif
+    }
 
     // The slice's row 0 and the thread's first chunk in it.
     FA_DEVICE const T* base(long long stride_s) const {
@@ -54,18 +70,26 @@ struct FwdTileCopy {
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        // This thread's first chunk (from the tile's row 0: its byte offset in the tile, first_row()
-        // x stride + column(), and the pass's row step fit 32 bits, vec_ok). Chunk it's source is one
-        // wide multiply-add off it, s + it x step (IMAD.WIDE).
-        const int sb = (int)stride_s * (ROW_STEP * (int)sizeof(T));
-        const char* s8 = HOLD_THREAD ? reinterpret_cast<const char*>(p + (long long)row0 * stride_s)
-                                     : reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
-                                           (first_row() * (int)stride_s + column()) * (int)sizeof(T);
+        // EVEN: the row stride and the pass step fit 32 bits (vec_ok) and row0 >= 0, so the tile's
+        // first chunk is a 32 x 32 -> 64-bit multiply off the pointer and each further chunk one wide
+        // multiply-add (IMAD.WIDE) off the one before. Else: the thread's first chunk from the
+        // tile's row 0 (its byte offset in the tile, first_row() x stride + column(), and the pass's
+        // row step fit 32 bits, vec_ok); chunk it is one wide multiply-add off it, s + it x step.
+        const unsigned rs = (unsigned)stride_s;
+        const int ps = (int)rs * ROW_STEP;
+        const T* c = HOLD_THREAD ? p + (unsigned long long)(unsigned)row0 * rs
+                     : EVEN      ? p + (unsigned long long)(unsigned)(row0 + first_row()) * rs + column()
+                                 : reinterpret_cast<const T*>(reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
+                                                              (first_row() * (int)stride_s + column()) * (int)sizeof(T));
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
-        for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
+        for (int it = 0; it < ITERS; ++it) {
+            const T* src = EVEN ? c : reinterpret_cast<const T*>(reinterpret_cast<const char*>(c) +
+                                                                 (long long)(ps * (int)sizeof(T)) * it);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, src, col_ok);
+            if (EVEN) c += ps;
+        }
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
