@@ -9,11 +9,17 @@ namespace fa {
 // it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds one
 // pointer (the row stride is passed with each call: a kernel argument, read from the constant
 // bank), so the S and O fragments keep the registers.
-template <int ROWS>
+//
+// HALF: the tile is copied by one half of the CTA's threads (THREADS = NUM_THREADS / 2, the thread's
+// index taken modulo THREADS), the other half copying the other tensor of the step (fwd_copy_kv):
+// each warp then sets up one copy a step instead of two.
+template <int ROWS, bool HALF = false>
 struct FwdTileCopy {
     static constexpr int CHUNKS = DPAD / 8;
-    static_assert(CHUNKS <= NUM_THREADS, "one row of 16-byte chunks per pass at least");
-    static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
+    static constexpr int THREADS = HALF ? NUM_THREADS / 2 : NUM_THREADS;
+    static_assert(!HALF || THREADS % 32 == 0, "whole warps per half");
+    static_assert(CHUNKS <= THREADS, "one row of 16-byte chunks per pass at least");
+    static constexpr int ROW_STEP = THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
     // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
@@ -23,12 +29,13 @@ struct FwdTileCopy {
     // when every thread copies (EVEN; the 32-row warps' registers hold S and O: there the compiler
     // places it). EVEN tiles also take the 32-bit row stride forms below (interior); with idle
     // threads (d = 96, 192) they cost more than they save.
-    static constexpr bool EVEN = ACTIVE == NUM_THREADS;
+    static constexpr bool EVEN = ACTIVE == THREADS;
     static constexpr bool HOLD_THREAD = IS_VARLEN || (EVEN && WARP_M_TILES == 1);
     const T* p;
 
-    FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
-    FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
+    FA_DEVICE static int tid() { return HALF ? (int)threadIdx.x % THREADS : (int)threadIdx.x; }
+    FA_DEVICE static int first_row() { return tid() / CHUNKS; }
+    FA_DEVICE static int column() { return (tid() % CHUNKS) * 8; }
 
     FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
         : p(HOLD_THREAD ? held(base + (long long)first_row() * stride_s + column()) : base) {}
@@ -63,7 +70,7 @@ struct FwdTileCopy {
     // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
     // pass may leave the tile)?
     FA_DEVICE static bool in_tile(int it) {
-        const bool active = ACTIVE == NUM_THREADS || (int)threadIdx.x < ACTIVE;
+        const bool active = ACTIVE == THREADS || tid() < ACTIVE;
         if (ROWS % ROW_STEP == 0 || it < ITERS - 1) return active;
         return active && first_row() + it * ROW_STEP < ROWS;
     }
@@ -108,7 +115,8 @@ struct FwdTileCopy {
     }
 
     // The tile at row0 of an n-row slice: cp.async chunks (interior tiles without bounds checks),
-    // element copies for a slice that is not 16-byte aligned (vec false).
+    // element copies for a slice that is not 16-byte aligned (vec false; every thread of the CTA
+    // calls it then, HALF or not: mma_copy_tile strides over all of them).
     FA_DEVICE void operator()(T* dst, int row0, int n, long long stride_s, bool vec,
                               const unsigned char* kpm_row) const {
         if (!vec) {
@@ -120,4 +128,22 @@ struct FwdTileCopy {
         }
     }
 };
+
+// K_j and V_j at key row0 of their n-row slices into dk / dv, with cp.async (vec_k, vec_v: each slice
+// 16-byte aligned) or element copies. HALF copy objects and both slices aligned: the first half of
+// the threads copies K, the second V (warp-uniform); else every thread both.
+template <int ROWS, bool HALF>
+FA_DEVICE void fwd_copy_kv(const FwdTileCopy<ROWS, HALF>& ck, const FwdTileCopy<ROWS, HALF>& cv, T* dk, T* dv,
+                           int row0, int n, long long stride_k, long long stride_v, bool vec_k, bool vec_v,
+                           const unsigned char* kpm_row) {
+    if (HALF && vec_k && vec_v) {
+        if ((int)threadIdx.x < FwdTileCopy<ROWS, HALF>::THREADS)
+            ck(dk, row0, n, stride_k, true, kpm_row);
+        else
+            cv(dv, row0, n, stride_v, true, kpm_row);
+    } else {
+        ck(dk, row0, n, stride_k, vec_k, kpm_row);
+        cv(dv, row0, n, stride_v, vec_v, kpm_row);
+    }
+}
 }  // namespace fa

@@ -128,6 +128,16 @@ def fwd_m_tiles(block_r: int, num_warps: int) -> int:
     return 2 if block_r > 16 * num_warps else 1
 
 
+def fwd_half_copy(head_dim: int, num_warps: int) -> bool:
+    """Forward: each half of the CTA's threads copies one of K_j / V_j per step (``FWD_HALF_COPY``:
+    each warp sets up one copy a step instead of two) when the 16-byte chunks of a row divide half
+    the threads (padded head dims 32, 64, 128, 256). Elsewhere (d = 96, 192: idle threads in each
+    pass) every thread copies both: the halves there cost more than they save (benchmarks/sass_cost.py,
+    d = 96: 1015 against 1025 instructions per 1e6 FLOPs on sm_80; d = 64 on sm_90: 1114 against 1132)."""
+    threads = 32 * num_warps
+    return num_warps % 2 == 0 and (threads // 2) % (padded_dim(head_dim) // 8) == 0
+
+
 #: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
 #: accumulator of a 16-row warp take at most this many registers per lane together.
 FWD_FRAG_REGS = 128
