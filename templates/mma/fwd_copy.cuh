@@ -52,6 +52,18 @@ struct FwdTileCopy {
 #endif
     }
 
+    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (IMAD.WIDE.U32; in element
+    // units the compiler multiplies, then scales and adds: four instructions).
+    FA_DEVICE static const T* wide_offset(const T* p, unsigned rows, unsigned row_bytes) {
+#ifdef FAGEN_EMULATOR
+        return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (unsigned long long)rows * row_bytes);
+#else
+        unsigned long long r;
+        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(rows), "r"(row_bytes), "l"(reinterpret_cast<unsigned long long>(p)));
+        return reinterpret_cast<const T*>(r);
+#endif
+    }
+
     // The slice's row 0 and the thread's first chunk in it.
     FA_DEVICE const T* base(long long stride_s) const {
         return HOLD_THREAD ? p - ((long long)first_row() * stride_s + column()) : p;
@@ -84,7 +96,7 @@ struct FwdTileCopy {
         // row step fit 32 bits, vec_ok); chunk it is one wide multiply-add off it, s + it x step.
         const unsigned rs = (unsigned)stride_s;
         const int ps = (int)rs * ROW_STEP;
-        const T* c = HOLD_THREAD ? p + (unsigned long long)(unsigned)row0 * rs
+        const T* c = HOLD_THREAD ? wide_offset(p, (unsigned)row0, rs * (unsigned)sizeof(T))
                      : EVEN      ? p + (unsigned long long)(unsigned)(row0 + first_row()) * rs + column()
                                  : reinterpret_cast<const T*>(reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
                                                               (first_row() * (int)stride_s + column()) * (int)sizeof(T));
@@ -132,12 +144,13 @@ struct FwdTileCopy {
 // K_j and V_j at key row0 of their n-row slices into dk / dv, with cp.async (vec_k, vec_v: each slice
 // 16-byte aligned) or element copies. HALF copy objects and both slices aligned: the first half of
 // the threads copies K, the second V (warp-uniform); else every thread both.
+// k_half: is this thread in the first half ((int)threadIdx.x < FwdTileCopy<ROWS, true>::THREADS)?
 template <int ROWS, bool HALF>
 FA_DEVICE void fwd_copy_kv(const FwdTileCopy<ROWS, HALF>& ck, const FwdTileCopy<ROWS, HALF>& cv, T* dk, T* dv,
                            int row0, int n, long long stride_k, long long stride_v, bool vec_k, bool vec_v,
-                           const unsigned char* kpm_row) {
+                           const unsigned char* kpm_row, bool k_half) {
     if (HALF && vec_k && vec_v) {
-        if ((int)threadIdx.x < FwdTileCopy<ROWS, HALF>::THREADS)
+        if (k_half)
             ck(dk, row0, n, stride_k, true, kpm_row);
         else
             cv(dv, row0, n, stride_v, true, kpm_row);
