@@ -1223,8 +1223,9 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
-    // Can K / V take the cp.async paths? Held over the loop; on 32-row warps as one flag for both
-    // (either unaligned: both element copies; re-deriving the two tests cost ~16 instructions a step).
+    // Can K / V take the cp.async paths? Held over the loop, as one flag for both (either unaligned:
+    // both element copies; re-deriving the two tests cost ~16 instructions a step on 32-row warps)
+    // except on 16-row warps whose threads copy both tensors (two held flags).
     using KVCopy = FwdTileCopy<BLOCK_C, FWD_HALF_COPY>;
     const bool k_ok = KVCopy::vec_ok(k_bh, stride_k_s), v_ok = KVCopy::vec_ok(v_bh, stride_v_s);
     const bool kv_vec = fwd_opaque(k_ok && v_ok, true) != 0;
