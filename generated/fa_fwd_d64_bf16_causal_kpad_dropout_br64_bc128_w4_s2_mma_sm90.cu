@@ -378,6 +378,7 @@ constexpr int LD = 72;  // padded smem row stride (elements)
 constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr int WARP_M_TILES = 1;  // m16 tiles of Q rows per warp (2: 32-row warps)
 constexpr bool Q_IN_REGS = false;  // Q_i A-fragments held in registers
+constexpr bool FWD_HALF_COPY = true;  // each half of the threads copies one of K_j / V_j
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -936,25 +937,60 @@ namespace fa {
 // it * ROW_STEP rows and its destination one smem offset plus a constant. The object holds one
 // pointer (the row stride is passed with each call: a kernel argument, read from the constant
 // bank), so the S and O fragments keep the registers.
-template <int ROWS>
+//
+// HALF: the tile is copied by one half of the CTA's threads (THREADS = NUM_THREADS / 2, the thread's
+// index taken modulo THREADS), the other half copying the other tensor of the step (fwd_copy_kv):
+// each warp then sets up one copy a step instead of two.
+template <int ROWS, bool HALF = false>
 struct FwdTileCopy {
     static constexpr int CHUNKS = DPAD / 8;
-    static_assert(CHUNKS <= NUM_THREADS, "one row of 16-byte chunks per pass at least");
-    static constexpr int ROW_STEP = NUM_THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
+    static constexpr int THREADS = HALF ? NUM_THREADS / 2 : NUM_THREADS;
+    static_assert(!HALF || THREADS % 32 == 0, "whole warps per half");
+    static_assert(CHUNKS <= THREADS, "one row of 16-byte chunks per pass at least");
+    static constexpr int ROW_STEP = THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     static constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
 
     // What the object holds: the slice's row 0, column 0 (the same for every thread of the CTA; the
-    // thread's first chunk is derived per tile) or, with varlen (the slice's sequence offset comes
-    // from memory), the thread's own first chunk, row first_row() and column column() of the slice
-    // (ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step).
-    static constexpr bool HOLD_THREAD = IS_VARLEN;
+    // thread's first chunk is derived per tile) or the thread's own first chunk, row first_row() and
+    // column column() of the slice: with varlen (the slice's sequence offset comes from memory;
+    // ptxas spilled 20-24 bytes at d = 32 deriving it from the base every step) and on 16-row warps
+    // when every thread copies (EVEN; the 32-row warps' registers hold S and O: there the compiler
+    // places it). EVEN tiles also take the 32-bit row stride forms below (interior); with idle
+    // threads (d = 96, 192) they cost more than they save.
+    static constexpr bool EVEN = ACTIVE == THREADS;
+    static constexpr bool HOLD_THREAD = IS_VARLEN || (EVEN && WARP_M_TILES == 1);
     const T* p;
 
-    FA_DEVICE static int first_row() { return (int)threadIdx.x / CHUNKS; }
-    FA_DEVICE static int column() { return ((int)threadIdx.x % CHUNKS) * 8; }
+    FA_DEVICE static int tid() { return HALF ? (int)threadIdx.x % THREADS : (int)threadIdx.x; }
+    FA_DEVICE static int first_row() { return tid() / CHUNKS; }
+    FA_DEVICE static int column() { return (tid() % CHUNKS) * 8; }
 
     FA_DEVICE FwdTileCopy(const T* base, long long stride_s)
-        : p(HOLD_THREAD ? base + (long long)first_row() * stride_s + column() : base) {}
+        : p(HOLD_THREAD ? held(base + (long long)first_row() * stride_s + column()) : base) {}
+
+    // x as a value the compiler cannot re-derive (it would rebuild the thread's pointer from the
+    // kernel argument and the slice offset every step).
+    FA_DEVICE static const T* held(const T* x) {
+#ifdef FAGEN_EMULATOR
+        return x;
+#else
+        const T* y;
+        asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+        return y;
+#endif
+    }
+
+    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (IMAD.WIDE.U32; in element
+    // units the compiler multiplies, then scales and adds: four instructions).
+    FA_DEVICE static const T* wide_offset(const T* p, unsigned rows, unsigned row_bytes) {
+#ifdef FAGEN_EMULATOR
+        return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (unsigned long long)rows * row_bytes);
+#else
+        unsigned long long r;
+        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(rows), "r"(row_bytes), "l"(reinterpret_cast<unsigned long long>(p)));
+        return reinterpret_cast<const T*>(r);
+#endif
+    }
 
     // The slice's row 0 and the thread's first chunk in it.
     FA_DEVICE const T* base(long long stride_s) const {
@@ -974,25 +1010,33 @@ struct FwdTileCopy {
     // Is chunk `it` of this thread inside the tile (an idle thread's never; else only the last
     // pass may leave the tile)?
     FA_DEVICE static bool in_tile(int it) {
-        const bool active = ACTIVE == NUM_THREADS || (int)threadIdx.x < ACTIVE;
+        const bool active = ACTIVE == THREADS || tid() < ACTIVE;
         if (ROWS % ROW_STEP == 0 || it < ITERS - 1) return active;
         return active && first_row() + it * ROW_STEP < ROWS;
     }
 
     // Rows [row0, row0 + ROWS): all inside the sequence, no key padding (an interior tile).
     FA_DEVICE void interior(T* dst, int row0, long long stride_s) const {
-        // This thread's first chunk (from the tile's row 0: its byte offset in the tile, first_row()
-        // x stride + column(), and the pass's row step fit 32 bits, vec_ok). Chunk it's source is one
-        // wide multiply-add off it, s + it x step (IMAD.WIDE).
-        const int sb = (int)stride_s * (ROW_STEP * (int)sizeof(T));
-        const char* s8 = HOLD_THREAD ? reinterpret_cast<const char*>(p + (long long)row0 * stride_s)
-                                     : reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
-                                           (first_row() * (int)stride_s + column()) * (int)sizeof(T);
+        // EVEN: the row stride and the pass step fit 32 bits (vec_ok) and row0 >= 0, so the tile's
+        // first chunk is a 32 x 32 -> 64-bit multiply off the pointer and each further chunk one wide
+        // multiply-add (IMAD.WIDE) off the one before. Else: the thread's first chunk from the
+        // tile's row 0 (its byte offset in the tile, first_row() x stride + column(), and the pass's
+        // row step fit 32 bits, vec_ok); chunk it is one wide multiply-add off it, s + it x step.
+        const unsigned rs = (unsigned)stride_s;
+        const int ps = (int)rs * ROW_STEP;
+        const T* c = HOLD_THREAD ? wide_offset(p, (unsigned)row0, rs * (unsigned)sizeof(T))
+                     : EVEN      ? p + (unsigned long long)(unsigned)(row0 + first_row()) * rs + column()
+                                 : reinterpret_cast<const T*>(reinterpret_cast<const char*>(p + (long long)row0 * stride_s) +
+                                                              (first_row() * (int)stride_s + column()) * (int)sizeof(T));
         T* d = dst + first_row() * LD + column();
         const bool col_ok = HEAD_DIM == DPAD || column() < HEAD_DIM;  // columns [HEAD_DIM, DPAD) are zero-filled
 #pragma unroll
-        for (int it = 0; it < ITERS; ++it)
-            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, reinterpret_cast<const T*>(s8 + (long long)sb * it), col_ok);
+        for (int it = 0; it < ITERS; ++it) {
+            const T* src = EVEN ? c : reinterpret_cast<const T*>(reinterpret_cast<const char*>(c) +
+                                                                 (long long)(ps * (int)sizeof(T)) * it);
+            if (in_tile(it)) fa_cp_async_16(d + it * ROW_STEP * LD, src, col_ok);
+            if (EVEN) c += ps;
+        }
     }
 
     // Rows >= n and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled. A
@@ -1011,7 +1055,8 @@ struct FwdTileCopy {
     }
 
     // The tile at row0 of an n-row slice: cp.async chunks (interior tiles without bounds checks),
-    // element copies for a slice that is not 16-byte aligned (vec false).
+    // element copies for a slice that is not 16-byte aligned (vec false; every thread of the CTA
+    // calls it then, HALF or not: mma_copy_tile strides over all of them).
     FA_DEVICE void operator()(T* dst, int row0, int n, long long stride_s, bool vec,
                               const unsigned char* kpm_row) const {
         if (!vec) {
@@ -1023,6 +1068,25 @@ struct FwdTileCopy {
         }
     }
 };
+
+// K_j and V_j at key row0 of their n-row slices into dk / dv, with cp.async (vec_k, vec_v: each slice
+// 16-byte aligned) or element copies. HALF copy objects and both slices aligned: the first half of
+// the threads copies K, the second V (warp-uniform); else every thread both.
+// k_half: is this thread in the first half ((int)threadIdx.x < FwdTileCopy<ROWS, true>::THREADS)?
+template <int ROWS, bool HALF>
+FA_DEVICE void fwd_copy_kv(const FwdTileCopy<ROWS, HALF>& ck, const FwdTileCopy<ROWS, HALF>& cv, T* dk, T* dv,
+                           int row0, int n, long long stride_k, long long stride_v, bool vec_k, bool vec_v,
+                           const unsigned char* kpm_row, bool k_half) {
+    if (HALF && vec_k && vec_v) {
+        if (k_half)
+            ck(dk, row0, n, stride_k, true, kpm_row);
+        else
+            cv(dv, row0, n, stride_v, true, kpm_row);
+    } else {
+        ck(dk, row0, n, stride_k, vec_k, kpm_row);
+        cv(dv, row0, n, stride_v, vec_v, kpm_row);
+    }
+}
 }  // namespace fa
 namespace fa {
 // Forward on tensor cores: one CTA per (Q block i, batch, head); warp w owns the WROWS = 16 * MT
@@ -1030,7 +1094,7 @@ namespace fa {
 // rows than 16 per warp: each K/V fragment then feeds MT x 2 HMMAs). S, P, the O accumulator and
 // the row statistics (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-// WARP_M_TILES, Q_IN_REGS: decided by fagen.families.mma (header).
+// WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY: decided by fagen.families.mma (header).
 constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
 // 32-row warps compute S one m16 tile after the other (each Q fragment read from smem per k step,
@@ -1164,7 +1228,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int len_q = si.len_q, len_k = si.len_k;
     const int wrow = warp * WROWS;  // this warp's Q rows within the block
     // warp-uniform: warps past the block own no rows (none when the warps tile it exactly)
-    const bool active = (MT == 1 && BLOCK_R >= WROWS * NUM_WARPS) || wrow < BLOCK_R;
+    const bool active = BLOCK_R >= WROWS * NUM_WARPS || wrow < BLOCK_R;
     const Smem s = smem_carve();
     const float NEG_INF = fa_neg_inf();
     // Without a score modification the softmax runs on the raw q.k accumulator and folds
@@ -1180,10 +1244,17 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
-    const bool k_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(k_bh, stride_k_s)) != 0,
-               v_vec = fwd_opaque(FwdTileCopy<BLOCK_C>::vec_ok(v_bh, stride_v_s)) != 0;
+    // Can K / V take the cp.async paths? Held over the loop, as one flag for both (either unaligned:
+    // both element copies; re-deriving the two tests cost ~16 instructions a step on 32-row warps)
+    // except on 16-row warps whose threads copy both tensors (two held flags).
+    using KVCopy = FwdTileCopy<BLOCK_C, FWD_HALF_COPY>;
+    const bool k_ok = KVCopy::vec_ok(k_bh, stride_k_s), v_ok = KVCopy::vec_ok(v_bh, stride_v_s);
+    const bool kv_vec = fwd_opaque(k_ok && v_ok, true) != 0;
+    const bool k_vec = FWD_HOLD && !FWD_HALF_COPY ? fwd_opaque(k_ok) != 0 : kv_vec,
+               v_vec = FWD_HOLD && !FWD_HALF_COPY ? fwd_opaque(v_ok) != 0 : kv_vec;
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
-    const FwdTileCopy<BLOCK_C> copy_k(k_bh, stride_k_s), copy_v(v_bh, stride_v_s);
+    const KVCopy copy_k(k_bh, stride_k_s), copy_v(v_bh, stride_v_s);
+    const bool k_half = fwd_opaque(tid < KVCopy::THREADS) != 0;  // FWD_HALF_COPY: this thread copies K_j
 
     // Only the K/V blocks whose tiles with this Q block are not all masked.
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
@@ -1193,14 +1264,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     int j_begin, j_end, jf0, jf1;
     q_block_kv_range(i0, mp, &j_begin, &j_end);
     fwd_full_range(i0, mp, &jf0, &jf1);
-    jf0 = fwd_opaque(jf0, true);  // held over the loop (the compiler would re-derive them every step)
+    // held over the loop (the compiler would re-derive them every step); without a window the first
+    // full tile is j0 = 0 (no lower band): left to the compiler, which folds the test away
+    if constexpr (HAS_WINDOW) jf0 = fwd_opaque(jf0, true);
     jf1 = fwd_opaque(jf1, true);
 
     // Q_i and the first K_j, V_j stage: one cp.async group (zero rows past the sequences).
     mma_copy_tile<BLOCK_R>(s.q, q_bh, i0, len_q, stride_q_s, mma_vec_ok(q_bh, stride_q_s));
     if (STAGES > 1 && j_begin < j_end) {
-        copy_k(s.k, j_begin, len_k, stride_k_s, k_vec, kpm_b);
-        copy_v(s.v, j_begin, len_k, stride_v_s, v_vec, kpm_b);
+        fwd_copy_kv(copy_k, copy_v, s.k, s.v, j_begin, len_k, stride_k_s, stride_v_s, k_vec, v_vec, kpm_b, k_half);
     }
     fa_cp_async_commit();
 
@@ -1259,26 +1331,28 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const int q_lane0 = fwd_opaque((wrow + (lane & 15)) * LD + (lane >> 4) * 8);
     const int k_lane0 = fwd_opaque(((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
     const int v_lane0 = fwd_opaque(((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
-    for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
+    // The stage offset (elements) toggles between 0 and one stage (xor of a constant: one instruction
+    // a step instead of a multiply per use).
+    constexpr int STAGE_EL = BLOCK_C * LD;
+    for (int j0 = j_begin, cur_el = 0; j0 < j_end; j0 += BLOCK_C, cur_el ^= STAGES > 1 ? STAGE_EL : 0) {
         const int q_lane = FWD_HOLD ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
         const int k_lane = FWD_HOLD ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
         const int v_lane = FWD_HOLD ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
-        const int cur = it % STAGES, nxt = (it + 1) % STAGES;
+        const int nxt_el = STAGES > 1 ? cur_el ^ STAGE_EL : 0;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
-            copy_k(s.k, j0, len_k, stride_k_s, k_vec, kpm_b);
-            copy_v(s.v, j0, len_k, stride_v_s, v_vec, kpm_b);
+            fwd_copy_kv(copy_k, copy_v, s.k, s.v, j0, len_k, stride_k_s, stride_v_s, k_vec, v_vec, kpm_b, k_half);
             fa_cp_async_commit();
         }
         fa_cp_async_wait_all();
         fa_sync();  // stage cur has landed for every thread; step j-1 is done with stage nxt
         if (STAGES > 1 && j0 + BLOCK_C < j_end) {
-            copy_k(s.k + nxt * BLOCK_C * LD, j0 + BLOCK_C, len_k, stride_k_s, k_vec, kpm_b);
-            copy_v(s.v + nxt * BLOCK_C * LD, j0 + BLOCK_C, len_k, stride_v_s, v_vec, kpm_b);
+            fwd_copy_kv(copy_k, copy_v, s.k + nxt_el, s.v + nxt_el, j0 + BLOCK_C, len_k,
+                        stride_k_s, stride_v_s, k_vec, v_vec, kpm_b, k_half);
         }
         fa_cp_async_commit();
-        const T* sk = s.k + cur * BLOCK_C * LD;
-        const T* sv = s.v + cur * BLOCK_C * LD;
+        const T* sk = s.k + cur_el;
+        const T* sv = s.v + cur_el;
         if (!active) continue;  // the loop's barriers are at its top: idle warps keep in step
 
         // S = Q_i K_j^T on the fp32 accumulator; each K fragment feeds the warp's MT m16 tiles.
@@ -1400,16 +1474,18 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = NEG_INF;
+                // (from the first pair, not from -inf: fmaxf of all-NaN is NaN, which the shuffles and
+                // m_new's fmaxf skip as they skip -inf)
+                float mx = fmaxf(sacc[mt][0][2 * r], sacc[mt][0][2 * r + 1]);
 #pragma unroll
-                for (int n = 0; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
+                for (int n = 1; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
                 mx = fmaxf(mx, mma_shfl_xor(mx, 1));
                 mx = fmaxf(mx, mma_shfl_xor(mx, 2));
                 const float m_new = fmaxf(m_r[mt][r], mx);
                 const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
                 const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
                 m_r[mt][r] = m_new;
-                float sum = 0.f;
+                float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
 #pragma unroll
                 for (int n = 0; n < NT_C; ++n) {
                     float pz[2];
@@ -1417,13 +1493,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                     for (int x = 0; x < 2; ++x) {
                         const int e = 2 * r + x;
                         const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
-                        sum += p;
+                        sum = n == 0 && x == 0 ? p : sum + p;
                         pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
                     }
                     pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
                 }
                 l_r[mt][r] = alpha * l_r[mt][r] + sum;
-                if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha, l_acc[mt][2 * r + 1] *= alpha;
+                // l_acc: only column 0 of the ones product is read (every column holds the same sum);
+                // the other columns accumulate unscaled and stay unread.
+                if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
 #pragma unroll
                 for (int n = 0; n < NT_D; ++n) {
                     o_acc[mt][n][2 * r] *= alpha;

@@ -14,6 +14,7 @@ import fagen.functional as F
 from fagen.abi import neutral_args
 from fagen import KernelSpec
 from fagen.cli import main
+from fagen.families.mma.rules import fwd_half_copy
 from fagen.families import FamilySpec, Tile, default_family, family_names, get_family
 from fagen.families.mma import padded_dim
 from fagen.philox import drop_threshold
@@ -225,6 +226,29 @@ def test_unaligned_slices_fall_back_to_element_copies() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("unaligned", ["k", "kv"])
+@pytest.mark.parametrize("tile", [dict(), dict(block_r=128, block_c=128, num_warps=4)], ids=["16-row", "32-row"])
+def test_forward_half_copies_fall_back_with_either_tensor_unaligned(unaligned: str, tile: dict) -> None:
+    """Where half the threads copy K_j and half V_j (FWD_HALF_COPY), an unaligned K or V sends both
+    through the element copies on every thread: the result is exactly the aligned layout's."""
+    torch.manual_seed(6)
+    B, N, H, d = 1, 150, 2, 64
+    spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", impl="mma", causal=True, **tile)
+    assert fwd_half_copy(d, spec.num_warps)
+    q, k, v = (torch.randn(B, N, H, d, dtype=torch.float16) for _ in range(3))
+
+    def off(t: torch.Tensor) -> torch.Tensor:  # head stride d + 1: every head but the first off 16 bytes
+        buf = torch.zeros(B, N, H, d + 1, dtype=t.dtype)
+        buf[..., :d] = t
+        return buf[..., :d]
+
+    k_u = off(k)
+    v_u = off(v) if unaligned == "kv" else v
+    o, lse = F.run_forward(spec, q, k_u, v_u)
+    o_c, lse_c = F.run_forward(spec, q, k, v)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+
+
 def test_forward_row_stride_past_the_32_bit_pass_step_takes_element_copies() -> None:
     """The forward's K/V cp.async paths address a thread's chunks in 32 bits off the tile's row 0
     (FwdTileCopy::vec_ok): a 16-byte-aligned row stride whose pass of ROW_STEP rows exceeds 2^31 - 1
@@ -233,7 +257,8 @@ def test_forward_row_stride_past_the_32_bit_pass_step_takes_element_copies() -> 
     torch.manual_seed(5)
     d, n = 16, 3
     spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", impl="mma", block_r=128, block_c=128, num_warps=8)
-    row_step = 32 * spec.num_warps // (d // 8)  # 128 rows a pass
+    threads = 32 * spec.num_warps // (2 if fwd_half_copy(d, spec.num_warps) else 1)  # a tensor's copying threads
+    row_step = threads // (d // 8)  # 64 rows a pass (half the threads copy K_j, half V_j)
     stride = ((2**31 - 1) // (row_step * 2) // 8 + 1) * 8  # the least multiple of 8 elements past the limit
     assert stride * row_step * 2 > 2**31 - 1 and stride % 8 == 0
     q = torch.randn(1, n, 1, d, dtype=torch.float16)

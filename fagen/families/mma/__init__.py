@@ -26,7 +26,7 @@ from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
                                       SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
-                                      fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
+                                      fwd_half_copy, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
 from fagen.arch import ARCHS
 from fagen.layout import SmemLayout, align_up, place
@@ -229,6 +229,8 @@ class MmaFamily(FamilyBase):
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
                 Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps, t.block_c, fs.flags),
                          "Q_i A-fragments held in registers"),
+                Constant("FWD_HALF_COPY", "bool", fwd_half_copy(d, fs.num_warps),
+                         "each half of the threads copies one of K_j / V_j"),
             ]
         return {"strides": strides, "constants": tuple(consts)}
 

@@ -5,7 +5,8 @@ import math
 from collections.abc import Mapping
 
 from fagen.families.base import FamilySpec, PairCost
-from fagen.families.mma.rules import bwd_2d, bwd_chunk_sub, dq_key_chunk, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, padded_dim
+from fagen.families.mma.rules import (bwd_2d, bwd_chunk_sub, dq_key_chunk, fwd_half_copy, fwd_m_tiles, fwd_q_in_regs,
+                                      kv_in_regs, padded_dim)
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
     """One visited tile pair of the templates, counted per warp: mma.sync m16n8k16 (one
@@ -81,11 +82,13 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     ldsm = q_ldsm + kd * (block_c // 16) + (block_c // 16) * kd
     # per score: max, FFMA, exp2, sum and half a pack (5; dropout's keep bits 10 more); per O element one
     # rescale multiply a step; per 16-byte K/V chunk 2 (its source one wide multiply-add off the thread's
-    # row pointer, the cp.async), ~40 per step (barrier, the copies' set-up, stage and loop bookkeeping);
-    # l = rowsum(P~) without dropout: one HMMA per 16 keys and m16 tile.
+    # row pointer, the cp.async), per step ~25 for the barrier, stage and loop bookkeeping and ~15 per
+    # copy a warp sets up (one with FWD_HALF_COPY, where each half of the threads copies one tensor, else
+    # two); l = rowsum(P~) without dropout: one HMMA per 16 keys and m16 tile.
     chunks = 2 * block_c * (dp // 8) / (32 * w)  # 16-byte cp.async per warp (K_j and V_j)
     ones = 0 if fs.has("dropout") else mt * (block_c // 16)
+    copies = 1 if fwd_half_copy(fs.head_dim, w) else 2
     elementwise = (mt * ((block_c // 8) * 4 * (5 + (10 if fs.has("dropout") else 0)) + (dp // 8) * 4)
-                   + 2 * chunks + 40 + ones)
+                   + 2 * chunks + 25 + 15 * copies + ones)
     return PairCost(lds_wavefronts=4.0 * active * ldsm, warp_instructions=float(active * (hmma + ldsm + elementwise)),
                     warp_iterations=float(active * hmma), busiest_warp_iterations=float(hmma), atomics=0.0)

@@ -111,12 +111,12 @@ def fwd_default_warp_rows(head_dim: int, capability: tuple[int, int], flags: fro
     """Forward: the Q rows a warp owns by default: 32 (two m16 tiles, each K/V fragment feeding 4
     HMMAs, the K/V copy and the step's set-up shared by twice the rows) up to padded head dim
     MAX_WIDE_WARP_DEFAULT_DIM on sm_90 without dropout, data masks or score modifications, where
-    the 32 x 128 scores and the 32 x 64 O accumulator fit the registers (d = 64: 1169 against 1209
+    the 32 x 128 scores and the 32 x 64 O accumulator fit the registers (d = 64: 1109 against 1148
     instructions per 1e6 FLOPs for 8 warps of 16 rows); 16 otherwise: ptxas spills the 32-row warp on
     sm_80 and sm_100+ (70-370 bytes at d = 64), beside those features' per-element state and beside
     a window's two bounds per row (FWD_WIDE_WARP_MASK_FLAGS), so those specs take 16-row warps (8 of
     them where the block fits, ``MmaFamily.default_warps``). Causal specs take 32-row warps on sm_90
-    (d = 64: 1186 against 1211)."""
+    (d = 64: 1110 against 1148)."""
     wide = (padded_dim(head_dim) <= MAX_WIDE_WARP_DEFAULT_DIM and capability == (9, 0)
             and not flags & (FWD_WIDE_WARP_EXCLUDED_FLAGS | FWD_WIDE_WARP_MASK_FLAGS))
     return 32 if wide else 16
@@ -126,6 +126,16 @@ def fwd_m_tiles(block_r: int, num_warps: int) -> int:
     """Forward: m16 tiles of Q rows per warp (``WARP_M_TILES``): 2 (32 rows) when the Q block has
     more rows than 16 per warp, else 1."""
     return 2 if block_r > 16 * num_warps else 1
+
+
+def fwd_half_copy(head_dim: int, num_warps: int) -> bool:
+    """Forward: each half of the CTA's threads copies one of K_j / V_j per step (``FWD_HALF_COPY``:
+    each warp sets up one copy a step instead of two) when the 16-byte chunks of a row divide half
+    the threads (padded head dims 32, 64, 128, 256). Elsewhere (d = 96, 192: idle threads in each
+    pass) every thread copies both: the halves there cost more than they save (benchmarks/sass_cost.py,
+    d = 96: 1015 against 1025 instructions per 1e6 FLOPs on sm_80; d = 64 on sm_90: 1114 against 1132)."""
+    threads = 32 * num_warps
+    return num_warps % 2 == 0 and (threads // 2) % (padded_dim(head_dim) // 8) == 0
 
 
 #: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
