@@ -275,6 +275,11 @@ extern "C" __global__ void movs(const unsigned* w, const unsigned long long* d, 
     flags[t] = fa_hold((w[t] & 1u) != 0u) ? 1 : 0;
     offs[t] = (long long)(fa_hold(base + t) - base);
 }
+// fa_mad_wide_u32: thread t computes a[t] * b[t] + c[t] (64 bits).
+extern "C" __global__ void madw(const unsigned* a, const unsigned* b, const unsigned long long* c, unsigned long long* o) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    o[t] = fa_mad_wide_u32(a[t], b[t], c[t]);
+}
 
 extern "C" __global__ void misaligned(const float* src, float* out) {
     float* s = reinterpret_cast<float*>(fa_smem());
@@ -300,6 +305,8 @@ SIGS = [
     KernelSig("red2", (("const float*", "v"), ("const int*", "idx"), ("float*", "out"), ("int", "off"))),
     KernelSig("movs", (("const unsigned*", "w"), ("const unsigned long long*", "d"), ("const float*", "base"),
                        ("unsigned*", "o32"), ("unsigned long long*", "o64"), ("int*", "flags"), ("long long*", "offs"))),
+    KernelSig("madw", (("const unsigned*", "a"), ("const unsigned*", "b"), ("const unsigned long long*", "c"),
+                       ("unsigned long long*", "o"))),
     KernelSig("diverge", (("float*", "out"), ("int", "exit_half"))),
 ]
 
@@ -487,6 +494,21 @@ def test_mov_copies_every_bit_and_hold_keeps_bools_and_pointers(mod) -> None:
     np.testing.assert_array_equal(o64, d)
     np.testing.assert_array_equal(flags, (w & 1).astype(np.int32))
     np.testing.assert_array_equal(offs, np.arange(n))
+
+
+def test_mad_wide_u32_is_the_full_product_plus_c_mod_2_64(mod) -> None:
+    """PTX ISA "mad": mad.wide.u32 d, a, b, c is d = a * b + c with the full 64-bit product of the
+    32-bit unsigned a and b, c and d 64-bit, the sum modulo 2^64. Model: Python integers."""
+    rng = np.random.default_rng(9)
+    n = 256
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    c = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * 2 + 1
+    a[:3], b[:3], c[:3] = [0xFFFFFFFF, 0, 1], [0xFFFFFFFF, 7, 1], [0xFFFFFFFFFFFFFFFF, 5, 0]  # wrap, zero, one
+    o = np.zeros(n, np.uint64)
+    mod.launch("madw", 2, 128, 0, [a, b, c, o])
+    want = [(int(x) * int(y) + int(z)) % 2**64 for x, y, z in zip(a, b, c)]
+    assert [int(v) for v in o] == want
 
 
 # ---------------------------------------------------------------------- GEMM

@@ -41,27 +41,14 @@ struct FwdTileCopy {
         : p(HOLD_THREAD ? held(base + (long long)first_row() * stride_s + column()) : base) {}
 
     // x as a value the compiler cannot re-derive (it would rebuild the thread's pointer from the
-    // kernel argument and the slice offset every step).
-    FA_DEVICE static const T* held(const T* x) {
-#ifdef FAGEN_EMULATOR
-        return x;
-#else
-        const T* y;
-        asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
-        return y;
-#endif
-    }
+    // kernel argument and the slice offset every step): partials/mma.cuh's fa_hold (mov.b64).
+    FA_DEVICE static const T* held(const T* x) { return fa_hold(x); }
 
-    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (IMAD.WIDE.U32; in element
-    // units the compiler multiplies, then scales and adds: four instructions).
+    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (partials/mma.cuh's
+    // fa_mad_wide_u32, IMAD.WIDE.U32; in element units the compiler multiplies, then scales and adds:
+    // four instructions).
     FA_DEVICE static const T* wide_offset(const T* p, unsigned rows, unsigned row_bytes) {
-#ifdef FAGEN_EMULATOR
-        return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (unsigned long long)rows * row_bytes);
-#else
-        unsigned long long r;
-        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(rows), "r"(row_bytes), "l"(reinterpret_cast<unsigned long long>(p)));
-        return reinterpret_cast<const T*>(r);
-#endif
+        return reinterpret_cast<const T*>(fa_mad_wide_u32(rows, row_bytes, reinterpret_cast<unsigned long long>(p)));
     }
 
     // The slice's row 0 and the thread's first chunk in it.
