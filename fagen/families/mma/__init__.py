@@ -1,7 +1,10 @@
 """Tensor-core family: mma.sync m16n8k16 (fp32 accumulate), ldmatrix, cp.async; fp16/bf16, sm_80+.
 
 Backward: one CTA per (K/V block, batch, head), 16 K/V rows per warp (``block_c = 16 *
-num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline.
+num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipeline. At d = 128 on the
+64 x 128 / 8-warp tile (``rules.bwd_2d``) the main kernel is FlashAttention-2's two-dimensional warp
+layout instead (templates/mma/bwd_2d.cu.j2: S / dP / dQ_i in 32 x 32 blocks per warp, dK~ / dV~ in
+32 keys x 64 columns, P and dS through shared memory).
 Forward: one CTA per (Q block, batch, head), 16 or 32 Q rows per warp (``block_r`` up to 32 x
 ``num_warps``; by default 32 on sm_90 at d <= 64, ``rules.fwd_default_warp_rows``); K_j / V_j stream
 through two stages. The deterministic backward adds a ``dq``
