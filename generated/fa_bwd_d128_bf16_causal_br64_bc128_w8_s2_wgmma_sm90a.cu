@@ -126,6 +126,8 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       cannot see through: a loop invariant so produced is held in a register over the loop
 //       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
 //       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
+//   fa_mad_wide_u32(a, b, c)   mad.wide.u32: the 64-bit a * b (both 32-bit unsigned) plus c,
+//       modulo 2^64 (PTX ISA "mad": .wide gives the full 64-bit product of the 32-bit operands).
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -242,6 +244,11 @@ FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
     asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
     return y;
 }
+FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
+    unsigned long long r;
+    asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(a), "r"(b), "l"(c));
+    return r;
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -279,6 +286,9 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
 FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
 FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
+FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
+    return (unsigned long long)a * b + c;
+}
 FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     if (reinterpret_cast<uintptr_t>(p) & 7u)
         fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,

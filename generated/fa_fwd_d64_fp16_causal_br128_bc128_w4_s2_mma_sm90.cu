@@ -126,6 +126,8 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       cannot see through: a loop invariant so produced is held in a register over the loop
 //       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
 //       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
+//   fa_mad_wide_u32(a, b, c)   mad.wide.u32: the 64-bit a * b (both 32-bit unsigned) plus c,
+//       modulo 2^64 (PTX ISA "mad": .wide gives the full 64-bit product of the 32-bit operands).
 // cp.async data is visible to the issuing thread after its wait, and to the
 // other threads of the block only after a barrier that follows that wait.
 // The emulator enforces this: a destination holds NaN poison from the issue
@@ -242,6 +244,11 @@ FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
     asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
     return y;
 }
+FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
+    unsigned long long r;
+    asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(a), "r"(b), "l"(c));
+    return r;
+}
 #undef FA_SM80
 #else  // FAGEN_EMULATOR: warp collectives and the cp.async queue of shim.h
 template <typename E>
@@ -279,6 +286,9 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
 FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
 FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
+FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
+    return (unsigned long long)a * b + c;
+}
 FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
     if (reinterpret_cast<uintptr_t>(p) & 7u)
         fagen_emu_fail("fa_red_add_f32x2 at %s:%d: address %p is not 8-byte aligned", fagen_emu_file, fagen_emu_line,
@@ -969,27 +979,14 @@ struct FwdTileCopy {
         : p(HOLD_THREAD ? held(base + (long long)first_row() * stride_s + column()) : base) {}
 
     // x as a value the compiler cannot re-derive (it would rebuild the thread's pointer from the
-    // kernel argument and the slice offset every step).
-    FA_DEVICE static const T* held(const T* x) {
-#ifdef FAGEN_EMULATOR
-        return x;
-#else
-        const T* y;
-        asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
-        return y;
-#endif
-    }
+    // kernel argument and the slice offset every step): partials/mma.cuh's fa_hold (mov.b64).
+    FA_DEVICE static const T* held(const T* x) { return fa_hold(x); }
 
-    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (IMAD.WIDE.U32; in element
-    // units the compiler multiplies, then scales and adds: four instructions).
+    // p + rows x row_bytes bytes as one 32 x 32 -> 64-bit multiply-add (partials/mma.cuh's
+    // fa_mad_wide_u32, IMAD.WIDE.U32; in element units the compiler multiplies, then scales and adds:
+    // four instructions).
     FA_DEVICE static const T* wide_offset(const T* p, unsigned rows, unsigned row_bytes) {
-#ifdef FAGEN_EMULATOR
-        return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (unsigned long long)rows * row_bytes);
-#else
-        unsigned long long r;
-        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(rows), "r"(row_bytes), "l"(reinterpret_cast<unsigned long long>(p)));
-        return reinterpret_cast<const T*>(r);
-#endif
+        return reinterpret_cast<const T*>(fa_mad_wide_u32(rows, row_bytes, reinterpret_cast<unsigned long long>(p)));
     }
 
     // The slice's row 0 and the thread's first chunk in it.
@@ -1147,14 +1144,8 @@ FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
 // warps, 184-296 at d = 256 with a bias on sm_80).
 constexpr bool FWD_HOLD = WARP_M_TILES == 1 && !HAS_SCORE_MOD;
 FA_DEVICE int fwd_opaque(int x, bool always = false) {
-#ifdef FAGEN_EMULATOR
-    return x;
-#else
     if (always ? HAS_SCORE_MOD : !FWD_HOLD) return x;
-    int y;
-    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
-    return y;
-#endif
+    return (int)fa_mov_b32((unsigned)x);  // partials/mma.cuh: mov.b32 (the emulator: x)
 }
 
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
