@@ -203,7 +203,7 @@ class MmaFamily(FamilyBase):
                 Constant("BWD_2D", "bool", two_d,
                          "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
                 Constant("BWD_2D_FRESH", "bool", two_d and bwd_2d_fresh(ARCHS[fs.arch].capability),
-                         "two-dimensional layout: the dK~/dV~ B-fragment lane offset derived afresh each step"),
+                         "two-dimensional layout: the K/V and Q/dO k-major lane offsets derived afresh each step"),
                 Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
                          "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
@@ -243,18 +243,7 @@ class MmaFamily(FamilyBase):
         ld = dp + 8
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
         if direction == "bwd" and bwd_2d(head_dim, fs.flags, block_r, block_c, fs.num_warps):
-            ldp = block_c + 8
-            entries = [
-                ("k", "T", block_c * ld, itemsize),
-                ("v", "T", block_c * ld, itemsize),
-                ("q", "T", stages * block_r * ld, itemsize),
-                ("do_", "T", self._do_stages(fs) * block_r * ld, itemsize),
-                ("p", "T", block_r * ldp, itemsize),
-                ("ds", "T", block_r * ldp, itemsize),
-                ("lse", "float", stages * block_r, F32),
-                ("delta", "float", stages * block_r, F32),
-            ]
-            return place(entries)
+            return self._bwd_2d_layout(fs, self._do_stages(fs))
         if direction == "bwd":
             entries = [
                 ("k", "T", block_c * ld, itemsize),
@@ -276,17 +265,22 @@ class MmaFamily(FamilyBase):
             ])
         raise ValueError(f"unknown direction {direction!r}")
 
+    def _bwd_2d_layout(self, fs: FamilySpec, do_stages: int) -> SmemLayout:
+        """The two-dimensional backward's shared memory with ``do_stages`` dO_i buffers: K_j, V_j, the Q_i
+        stages, the dO_i buffers, P and dS (rows of block_c + 8), the lse_i / D_i stages."""
+        stages = fs.knob_values.get(STAGES.name, STAGES.default)
+        ld, ldp, itemsize = padded_dim(fs.head_dim) + 8, fs.block_c + 8, fs.itemsize
+        return place([("k", "T", fs.block_c * ld, itemsize), ("v", "T", fs.block_c * ld, itemsize),
+                      ("q", "T", stages * fs.block_r * ld, itemsize), ("do_", "T", do_stages * fs.block_r * ld, itemsize),
+                      ("p", "T", fs.block_r * ldp, itemsize), ("ds", "T", fs.block_r * ldp, itemsize),
+                      ("lse", "float", stages * fs.block_r, F32), ("delta", "float", stages * fs.block_r, F32)])
+
     def _do_stages(self, fs: FamilySpec) -> int:
         """The two-dimensional backward's dO_i buffers (``rules.bwd_do_stages``): one per stage when the
         layout with them fits the arch's opt-in shared memory per block."""
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
-        dp, itemsize = padded_dim(fs.head_dim), fs.itemsize
-        ld, ldp = dp + 8, fs.block_c + 8
-        two = place([("k", "T", fs.block_c * ld, itemsize), ("v", "T", fs.block_c * ld, itemsize),
-                     ("q", "T", stages * fs.block_r * ld, itemsize), ("do_", "T", stages * fs.block_r * ld, itemsize),
-                     ("p", "T", fs.block_r * ldp, itemsize), ("ds", "T", fs.block_r * ldp, itemsize),
-                     ("lse", "float", stages * fs.block_r, F32), ("delta", "float", stages * fs.block_r, F32)])
-        return bwd_do_stages(stages, two.total_bytes <= ARCHS[fs.arch].smem_optin_per_block)
+        fits = self._bwd_2d_layout(fs, stages).total_bytes <= ARCHS[fs.arch].smem_optin_per_block
+        return bwd_do_stages(stages, fits)
 
     def role_smem_bytes(self, fs: FamilySpec, role: Role) -> int:
         """The deterministic dq kernel carves the backward layout but uses its K/V tiles and Q/dO

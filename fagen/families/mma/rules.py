@@ -251,10 +251,11 @@ def bwd_do_stages(stages: int, fits_two: bool) -> int:
 
 
 def bwd_2d_fresh(capability: tuple[int, int]) -> bool:
-    """Two-dimensional backward: the dV~ / dK~ B-fragment lane offset derived afresh from the thread index
-    every step (``BWD_2D_FRESH``) rather than held over the loop, before sm_90: there dO_i's late copy
-    takes registers of the S / dP phase and ptxas spills the held offset (4-8 bytes, NVRTC 13.5); on
-    sm_90+ holding it costs fewer instructions (d = 128, sm_90: 677 against 684 per 1e6 FLOPs)."""
+    """Two-dimensional backward: the lane offsets of the K_j / V_j B fragments (S, dP) and of the Q_i / dO_i
+    k-major B fragments (dV~, dK~) derived afresh from the thread index every step (``BWD_2D_FRESH``)
+    rather than held over the loop, before sm_90: there dO_i's late copy takes registers of the S / dP
+    phase and ptxas spills the held offsets (4-8 bytes, NVRTC 13.5); on sm_90+ holding them costs fewer
+    instructions (d = 128, sm_90: 677 against 684 per 1e6 FLOPs)."""
     return capability < (9, 0)
 
 
