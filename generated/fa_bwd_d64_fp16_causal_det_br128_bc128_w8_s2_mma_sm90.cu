@@ -388,7 +388,7 @@ constexpr int DS_LD = 136;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool BWD_2D = false;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
-constexpr bool BWD_2D_FRESH = false;  // two-dimensional layout: the dK~/dV~ B-fragment lane offset derived afresh each step
+constexpr bool BWD_2D_FRESH = false;  // two-dimensional layout: the K/V and Q/dO k-major lane offsets derived afresh each step
 constexpr int DO_STAGES = 0;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = true;  // K_j / V_j A-fragments held in registers
@@ -818,22 +818,30 @@ FA_DEVICE void mma_tile(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsi
     fa_mma_m16n8k16<T>(d, a, bb);
 }
 
+// The lane's element offset of those four loads at (0, 0) in a tile of row stride ld (each lane passes
+// the address of one 16-byte row of one of the four 8 x 8 matrices): mma_load_a (rows lane % 16, column
+// half lane / 16), mma_load_b_nmajor and mma_load_a_trans (rows lane % 8 of matrices lane / 8 = (row
+// half lane / 16, column half (lane / 8) % 2)), mma_load_b_kmajor (the same with the halves swapped).
+FA_DEVICE int mma_lane_a(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
+FA_DEVICE int mma_lane_nm(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
+FA_DEVICE int mma_lane_km(int lane, int ld) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8; }
+
 // A fragment (rows r0..r0+15, k c0..c0+15) of a row-major smem tile X[row][k]: A = X.
 FA_DEVICE void mma_load_a(unsigned (&a)[4], const T* base, int ld, int r0, int c0, int lane) {
-    fa_ldmatrix_x4(a, base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8);
+    fa_ldmatrix_x4(a, base + r0 * ld + c0 + mma_lane_a(lane, ld));
 }
 // A fragment (rows m0.., k k0..) of a tile stored transposed, X[k][m]: A = X^T.
 FA_DEVICE void mma_load_a_trans(unsigned (&a)[4], const T* base, int ld, int m0, int k0, int lane) {
-    fa_ldmatrix_x4_trans(a, base + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
+    fa_ldmatrix_x4_trans(a, base + k0 * ld + m0 + mma_lane_nm(lane, ld));
 }
 // B fragments of the n8 tiles n0 and n0 + 8 (b[0..1] and b[2..3]) over k k0..k0+15 of a
 // tile stored n-major, X[n][k] (B = X^T, e.g. K for S = Q K^T).
 FA_DEVICE void mma_load_b_nmajor(unsigned (&b)[4], const T* base, int ld, int n0, int k0, int lane) {
-    fa_ldmatrix_x4(b, base + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+    fa_ldmatrix_x4(b, base + n0 * ld + k0 + mma_lane_nm(lane, ld));
 }
 // The same from a tile stored k-major, X[k][n] (B = X, e.g. V for O = P V): ldmatrix.trans.
 FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0, int n0, int lane) {
-    fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+    fa_ldmatrix_x4_trans(b, base + k0 * ld + n0 + mma_lane_km(lane, ld));
 }
 
 // The masking rule (partials/masking.cuh: bounds, causal with its alignment, window), key padding
@@ -1070,6 +1078,28 @@ FA_DEVICE void mma_bwd_full_range(int col0, const MaskParams& mp, long long* lo,
     }
 }
 
+// lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
+FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
+
+// mma_bwd_full_range as ints (i0 is one, >= 0): the range clamped to [0, INT_MAX], an empty one staying empty.
+FA_DEVICE void mma_bwd_full_tiles(int col0, const MaskParams& mp, int* lo, int* hi) {
+    long long lo64, hi64;
+    mma_bwd_full_range(col0, mp, &lo64, &hi64);
+    *lo = (int)(lo64 < 0 ? 0 : lo64 > 0x7fffffffLL ? 0x7fffffffLL : lo64);
+    *hi = (int)(hi64 < -1 ? -1 : hi64 > 0x7fffffffLL ? 0x7fffffffLL : hi64);
+}
+
+// lse_i (exp2 domain, mma_lse2) and d_stage x D_i of Q rows [row0, row0 + BLOCK_R) into one stage (rows past
+// the sequence: +inf and 0), by the whole block.
+FA_DEVICE void mma_bwd_stage_lse(float* slse, float* sdelta, const float* lse_bh, const float* delta_bh, int row0,
+                                 int len_q, float d_stage) {
+    for (int r = threadIdx.x; r < BLOCK_R; r += NUM_THREADS) {
+        const int row = row0 + r;
+        slse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+        sdelta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+    }
+}
+
 // The main kernel's Q_i / dO_i copies with the per-thread set-up done once per head: when the threads
 // tile a stage's rows evenly (NUM_THREADS a multiple of the DPAD / 8 chunks of a row, BLOCK_R x chunks a
 // multiple of NUM_THREADS), thread tid copies chunk tid % chunks of rows tid / chunks + k * STEP_RSTEP,
@@ -1122,8 +1152,6 @@ FA_DEVICE void mma_step_copy(T* stage, MmaStepCopy& cp, int row0, int n) {
     mma_copy_rows<BLOCK_R>(stage, cp.base, row0, n, cp.stride, cp.vec);
 }
 
-// lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
-FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
 
 // The per-element step of Algorithm 4 lines 13-20, one score of a tile for the main kernel's
 // transposed fragments and the dq kernel's alike: P = exp2(s log2 e - lse2) of the final score s of
@@ -1136,10 +1164,6 @@ FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l
 struct MmaPds {
     float p, ds;
 };
-// Its two halves for the plain score (no score modification, no dropout): P = exp2(qk scale log2 e -
-// lse2) and ds_scale dS = P (ds_scale dP - dlt), dlt = ds_scale D (one FMA).
-FA_DEVICE float mma_p(float qk, float lse2, float scale_log2) { return mma_exp2(fmaf(qk, scale_log2, -lse2)); }  // NaN score/lse: NaN
-FA_DEVICE float mma_ds(float p, float dp, float dlt, float ds_scale) { return p * fmaf(dp, ds_scale, -dlt); }
 FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
                          float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
                          float* dbias_out = nullptr) {
@@ -1153,8 +1177,8 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
         }
         return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
     } else {
-        const float p = mma_p(qk, lse2, scale_log2);
-        return {HAS_DROPOUT && !keep ? 0.f : p, mma_ds(p, dp, dlt, ds_scale)};
+        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
+        return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
     }
 }
 }  // namespace fa
@@ -1294,11 +1318,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
     int i_begin, i_end;
     kv_block_q_range(col0, mp, &i_begin, &i_end);
-    long long full_lo64, full_hi64;  // the fully visible tiles: full_lo <= i0 <= full_hi
-    mma_bwd_full_range(col0, mp, &full_lo64, &full_hi64);
-    // as ints (i0 is one, >= 0): the range clamped to [0, INT_MAX], an empty one staying empty
-    const int full_lo = (int)(full_lo64 < 0 ? 0 : full_lo64 > 0x7fffffffLL ? 0x7fffffffLL : full_lo64);
-    const int full_hi = (int)(full_hi64 < -1 ? -1 : full_hi64 > 0x7fffffffLL ? 0x7fffffffLL : full_hi64);
+    int full_lo, full_hi;  // the fully visible tiles: full_lo <= i0 <= full_hi
+    mma_bwd_full_tiles(col0, mp, &full_lo, &full_hi);
 
     // Algorithm 4 line 7: load K_j, V_j from HBM to SRAM (cp.async; rows past seqlen_k and columns past d are zero)
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;  // padded keys: zero rows
@@ -1315,8 +1336,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 
     // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
     // the lane's dS^T element (row wrow + g, column 2 t4).
-    const int lane_nm = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
-    const int lane_km = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+    const int lane_nm = mma_lane_nm(lane, LD);
+    const int lane_km = mma_lane_km(lane, LD);
     T* const ds_l = s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0);
     unsigned kf[KV_IN_REGS ? DPAD / 16 : 1][4], vf[KV_IN_REGS ? DPAD / 16 : 1][4];
     if constexpr (KV_IN_REGS) {
@@ -1347,11 +1368,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         if (STAGES > 1 && i_begin < i_end) {
             mma_step_copy(s.q, q_cp, i_begin, len_q);
             mma_step_copy(s.do_, do_cp, i_begin, len_q);
-            for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
-                const int row = i_begin + r;
-                s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
-            }
+            mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i_begin, len_q, d_stage);
         }
         fa_cp_async_commit();
 
@@ -1362,11 +1379,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 mma_step_copy(s.q, q_cp, i0, len_q);
                 mma_step_copy(s.do_, do_cp, i0, len_q);
                 fa_cp_async_commit();
-                for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
-                    const int row = i0 + r;
-                    s.lse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                    s.delta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
-                }
+                mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i0, len_q, d_stage);
             }
             fa_cp_async_wait_all();
             fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T

@@ -779,22 +779,30 @@ FA_DEVICE void mma_tile(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsi
     fa_mma_m16n8k16<T>(d, a, bb);
 }
 
+// The lane's element offset of those four loads at (0, 0) in a tile of row stride ld (each lane passes
+// the address of one 16-byte row of one of the four 8 x 8 matrices): mma_load_a (rows lane % 16, column
+// half lane / 16), mma_load_b_nmajor and mma_load_a_trans (rows lane % 8 of matrices lane / 8 = (row
+// half lane / 16, column half (lane / 8) % 2)), mma_load_b_kmajor (the same with the halves swapped).
+FA_DEVICE int mma_lane_a(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
+FA_DEVICE int mma_lane_nm(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
+FA_DEVICE int mma_lane_km(int lane, int ld) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8; }
+
 // A fragment (rows r0..r0+15, k c0..c0+15) of a row-major smem tile X[row][k]: A = X.
 FA_DEVICE void mma_load_a(unsigned (&a)[4], const T* base, int ld, int r0, int c0, int lane) {
-    fa_ldmatrix_x4(a, base + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8);
+    fa_ldmatrix_x4(a, base + r0 * ld + c0 + mma_lane_a(lane, ld));
 }
 // A fragment (rows m0.., k k0..) of a tile stored transposed, X[k][m]: A = X^T.
 FA_DEVICE void mma_load_a_trans(unsigned (&a)[4], const T* base, int ld, int m0, int k0, int lane) {
-    fa_ldmatrix_x4_trans(a, base + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
+    fa_ldmatrix_x4_trans(a, base + k0 * ld + m0 + mma_lane_nm(lane, ld));
 }
 // B fragments of the n8 tiles n0 and n0 + 8 (b[0..1] and b[2..3]) over k k0..k0+15 of a
 // tile stored n-major, X[n][k] (B = X^T, e.g. K for S = Q K^T).
 FA_DEVICE void mma_load_b_nmajor(unsigned (&b)[4], const T* base, int ld, int n0, int k0, int lane) {
-    fa_ldmatrix_x4(b, base + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+    fa_ldmatrix_x4(b, base + n0 * ld + k0 + mma_lane_nm(lane, ld));
 }
 // The same from a tile stored k-major, X[k][n] (B = X, e.g. V for O = P V): ldmatrix.trans.
 FA_DEVICE void mma_load_b_kmajor(unsigned (&b)[4], const T* base, int ld, int k0, int n0, int lane) {
-    fa_ldmatrix_x4_trans(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+    fa_ldmatrix_x4_trans(b, base + k0 * ld + n0 + mma_lane_km(lane, ld));
 }
 
 // The masking rule (partials/masking.cuh: bounds, causal with its alignment, window), key padding
@@ -1318,17 +1326,18 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // The lanes' ldmatrix row offsets (elements) in Q_i (this warp's rows) and in a K_j / V_j stage,
     // held over the loop: a fragment is then that offset plus a constant (mma_load_a,
     // mma_load_b_nmajor, mma_load_b_kmajor's addressing).
-    // (32-row warps: derived in the step, where the compiler places them.)
+    // (32-row warps: derived in the step, where the compiler places them.) Q's is mma_lane_a with the
+    // warp's row folded into the row term, the form whose code the 32-row kernel keeps at 255 registers.
     const int q_lane0 = fwd_opaque((wrow + (lane & 15)) * LD + (lane >> 4) * 8);
-    const int k_lane0 = fwd_opaque(((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8);
-    const int v_lane0 = fwd_opaque(((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
+    const int k_lane0 = fwd_opaque(mma_lane_nm(lane, LD));
+    const int v_lane0 = fwd_opaque(mma_lane_km(lane, LD));
     // The stage offset (elements) toggles between 0 and one stage (xor of a constant: one instruction
     // a step instead of a multiply per use).
     constexpr int STAGE_EL = BLOCK_C * LD;
     for (int j0 = j_begin, cur_el = 0; j0 < j_end; j0 += BLOCK_C, cur_el ^= STAGES > 1 ? STAGE_EL : 0) {
         const int q_lane = FWD_HOLD ? q_lane0 : (wrow + (lane & 15)) * LD + (lane >> 4) * 8;
-        const int k_lane = FWD_HOLD ? k_lane0 : ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
-        const int v_lane = FWD_HOLD ? v_lane0 : ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+        const int k_lane = FWD_HOLD ? k_lane0 : mma_lane_nm(lane, LD);
+        const int v_lane = FWD_HOLD ? v_lane0 : mma_lane_km(lane, LD);
         const int nxt_el = STAGES > 1 ? cur_el ^ STAGE_EL : 0;
         if constexpr (STAGES == 1) {  // no prefetch: load step j once step j-1 is done with the stage
             fa_sync();
