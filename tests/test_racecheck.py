@@ -483,12 +483,13 @@ def _candidates() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
             out.append((KernelSpec(direction="bwd", deterministic=True, **common), PROBLEMS))
             out.append((KernelSpec(direction="bwd", **common), PROBLEMS))
     # the mma backward's two-dimensional layout (mma/bwd_2d.cu.j2: d = 128, 64 x 128, 8 warps), GQA,
-    # three Q blocks (the prefetch) and causal dead rows; both stage counts; on sm_80 dO_i has one buffer
+    # three Q blocks (the prefetch; the next head's first copy into the stage the last step read), one K/V
+    # block, causal dead rows; both stage counts; on sm_80 dO_i has one buffer
     # (the next one copied after dV~)
     for arch, knobs in (("sm_90", (("stages", 2),)), ("sm_80", (("stages", 2),)), ("sm_90", (("stages", 1),))):
         out.append((KernelSpec(direction="bwd", arch=arch, head_dim=128, dtype="float16", impl="mma", causal=True,
                                block_r=64, block_c=128, num_warps=8, knobs=knobs),
-                    (dict(nq=150, nk=130, heads=2, heads_kv=1),)))
+                    (dict(nq=150, nk=90, heads=2, heads_kv=1),)))
     # the mma forward with a negative softmax scale (Q_i negated in shared memory once)
     out.append((KernelSpec(direction="fwd", head_dim=16, dtype="float16", impl="mma", causal=True, num_warps=2,
                            block_r=32, block_c=16, knobs=(("stages", 2),)),
