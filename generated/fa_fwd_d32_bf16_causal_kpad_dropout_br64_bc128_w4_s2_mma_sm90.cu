@@ -389,6 +389,7 @@ constexpr int DPAD = 32;  // head dim padded to the MMA k extent (zero columns)
 constexpr int WARP_M_TILES = 1;  // m16 tiles of Q rows per warp (2: 32-row warps)
 constexpr bool Q_IN_REGS = false;  // Q_i A-fragments held in registers
 constexpr bool FWD_HALF_COPY = true;  // each half of the threads copies one of K_j / V_j
+constexpr bool FWD_HALF_STEP = false;  // a block's last step over at most half the tile's keys steps that half alone
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1099,7 +1100,7 @@ namespace fa {
 // rows than 16 per warp: each K/V fragment then feeds MT x 2 HMMAs). S, P, the O accumulator and
 // the row statistics (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-// WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY: decided by fagen.families.mma (header).
+// WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY, FWD_HALF_STEP: decided by fagen.families.mma (header).
 constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
 // 32-row warps compute S one m16 tile after the other (each Q fragment read from smem per k step,
@@ -1155,6 +1156,10 @@ FA_DEVICE int fwd_opaque(int x, bool always = false) {
     if (always ? HAS_SCORE_MOD : !FWD_HOLD) return x;
     return (int)fa_mov_b32((unsigned)x);  // partials/mma.cuh: mov.b32 (the emulator: x)
 }
+
+// The keys of one step (the step lambda's tag: the whole tile, or its first half with FWD_HALF_STEP).
+template <int N> struct FwdKeys { static constexpr int value = N; };
+static_assert(!FWD_HALF_STEP || BLOCK_C % 32 == 0, "FWD_HALF_STEP: half a tile is whole k16 chunks");
 
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 }  // namespace fa
@@ -1355,178 +1360,191 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         const T* sv = s.v + cur_el;
         if (!active) continue;  // the loop's barriers are at its top: idle warps keep in step
 
-        // S = Q_i K_j^T on the fp32 accumulator; each K fragment feeds the warp's MT m16 tiles.
-        float sacc[MT][NT_C][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
-        if constexpr (FWD_S_SPLIT) {
+        // One step over NC keys of the stage (a generic lambda: FWD_HALF_STEP instantiates it for the whole
+        // tile and for its first half): S_ij, its mask, the online softmax and O_i += P~ V_j.
+        auto step = [&](auto keys_t) {
+            constexpr int NC = decltype(keys_t)::value, NT_C = NC / 8;
+            // S = Q_i K_j^T on the fp32 accumulator; each K fragment feeds the warp's MT m16 tiles.
+            float sacc[MT][NT_C][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
+                for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
+            if constexpr (FWD_S_SPLIT) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int kk = 0; kk < DPAD / 16; ++kk) {
+                        unsigned a[4];
+                        fa_ldmatrix_x4(a, s.q + q_lane + 16 * mt * LD + kk * 16);
+#pragma unroll
+                        for (int n2 = 0; n2 < NT_C / 2; ++n2) {
+                            unsigned bk[4];
+                            fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
+                            mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
+                            mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
+                        }
+                    }
+            } else {
+#pragma unroll
                 for (int kk = 0; kk < DPAD / 16; ++kk) {
-                    unsigned a[4];
-                    fa_ldmatrix_x4(a, s.q + q_lane + 16 * mt * LD + kk * 16);
+                    unsigned a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if constexpr (Q_IN_REGS) {
+#pragma unroll
+                            for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
+                        } else {
+                            fa_ldmatrix_x4(a[mt], s.q + q_lane + 16 * mt * LD + kk * 16);
+                        }
+                    }
 #pragma unroll
                     for (int n2 = 0; n2 < NT_C / 2; ++n2) {
                         unsigned bk[4];
                         fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
-                        mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
-                        mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
-                    }
-                }
-        } else {
 #pragma unroll
-            for (int kk = 0; kk < DPAD / 16; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if constexpr (Q_IN_REGS) {
-#pragma unroll
-                        for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
-                    } else {
-                        fa_ldmatrix_x4(a[mt], s.q + q_lane + 16 * mt * LD + kk * 16);
-                    }
-                }
-#pragma unroll
-                for (int n2 = 0; n2 < NT_C / 2; ++n2) {
-                    unsigned bk[4];
-                    fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
-                        mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
+                            mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                        }
                     }
                 }
             }
-        }
-        // Masked entries -inf, mask math only on tiles that are not fully visible.
-        const bool full = j0 >= jf0 && j0 < jf1;  // tile_kind(i0, j0, mp) == TILE_FULL
+            // Masked entries -inf, mask math only on tiles that are not fully visible.
+            const bool full = j0 >= jf0 && j0 < jf1;  // tile_kind(i0, j0, mp) == TILE_FULL
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row0 = i0 + wrow + 16 * mt;
-            if constexpr (HAS_SCORE_MOD) {
-                // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
-                // elements outside the sequences (masked below) read no bias.
-#pragma unroll
-                for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
-                        if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
-                            sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
-                    }
-            }
-            if (HAS_DATA_MASK && !full) {
-#pragma unroll
-                for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const bool ok = mma_allowed(row0 + MmaAccLayout::row(lane, e), j0 + n * 8 + MmaAccLayout::col(lane, e), mp, kpm_b,
-                                                    mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
-                                                    stride_mask_q, stride_mask_k);
-                        seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
-                        if (!ok) sacc[mt][n][e] = NEG_INF;
-                    }
-            } else if (!full) {
-                // Structural rule only: each row's allowed keys are one range, found once per row; an
-                // element then costs a compare (two with a window) and a select, at its column
-                // n * 8 + x relative to this lane's first, j0 + 2 t4.
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    int lo, hi;
-                    fwd_row_keys(row0 + g + 8 * r, mp, &lo, &hi);
-                    lo -= j0 + 2 * t4;
-                    hi -= j0 + 2 * t4;
+            for (int mt = 0; mt < MT; ++mt) {
+                const int row0 = i0 + wrow + 16 * mt;
+                if constexpr (HAS_SCORE_MOD) {
+                    // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
+                    // elements outside the sequences (masked below) read no bias.
 #pragma unroll
                     for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const int c = n * 8 + x;
-                            const bool ok = HAS_WINDOW ? (c >= lo && c < hi) : c < hi;  // lo <= 0 without a window
-                            if (!ok) sacc[mt][n][2 * r + x] = NEG_INF;
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
+                            if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
+                                sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
                         }
                 }
-            } else if constexpr (HAS_DATA_MASK) {
-                seen |= 3u << (2 * mt);
-            }
-        }
-
-        // Z_ij (mma_keep_bits: bit 4n + e is element (n, e)) at the global (row, col) =
-        // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
-        unsigned long long kb[MT];
+                if (HAS_DATA_MASK && !full) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            kb[mt] = HAS_DROPOUT ? mma_keep_bits<NT_C>(seed, offset, (unsigned)bh, row_offset + i0 + wrow + 16 * mt,
-                                                       col_offset + j0, drop_threshold, lane)
-                                 : ~0ull;
-
-        // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, rowmax S),
-        // P~ = 2^(sl2 (S - m_new)) (one FFMA and one exp2 per score), l = 2^(sl2 (m - m_new)) l +
-        // rowsum(P~), O = 2^(sl2 (m - m_new)) O. The max skips NaN scores (fmaxf); they reach l and O
-        // through P~ = NaN. P~ Z (dropped entries 0) is packed at once into the A fragments of
-        // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
-        unsigned pa[MT][BLOCK_C / 16][4];
+                    for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+                        for (int e = 0; e < 4; ++e) {
+                            const bool ok = mma_allowed(row0 + MmaAccLayout::row(lane, e), j0 + n * 8 + MmaAccLayout::col(lane, e), mp, kpm_b,
+                                                        mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
+                                                        stride_mask_q, stride_mask_k);
+                            seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
+                            if (!ok) sacc[mt][n][e] = NEG_INF;
+                        }
+                } else if (!full) {
+                    // Structural rule only: each row's allowed keys are one range, found once per row; an
+                    // element then costs a compare (two with a window) and a select, at its column
+                    // n * 8 + x relative to this lane's first, j0 + 2 t4.
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                // (from the first pair, not from -inf: fmaxf of all-NaN is NaN, which the shuffles and
-                // m_new's fmaxf skip as they skip -inf)
-                float mx = fmaxf(sacc[mt][0][2 * r], sacc[mt][0][2 * r + 1]);
+                    for (int r = 0; r < 2; ++r) {
+                        int lo, hi;
+                        fwd_row_keys(row0 + g + 8 * r, mp, &lo, &hi);
+                        lo -= j0 + 2 * t4;
+                        hi -= j0 + 2 * t4;
 #pragma unroll
-                for (int n = 1; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
-                mx = fmaxf(mx, mma_shfl_xor(mx, 1));
-                mx = fmaxf(mx, mma_shfl_xor(mx, 2));
-                const float m_new = fmaxf(m_r[mt][r], mx);
-                const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
-                const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
-                m_r[mt][r] = m_new;
-                float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
+                        for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-                for (int n = 0; n < NT_C; ++n) {
-                    float pz[2];
-#pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const int e = 2 * r + x;
-                        const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
-                        sum = n == 0 && x == 0 ? p : sum + p;
-                        pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
+                            for (int x = 0; x < 2; ++x) {
+                                const int c = n * 8 + x;
+                                const bool ok = HAS_WINDOW ? (c >= lo && c < hi) : c < hi;  // lo <= 0 without a window
+                                if (!ok) sacc[mt][n][2 * r + x] = NEG_INF;
+                            }
                     }
-                    pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
-                }
-                l_r[mt][r] = alpha * l_r[mt][r] + sum;
-                // l_acc: only column 0 of the ones product is read (every column holds the same sum);
-                // the other columns accumulate unscaled and stay unread.
-                if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
-#pragma unroll
-                for (int n = 0; n < NT_D; ++n) {
-                    o_acc[mt][n][2 * r] *= alpha;
-                    o_acc[mt][n][2 * r + 1] *= alpha;
+                } else if constexpr (HAS_DATA_MASK) {
+                    seen |= 3u << (2 * mt);
                 }
             }
 
-        // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans (each V fragment feeds the
-        // warp's MT m16 tiles).
+            // Z_ij (mma_keep_bits: bit 4n + e is element (n, e)) at the global (row, col) =
+            // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
+            unsigned long long kb[MT];
 #pragma unroll
-        for (int kc = 0; kc < BLOCK_C / 16; ++kc) {
+            for (int mt = 0; mt < MT; ++mt)
+                kb[mt] = HAS_DROPOUT ? mma_keep_bits<(HAS_DROPOUT ? NT_C : 2)>(seed, offset, (unsigned)bh, row_offset + i0 + wrow + 16 * mt,
+                                                           col_offset + j0, drop_threshold, lane)
+                                     : ~0ull;
+
+            // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, rowmax S),
+            // P~ = 2^(sl2 (S - m_new)) (one FFMA and one exp2 per score), l = 2^(sl2 (m - m_new)) l +
+            // rowsum(P~), O = 2^(sl2 (m - m_new)) O. The max skips NaN scores (fmaxf); they reach l and O
+            // through P~ = NaN. P~ Z (dropped entries 0) is packed at once into the A fragments of
+            // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
+            unsigned pa[MT][NC / 16][4];
 #pragma unroll
-            for (int nd = 0; nd < DPAD / 16; ++nd) {
-                unsigned bv[4];
-                fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);
-                    mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
+                for (int r = 0; r < 2; ++r) {
+                    // (from the first pair, not from -inf: fmaxf of all-NaN is NaN, which the shuffles and
+                    // m_new's fmaxf skip as they skip -inf)
+                    float mx = fmaxf(sacc[mt][0][2 * r], sacc[mt][0][2 * r + 1]);
+#pragma unroll
+                    for (int n = 1; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
+                    mx = fmaxf(mx, mma_shfl_xor(mx, 1));
+                    mx = fmaxf(mx, mma_shfl_xor(mx, 2));
+                    const float m_new = fmaxf(m_r[mt][r], mx);
+                    const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
+                    const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
+                    m_r[mt][r] = m_new;
+                    float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
+#pragma unroll
+                    for (int n = 0; n < NT_C; ++n) {
+                        float pz[2];
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const int e = 2 * r + x;
+                            const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
+                            sum = n == 0 && x == 0 ? p : sum + p;
+                            pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
+                        }
+                        pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
+                    }
+                    l_r[mt][r] = alpha * l_r[mt][r] + sum;
+                    // l_acc: only column 0 of the ones product is read (every column holds the same sum);
+                    // the other columns accumulate unscaled and stay unread.
+                    if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
+#pragma unroll
+                    for (int n = 0; n < NT_D; ++n) {
+                        o_acc[mt][n][2 * r] *= alpha;
+                        o_acc[mt][n][2 * r + 1] *= alpha;
+                    }
+                }
+
+            // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans (each V fragment feeds the
+            // warp's MT m16 tiles).
+#pragma unroll
+            for (int kc = 0; kc < NC / 16; ++kc) {
+#pragma unroll
+                for (int nd = 0; nd < DPAD / 16; ++nd) {
+                    unsigned bv[4];
+                    fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);
+                        mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
+                    }
+                }
+                if constexpr (!HAS_DROPOUT) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_tile(l_acc[mt], pa[mt][kc], ones, ones);  // l += rowsum(P~)
                 }
             }
-            if constexpr (!HAS_DROPOUT) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) mma_tile(l_acc[mt], pa[mt][kc], ones, ones);  // l += rowsum(P~)
-            }
+        };
+        // The block's last keys (causal's diagonal, a sequence's tail) within the tile's first half: a
+        // half step, so no more tensor-core work than a tile of BLOCK_C / 2 keys there.
+        if constexpr (FWD_HALF_STEP) {
+            if (j_end - j0 <= BLOCK_C / 2) step(FwdKeys<BLOCK_C / 2>{});
+            else step(FwdKeys<BLOCK_C>{});
+        } else {
+            step(FwdKeys<BLOCK_C>{});
         }
     }
     fa_cp_async_wait_all();  // nothing in flight when the block exits

@@ -533,16 +533,17 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
 
 
 @pytest.mark.parametrize("arch,d,flags,tile,q_regs", [
-    ("sm_90", 64, {}, (128, 128, 4), False),  # FlashAttention-2's 128x128 / 4 warps: 32-row warps
-    ("sm_90", 64, {"causal": True}, (128, 128, 4), False),  # causal's one bound per row fits 32-row warps
-    ("sm_90", 32, {"causal": True, "varlen": True}, (128, 128, 4), False),
-    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 8), True),  # a window's two bounds: 16-row warps
-    ("sm_90", 32, {"window": True}, (128, 128, 8), True),  # (ptxas spills 32-row warps beside them)
-    ("sm_80", 64, {}, (128, 128, 8), True),  # ptxas spills 32-row warps on sm_80: 8 warps of 16 rows
-    ("sm_100", 64, {}, (128, 128, 8), True),
+    ("sm_90", 64, {}, (128, 256, 8), False),  # 256 keys a step (rules.fwd_widest_step): Q from smem beside S
+    ("sm_90", 64, {"causal": True}, (128, 256, 8), False),
+    ("sm_90", 32, {"causal": True, "varlen": True}, (128, 256, 8), False),
+    ("sm_90", 64, {"causal": True, "window": True}, (128, 256, 8), False),
+    ("sm_90", 32, {"window": True}, (128, 256, 8), False),
+    ("sm_80", 64, {}, (128, 256, 8), False),  # 162 KiB with two stages: sm_80's 163 KiB holds it
+    ("sm_86", 64, {}, (128, 128, 8), True),  # 99 KiB: the 256-key tile does not fit, 128 keys
+    ("sm_100", 64, {}, (128, 128, 8), True),  # ptxas spills the 256-key step on sm_100 / sm_120
     ("sm_90", 64, {"dropout": True}, (64, 128, 4), True),  # per-element state: 16-row warps, 4 of them
     ("sm_90", 64, {"key_padding": True}, (64, 128, 4), False),  # a data mask reads Q from smem
-    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (128, 128, 8), True),
+    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (128, 256, 8), False),
     ("sm_90", 64, {"bias": True}, (64, 64, 4), True),  # a bias steps 64 keys up to d = 96
     ("sm_90", 128, {}, (128, 128, 8), False),  # Q, S and O of 128 keys: Q from smem
     ("sm_80", 128, {}, (64, 128, 4), False),  # a 128-row block of 128 keys exceeds sm_80's shared memory
@@ -553,13 +554,14 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
 ])
 def test_forward_default_tiles(arch: str, d: int, flags: dict, tile: tuple, q_regs: bool) -> None:
     """The forward's default tile and warps per head dim, arch and features (fagen.families.mma.rules:
-    fwd_default_warp_rows, fwd_default_block_c, fwd_q_in_regs; MmaFamily.default_warps), as
+    fwd_widest_step, fwd_default_block_c, fwd_q_in_regs; MmaFamily.default_warps), as
     docs/performance.md measures them."""
     spec = KernelSpec(direction="fwd", head_dim=d, dtype="float16", arch=arch, **flags)
     assert spec.impl == "mma" and (spec.tile.block_r, spec.tile.block_c, spec.num_warps) == tile
     consts = {c.name: c.value for c in MMA.template_context(spec.family_spec)["constants"]}
     assert consts["WARP_M_TILES"] == tile[0] // (16 * tile[2])
     assert consts["Q_IN_REGS"] is q_regs
+    assert consts["FWD_HALF_STEP"] is (tile[1] > 128)
 
 
 @pytest.mark.parametrize("d,block_r,block_c,num_warps", [(64, 128, 64, 4), (128, 64, 32, 2), (32, 128, 128, 4)])

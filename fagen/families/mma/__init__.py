@@ -6,8 +6,9 @@ num_warps``); Q_i / dO_i / lse_i / D_i stream through a two-stage cp.async pipel
 layout instead (templates/mma/bwd_2d.cu.j2: S / dP / dQ_i in 32 x 32 blocks per warp, dK~ / dV~ in
 32 keys x 64 columns, P and dS through shared memory).
 Forward: one CTA per (Q block, batch, head), 16 or 32 Q rows per warp (``block_r`` up to 32 x
-``num_warps``; by default 32 on sm_90 at d <= 64, ``rules.fwd_default_warp_rows``); K_j / V_j stream
-through two stages. The deterministic backward adds a ``dq``
+``num_warps``; by default 16); K_j / V_j stream through two stages, up to 256 keys a step (the default
+at d <= 64 on sm_80 / sm_90, ``rules.fwd_widest_step``; a block's last step takes half the tile where
+that covers its keys, ``rules.fwd_half_step``). The deterministic backward adds a ``dq``
 kernel: one CTA per (Q block, batch, q head), 16 Q rows per warp (a Q block wider than the
 warps in passes), K_j / V_j streamed in ascending order through the main kernel's K/V tiles and
 Q/dO stage 1, S/dP/dS recomputed in sub-steps of ``dq_key_chunk`` keys and dQ_i accumulated in
@@ -24,11 +25,12 @@ from typing import Any, Literal
 from fagen.abi import Role
 from fagen.families.base import DEFAULT_NUM_WARPS, Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
 from fagen.families.mma.cost import pair_cost
-from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_WIDE_WARP_EXCLUDED_FLAGS,
+from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_MAX_DROPOUT_BLOCK_C,
+                                      FWD_WIDE_BLOCK_C, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
                                       SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
-                                      dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_default_warp_rows,
+                                      dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_half_step,
                                       fwd_half_copy, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
 from fagen.arch import ARCHS
@@ -37,7 +39,7 @@ from fagen.layout import SmemLayout, align_up, place
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
            "MAX_WIDE_WARP_Q_DIM", "MMA", "STAGES", "SUPPORTED_DTYPES", "MmaFamily", "acc_in_smem", "bwd_chunk_sub", "bwd_chunk_unroll",
            "bwd_split_mask", "dq_key_chunk", "dq_kv_stages", "dq_rows", "ds_ld", "fwd_default_block_c",
-           "fwd_default_warp_rows", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
+           "fwd_half_step", "fwd_m_tiles", "fwd_q_in_regs", "kv_in_regs", "lse_now", "padded_dim",
            "pair_cost", "q_in_regs"]
 
 F32 = 4
@@ -51,7 +53,7 @@ class MmaFamily(FamilyBase):
     preference: int = 10  # preferred over the portable SIMT family wherever it applies
     tile_multiple: int = 16
     max_block_r: int = 128
-    max_block_c: int = 128
+    max_block_c: int = 256
     math_unit: Literal["fp32", "tensor"] = "tensor"
     knobs: tuple[Knob, ...] = (STAGES,)
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
@@ -95,6 +97,12 @@ class MmaFamily(FamilyBase):
         # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward); a forward
         # warp may own 32 (two m16 tiles) up to padded head dim MAX_WIDE_WARP_Q_DIM.
         direction, num_warps = fs.direction, fs.num_warps
+        if fs.block_c > FWD_WIDE_BLOCK_C and (direction == "bwd" or fs.has("dropout")):
+            limit = FWD_MAX_DROPOUT_BLOCK_C if direction == "fwd" else FWD_WIDE_BLOCK_C
+            why = ("the forward's dropout keep bits of a fragment row pair take 64 bits" if direction == "fwd"
+                   else "the backward's K/V block is its warps' 16 rows each")
+            return Reason("block_c", f"block_c={fs.block_c} must be at most {limit} here ({self.name}: {why}; "
+                                     f"{self.max_block_c} is the forward's limit without dropout)")
         field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
         if direction == "fwd" and rows > 16 * num_warps and padded_dim(fs.head_dim) <= MAX_WIDE_WARP_Q_DIM:
             if rows > 32 * num_warps or rows % 32:
@@ -109,14 +117,13 @@ class MmaFamily(FamilyBase):
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         """Default tiles: the backward's warp-owned K/V block is 16 rows per warp, its streamed Q block
-        at most BWD_STREAM_ROWS (``default_tile``). The forward's Q block is fwd_default_warp_rows
-        per warp (32 up to d = 64 on sm_90 for specs without per-element features, else 16; at most
-        max_block_r), streaming fwd_default_block_c keys per step (128 up to d = 128, 64 beyond or
-        with a data mask past d = 64)."""
+        at most BWD_STREAM_ROWS (``default_tile``). The forward's Q block is 16 rows per warp (at most
+        max_block_r), streaming fwd_default_block_c keys per step (256 where ``fwd_widest_step`` holds
+        and the tile fits the arch's shared memory, 128 up to d = 128, 64 beyond or with a data mask
+        past d = 64)."""
         if fs.direction == "bwd":
             return BWD_STREAM_ROWS, 16 * fs.num_warps
-        rows = fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) * fs.num_warps
-        return min(rows, self.max_block_r), fwd_default_block_c(fs.head_dim, fs.flags)
+        return min(16 * fs.num_warps, self.max_block_r), self._fwd_block_c(fs)
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
         """Backward: BWD_STREAM_ROWS Q rows per step x the warps' 16 K/V rows each when two such blocks
@@ -136,8 +143,7 @@ class MmaFamily(FamilyBase):
         """Forward: FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared
         memory beside its default K/V step (each K_j / V_j tile copied once for twice the rows;
         benchmarks/sass_cost.py at d = 96 / 128 / 192 / 256 on sm_90: 1129 / 934 / 1011 / 859 ->
-        1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the warps own 32 rows (sm_90
-        up to d = 64), where the 128-row block would shrink (its warps would idle) and with the
+        1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the 128-row block would shrink (its warps would idle) and with the
         per-element features of FWD_WIDE_WARP_EXCLUDED_FLAGS (ptxas spills their state beside the
         8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: BWD_WIDE_WARPS where
         ``bwd_wide_warps`` says (128 K/V rows per CTA: each Q_i / dO_i tile copied, and each dQ_i
@@ -151,10 +157,17 @@ class MmaFamily(FamilyBase):
             return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
         if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
             return DEFAULT_NUM_WARPS
-        if fwd_default_warp_rows(fs.head_dim, ARCHS[fs.arch].capability, fs.flags) != 16:
-            return DEFAULT_NUM_WARPS
-        fits = self._fits_arch(fs, 16 * FWD_WIDE_WARPS, fwd_default_block_c(fs.head_dim, fs.flags))
+        fits = self._fits_arch(fs, 16 * FWD_WIDE_WARPS, self._fwd_block_c(fs))
         return FWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
+
+    def _fwd_block_c(self, fs: FamilySpec) -> int:
+        """The forward's default keys per step (``fwd_default_block_c``): the widest step where one
+        block of its 16-row warps' tile fits the arch's shared memory, else the next rule's."""
+        cap = ARCHS[fs.arch].capability
+        bc = fwd_default_block_c(fs.head_dim, fs.flags, cap)
+        if bc > FWD_WIDE_BLOCK_C and not self._fits_arch(fs, 16 * FWD_WIDE_WARPS, bc):
+            bc = fwd_default_block_c(fs.head_dim, fs.flags)
+        return bc
 
     def _fits_arch(self, fs: FamilySpec, block_r: int, block_c: int) -> bool:
         """Does one block of this tile fit the arch's opt-in shared memory per block?"""
@@ -234,6 +247,8 @@ class MmaFamily(FamilyBase):
                          "Q_i A-fragments held in registers"),
                 Constant("FWD_HALF_COPY", "bool", fwd_half_copy(d, fs.num_warps),
                          "each half of the threads copies one of K_j / V_j"),
+                Constant("FWD_HALF_STEP", "bool", fwd_half_step(t.block_c),
+                         "a block's last step over at most half the tile's keys steps that half alone"),
             ]
         return {"strides": strides, "constants": tuple(consts)}
 

@@ -68,19 +68,21 @@ MAX_WIDE_WARP_Q_DIM = 128
 #: The forward's default K/V step up to this padded head dim is FWD_WIDE_BLOCK_C keys.
 MAX_WIDE_STEP_DIM = 128
 FWD_WIDE_BLOCK_C = 128
-#: The forward's default warps own 32 Q rows (two m16 tiles) up to this padded head dim, 16 beyond.
-MAX_WIDE_WARP_DEFAULT_DIM = 64
+#: ... and FWD_WIDEST_BLOCK_C keys up to MAX_WIDEST_STEP_DIM on the compute capabilities of
+#: FWD_WIDEST_STEP_CAPABILITIES (measured there: no spills, NVRTC 12.9 and 13.5, with every structural mask;
+#: sm_100 and sm_120 spill 28-176 bytes beside it) for specs without FWD_WIDE_WARP_EXCLUDED_FLAGS.
+MAX_WIDEST_STEP_DIM = 64
+FWD_WIDEST_BLOCK_C = 256
+FWD_WIDEST_STEP_CAPABILITIES = frozenset({(8, 0), (9, 0)})
+#: Past FWD_WIDE_BLOCK_C keys the forward steps the tile's first half alone where the block needs no
+#: more (``fwd_half_step``); its dropout keep bits of a fragment row pair are at most 64 (``FWD_MAX_DROPOUT_BLOCK_C``).
+FWD_MAX_DROPOUT_BLOCK_C = 128
 
 
 #: Spec flags whose per-element work (the data masks' loads, the keep bits, score modifications)
 #: needs registers beside the fragments; the forward's default tile is narrower with them.
 FWD_DATA_MASK_FLAGS = frozenset({"key_padding", "attn_mask"})
 FWD_WIDE_WARP_EXCLUDED_FLAGS = FWD_DATA_MASK_FLAGS | {"dropout", "softcap", "alibi", "bias"}
-#: Masks whose diagonal tiles keep the forward's default warps at 16 rows (``fwd_default_warp_rows``):
-#: a window's two bounds per row (ptxas spills the 32-row warp beside them: 72 bytes at d = 32 on
-#: sm_90). Causal's one bound fits (0 spills with NVRTC 12.9 and 13.5 at d = 32-64, varlen and
-#: top-left alignment included).
-FWD_WIDE_WARP_MASK_FLAGS = frozenset({"window"})
 
 
 #: With an additive bias the forward steps 64 keys up to this padded head dim, 32 beyond it
@@ -88,8 +90,23 @@ FWD_WIDE_WARP_MASK_FLAGS = frozenset({"window"})
 FWD_BIAS_WIDE_STEP_DIM = 96
 
 
-def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> int:
-    """Forward: the default keys per K/V step. FWD_WIDE_BLOCK_C up to padded head dim MAX_WIDE_STEP_DIM:
+def fwd_widest_step(head_dim: int, capability: tuple[int, int] | None, flags: frozenset[str] = frozenset()) -> bool:
+    """Forward: does the default step FWD_WIDEST_BLOCK_C keys? Up to padded head dim MAX_WIDEST_STEP_DIM
+    on FWD_WIDEST_STEP_CAPABILITIES without per-element features: O's rescale (one multiply per
+    accumulator element a step), the row reductions, the copy set-up and the barrier are per step,
+    so 256 keys halve them per FLOP beside 128 (benchmarks/sass_cost.py, d = 64: 1055 against 1141
+    instructions per 1e6 FLOPs on sm_80, 1059 against 1109 for 32-row warps on sm_90; d = 32: 1678
+    against 1823 / 1686 against 1715). The block's last step takes half the tile where that covers its
+    keys (``fwd_half_step``), so causal's diagonal and short sequences do no more tensor-core work than
+    with 128 keys."""
+    return (padded_dim(head_dim) <= MAX_WIDEST_STEP_DIM and capability in FWD_WIDEST_STEP_CAPABILITIES
+            and not flags & FWD_WIDE_WARP_EXCLUDED_FLAGS)
+
+
+def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset(),
+                        capability: tuple[int, int] | None = None) -> int:
+    """Forward: the default keys per K/V step. FWD_WIDEST_BLOCK_C where ``fwd_widest_step`` holds;
+    else FWD_WIDE_BLOCK_C up to padded head dim MAX_WIDE_STEP_DIM:
     O's rescale, the copy set-up, the row reductions and the barrier are per step, so 128 keys
     amortise them over twice the tensor-core work of 64 (d = 128: 930 against 1118 instructions
     per 1e6 FLOPs, benchmarks/sass_cost.py); beyond d = 64 a data mask (key padding, attn_mask) takes
@@ -98,6 +115,8 @@ def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> i
     of 64 keys do not fit), 32 there with a data mask or dropout (their per-element state beside the
     O accumulator's DPAD / 2 registers: 64 keys spill 56-96 bytes at d = 160 on sm_100)."""
     dp = padded_dim(head_dim)
+    if fwd_widest_step(head_dim, capability, flags):
+        return FWD_WIDEST_BLOCK_C
     if "bias" in flags:  # its per-element loads beside 128 keys of S spill 250-350 bytes up to d = 96
         return 64 if dp <= FWD_BIAS_WIDE_STEP_DIM else 32
     if dp <= 64:
@@ -107,19 +126,11 @@ def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset()) -> i
     return 32 if flags & (FWD_DATA_MASK_FLAGS | {"dropout"}) else 64
 
 
-def fwd_default_warp_rows(head_dim: int, capability: tuple[int, int], flags: frozenset[str] = frozenset()) -> int:
-    """Forward: the Q rows a warp owns by default: 32 (two m16 tiles, each K/V fragment feeding 4
-    HMMAs, the K/V copy and the step's set-up shared by twice the rows) up to padded head dim
-    MAX_WIDE_WARP_DEFAULT_DIM on sm_90 without dropout, data masks or score modifications, where
-    the 32 x 128 scores and the 32 x 64 O accumulator fit the registers (d = 64: 1109 against 1148
-    instructions per 1e6 FLOPs for 8 warps of 16 rows); 16 otherwise: ptxas spills the 32-row warp on
-    sm_80 and sm_100+ (70-370 bytes at d = 64), beside those features' per-element state and beside
-    a window's two bounds per row (FWD_WIDE_WARP_MASK_FLAGS), so those specs take 16-row warps (8 of
-    them where the block fits, ``MmaFamily.default_warps``). Causal specs take 32-row warps on sm_90
-    (d = 64: 1110 against 1148)."""
-    wide = (padded_dim(head_dim) <= MAX_WIDE_WARP_DEFAULT_DIM and capability == (9, 0)
-            and not flags & (FWD_WIDE_WARP_EXCLUDED_FLAGS | FWD_WIDE_WARP_MASK_FLAGS))
-    return 32 if wide else 16
+def fwd_half_step(block_c: int) -> bool:
+    """Forward: past FWD_WIDE_BLOCK_C keys, a step whose block needs at most the tile's first half
+    (the last one of a causal diagonal or of a sequence shorter than the tile) runs as a step of
+    block_c / 2 keys (``FWD_HALF_STEP``: the step's code instantiated for both widths)."""
+    return block_c > FWD_WIDE_BLOCK_C
 
 
 def fwd_m_tiles(block_r: int, num_warps: int) -> int:
