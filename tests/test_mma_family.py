@@ -2,6 +2,7 @@
 keep-mask bit for bit, and its kernels under AddressSanitizer (emulator)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -575,6 +576,60 @@ def test_pair_cost_of_32_row_forward_warps(d: int, block_r: int, block_c: int, n
     narrow = MMA.pair_cost(spec.replace(num_warps=2 * num_warps).family_spec)  # the same block, 16-row warps
     assert narrow.warp_iterations == pc.warp_iterations
     assert pc.lds_wavefronts < narrow.lds_wavefronts
+
+
+# ------------------------------------------------------------------ the forward's 256-key step
+WIDEST_CASES = [  # d <= 64 at the default 128 x 256 / 8-warp forward: whole steps, half steps, both mask paths
+    ("plain-two-steps-fp16", "sm_90", 2, dict(batch=1, heads=2, heads_kv=2, seqlen_q=150, seqlen_k=400, head_dim=64)),
+    ("causal-diagonal-halves-bf16", "sm_80", 2, dict(dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=260,
+                                                     seqlen_k=270, head_dim=64, causal=True)),
+    ("topleft-dead-rows-fp16", "sm_90", 1, dict(batch=1, heads=1, heads_kv=1, seqlen_q=300, seqlen_k=140, head_dim=48,
+                                                causal=True, align="top_left")),
+    ("window-fp16", "sm_80", 1, dict(batch=1, heads=2, heads_kv=2, seqlen_q=200, seqlen_k=460, head_dim=64,
+                                     window=(150, 20))),
+    ("varlen-causal-bf16", "sm_90", 2, dict(dtype="bfloat16", heads=2, heads_kv=1, head_dim=32, causal=True,
+                                            lens=((70, 130), (0, 5), (1, 1), (140, 300), (129, 129)))),
+]
+
+
+@pytest.mark.parametrize("name,arch,stages,kw", WIDEST_CASES, ids=[c[0] for c in WIDEST_CASES])
+def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> None:
+    """The default d <= 64 forward steps 256 keys (rules.fwd_widest_step) and a block's last step over
+    the tile's first half alone where that covers its keys (FWD_HALF_STEP): sequences of one and two
+    whole steps, causal diagonals ending in either half, fully masked rows, a window, packed sequences
+    of lengths 0, 1 and just past half a tile, judged by the feature suite's harness (float64
+    reference, flash-attn's criterion, fully masked rows zero)."""
+    import test_features_simt as tfs
+    from test_features_simt import FeatCase, check_case
+
+    real = tfs.spec_or_skip
+    made: list[KernelSpec] = []
+
+    def spec_or_skip(impl: str, **fields) -> KernelSpec:
+        spec = real(impl, arch=arch, knobs={"stages": stages}, **fields)
+        made.append(spec)
+        return spec
+
+    with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
+        check_case(FeatCase(f"mma-widest-{name}", **kw), "mma")
+    fwd = [s for s in made if s.direction == "fwd"]
+    assert fwd and all(s.tile.block_c == 256 and "constexpr bool FWD_HALF_STEP = true;" in render(s).source
+                       for s in fwd), [s.name for s in fwd]
+
+
+def test_forward_steps_past_128_keys_only_without_dropout() -> None:
+    """block_c past 128: the forward's limit is 256, but not with dropout (its keep bits of a fragment row
+    pair take 64 bits) and not in the backward (16 K/V rows per warp); refused naming block_c."""
+    assert MMA.config_reason(_fwd_fs(64, 128, 256, 8)) is None
+    for spec in (dataclasses.replace(_fwd_fs(64, 128, 256, 8), flags=frozenset({"dropout"})), _fwd_fs(64, 128, 272, 8)):
+        bad = MMA.config_reason(spec)
+        assert bad is not None and bad.field == "block_c", (spec, bad)
+    with pytest.raises(ValidationError, match="block_c=256 must be at most 128") as e:
+        KernelSpec(direction="bwd", head_dim=64, block_r=64, block_c=256, num_warps=8, impl="mma")
+    assert e.value.errors()[0]["loc"] == ("block_c",)
+    with pytest.raises(ValidationError, match="dropout keep bits") as e:
+        KernelSpec(direction="fwd", head_dim=64, block_r=128, block_c=256, num_warps=8, dropout=True, impl="mma")
+    assert e.value.errors()[0]["loc"] == ("block_c",)
 
 
 # ------------------------------------------------------------------ the two-dimensional backward
