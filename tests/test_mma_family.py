@@ -537,14 +537,14 @@ def test_forward_32_row_warps_are_accepted_up_to_head_dim_128() -> None:
     ("sm_90", 64, {}, (128, 256, 8), False),  # 256 keys a step (rules.fwd_widest_step): Q from smem beside S
     ("sm_90", 64, {"causal": True}, (128, 256, 8), False),
     ("sm_90", 32, {"causal": True, "varlen": True}, (128, 256, 8), False),
-    ("sm_90", 64, {"causal": True, "window": True}, (128, 256, 8), False),
-    ("sm_90", 32, {"window": True}, (128, 256, 8), False),
+    ("sm_90", 64, {"causal": True, "window": True}, (128, 128, 8), True),  # a window's two bounds: 128 keys
+    ("sm_90", 32, {"window": True}, (128, 128, 8), True),
     ("sm_80", 64, {}, (128, 256, 8), False),  # 162 KiB with two stages: sm_80's 163 KiB holds it
     ("sm_86", 64, {}, (128, 128, 8), True),  # 99 KiB: the 256-key tile does not fit, 128 keys
     ("sm_100", 64, {}, (128, 128, 8), True),  # ptxas spills the 256-key step on sm_100 / sm_120
     ("sm_90", 64, {"dropout": True}, (64, 128, 4), True),  # per-element state: 16-row warps, 4 of them
     ("sm_90", 64, {"key_padding": True}, (64, 128, 4), False),  # a data mask reads Q from smem
-    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (128, 256, 8), False),
+    ("sm_90", 64, {"causal": True, "window": True, "varlen": True}, (128, 128, 8), True),
     ("sm_90", 64, {"bias": True}, (64, 64, 4), True),  # a bias steps 64 keys up to d = 96
     ("sm_90", 128, {}, (128, 128, 8), False),  # Q, S and O of 128 keys: Q from smem
     ("sm_80", 128, {}, (64, 128, 4), False),  # a 128-row block of 128 keys exceeds sm_80's shared memory
@@ -585,8 +585,8 @@ WIDEST_CASES = [  # d <= 64 at the default 128 x 256 / 8-warp forward: whole ste
                                                      seqlen_k=270, head_dim=64, causal=True)),
     ("topleft-dead-rows-fp16", "sm_90", 1, dict(batch=1, heads=1, heads_kv=1, seqlen_q=300, seqlen_k=140, head_dim=48,
                                                 causal=True, align="top_left")),
-    ("window-fp16", "sm_80", 1, dict(batch=1, heads=2, heads_kv=2, seqlen_q=200, seqlen_k=460, head_dim=64,
-                                     window=(150, 20))),
+    ("gqa-three-steps-fp16", "sm_80", 1, dict(batch=1, heads=4, heads_kv=2, seqlen_q=130, seqlen_k=600,
+                                              head_dim=64)),
     ("varlen-causal-bf16", "sm_90", 2, dict(dtype="bfloat16", heads=2, heads_kv=1, head_dim=32, causal=True,
                                             lens=((70, 130), (0, 5), (1, 1), (140, 300), (129, 129)))),
 ]
@@ -596,7 +596,7 @@ WIDEST_CASES = [  # d <= 64 at the default 128 x 256 / 8-warp forward: whole ste
 def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> None:
     """The default d <= 64 forward steps 256 keys (rules.fwd_widest_step) and a block's last step over
     the tile's first half alone where that covers its keys (FWD_HALF_STEP): sequences of one and two
-    whole steps, causal diagonals ending in either half, fully masked rows, a window, packed sequences
+    whole steps, causal diagonals ending in either half, fully masked rows, GQA, packed sequences
     of lengths 0, 1 and just past half a tile, judged by the feature suite's harness (float64
     reference, flash-attn's criterion, fully masked rows zero)."""
     import test_features_simt as tfs

@@ -69,8 +69,10 @@ MAX_WIDE_WARP_Q_DIM = 128
 MAX_WIDE_STEP_DIM = 128
 FWD_WIDE_BLOCK_C = 128
 #: ... and FWD_WIDEST_BLOCK_C keys up to MAX_WIDEST_STEP_DIM on the compute capabilities of
-#: FWD_WIDEST_STEP_CAPABILITIES (measured there: no spills, NVRTC 12.9 and 13.5, with every structural mask;
-#: sm_100 and sm_120 spill 28-176 bytes beside it) for specs without FWD_WIDE_WARP_EXCLUDED_FLAGS.
+#: FWD_WIDEST_STEP_CAPABILITIES (measured there: no spills, NVRTC 12.9 and 13.5, causal in either
+#: alignment, varlen; sm_100 and sm_120 spill 28-176 bytes beside it) for specs without
+#: FWD_WIDEST_EXCLUDED_FLAGS: the per-element features, and a window (its two bounds per row beside the
+#: half step's second copy of the step: 40 bytes spill at d = 64 on sm_80).
 MAX_WIDEST_STEP_DIM = 64
 FWD_WIDEST_BLOCK_C = 256
 FWD_WIDEST_STEP_CAPABILITIES = frozenset({(8, 0), (9, 0)})
@@ -83,6 +85,7 @@ FWD_MAX_DROPOUT_BLOCK_C = 128
 #: needs registers beside the fragments; the forward's default tile is narrower with them.
 FWD_DATA_MASK_FLAGS = frozenset({"key_padding", "attn_mask"})
 FWD_WIDE_WARP_EXCLUDED_FLAGS = FWD_DATA_MASK_FLAGS | {"dropout", "softcap", "alibi", "bias"}
+FWD_WIDEST_EXCLUDED_FLAGS = FWD_WIDE_WARP_EXCLUDED_FLAGS | {"window"}
 
 
 #: With an additive bias the forward steps 64 keys up to this padded head dim, 32 beyond it
@@ -92,7 +95,7 @@ FWD_BIAS_WIDE_STEP_DIM = 96
 
 def fwd_widest_step(head_dim: int, capability: tuple[int, int] | None, flags: frozenset[str] = frozenset()) -> bool:
     """Forward: does the default step FWD_WIDEST_BLOCK_C keys? Up to padded head dim MAX_WIDEST_STEP_DIM
-    on FWD_WIDEST_STEP_CAPABILITIES without per-element features: O's rescale (one multiply per
+    on FWD_WIDEST_STEP_CAPABILITIES without per-element features or a window: O's rescale (one multiply per
     accumulator element a step), the row reductions, the copy set-up and the barrier are per step,
     so 256 keys halve them per FLOP beside 128 (benchmarks/sass_cost.py, d = 64: 1055 against 1141
     instructions per 1e6 FLOPs on sm_80, 1059 against 1109 for 32-row warps on sm_90; d = 32: 1678
@@ -100,7 +103,7 @@ def fwd_widest_step(head_dim: int, capability: tuple[int, int] | None, flags: fr
     keys (``fwd_half_step``), so causal's diagonal and short sequences do no more tensor-core work than
     with 128 keys."""
     return (padded_dim(head_dim) <= MAX_WIDEST_STEP_DIM and capability in FWD_WIDEST_STEP_CAPABILITIES
-            and not flags & FWD_WIDE_WARP_EXCLUDED_FLAGS)
+            and not flags & FWD_WIDEST_EXCLUDED_FLAGS)
 
 
 def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset(),
