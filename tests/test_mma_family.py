@@ -589,7 +589,11 @@ WIDEST_CASES = [  # d <= 64 at the default 128 x 256 / 8-warp forward: whole ste
                                               head_dim=64)),
     ("varlen-causal-bf16", "sm_90", 2, dict(dtype="bfloat16", heads=2, heads_kv=1, head_dim=32, causal=True,
                                             lens=((70, 130), (0, 5), (1, 1), (140, 300), (129, 129)))),
+    ("block-c-192-causal-fp16", "sm_90", 2, dict(batch=1, heads=2, heads_kv=2, seqlen_q=200, seqlen_k=300, head_dim=64,
+                                                 causal=True)),  # an explicit 128 x 192 forward: 96-key half steps
 ]
+#: Forward tiles set explicitly by a case (the backward keeps its default).
+WIDEST_FWD_TILES = {"block-c-192-causal-fp16": dict(block_r=128, block_c=192, num_warps=8)}
 
 
 @pytest.mark.parametrize("name,arch,stages,kw", WIDEST_CASES, ids=[c[0] for c in WIDEST_CASES])
@@ -606,6 +610,8 @@ def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> Non
     made: list[KernelSpec] = []
 
     def spec_or_skip(impl: str, **fields) -> KernelSpec:
+        if fields.get("direction") == "fwd":
+            fields.update(WIDEST_FWD_TILES.get(name, {}))
         spec = real(impl, arch=arch, knobs={"stages": stages}, **fields)
         made.append(spec)
         return spec
@@ -613,15 +619,19 @@ def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> Non
     with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
         check_case(FeatCase(f"mma-widest-{name}", **kw), "mma")
     fwd = [s for s in made if s.direction == "fwd"]
-    assert fwd and all(s.tile.block_c == 256 and "constexpr bool FWD_HALF_STEP = true;" in render(s).source
+    want = WIDEST_FWD_TILES.get(name, {}).get("block_c", 256)
+    assert fwd and all(s.tile.block_c == want and "constexpr bool FWD_HALF_STEP = true;" in render(s).source
                        for s in fwd), [s.name for s in fwd]
 
 
 def test_forward_steps_past_128_keys_only_without_dropout() -> None:
-    """block_c past 128: the forward's limit is 256, but not with dropout (its keep bits of a fragment row
-    pair take 64 bits) and not in the backward (16 K/V rows per warp); refused naming block_c."""
+    """block_c past 128: the forward's limit is 256 in multiples of 32 (its half step is whole k16 chunks),
+    but not with dropout (its keep bits of a fragment row pair take 64 bits) and not in the backward
+    (16 K/V rows per warp); refused naming block_c."""
     assert MMA.config_reason(_fwd_fs(64, 128, 256, 8)) is None
-    for spec in (dataclasses.replace(_fwd_fs(64, 128, 256, 8), flags=frozenset({"dropout"})), _fwd_fs(64, 128, 272, 8)):
+    assert MMA.config_reason(_fwd_fs(64, 128, 192, 8)) is None
+    for spec in (dataclasses.replace(_fwd_fs(64, 128, 256, 8), flags=frozenset({"dropout"})), _fwd_fs(64, 128, 272, 8),
+                 _fwd_fs(64, 128, 144, 8)):
         bad = MMA.config_reason(spec)
         assert bad is not None and bad.field == "block_c", (spec, bad)
     with pytest.raises(ValidationError, match="block_c=256 must be at most 128") as e:

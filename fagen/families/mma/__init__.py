@@ -103,6 +103,9 @@ class MmaFamily(FamilyBase):
                    else "the backward's K/V block is its warps' 16 rows each")
             return Reason("block_c", f"block_c={fs.block_c} must be at most {limit} here ({self.name}: {why}; "
                                      f"{self.max_block_c} is the forward's limit without dropout)")
+        if fs.block_c > FWD_WIDE_BLOCK_C and fs.block_c % 32:
+            return Reason("block_c", f"block_c={fs.block_c} past {FWD_WIDE_BLOCK_C} must be a multiple of 32 ({self.name}: "
+                                     "the forward's half step is whole k16 chunks of keys)")
         field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
         if direction == "fwd" and rows > 16 * num_warps and padded_dim(fs.head_dim) <= MAX_WIDE_WARP_Q_DIM:
             if rows > 32 * num_warps or rows % 32:

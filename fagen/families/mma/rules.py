@@ -97,9 +97,9 @@ def fwd_widest_step(head_dim: int, capability: tuple[int, int] | None, flags: fr
     """Forward: does the default step FWD_WIDEST_BLOCK_C keys? Up to padded head dim MAX_WIDEST_STEP_DIM
     on FWD_WIDEST_STEP_CAPABILITIES without per-element features or a window: O's rescale (one multiply per
     accumulator element a step), the row reductions, the copy set-up and the barrier are per step,
-    so 256 keys halve them per FLOP beside 128 (benchmarks/sass_cost.py, d = 64: 1055 against 1141
-    instructions per 1e6 FLOPs on sm_80, 1059 against 1109 for 32-row warps on sm_90; d = 32: 1678
-    against 1823 / 1686 against 1715). The block's last step takes half the tile where that covers its
+    so 256 keys halve them per FLOP beside 128 (benchmarks/sass_cost.py, d = 64: 1060 against 1141
+    instructions per 1e6 FLOPs on sm_80, 1064 against 1109 for 32-row warps on sm_90; d = 32: 1690
+    against 1823 / 1698 against 1715). The block's last step takes half the tile where that covers its
     keys (``fwd_half_step``), so causal's diagonal and short sequences do no more tensor-core work than
     with 128 keys."""
     return (padded_dim(head_dim) <= MAX_WIDEST_STEP_DIM and capability in FWD_WIDEST_STEP_CAPABILITIES
