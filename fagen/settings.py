@@ -13,9 +13,11 @@ _ENV = {
     "cxx": "FAGEN_CXX",  # host C++17 compiler of the emulator (default g++)
     "cuda_include": "FAGEN_CUDA_INCLUDE",  # directory with cuda_fp16.h (default: the pip wheel's)
     "emu_schedule": "FAGEN_EMU_SCHEDULE",  # "forward" or "reverse": the emulator's thread order
+    "emu_opt": "FAGEN_EMU_OPT",  # g++ optimisation level of the emulator's plain builds: O0..O3
     "nvrtc": "FAGEN_NVRTC",  # folder of NVRTC wheels (pip install --target) to compile with
 }
 EMU_SCHEDULES = ("forward", "reverse")
+EMU_OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,13 @@ class Settings:
     cuda_include: Path | None = None
     emu_schedule: str = "forward"
     nvrtc: Path | None = None
+    emu_opt: str = "O2"
 
     def __post_init__(self) -> None:
         if self.emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"{_ENV['emu_schedule']}: expected one of {EMU_SCHEDULES}, got {self.emu_schedule!r}")
+        if self.emu_opt not in EMU_OPT_LEVELS:
+            raise ValueError(f"{_ENV['emu_opt']}: expected one of {EMU_OPT_LEVELS}, got {self.emu_opt!r}")
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -40,6 +45,7 @@ class Settings:
         return cls(cache_dir=cache, autotune_lookup=lookup, cxx=os.environ.get(_ENV["cxx"]) or "g++",
                    cuda_include=Path(inc) if inc else None,
                    emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward",
+                   emu_opt=os.environ.get(_ENV["emu_opt"]) or "O2",
                    nvrtc=Path(os.environ[_ENV["nvrtc"]]) if os.environ.get(_ENV["nvrtc"]) else None)
 
 

@@ -8,6 +8,9 @@ import pytest
 import fagen.settings
 
 REPO = Path(__file__).resolve().parent.parent
+# The emulator's plain builds at -O1 here: about a fifth faster to build, and the suite's problems are
+# small (the default, O2, is tested by test_emulator.py's flag test; FAGEN_EMU_OPT=O2 runs the suite so).
+os.environ.setdefault("FAGEN_EMU_OPT", "O1")
 
 
 @pytest.fixture(scope="session", autouse=True)

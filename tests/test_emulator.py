@@ -639,3 +639,30 @@ def test_concurrent_launches_get_their_own_stacks(fresh_build, tmp_path: Path) -
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(work, range(8)))
+
+
+def test_plain_builds_take_the_optimisation_level_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAGEN_EMU_OPT sets the plain build's g++ level (default O2); the sanitizer, race-check and debug
+    builds keep theirs; any other value is refused naming the variable."""
+    import fagen.emulator.builder as emu_build
+    import fagen.settings
+
+    def flags(**kw: bool) -> list[str]:
+        fagen.settings.reset()
+        return emu_build.compile_flags(sanitize=kw.get("sanitize", False), debug=kw.get("debug", False),
+                                       racecheck=kw.get("racecheck", False))
+
+    try:
+        monkeypatch.delenv("FAGEN_EMU_OPT", raising=False)
+        assert "-O2" in flags()
+        for level in ("O0", "O1", "O3"):
+            monkeypatch.setenv("FAGEN_EMU_OPT", level)
+            plain = flags()
+            assert f"-{level}" in plain and not {"-O0", "-O1", "-O2", "-O3"} - {f"-{level}"} & set(plain)
+            assert "-O1" in flags(sanitize=True) and "-O2" in flags(racecheck=True) and "-O0" in flags(debug=True)
+        monkeypatch.setenv("FAGEN_EMU_OPT", "fast")
+        with pytest.raises(ValueError, match="FAGEN_EMU_OPT: expected one of"):
+            flags()
+    finally:
+        monkeypatch.undo()
+        fagen.settings.reset()

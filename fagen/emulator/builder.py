@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import cache
 from ..nvrtc import headers_digest
+from ..settings import get_settings
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
@@ -54,7 +55,9 @@ RACECHECK_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit
 
 
 def compile_flags(*, sanitize: bool, debug: bool, racecheck: bool = False) -> list[str]:
-    """g++ flags (the include dir is added separately)."""
+    """g++ flags (the include dir is added separately). A plain build's optimisation level is the
+    ``emu_opt`` setting (``FAGEN_EMU_OPT``, default O2: O1 builds about a fifth faster and runs
+    10-35% slower)."""
     if sanitize and racecheck:
         raise EmulatorBuildError("build: sanitize and racecheck are separate builds; ask for one of them")
     flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
@@ -66,7 +69,7 @@ def compile_flags(*, sanitize: bool, debug: bool, racecheck: bool = False) -> li
     elif debug:
         flags += ["-O0", "-g"]
     else:
-        flags += ["-O2"]
+        flags += [f"-{get_settings().emu_opt}"]
     return flags
 
 
