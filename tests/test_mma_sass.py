@@ -1,7 +1,8 @@
 """SASS evidence with no GPU: every mma kernel of the standard matrix, for sm_80, sm_90, sm_100 and
-sm_120 (Ampere, Hopper, Blackwell datacenter and GeForce), runs on
-the tensor cores (HMMA), keeps everything in registers and smem (no spills, no local memory) and
-fits the arch's opt-in shared memory."""
+sm_120 (Ampere, Hopper, Blackwell datacenter and GeForce), keeps
+everything in registers and smem (no spills, no local memory: ptxas's report) and fits the arch's
+opt-in shared memory; its SASS (every cubin on sm_80 / sm_90, a sample on the others) runs on the
+tensor cores (HMMA, ldmatrix, cp.async) with no local loads or stores."""
 from __future__ import annotations
 
 import json
@@ -23,16 +24,31 @@ def test_the_standard_matrix_is_mma() -> None:
     assert len(SPECS) == len(ARCHS) * len(standard_matrix())
 
 
+#: Archs whose every standard-matrix cubin is disassembled (nvdisasm costs about a compile's half); on the
+#: others ptxas's report covers spills and local memory, and SASS_SAMPLE's cubins are disassembled.
+SASS_ARCHS = ("sm_80", "sm_90")
+SASS_SAMPLE = {s.name for s in SPECS if s.arch not in SASS_ARCHS and s.head_dim in (64, 128) and s.causal
+               and not s.key_padding and not s.dropout}
+
+
+def test_the_sass_sample_covers_both_directions_of_every_other_arch() -> None:
+    got = {(s.arch, s.direction) for s in SPECS if s.name in SASS_SAMPLE}
+    assert got == {(a, d) for a in ARCHS if a not in SASS_ARCHS for d in ("fwd", "bwd")}, sorted(got)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_tensor_cores_no_spills_no_local_memory(spec) -> None:
     mod = compile(spec)
+    for res in mod.resources:
+        assert res.spill_bytes == 0 and res.stack_frame_bytes == 0, (res.kernel, res)
+        assert res.smem_bytes <= ARCH_SMEM_OPTIN[spec.arch]
+    if spec.arch not in SASS_ARCHS and spec.name not in SASS_SAMPLE:
+        return
     mix = sass.instruction_mix(mod.cubin)
     assert mix is not None
     for res in mod.resources:
         ops = mix[res.kernel]
-        assert res.spill_bytes == 0 and res.stack_frame_bytes == 0, (res.kernel, res)
         assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, (res.kernel, ops)
-        assert res.smem_bytes <= ARCH_SMEM_OPTIN[spec.arch]
     main_ops = mix[mod.rendered.kernel("main").name]
     assert main_ops.get("HMMA", 0) > 0 and main_ops.get("LDSM", 0) > 0 and main_ops.get("LDGSTS", 0) > 0, main_ops
 
