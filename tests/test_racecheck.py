@@ -743,6 +743,23 @@ def test_sample_runs_clean_and_bit_identical_under_racecheck(row) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_widest_forward_step_runs_clean_and_bit_identical_under_racecheck(stages: int) -> None:
+    """The mma forward's default 128 x 256 tile at d <= 64 (rules.fwd_widest_step): two Q blocks, causal,
+    each with a whole 256-key step, then a half step (FWD_HALF_STEP) out of the other stage."""
+    spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", impl="mma", causal=True, knobs={"stages": stages})
+    assert (spec.tile.block_r, spec.tile.block_c) == (128, 256)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 150, 2, 32, generator=g).to(torch.float16)
+    k, v = (torch.randn(1, 300, 1, 32, generator=g).to(torch.float16) for _ in range(2))
+    plain = F.attention_forward(q, k, v, spec=spec, causal=True)
+    with cpu.racecheck() as record:
+        checked = F.attention_forward(q, k, v, spec=spec, causal=True)
+    assert [role for _, role, _ in record.launches] == ["main"]
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)
+
+
 #: The Hopper forward (one consumer warpgroup; two read the same K/V cells, whose FastTrack read
 #: vectors outgrow racecheck's per-phase budget at these tiles): causal and key padding, bf16
 #: with a 3-deep pipeline, several K/V blocks per Q block.
