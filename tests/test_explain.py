@@ -280,3 +280,16 @@ def test_page_in_headless_chromium(tmp_path: Path) -> None:
     subprocess.run([*base, "--window-size=1280,1600", f"--screenshot={shot}", url], capture_output=True, timeout=120)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_tile_reasons_name_the_family_cap_or_the_template_maximum() -> None:
+    """A dimension at its default's ceiling says which: the template's maximum (the forward's 256 keys a
+    step at d = 64), or the family's cap for the spec (the backward's 16 K/V rows per warp, the forward's
+    128 keys at d = 128), never a shared-memory shrink that did not happen."""
+    from fagen.explain.facts import tile_choice
+
+    fwd64 = tile_choice(KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90"))["reasons"]
+    assert fwd64["block_c"].startswith("B_c = 256: the mma template's maximum"), fwd64
+    for kw in (dict(direction="bwd", head_dim=64), dict(direction="fwd", head_dim=128)):
+        r = tile_choice(KernelSpec(dtype="float16", arch="sm_90", **kw))["reasons"]
+        assert r["block_c"].startswith("B_c = 128: the mma family's cap for this spec"), (kw, r)

@@ -215,10 +215,12 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
 
     used = footprint(t.block_r, t.block_c)
     reasons: dict[str, str] = {}
-    for dim, val, paper, limit, override in (
-        ("block_r", t.block_r, spec.paper_block_r, fam.max_block_r, spec.block_r),
-        ("block_c", t.block_c, spec.paper_block_c, fam.max_block_c, spec.block_c),
+    cap_r, cap_c = fam.tile_caps(spec.family_spec)  # the family's default caps for this spec
+    for dim, val, paper, top, cap, override in (
+        ("block_r", t.block_r, spec.paper_block_r, fam.max_block_r, cap_r, spec.block_r),
+        ("block_c", t.block_c, spec.paper_block_c, fam.max_block_c, cap_c, spec.block_c),
     ):
+        limit = min(top, cap)
         sym = "B_r" if dim == "block_r" else "B_c"
         grown = (t.block_r + q, t.block_c) if dim == "block_r" else (t.block_r, t.block_c + q)
         if override is not None:
@@ -226,7 +228,8 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
         elif val == paper:
             reasons[dim] = f"{sym} = {val}: the paper's value"
         elif val == limit and paper > limit:
-            reasons[dim] = f"{sym} = {val}: the {spec.impl} template's maximum (the paper asks for {paper})"
+            what = f"the {spec.impl} template's maximum" if limit == top else f"the {spec.impl} family's cap for this spec"
+            reasons[dim] = f"{sym} = {val}: {what} (the paper asks for {paper})"
         elif val + q > paper:
             reasons[dim] = f"{sym} = {val}: the paper's {paper} rounded down to a multiple of {q}"
         else:
