@@ -422,3 +422,20 @@ def test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills(nvrtc12, spec:
         if spec.impl == "mma":
             assert mix[mod.rendered.kernel("main").name].get("HMMA", 0) > 0
 
+
+
+#: Beyond the standard matrix: the d = 128 backward's data masks and the forward's 256-key step, whose
+#: register pressure ptxas 12 and 13 place differently (fagen.families.mma.rules.bwd_chunk_unroll on
+#: capability 9.x, rules.fwd_widest_step).
+NVRTC12_EXTRA = [KernelSpec(direction="bwd", head_dim=128, dtype="float16", arch="sm_90", **f)
+                 for f in (dict(key_padding=True), dict(attn_mask=True), dict(key_padding=True, varlen=True))] + \
+                [KernelSpec(direction="fwd", head_dim=64, dtype="bfloat16", arch=a, causal=True, varlen=True)
+                 for a in ("sm_80", "sm_90")]
+
+
+@pytest.mark.parametrize("spec", NVRTC12_EXTRA, ids=lambda s: s.name)
+def test_cuda12_nvrtc_compiles_the_register_heavy_features_without_spills(nvrtc12, spec: KernelSpec) -> None:
+    assert nvrtc.version()[0] == 12
+    mod = compiler.compile(spec)
+    assert mod.resources and all(r.spill_bytes == 0 and r.stack_frame_bytes == 0 for r in mod.resources), \
+        [(r.kernel, r.spill_bytes, r.stack_frame_bytes) for r in mod.resources]

@@ -230,7 +230,7 @@ class MmaFamily(FamilyBase):
                          "separate chunk code for fully visible and partial tiles"),
                 Constant("BWD_CHUNK_SUB", "int", bwd_chunk_sub(d, fs.flags, t.block_r),
                          "16-Q-row sub-chunks per chunk of the chunk loop"),
-                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags, t.block_r),
+                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags, t.block_r, ARCHS[fs.arch].capability),
                          "chunks per trip of the chunk loop"),
             ]
             if fs.has("deterministic"):

@@ -229,12 +229,18 @@ def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
     return 2 if dp in BWD_WIDE_CHUNK_DIMS and not kv_in_regs(head_dim) and block_r % 32 == 0 else 1
 
 
-def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int) -> int:
+def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int,
+                     capability: tuple[int, int] | None = None) -> int:
     """Backward: chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
     overhead, constant offsets within a trip) with split chunk code, without dropout and outside the
     deterministic backward, for 16-row chunks (``bwd_chunk_sub`` 1), else 1. A whole Q block unrolled
-    spills at 4 warps."""
+    spills at 4 warps. On compute capability 9.x past d = 64 a data mask (key padding, attn_mask) takes 1: its
+    per-element loads beside two unrolled chunks spill 40-88 bytes at d = 128 with NVRTC 12.9 (0 with
+    one chunk a trip, with NVRTC 12.9 and 13.5; 1041 -> 1058 instructions per 1e6 FLOPs with key
+    padding, benchmarks/sass_cost.py)."""
     if bwd_chunk_sub(head_dim, flags, block_r) > 1:
+        return 1
+    if capability is not None and capability[0] == 9 and flags & FWD_DATA_MASK_FLAGS and padded_dim(head_dim) > 64:
         return 1
     return 2 if bwd_split_mask(head_dim, flags, block_r) and not flags & {"dropout", "deterministic"} else 1
 
