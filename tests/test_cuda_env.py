@@ -426,9 +426,11 @@ def test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills(nvrtc12, spec:
 
 #: Beyond the standard matrix: the d = 128 backward's data masks and the forward's 256-key step, whose
 #: register pressure ptxas 12 and 13 place differently (fagen.families.mma.rules.bwd_chunk_unroll on
-#: capability 9.x, rules.fwd_widest_step).
+#: capability 9.x, bwd_wide_warps on 8.0, fwd_widest_step).
 NVRTC12_EXTRA = [KernelSpec(direction="bwd", head_dim=128, dtype="float16", arch="sm_90", **f)
                  for f in (dict(key_padding=True), dict(attn_mask=True), dict(key_padding=True, varlen=True))] + \
+                [KernelSpec(direction="bwd", head_dim=128, dtype="bfloat16", arch="sm_80", **f)  # rules.bwd_wide_warps
+                 for f in (dict(key_padding=True), dict(alibi=True), dict(bias=True), dict(key_padding=True, varlen=True))] + \
                 [KernelSpec(direction="fwd", head_dim=64, dtype="bfloat16", arch=a, causal=True, varlen=True)
                  for a in ("sm_80", "sm_90")]
 

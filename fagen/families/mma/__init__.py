@@ -154,7 +154,7 @@ class MmaFamily(FamilyBase):
         64 x 128 / 8 at d = 128) and their block of BWD_SHORT_STREAM_ROWS Q rows fits the arch's
         shared memory (else warps would idle beside a shrunk K/V block)."""
         if fs.direction == "bwd":
-            if not bwd_wide_warps(fs.head_dim, fs.flags):
+            if not bwd_wide_warps(fs.head_dim, fs.flags, ARCHS[fs.arch].capability):
                 return DEFAULT_NUM_WARPS
             fits = self._fits_arch(fs, BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)
             return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS

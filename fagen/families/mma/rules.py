@@ -32,11 +32,26 @@ BWD_RESIDENT_WARPS = 8
 BWD_WIDE_WARPS = 8
 
 
-def bwd_wide_warps(head_dim: int, flags: frozenset[str] = frozenset()) -> bool:
+#: Per-element features whose state beside the 8-warp d = 128 backward's fragments NVRTC 12.9's ptxas
+#: spills on sm_80 (key padding 24, ALiBi 40, bias 32 bytes; NVRTC 13.5 compiles them clean), and those
+#: beside which 4 warps spill with NVRTC 13.5 instead (dropout with ALiBi or bias 16, the deterministic
+#: backward with key padding 24), which keep 8.
+BWD_SM80_NARROW_FLAGS = frozenset({"key_padding", "alibi", "bias"})
+BWD_SM80_NARROW_EXCLUDED_FLAGS = frozenset({"dropout", "deterministic"})
+
+
+def bwd_wide_warps(head_dim: int, flags: frozenset[str] = frozenset(),
+                   capability: tuple[int, int] | None = None) -> bool:
     """Backward: BWD_WIDE_WARPS warps (128 K/V rows per CTA) by default up to padded head dim
     MAX_REG_ACC_DIM, where dK~ / dV~ live in registers, but not for a window together with varlen
-    past d = 64 (16 bytes spill at d = 128 on sm_80 with causal)."""
+    past d = 64 (16 bytes spill at d = 128 on sm_80 with causal), nor past d = 64 on compute capability
+    8.0 with BWD_SM80_NARROW_FLAGS and none of BWD_SM80_NARROW_EXCLUDED_FLAGS (4 warps compile clean
+    with NVRTC 12.9 and 13.5; 1026 -> 1077 instructions per 1e6 FLOPs with key padding, 926 -> 996 with
+    ALiBi, benchmarks/sass_cost.py)."""
     dp = padded_dim(head_dim)
+    if (capability == (8, 0) and dp > 64 and flags & BWD_SM80_NARROW_FLAGS
+            and not flags & BWD_SM80_NARROW_EXCLUDED_FLAGS):
+        return False
     return dp <= MAX_REG_ACC_DIM and not ({"window", "varlen"} <= flags and dp > 64)
 
 
