@@ -126,6 +126,13 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       cannot see through: a loop invariant so produced is held in a register over the loop
 //       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
 //       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
+//       ptxas sees through the mov itself: it still rematerialises what it can recompute from the
+//       thread index (the lane arithmetic); for those, fa_shfl_idx_b32 below.
+//   fa_shfl_idx_b32(x, src)   shfl.sync.idx.b32 d, x, src, 0x1f, 0xffffffff (the whole warp, converged):
+//       lane l gets lane (src_l & 31)'s x (PTX ISA "shfl.sync": c = 0x1f, no segments, so every source
+//       lane is in range). With src = the lane itself, x unchanged through an exchange ptxas cannot
+//       recompute: values derived from its result are held over a loop rather than re-derived
+//       (fa_pin).
 //   fa_mad_wide_u32(a, b, c)   mad.wide.u32: the 64-bit a * b (both 32-bit unsigned) plus c,
 //       modulo 2^64 (PTX ISA "mad": .wide gives the full 64-bit product of the 32-bit operands).
 // cp.async data is visible to the issuing thread after its wait, and to the
@@ -244,6 +251,11 @@ FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
     asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
     return y;
 }
+FA_DEVICE unsigned fa_shfl_idx_b32(unsigned x, unsigned src) {
+    unsigned y;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=r"(y) : "r"(x), "r"(src));
+    return y;
+}
 FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
     unsigned long long r;
     asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(a), "r"(b), "l"(c));
@@ -286,6 +298,9 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
 FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
 FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
+FA_DEVICE unsigned fa_shfl_idx_b32(unsigned x, unsigned src, FAGEN_EMU_SITE) {
+    return __shfl_sync(0xffffffffu, x, int(src & 31u), 32, FAGEN_EMU_SITE_ARGS);
+}
 FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
     return (unsigned long long)a * b + c;
 }
@@ -298,6 +313,18 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
 }
 #endif
 FA_DEVICE bool fa_hold(bool b) { return fa_mov_b32(b ? 1u : 0u) != 0u; }
+// x unchanged, through a shuffle from the lane itself (every lane of the warp, converged): ptxas
+// cannot recompute the result, so a loop invariant so produced is held in a register over the loop,
+// where from a plain value (fa_mov_b32's too: ptxas sees through a mov) it would re-derive the lane
+// and warp arithmetic from the thread index on every trip. fa_pin of a pointer: two shuffles.
+FA_DEVICE int fa_pin(int x) { return (int)fa_shfl_idx_b32((unsigned)x, threadIdx.x & 31u); }
+template <typename P>
+FA_DEVICE P* fa_pin(P* p) {
+    const unsigned long long v = reinterpret_cast<unsigned long long>(p);
+    const unsigned lane = threadIdx.x & 31u;
+    return reinterpret_cast<P*>((unsigned long long)fa_shfl_idx_b32((unsigned)(v >> 32), lane) << 32 |
+                                fa_shfl_idx_b32((unsigned)v, lane));
+}
 template <typename P>
 FA_DEVICE P* fa_hold(P* p) {
     return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
@@ -389,6 +416,7 @@ constexpr int DS_LD = 72;  // padded smem row stride (elements)
 constexpr int DPAD = 128;  // head dim padded to the MMA k extent (zero columns)
 constexpr bool BWD_2D = true;  // FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)
 constexpr bool BWD_2D_FRESH = false;  // two-dimensional layout: the K/V and Q/dO k-major lane offsets derived afresh each step
+constexpr bool BWD_2D_PIN = true;  // two-dimensional layout: the lanes' offsets and pointers pinned before the loop (fa_pin)
 constexpr int DO_STAGES = 2;  // two-dimensional layout: dO_i buffers (1: the next one copied after dV~)
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
@@ -1245,6 +1273,13 @@ static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == DO_STAG
 static_assert(SMEM_P_COUNT == BLOCK_R * LDP && SMEM_DS_COUNT == BLOCK_R * LDP, "P and tau dS tiles");
 static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
 constexpr bool DO_LATE = STAGES > 1 && DO_STAGES == 1;  // the next dO_i copied after dV~
+// BWD_2D_PIN (fagen.families.mma.rules.bwd_2d_pin): a lane's offset or pointer computed before the loop
+// stays in its register over the loop (fa_pin), where ptxas re-derived it from the thread index every step.
+template <typename V>
+FA_DEVICE V mma2d_pin(V v) {
+    if constexpr (BWD_2D_PIN) return fa_pin(v);
+    else return v;
+}
 // The lane offset of thread tid's K_j / V_j B fragments in its S / dP block (sn0 * LD + ..).
 FA_DEVICE int mma2d_b_kv(int tid) { return ((tid / 32) % S_WN) * S_KEYS * LD + mma_lane_nm(tid % 32, LD); }
 // The lane offset of thread tid's Q_i / dO_i B fragments, k-major, in its dK~ / dV~ block (vd0 + ..).
@@ -1417,16 +1452,18 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 
     const int sm0 = (warp / S_WN) * S_ROWS, sn0 = (warp % S_WN) * S_KEYS;  // S / dP / dQ_i block corner
     const int vk0 = (warp % KV_WK) * KV_ROWS, vd0 = (warp / KV_WK) * KV_COLS;  // dK~ / dV~ block corner
-    // The lane's fragment addresses at the blocks' corners (stage 0; a stage adds a constant).
-    const int a_q = sm0 * LD + mma_lane_a(lane, LD);  // Q_i / dO_i A fragments (S, dP)
-    const int b_qd_held = vd0 + mma_lane_km(lane, LD);  // Q_i / dO_i B fragments, k-major (dK~, dV~)
-    const int b_kv_held = sn0 * LD + mma_lane_nm(lane, LD);  // K_j / V_j B fragments (S, dP)
-    const T* const a_p = s.p + vk0 + mma_lane_nm(lane, LDP);  // P^T A fragments (mma_load_a_trans)
-    const T* const a_ds_t = s.ds + vk0 + mma_lane_nm(lane, LDP);  // tau dS^T A fragments
-    const T* const a_ds = s.ds + sm0 * LDP + mma_lane_a(lane, LDP);  // tau dS A fragments (dQ_i)
-    const T* const b_kq = s.k + sn0 + mma_lane_km(lane, LD);  // K_j B fragments, k-major (dQ_i)
-    T* const p_l = s.p + (sm0 + g) * LDP + sn0 + 2 * t4;  // the lane's P element (row g, column 2 t4)
-    T* const ds_l = s.ds + (sm0 + g) * LDP + sn0 + 2 * t4;
+    // The lane's fragment addresses at the blocks' corners (stage 0; a stage adds a constant), pinned
+    // with BWD_2D_PIN.
+    const int a_q = mma2d_pin(sm0 * LD + mma_lane_a(lane, LD));  // Q_i / dO_i A fragments (S, dP)
+    const int b_qd_held = mma2d_pin(vd0 + mma_lane_km(lane, LD));  // Q_i / dO_i B fragments, k-major (dK~, dV~)
+    const int b_kv_held = mma2d_pin(sn0 * LD + mma_lane_nm(lane, LD));  // K_j / V_j B fragments (S, dP)
+    const T* const a_p = mma2d_pin(s.p + vk0 + mma_lane_nm(lane, LDP));  // P^T A fragments (mma_load_a_trans)
+    const T* const a_ds_t = mma2d_pin(s.ds + vk0 + mma_lane_nm(lane, LDP));  // tau dS^T A fragments
+    const T* const a_ds = mma2d_pin(s.ds + sm0 * LDP + mma_lane_a(lane, LDP));  // tau dS A fragments (dQ_i)
+    const T* const b_kq = mma2d_pin(s.k + sn0 + mma_lane_km(lane, LD));  // K_j B fragments, k-major (dQ_i)
+    T* const p_l = mma2d_pin(s.p + (sm0 + g) * LDP + sn0 + 2 * t4);  // the lane's P element (row g, column 2 t4)
+    T* const ds_l = mma2d_pin(s.ds + (sm0 + g) * LDP + sn0 + 2 * t4);
+    const int row_l = mma2d_pin(sm0 + g), col_l = mma2d_pin(sn0 + 2 * t4);  // the lane's first row and column of its S block
 
     // Every q head of the group adds to this K/V head's dK~, dV~.
     for (int h = hk * group; h < hk * group + group; ++h) {
@@ -1449,8 +1486,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         }
         fa_cp_async_commit();
 
-        for (int i0 = i_begin, it = 0; i0 < i_end; i0 += BLOCK_R, ++it) {
-            const int cur = it % STAGES, nxt = (it + 1) % STAGES;
+        for (int i0 = i_begin, cur = 0; i0 < i_end; i0 += BLOCK_R, cur ^= (STAGES - 1)) {
+            const int nxt = cur ^ (STAGES - 1);
             if constexpr (STAGES == 1) {  // no prefetch: load step i once step i-1 is done with the buffers
                 fa_sync();
                 mma2d_step_copy<2>({s.q, s.do_}, {&q_cp, &do_cp}, pair_vec, i0, len_q);
@@ -1523,8 +1560,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    l2[m][r] = slse[sm0 + 16 * m + g + 8 * r];
-                    dl[m][r] = slse[DELTA_FROM_LSE + sm0 + 16 * m + g + 8 * r];
+                    l2[m][r] = slse[row_l + 16 * m + 8 * r];
+                    dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
                 }
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -1538,7 +1575,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         dpacc[m][n][e] = pd.ds;
                     }
             if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
-                const Mma2dBand bd = mma2d_band(i0 + sm0 + g, col0 + sn0 + 2 * t4, mp);
+                const Mma2dBand bd = mma2d_band(i0 + row_l, col0 + col_l, mp);
 #pragma unroll
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -1637,7 +1674,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 }
                 // the lane's rows sm0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
                 float* dq_row[4];
-                dq_row[0] = dq_bh + (long long)(i0 + sm0 + g) * dq_rs + sn0 + 2 * t4;
+                dq_row[0] = dq_bh + (long long)(i0 + row_l) * dq_rs + col_l;
 #pragma unroll
                 for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
                 if (full) {
@@ -1649,7 +1686,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 } else {
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        if (i0 + sm0 + g + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf()) {
+                        if (i0 + row_l + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf()) {
 #pragma unroll
                             for (int c = 0; c < 4; ++c)
                                 fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);

@@ -126,6 +126,13 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       cannot see through: a loop invariant so produced is held in a register over the loop
 //       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
 //       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
+//       ptxas sees through the mov itself: it still rematerialises what it can recompute from the
+//       thread index (the lane arithmetic); for those, fa_shfl_idx_b32 below.
+//   fa_shfl_idx_b32(x, src)   shfl.sync.idx.b32 d, x, src, 0x1f, 0xffffffff (the whole warp, converged):
+//       lane l gets lane (src_l & 31)'s x (PTX ISA "shfl.sync": c = 0x1f, no segments, so every source
+//       lane is in range). With src = the lane itself, x unchanged through an exchange ptxas cannot
+//       recompute: values derived from its result are held over a loop rather than re-derived
+//       (fa_pin).
 //   fa_mad_wide_u32(a, b, c)   mad.wide.u32: the 64-bit a * b (both 32-bit unsigned) plus c,
 //       modulo 2^64 (PTX ISA "mad": .wide gives the full 64-bit product of the 32-bit operands).
 // cp.async data is visible to the issuing thread after its wait, and to the
@@ -244,6 +251,11 @@ FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) {
     asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
     return y;
 }
+FA_DEVICE unsigned fa_shfl_idx_b32(unsigned x, unsigned src) {
+    unsigned y;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=r"(y) : "r"(x), "r"(src));
+    return y;
+}
 FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
     unsigned long long r;
     asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(r) : "r"(a), "r"(b), "l"(c));
@@ -286,6 +298,9 @@ FA_DEVICE void fa_cp_async_wait(FAGEN_EMU_SITE) {
 FA_DEVICE void fa_cp_async_wait_all(FAGEN_EMU_SITE) { fagen_emu::cp_async_wait_all(FAGEN_EMU_SITE_ARGS); }
 FA_DEVICE unsigned fa_mov_b32(unsigned x) { return x; }
 FA_DEVICE unsigned long long fa_mov_b64(unsigned long long x) { return x; }
+FA_DEVICE unsigned fa_shfl_idx_b32(unsigned x, unsigned src, FAGEN_EMU_SITE) {
+    return __shfl_sync(0xffffffffu, x, int(src & 31u), 32, FAGEN_EMU_SITE_ARGS);
+}
 FA_DEVICE unsigned long long fa_mad_wide_u32(unsigned a, unsigned b, unsigned long long c) {
     return (unsigned long long)a * b + c;
 }
@@ -298,6 +313,18 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
 }
 #endif
 FA_DEVICE bool fa_hold(bool b) { return fa_mov_b32(b ? 1u : 0u) != 0u; }
+// x unchanged, through a shuffle from the lane itself (every lane of the warp, converged): ptxas
+// cannot recompute the result, so a loop invariant so produced is held in a register over the loop,
+// where from a plain value (fa_mov_b32's too: ptxas sees through a mov) it would re-derive the lane
+// and warp arithmetic from the thread index on every trip. fa_pin of a pointer: two shuffles.
+FA_DEVICE int fa_pin(int x) { return (int)fa_shfl_idx_b32((unsigned)x, threadIdx.x & 31u); }
+template <typename P>
+FA_DEVICE P* fa_pin(P* p) {
+    const unsigned long long v = reinterpret_cast<unsigned long long>(p);
+    const unsigned lane = threadIdx.x & 31u;
+    return reinterpret_cast<P*>((unsigned long long)fa_shfl_idx_b32((unsigned)(v >> 32), lane) << 32 |
+                                fa_shfl_idx_b32((unsigned)v, lane));
+}
 template <typename P>
 FA_DEVICE P* fa_hold(P* p) {
     return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));

@@ -281,6 +281,16 @@ extern "C" __global__ void madw(const unsigned* a, const unsigned* b, const unsi
     o[t] = fa_mad_wide_u32(a[t], b[t], c[t]);
 }
 
+// fa_shfl_idx_b32: thread t gets the word of lane src[t] (its own lane's bits taken mod 32) of its warp;
+// fa_pin: thread t's own word and pointer, unchanged.
+extern "C" __global__ void shfl_idx(const unsigned* w, const unsigned* src, const float* base, unsigned* o, unsigned* pin,
+                                    long long* pin_off) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    o[t] = fa_shfl_idx_b32(w[t], src[t]);
+    pin[t] = (unsigned)fa_pin((int)w[t]);
+    pin_off[t] = (long long)(fa_pin(base + t) - base);
+}
+
 extern "C" __global__ void misaligned(const float* src, float* out) {
     float* s = reinterpret_cast<float*>(fa_smem());
     fa_cp_async_16(s + 2, src, true);  // 8-byte aligned destination: invalid
@@ -307,6 +317,8 @@ SIGS = [
                        ("unsigned*", "o32"), ("unsigned long long*", "o64"), ("int*", "flags"), ("long long*", "offs"))),
     KernelSig("madw", (("const unsigned*", "a"), ("const unsigned*", "b"), ("const unsigned long long*", "c"),
                        ("unsigned long long*", "o"))),
+    KernelSig("shfl_idx", (("const unsigned*", "w"), ("const unsigned*", "src"), ("const float*", "base"),
+                           ("unsigned*", "o"), ("unsigned*", "pin"), ("long long*", "pin_off"))),
     KernelSig("diverge", (("float*", "out"), ("int", "exit_half"))),
 ]
 
@@ -511,6 +523,26 @@ def test_mad_wide_u32_is_the_full_product_plus_c_mod_2_64(mod) -> None:
     assert [int(v) for v in o] == want
 
 
+def test_shfl_idx_reads_the_source_lane_and_pin_is_the_identity(mod) -> None:
+    """PTX ISA "shfl.sync": with c = 0x1f (no segments: mask = 0, maxLane = 31, minLane = 0) the .idx
+    mode's source lane is j = b[4:0], always in range, and d is lane j's a. Model: per warp of 32
+    threads, out[l] = w[warp base + (src[l] & 31)], with source lane values past 31 (their low five
+    bits count) and every bit pattern of the word; fa_pin (a shuffle from the lane itself) returns the
+    thread's word and pointer unchanged."""
+    rng = np.random.default_rng(13)
+    n = 256
+    w = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    w[:4] = [0xFFFFFFFF, 0x7FC00001, 0x80000000, 0]
+    src = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    src[:8] = [0, 31, 32, 33, 63, 0xFFFFFFFF, 0x80000000, 5]
+    o, pin, off = np.zeros(n, np.uint32), np.zeros(n, np.uint32), np.full(n, -1, np.int64)
+    mod.launch("shfl_idx", 2, 128, 0, [w, src, np.zeros(n, np.float32), o, pin, off])
+    t = np.arange(n)
+    np.testing.assert_array_equal(o, w[(t // 32) * 32 + (src & 31)])
+    np.testing.assert_array_equal(pin, w)
+    np.testing.assert_array_equal(off, t)
+
+
 # ---------------------------------------------------------------------- GEMM
 def _gemm_inputs(dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(11)
@@ -571,6 +603,8 @@ def test_nvrtc_compiles_tensor_core_instructions(arch: str) -> None:
         assert len(reds) == 1 and "F32x2" in reds[0] and "ADD" in reds[0], reds
     else:
         assert len(reds) == 2 and all("F32" in r and "ADD" in r for r in reds), reds
+    shfl = [i.mnemonic for i in kernels["shfl_idx"] if i.opcode == "SHFL"]
+    assert len(shfl) == 4 and all(m == "SHFL.IDX" for m in shfl), shfl  # one, then fa_pin's 1 + 2
     ldm = {i.mnemonic for i in kernels["ldm"]}
     assert {"LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDSM.16.MT88", "LDSM.16.MT88.2",
             "LDSM.16.MT88.4"} <= ldm, sorted(ldm)

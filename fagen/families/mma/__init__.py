@@ -29,7 +29,7 @@ from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS,
                                       FWD_WIDE_BLOCK_C, FWD_WIDE_WARP_EXCLUDED_FLAGS,
                                       MASKED_SCORE_MOD_STEP_REGS,
                                       MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
+                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_2d_pin, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
                                       dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_half_step,
                                       fwd_half_copy, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
                                       padded_dim, q_in_regs)
@@ -97,15 +97,18 @@ class MmaFamily(FamilyBase):
         # Each warp owns 16 rows of the CTA's own block (K/V rows backward, Q rows forward); a forward
         # warp may own 32 (two m16 tiles) up to padded head dim MAX_WIDE_WARP_Q_DIM.
         direction, num_warps = fs.direction, fs.num_warps
-        if fs.block_c > FWD_WIDE_BLOCK_C and (direction == "bwd" or fs.has("dropout")):
-            limit = FWD_MAX_DROPOUT_BLOCK_C if direction == "fwd" else FWD_WIDE_BLOCK_C
-            why = ("the forward's dropout keep bits of a fragment row pair take 64 bits" if direction == "fwd"
-                   else "the backward's K/V block is its warps' 16 rows each")
-            return Reason("block_c", f"block_c={fs.block_c} must be at most {limit} here ({self.name}: {why}; "
-                                     f"{self.max_block_c} is the forward's limit without dropout)")
-        if fs.block_c > FWD_WIDE_BLOCK_C and fs.block_c % 32:
-            return Reason("block_c", f"block_c={fs.block_c} past {FWD_WIDE_BLOCK_C} must be a multiple of 32 ({self.name}: "
-                                     "the forward's half step is whole k16 chunks of keys)")
+        if fwd_half_step(fs.block_c):  # past 128 keys: the forward without dropout only, in whole half steps
+            limit, why = None, ""
+            if direction == "bwd":
+                limit, why = FWD_WIDE_BLOCK_C, "the backward's K/V block is its warps' 16 rows each"
+            elif fs.has("dropout"):
+                limit, why = FWD_MAX_DROPOUT_BLOCK_C, "the forward's dropout keep bits of a fragment row pair take 64 bits"
+            if limit is not None:
+                return Reason("block_c", f"block_c={fs.block_c} must be at most {limit} here ({self.name}: {why}; "
+                                         f"{self.max_block_c} is the forward's limit without dropout)")
+            if fs.block_c % 32:
+                return Reason("block_c", f"block_c={fs.block_c} past {FWD_WIDE_BLOCK_C} must be a multiple of 32 "
+                                         f"({self.name}: the forward's half step is whole k16 chunks of keys)")
         field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
         if direction == "fwd" and rows > 16 * num_warps and padded_dim(fs.head_dim) <= MAX_WIDE_WARP_Q_DIM:
             if rows > 32 * num_warps or rows % 32:
@@ -218,8 +221,10 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("BWD_2D", "bool", two_d,
                          "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
-                Constant("BWD_2D_FRESH", "bool", two_d and bwd_2d_fresh(ARCHS[fs.arch].capability),
+                Constant("BWD_2D_FRESH", "bool", two_d and bwd_2d_fresh(ARCHS[fs.arch].capability, fs.flags),
                          "two-dimensional layout: the K/V and Q/dO k-major lane offsets derived afresh each step"),
+                Constant("BWD_2D_PIN", "bool", two_d and bwd_2d_pin(ARCHS[fs.arch].capability, fs.flags),
+                         "two-dimensional layout: the lanes' offsets and pointers pinned before the loop (fa_pin)"),
                 Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
                          "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),

@@ -285,13 +285,22 @@ def bwd_do_stages(stages: int, fits_two: bool) -> int:
     return stages if fits_two else 1
 
 
-def bwd_2d_fresh(capability: tuple[int, int]) -> bool:
+def bwd_2d_fresh(capability: tuple[int, int], flags: frozenset[str]) -> bool:
     """Two-dimensional backward: the lane offsets of the K_j / V_j B fragments (S, dP) and of the Q_i / dO_i
     k-major B fragments (dV~, dK~) derived afresh from the thread index every step (``BWD_2D_FRESH``)
-    rather than held over the loop, before sm_90: there dO_i's late copy takes registers of the S / dP
-    phase and ptxas spills the held offsets (4-8 bytes, NVRTC 13.5); on sm_90+ holding them costs fewer
-    instructions (d = 128, sm_90: 677 against 684 per 1e6 FLOPs)."""
-    return capability < (9, 0)
+    rather than held over the loop, before sm_90 with varlen: there dO_i's late copy and the sequence's
+    offsets take registers of the S / dP phase and NVRTC 12's ptxas spills the held offsets (28 bytes).
+    Elsewhere holding them costs fewer instructions (d = 128, sm_80: 655 against 671 per 1e6 FLOPs)."""
+    return capability < (9, 0) and "varlen" in flags
+
+
+def bwd_2d_pin(capability: tuple[int, int], flags: frozenset[str]) -> bool:
+    """Two-dimensional backward: the lanes' fragment offsets and pointers into shared memory and their
+    first S-block row and column computed once, before the loop, and pinned there (``BWD_2D_PIN``,
+    partials/mma.cuh's ``fa_pin``: through a shuffle ptxas cannot recompute), where ptxas otherwise
+    re-derived them from the thread index every step (d = 128, sm_90: 677 -> 639 per 1e6 FLOPs), except
+    with varlen from sm_100 on, where the pinned values spill (16-40 bytes, NVRTC 12 and 13)."""
+    return capability < (10, 0) or "varlen" not in flags
 
 
 def lse_now(flags: frozenset[str]) -> bool:
