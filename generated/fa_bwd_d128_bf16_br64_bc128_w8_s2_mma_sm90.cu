@@ -325,6 +325,12 @@ FA_DEVICE P* fa_pin(P* p) {
     return reinterpret_cast<P*>((unsigned long long)fa_shfl_idx_b32((unsigned)(v >> 32), lane) << 32 |
                                 fa_shfl_idx_b32((unsigned)v, lane));
 }
+// fa_pin where ON (a kernel's compile-time choice), else v as it is.
+template <bool ON, typename V>
+FA_DEVICE V fa_pin_if(V v) {
+    if constexpr (ON) return fa_pin(v);
+    else return v;
+}
 template <typename P>
 FA_DEVICE P* fa_hold(P* p) {
     return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
@@ -421,6 +427,7 @@ constexpr int DO_STAGES = 2;  // two-dimensional layout: dO_i buffers (1: the ne
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
+constexpr bool BWD_PIN = false;  // the lanes' fragment offsets and dS^T pointer pinned before the loop (fa_pin)
 constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
 constexpr int BWD_CHUNK_SUB = 2;  // 16-Q-row sub-chunks per chunk of the chunk loop
 constexpr int BWD_CHUNK_UNROLL = 1;  // chunks per trip of the chunk loop
@@ -1273,13 +1280,6 @@ static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == DO_STAG
 static_assert(SMEM_P_COUNT == BLOCK_R * LDP && SMEM_DS_COUNT == BLOCK_R * LDP, "P and tau dS tiles");
 static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
 constexpr bool DO_LATE = STAGES > 1 && DO_STAGES == 1;  // the next dO_i copied after dV~
-// BWD_2D_PIN (fagen.families.mma.rules.bwd_2d_pin): a lane's offset or pointer computed before the loop
-// stays in its register over the loop (fa_pin), where ptxas re-derived it from the thread index every step.
-template <typename V>
-FA_DEVICE V mma2d_pin(V v) {
-    if constexpr (BWD_2D_PIN) return fa_pin(v);
-    else return v;
-}
 // The lane offset of thread tid's K_j / V_j B fragments in its S / dP block (sn0 * LD + ..).
 FA_DEVICE int mma2d_b_kv(int tid) { return ((tid / 32) % S_WN) * S_KEYS * LD + mma_lane_nm(tid % 32, LD); }
 // The lane offset of thread tid's Q_i / dO_i B fragments, k-major, in its dK~ / dV~ block (vd0 + ..).
@@ -1453,17 +1453,17 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int sm0 = (warp / S_WN) * S_ROWS, sn0 = (warp % S_WN) * S_KEYS;  // S / dP / dQ_i block corner
     const int vk0 = (warp % KV_WK) * KV_ROWS, vd0 = (warp / KV_WK) * KV_COLS;  // dK~ / dV~ block corner
     // The lane's fragment addresses at the blocks' corners (stage 0; a stage adds a constant), pinned
-    // with BWD_2D_PIN.
-    const int a_q = mma2d_pin(sm0 * LD + mma_lane_a(lane, LD));  // Q_i / dO_i A fragments (S, dP)
-    const int b_qd_held = mma2d_pin(vd0 + mma_lane_km(lane, LD));  // Q_i / dO_i B fragments, k-major (dK~, dV~)
-    const int b_kv_held = mma2d_pin(sn0 * LD + mma_lane_nm(lane, LD));  // K_j / V_j B fragments (S, dP)
-    const T* const a_p = mma2d_pin(s.p + vk0 + mma_lane_nm(lane, LDP));  // P^T A fragments (mma_load_a_trans)
-    const T* const a_ds_t = mma2d_pin(s.ds + vk0 + mma_lane_nm(lane, LDP));  // tau dS^T A fragments
-    const T* const a_ds = mma2d_pin(s.ds + sm0 * LDP + mma_lane_a(lane, LDP));  // tau dS A fragments (dQ_i)
-    const T* const b_kq = mma2d_pin(s.k + sn0 + mma_lane_km(lane, LD));  // K_j B fragments, k-major (dQ_i)
-    T* const p_l = mma2d_pin(s.p + (sm0 + g) * LDP + sn0 + 2 * t4);  // the lane's P element (row g, column 2 t4)
-    T* const ds_l = mma2d_pin(s.ds + (sm0 + g) * LDP + sn0 + 2 * t4);
-    const int row_l = mma2d_pin(sm0 + g), col_l = mma2d_pin(sn0 + 2 * t4);  // the lane's first row and column of its S block
+    // with BWD_2D_PIN (rules.bwd_2d_pin: ptxas re-derived them from the thread index every step).
+    const int a_q = fa_pin_if<BWD_2D_PIN>(sm0 * LD + mma_lane_a(lane, LD));  // Q_i / dO_i A fragments (S, dP)
+    const int b_qd_held = fa_pin_if<BWD_2D_PIN>(vd0 + mma_lane_km(lane, LD));  // Q_i / dO_i B fragments, k-major (dK~, dV~)
+    const int b_kv_held = fa_pin_if<BWD_2D_PIN>(sn0 * LD + mma_lane_nm(lane, LD));  // K_j / V_j B fragments (S, dP)
+    const T* const a_p = fa_pin_if<BWD_2D_PIN>(s.p + vk0 + mma_lane_nm(lane, LDP));  // P^T A fragments (mma_load_a_trans)
+    const T* const a_ds_t = fa_pin_if<BWD_2D_PIN>(s.ds + vk0 + mma_lane_nm(lane, LDP));  // tau dS^T A fragments
+    const T* const a_ds = fa_pin_if<BWD_2D_PIN>(s.ds + sm0 * LDP + mma_lane_a(lane, LDP));  // tau dS A fragments (dQ_i)
+    const T* const b_kq = fa_pin_if<BWD_2D_PIN>(s.k + sn0 + mma_lane_km(lane, LD));  // K_j B fragments, k-major (dQ_i)
+    T* const p_l = fa_pin_if<BWD_2D_PIN>(s.p + (sm0 + g) * LDP + sn0 + 2 * t4);  // the lane's P element (row g, column 2 t4)
+    T* const ds_l = fa_pin_if<BWD_2D_PIN>(s.ds + (sm0 + g) * LDP + sn0 + 2 * t4);
+    const int row_l = fa_pin_if<BWD_2D_PIN>(sm0 + g), col_l = fa_pin_if<BWD_2D_PIN>(sn0 + 2 * t4);  // the lane's first row and column of its S block
 
     // Every q head of the group adds to this K/V head's dK~, dV~.
     for (int h = hk * group; h < hk * group + group; ++h) {

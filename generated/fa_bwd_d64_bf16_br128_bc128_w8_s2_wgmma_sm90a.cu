@@ -325,6 +325,12 @@ FA_DEVICE P* fa_pin(P* p) {
     return reinterpret_cast<P*>((unsigned long long)fa_shfl_idx_b32((unsigned)(v >> 32), lane) << 32 |
                                 fa_shfl_idx_b32((unsigned)v, lane));
 }
+// fa_pin where ON (a kernel's compile-time choice), else v as it is.
+template <bool ON, typename V>
+FA_DEVICE V fa_pin_if(V v) {
+    if constexpr (ON) return fa_pin(v);
+    else return v;
+}
 template <typename P>
 FA_DEVICE P* fa_hold(P* p) {
     return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));

@@ -325,6 +325,12 @@ FA_DEVICE P* fa_pin(P* p) {
     return reinterpret_cast<P*>((unsigned long long)fa_shfl_idx_b32((unsigned)(v >> 32), lane) << 32 |
                                 fa_shfl_idx_b32((unsigned)v, lane));
 }
+// fa_pin where ON (a kernel's compile-time choice), else v as it is.
+template <bool ON, typename V>
+FA_DEVICE V fa_pin_if(V v) {
+    if constexpr (ON) return fa_pin(v);
+    else return v;
+}
 template <typename P>
 FA_DEVICE P* fa_hold(P* p) {
     return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
@@ -421,6 +427,7 @@ constexpr int DO_STAGES = 0;  // two-dimensional layout: dO_i buffers (1: the ne
 constexpr bool ACC_IN_SMEM = false;  // dK~/dV~ accumulators in smem instead of registers
 constexpr bool KV_IN_REGS = false;  // K_j / V_j A-fragments held in registers
 constexpr bool LSE_NOW = false;  // the next step's lse_i / D_i stored at once, not at the step's end
+constexpr bool BWD_PIN = false;  // the lanes' fragment offsets and dS^T pointer pinned before the loop (fa_pin)
 constexpr bool BWD_SPLIT_MASK = false;  // separate chunk code for fully visible and partial tiles
 constexpr int BWD_CHUNK_SUB = 1;  // 16-Q-row sub-chunks per chunk of the chunk loop
 constexpr int BWD_CHUNK_UNROLL = 1;  // chunks per trip of the chunk loop
@@ -1359,10 +1366,11 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         for (int e = 0; e < 4; ++e) { dk_acc[n][e] = 0.f; dv_acc[n][e] = 0.f; }
 
     // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
-    // the lane's dS^T element (row wrow + g, column 2 t4).
-    const int lane_nm = mma_lane_nm(lane, LD);
-    const int lane_km = mma_lane_km(lane, LD);
-    T* const ds_l = s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0);
+    // the lane's dS^T element (row wrow + g, column 2 t4); pinned with BWD_PIN (rules.bwd_pin: ptxas
+    // re-derived them from the thread index every chunk).
+    const int lane_nm = fa_pin_if<BWD_PIN>(mma_lane_nm(lane, LD));
+    const int lane_km = fa_pin_if<BWD_PIN>(mma_lane_km(lane, LD));
+    T* const ds_l = fa_pin_if<BWD_PIN>(s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0));
     unsigned kf[KV_IN_REGS ? DPAD / 16 : 1][4], vf[KV_IN_REGS ? DPAD / 16 : 1][4];
     if constexpr (KV_IN_REGS) {
         fa_cp_async_wait_all();

@@ -681,6 +681,62 @@ def test_two_dimensional_backward_layout(name: str, kw: dict, arch: str, stages:
         [s.name for s in bwd]
 
 
+PIN_CASES = [  # d = 64 on sm_80 at the default 128 x 128 / 8-warp tile: the lanes' offsets pinned (BWD_PIN)
+    ("plain-odd-fp16", dict(batch=1, heads=2, heads_kv=2, seqlen_q=150, seqlen_k=200, head_dim=64)),
+    ("causal-dead-rows-bf16", dict(dtype="bfloat16", batch=1, heads=2, heads_kv=2, seqlen_q=200, seqlen_k=130,
+                                   head_dim=64, causal=True)),
+    ("gqa-window-fp16", dict(batch=1, heads=4, heads_kv=2, seqlen_q=100, seqlen_k=160, head_dim=64, window=(40, 10))),
+    ("topleft-causal-bf16", dict(dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=90, seqlen_k=140,
+                                 head_dim=64, causal=True, align="top_left")),
+]
+
+
+@pytest.mark.parametrize("name,kw", PIN_CASES, ids=[n for n, _ in PIN_CASES])
+def test_pinned_backward_lane_offsets(name: str, kw: dict) -> None:
+    """The d = 64 backward on sm_80 with its lane offsets and dS^T pointer pinned (fa_pin: a shuffle from
+    the lane itself) gives the same gradients as the float64 reference by the feature suite's criterion:
+    odd and unequal lengths, causal with fully masked rows, a window with GQA, top-left alignment."""
+    import test_features_simt as tfs
+    from test_features_simt import FeatCase, check_case
+
+    real = tfs.spec_or_skip
+    made: list[KernelSpec] = []
+
+    def spec_or_skip(impl: str, **fields) -> KernelSpec:
+        spec = real(impl, arch="sm_80", **fields)
+        made.append(spec)
+        return spec
+
+    with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
+        check_case(FeatCase(f"mma-pin-{name}", tile=(128, 128, 8), **kw), "mma")
+    bwd = [s for s in made if s.direction == "bwd"]
+    assert bwd and all("constexpr bool BWD_PIN = true;" in render(s).source for s in bwd), [s.name for s in bwd]
+
+
+def test_pin_rules() -> None:
+    """Where the lanes' offsets are pinned (rules.bwd_pin, rules.bwd_2d_pin) and where the two-dimensional
+    layout re-derives its k-major offsets every step (rules.bwd_2d_fresh): each exclusion is a flag set
+    or arch whose pinned kernel spilled."""
+    from fagen.families.mma import rules
+
+    f = frozenset
+    sm80, sm86, sm90, sm100 = (8, 0), (8, 6), (9, 0), (10, 0)
+    assert rules.bwd_pin(64, f(), sm80) and rules.bwd_pin(64, f({"causal", "window", "top_left"}), sm86)
+    assert not rules.bwd_pin(64, f(), sm90)  # ptxas schedules the pinned loop worse there
+    assert not any(rules.bwd_pin(d, f(), sm80) for d in (24, 32, 48, 56, 96, 128))
+    assert not any(rules.bwd_pin(64, f({flag}), sm80) for flag in ("varlen", "key_padding", "dropout", "alibi",
+                                                                    "softcap", "bias", "attn_mask", "deterministic"))
+    assert rules.bwd_2d_pin(sm80, f({"varlen"})) and rules.bwd_2d_pin(sm90, f({"varlen", "causal"}))
+    assert rules.bwd_2d_pin(sm100, f({"causal"})) and not rules.bwd_2d_pin(sm100, f({"varlen"}))
+    assert rules.bwd_2d_fresh(sm80, f({"varlen"})) and not rules.bwd_2d_fresh(sm80, f({"causal"}))
+    assert not rules.bwd_2d_fresh(sm90, f({"varlen"}))
+    two_d = KernelSpec(direction="bwd", head_dim=128, arch="sm_90")
+    src = render(two_d).source
+    assert "constexpr bool BWD_2D_PIN = true;" in src and "constexpr bool BWD_PIN = false;" in src
+    assert "constexpr bool BWD_PIN = true;" in render(KernelSpec(direction="bwd", head_dim=64, arch="sm_80")).source
+    assert "constexpr bool BWD_PIN = false;" in render(KernelSpec(direction="bwd", head_dim=64, arch="sm_90")).source
+
+
 @pytest.mark.parametrize("arch,do_stages", [("sm_80", 1), ("sm_90", 2), ("sm_100", 2)])
 def test_two_dimensional_backward_is_the_d128_default(arch: str, do_stages: int) -> None:
     """The default d = 128 backward takes the two-dimensional layout where its 64 x 128 / 8-warp tile fits

@@ -303,6 +303,21 @@ def bwd_2d_pin(capability: tuple[int, int], flags: frozenset[str]) -> bool:
     return capability < (10, 0) or "varlen" not in flags
 
 
+#: Flags with which the 16-K/V-rows-per-warp backward pins its lane offsets (``bwd_pin``).
+BWD_PIN_FLAGS = frozenset({"causal", "window", "top_left"})
+
+
+def bwd_pin(head_dim: int, flags: frozenset[str], capability: tuple[int, int]) -> bool:
+    """Backward with 16 K/V rows per warp: the lane offsets of the K_j / V_j / Q_i fragments and the
+    lane's dS^T pointer pinned before the loop (``BWD_PIN``, partials/mma.cuh's ``fa_pin``) before
+    sm_90 at head dim 64 with no flag outside BWD_PIN_FLAGS: ptxas re-derived them from the thread
+    index every chunk there (sm_80: 847 -> 824 per 1e6 FLOPs, causal 848 -> 823). Not on sm_90+
+    (856 -> 867: ptxas schedules the loop worse around them), at other head dims (pinned, d = 56 spills
+    60-140 bytes, d = 24 in bf16 causal 8), with varlen (72-192 bytes) or with per-element features
+    (their state takes the registers the pinned values hold)."""
+    return capability < (9, 0) and head_dim == 64 and not flags - BWD_PIN_FLAGS
+
+
 def lse_now(flags: frozenset[str]) -> bool:
     """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
     the step and stored at its end (the load's latency hidden) when the score modifications or
