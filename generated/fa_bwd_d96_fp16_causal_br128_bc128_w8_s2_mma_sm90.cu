@@ -122,17 +122,16 @@ FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
 //       atomic (relaxed, gpu scope), nothing returned; p 8-byte aligned. sm_90:
 //       one vector reduction, red.global.add.v2.f32 (PTX ISA "red": .v2.f32
 //       needs sm_90 and .global); before sm_90 two red.global.add.f32.
-//   fa_mov_b32(x), fa_mov_b64(x)   mov.b32 / mov.b64: x unchanged. A copy whose source the compiler
-//       cannot see through: a loop invariant so produced is held in a register over the loop
-//       rather than re-derived from its inputs on every trip (ptxas rematerialises values it can
-//       recompute when registers are short). fa_hold(v): the same for a bool or a pointer.
-//       ptxas sees through the mov itself: it still rematerialises what it can recompute from the
-//       thread index (the lane arithmetic); for those, fa_shfl_idx_b32 below.
+//   fa_mov_b32(x), fa_mov_b64(x)   mov.b32 / mov.b64: x unchanged. A copy whose source the C++
+//       compiler (NVVM) cannot see through: a loop invariant so produced is held in a register over
+//       the loop rather than re-derived from its inputs on every trip. fa_hold(v): the same for a
+//       bool or a pointer. ptxas does see through a mov, and still rematerialises what it can
+//       recompute from the thread index (the lane arithmetic); for that, fa_pin below.
 //   fa_shfl_idx_b32(x, src)   shfl.sync.idx.b32 d, x, src, 0x1f, 0xffffffff (the whole warp, converged):
 //       lane l gets lane (src_l & 31)'s x (PTX ISA "shfl.sync": c = 0x1f, no segments, so every source
-//       lane is in range). With src = the lane itself, x unchanged through an exchange ptxas cannot
-//       recompute: values derived from its result are held over a loop rather than re-derived
-//       (fa_pin).
+//       lane is in range). fa_pin(x): x through a shuffle from the lane itself, unchanged, by an
+//       exchange ptxas cannot recompute, so what was derived before it stays in its register over a
+//       loop; fa_pin_if<ON>(x): fa_pin(x) where ON, else x.
 //   fa_mad_wide_u32(a, b, c)   mad.wide.u32: the 64-bit a * b (both 32-bit unsigned) plus c,
 //       modulo 2^64 (PTX ISA "mad": .wide gives the full 64-bit product of the 32-bit operands).
 // cp.async data is visible to the issuing thread after its wait, and to the
@@ -313,6 +312,10 @@ FA_DEVICE void fa_red_add_f32x2(float* p, float a, float b, FAGEN_EMU_SITE) {
 }
 #endif
 FA_DEVICE bool fa_hold(bool b) { return fa_mov_b32(b ? 1u : 0u) != 0u; }
+template <typename P>
+FA_DEVICE P* fa_hold(P* p) {
+    return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
+}
 // x unchanged, through a shuffle from the lane itself (every lane of the warp, converged): ptxas
 // cannot recompute the result, so a loop invariant so produced is held in a register over the loop,
 // where from a plain value (fa_mov_b32's too: ptxas sees through a mov) it would re-derive the lane
@@ -330,10 +333,6 @@ template <bool ON, typename V>
 FA_DEVICE V fa_pin_if(V v) {
     if constexpr (ON) return fa_pin(v);
     else return v;
-}
-template <typename P>
-FA_DEVICE P* fa_hold(P* p) {
-    return reinterpret_cast<P*>(fa_mov_b64(reinterpret_cast<unsigned long long>(p)));
 }
 
 // dtype <-> fp32 conversions (cuda_fp16.h / cuda_bf16.h work on both paths).
