@@ -8,6 +8,7 @@ the kernels' signatures. Output is byte-identical across runs for the same spec.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -42,7 +43,7 @@ def _family_folders() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _env() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
     """The Jinja environment: templates/ (partials and the built-in families' folders), and each
     registered family with a ``template_dir`` of its own under its name ("<name>/...")."""
     return _env_for(_family_folders())
@@ -163,8 +164,21 @@ def template_context(spec: KernelSpec, kernels: tuple[KernelInfo, ...] | None = 
 @functools.lru_cache(maxsize=256)
 def render(spec: KernelSpec) -> Rendered:
     """Render ``spec`` into one CUDA translation unit with all its entry points."""
+    return _render(spec, environment())
+
+
+def render_with(spec: KernelSpec, templates: Mapping[str, str]) -> Rendered:
+    """``spec`` rendered with the given template texts (name under templates/ -> Jinja text) in place
+    of those files: a template variant tried without touching the tree (mutation tests, experiments).
+    Not memoised; the other templates are the installed ones."""
+    base = environment()
+    env = base.overlay(loader=jinja2.ChoiceLoader([jinja2.DictLoader(dict(templates)), base.loader]))
+    return _render(spec, env)
+
+
+def _render(spec: KernelSpec, env: jinja2.Environment) -> Rendered:
     fam = get_family(spec.impl)
     kernels = kernel_infos(spec)
     ctx = template_context(spec, kernels)
-    parts = [_env().get_template(name).render(**ctx) for name in fam.templates(spec.direction)]
+    parts = [env.get_template(name).render(**ctx) for name in fam.templates(spec.direction)]
     return Rendered(spec, "".join(parts), kernels)

@@ -6,30 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import jinja2
-
 from fagen import KernelSpec, renderer
 from fagen.runtime import cpu
 
 
 def rendered_with(spec: KernelSpec, template: str, text: str) -> renderer.Rendered:
     """``spec`` rendered with ``text`` in place of ``template``."""
-    env = renderer._env().overlay(loader=jinja2.ChoiceLoader([jinja2.DictLoader({template: text}),
-                                                              renderer._env().loader]))
-    real = renderer._env
-    renderer._env = lambda: env  # type: ignore[assignment]
-    try:
-        return renderer.render.__wrapped__(spec)
-    finally:
-        renderer._env = real  # type: ignore[assignment]
+    return renderer.render_with(spec, {template: text})
 
 
 def mutated_module(spec: KernelSpec, template: str, text: str, schedule: str = "forward") -> cpu.CpuModule:
     """``spec``'s emulator module (in ``schedule``'s thread order) with ``text`` in place of ``template``."""
-    mod = cpu.CpuModule.__new__(cpu.CpuModule)
-    cpu.CpuModule.__init__(mod, spec, schedule)
-    mod.rendered = rendered_with(spec, template, text)
-    return mod
+    return cpu.CpuModule(spec, schedule, rendered=rendered_with(spec, template, text))
 
 
 def gated(text: str, sites: Iterable[tuple[int, str, int]]) -> str:

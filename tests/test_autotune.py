@@ -917,7 +917,7 @@ def _oracle_check(spec: KernelSpec, p: Workload, inputs, out: tuple) -> None:
     if spec.bias_grad:
         ours["bias"] = out[3]
     assert set(ours) == set(grads_of)
-    # float64: the kernels keep lse, D and the dQ accumulator in fp32 (as tests/test_features_simt.py)
+    # float64: the kernels keep lse, D and the dQ accumulator in fp32 (as tests/test_features.py)
     atol = 2e-6 if dt == torch.float64 else featref.ATOL[dt]
     for n in grads_of:
         featref.flash_criterion(f"d{n}", ours[n], g64[n], gdt[n], atol * max(1.0, g64[n].abs().max().item()))

@@ -22,7 +22,7 @@ import torch
 import fagen.functional as F
 from fagen import reference as R
 from fagen.ops import draw_rng_state, flash_attn_func, scaled_dot_product_attention
-from test_ops import ATOL, Case, leaves, make_inputs, max_err, run_flash
+from ops_cases import ATOL, Case, leaves, make_inputs, max_err, run_flash
 
 pytestmark = [
     pytest.mark.gpu,

@@ -409,3 +409,88 @@ def test_torch_stream_handle_reaches_cupy(api: str, monkeypatch: pytest.MonkeyPa
             "ExternalStream(ptr, device)": [("ExternalStream", (0xBEEF, 3))],
             "ExternalStream(ptr)": [("ExternalStream", (0xBEEF,))]}[api]
     assert calls == want
+
+
+# -- tensor maps through the CuPy that is installed (not the recording stand-in) ------------------
+
+def _installed_cupy_launch(args: tuple) -> BaseException:
+    """Hand ``args`` to the installed CuPy's own launcher (``cupy/cuda/function.pyx``:
+    ``Function.__call__`` -> ``_launch``, which packs every argument with ``_pointer`` and only
+    then makes the CUDA context and calls ``cuLaunchKernel``) for a null function on a stream
+    handle of 0, and return what it raised. Packing fails with ``TypeError`` / ``AssertionError``;
+    an argument list CuPy packed gets as far as the driver, which refuses the context (no GPU) or
+    the null function (GPU): a ``cupy_backends`` CUDA error."""
+    function = pytest.importorskip("cupy.cuda.function")
+    fn = function.Function.__new__(function.Function)  # no module: nothing is loaded or launched
+    try:
+        fn((1, 1, 1), (1, 1, 1), args, 0, types.SimpleNamespace(ptr=0))
+    except BaseException as exc:  # noqa: BLE001 - the point is which one
+        return exc
+    raise AssertionError("CuPy launched a null function")
+
+
+def _packed_by_cupy(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("cupy_backends") and not isinstance(exc, (TypeError, AssertionError))
+
+
+def _fake_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuTensorMapEncodeTiled without a driver: the map's bytes are a checksum-like pattern of its fields."""
+    import ctypes
+
+    def encode(addr, dtype, rank, address, dims, strides, box, es, interleave, swizzle, l2, oob):
+        seed = (address ^ dims[0] * 131 ^ box[0] * 7 ^ dtype) & 0xFF
+        ctypes.memmove(addr, bytes((seed + 37 * i) & 0xFF for i in range(128)), 128)
+        return 0
+
+    monkeypatch.setattr(gpu, "_driver_encode", lambda: encode)
+
+
+def test_tensor_map_argument_is_one_element_of_its_128_bytes() -> None:
+    """The form every allowed CuPy (>= 13.6) packs by value: a size-one ``numpy.ndarray``
+    (CuPy's ``CNumpyArray``, data pointer = the parameter's bytes), 64-byte aligned like
+    ``CUtensorMap``; a ``numpy.void`` scalar is refused by CuPy 13.x and asserts in 14.0."""
+    raw = bytes(range(7, 135))
+    arg = gpu.tensor_map_arg(raw)
+    assert type(arg) is np.ndarray and arg.size == 1 and arg.dtype.itemsize == 128
+    assert arg.flags.c_contiguous and arg.__array_interface__["data"][0] % 64 == 0
+    assert arg.tobytes() == raw
+    with pytest.raises(gpu.LaunchError, match="128 bytes"):
+        gpu.tensor_map_arg(raw[:64])
+
+
+def test_installed_cupy_packs_every_argument_of_a_wgmma_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every parameter of the wgmma forward's and backward's kernels, tensor maps included, as
+    ``cuda_args`` makes them, through the installed CuPy's real packing (``_pointer``)."""
+    from fagen import abi, tma
+
+    _fake_encoder(monkeypatch)
+    x = np.zeros((2, 256, 4, 64), np.float16)
+    acc = np.zeros((2, 4, 256, 64), np.float32)
+    seen_maps = 0
+    for direction in ("fwd", "bwd"):
+        spec = KernelSpec(direction=direction, head_dim=64, dtype="float16", causal=True, arch="sm_90a")
+        assert spec.impl == "wgmma"
+        for kernel in render(spec).kernels:
+            values = {}
+            for ctype, name in kernel.params:
+                if abi.is_tensormap(ctype):
+                    fp32 = name == "tma_dqa"
+                    values[name] = tma.tensor_map_for(acc[0, 0] if fp32 else x[0, :, 0], box=(64, 64),
+                                                      swizzle=0 if fp32 else 128)
+                    seen_maps += 1
+                else:
+                    values[name] = _sample(ctype, name)
+            args = gpu.cuda_args(kernel, values)
+            maps = [a for a in args if isinstance(a, np.ndarray)]
+            assert all(m.size == 1 and m.dtype.itemsize == 128 for m in maps)
+            exc = _installed_cupy_launch(args)
+            assert _packed_by_cupy(exc), (kernel.name, repr(exc))
+    assert seen_maps == 8  # q, k, v (fwd); q, k, v, do, dq_accum (bwd)
+
+
+def test_installed_cupy_launcher_is_reached_by_the_probe() -> None:
+    """The probe above tells packing failures from the driver's refusal: arguments CuPy cannot pack
+    by value fail there with ``TypeError``, before any CUDA call."""
+    assert not _packed_by_cupy(_installed_cupy_launch((np.zeros(2, np.int32),)))  # a size-2 array
+    assert not _packed_by_cupy(_installed_cupy_launch((object(),)))
+    assert _packed_by_cupy(_installed_cupy_launch((np.int32(3), np.zeros(1, gpu.TENSOR_MAP_DTYPE))))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -352,7 +351,7 @@ MMA_FEATURE_CASES = [  # the spec features the family lists and GQA, fp16/bf16 o
 def test_features_through_the_mma_kernels(name: str, kw: dict) -> None:
     """Sliding window, top-left causal alignment and GQA/MQA on the mma kernels, judged by the
     feature suite's harness (float64 reference, flash-attn's criterion, fully masked rows zero)."""
-    from test_features_simt import FeatCase, check_case
+    from feature_harness import FeatCase, check_case
 
     check_case(FeatCase(f"mma-{name}", **kw), "mma")
 
@@ -394,7 +393,7 @@ MMA_DET_CASES = [  # the dq kernel: head dims 59/111/128/256, every feature, pas
 def test_deterministic_backward_through_the_mma_kernels(name: str, kw: dict) -> None:
     """The deterministic backward (dq kernel with Q outer, no dQ atomics) on the mma kernels, judged
     by the feature suite's harness (float64 reference, flash-attn's criterion, fully masked rows zero)."""
-    from test_features_simt import FeatCase, check_case, specs
+    from feature_harness import FeatCase, check_case, specs
 
     case = FeatCase(f"mma-det-{name}", deterministic=True, **kw)
     assert [k.role.name for k in render(specs(case, "mma")[1]).kernels] == ["pre", "main", "dq", "post"]
@@ -603,21 +602,10 @@ def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> Non
     whole steps, causal diagonals ending in either half, fully masked rows, GQA, packed sequences
     of lengths 0, 1 and just past half a tile, judged by the feature suite's harness (float64
     reference, flash-attn's criterion, fully masked rows zero)."""
-    import test_features_simt as tfs
-    from test_features_simt import FeatCase, check_case
+    from feature_harness import FeatCase, check_case
 
-    real = tfs.spec_or_skip
-    made: list[KernelSpec] = []
-
-    def spec_or_skip(impl: str, **fields) -> KernelSpec:
-        if fields.get("direction") == "fwd":
-            fields.update(WIDEST_FWD_TILES.get(name, {}))
-        spec = real(impl, arch=arch, knobs={"stages": stages}, **fields)
-        made.append(spec)
-        return spec
-
-    with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
-        check_case(FeatCase(f"mma-widest-{name}", **kw), "mma")
+    made = check_case(FeatCase(f"mma-widest-{name}", **kw), "mma", extra={"arch": arch, "knobs": {"stages": stages}},
+                      fwd_extra=WIDEST_FWD_TILES.get(name, {}))
     fwd = [s for s in made if s.direction == "fwd"]
     want = WIDEST_FWD_TILES.get(name, {}).get("block_c", 256)
     assert fwd and all(s.tile.block_c == want and "constexpr bool FWD_HALF_STEP = true;" in render(s).source
@@ -663,19 +651,10 @@ def test_two_dimensional_backward_layout(name: str, kw: dict, arch: str, stages:
     dO_i buffer, the next copied after dV~; one cp.async stage): odd and unequal lengths, causal with
     fully masked rows, windows, top-left alignment, GQA and packed sequences, judged by the feature
     suite's harness (float64 reference, flash-attn's criterion, fully masked rows zero)."""
-    import test_features_simt as tfs
-    from test_features_simt import FeatCase, check_case
+    from feature_harness import FeatCase, check_case
 
-    real = tfs.spec_or_skip
-    made: list[KernelSpec] = []
-
-    def spec_or_skip(impl: str, **fields) -> KernelSpec:
-        spec = real(impl, arch=arch, knobs={"stages": stages}, **fields)
-        made.append(spec)
-        return spec
-
-    with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
-        check_case(FeatCase(f"mma-2d-{name}", tile=(64, 128, 8), **kw), "mma")
+    made = check_case(FeatCase(f"mma-2d-{name}", tile=(64, 128, 8), **kw), "mma",
+                      extra={"arch": arch, "knobs": {"stages": stages}})
     bwd = [s for s in made if s.direction == "bwd"]
     assert bwd and all("constexpr bool BWD_2D = true;" in render(s).source for s in bwd), \
         [s.name for s in bwd]
@@ -696,19 +675,9 @@ def test_pinned_backward_lane_offsets(name: str, kw: dict) -> None:
     """The d = 64 backward on sm_80 with its lane offsets and dS^T pointer pinned (fa_pin: a shuffle from
     the lane itself) gives the same gradients as the float64 reference by the feature suite's criterion:
     odd and unequal lengths, causal with fully masked rows, a window with GQA, top-left alignment."""
-    import test_features_simt as tfs
-    from test_features_simt import FeatCase, check_case
+    from feature_harness import FeatCase, check_case
 
-    real = tfs.spec_or_skip
-    made: list[KernelSpec] = []
-
-    def spec_or_skip(impl: str, **fields) -> KernelSpec:
-        spec = real(impl, arch="sm_80", **fields)
-        made.append(spec)
-        return spec
-
-    with mock.patch.object(tfs, "spec_or_skip", spec_or_skip):
-        check_case(FeatCase(f"mma-pin-{name}", tile=(128, 128, 8), **kw), "mma")
+    made = check_case(FeatCase(f"mma-pin-{name}", tile=(128, 128, 8), **kw), "mma", extra={"arch": "sm_80"})
     bwd = [s for s in made if s.direction == "bwd"]
     assert bwd and all("constexpr bool BWD_PIN = true;" in render(s).source for s in bwd), [s.name for s in bwd]
 

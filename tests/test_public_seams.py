@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ast
 
-from test_import_cycles import PACKAGE, imports_in, module_name
+from import_graph import PACKAGE, imports_in, module_name
 
 
 def private_imports() -> list[tuple[str, str, str]]:

@@ -11,7 +11,7 @@ import pytest
 from fagen import KernelSpec, render
 from fagen.generate import all_specs, expected_files, standard_matrix
 from fagen.families import get_family
-from fagen.renderer import ALG4, _env, template_context
+from fagen.renderer import ALG4, environment, template_context
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def test_runtime_values_are_not_baked_in() -> None:
 
 def test_strict_undefined() -> None:
     with pytest.raises(jinja2.UndefinedError):
-        _env().get_template("partials/header.cuh.j2").render()
+        environment().get_template("partials/header.cuh.j2").render()
 
 
 def test_generated_is_fresh() -> None:
@@ -80,7 +80,7 @@ def test_templates_receive_decisions(name: str) -> None:
     """No template reads the spec: every value it prints or branches on is a named constant (or the
     layout, knobs, kernels) that Python put into the context."""
     text = (REPO / "templates" / name).read_text()
-    used = jinja2.meta.find_undeclared_variables(_env().parse(text))
+    used = jinja2.meta.find_undeclared_variables(environment().parse(text))
     assert not {v for v in used if "spec" in v or v == "tile"}, f"{name} reads {sorted(used)}"
     assert not re.search(r"\bspec\.", text), f"{name} names a spec field"
     assert not re.search(r"\{[{%][^}]*\bspec", text), f"{name} has a Jinja expression on the spec"
@@ -95,7 +95,7 @@ def test_context_has_no_spec_and_matches_generated() -> None:
         ctx = template_context(spec)
         assert "spec" not in ctx and "tile" not in ctx
         assert ctx["HEAD_DIM"] == spec.head_dim and ctx["IS_DETERMINISTIC"] is spec.deterministic
-        src = "".join(_env().get_template(t).render(**ctx) for t in get_family(spec.impl).templates(spec.direction))
+        src = "".join(environment().get_template(t).render(**ctx) for t in get_family(spec.impl).templates(spec.direction))
         assert src == (gen / f"{spec.name}.cu").read_text(), spec.name
         for c in ctx["constants"]:
             assert ctx[c.name] == c.value

@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..renderer import KernelInfo, render
+from ..renderer import KernelInfo, Rendered, render
 from ..spec import KernelSpec
 from .args import pack
 
@@ -103,9 +103,10 @@ def sanitized(*, timeout: float | None = 600.0) -> Iterator[SanitizedLaunches]:
 
 
 class CpuModule:
-    def __init__(self, spec: KernelSpec, schedule: str = "forward") -> None:
+    def __init__(self, spec: KernelSpec, schedule: str = "forward", rendered: Rendered | None = None) -> None:
+        """``rendered``: a variant of the spec's module (``fagen.renderer.render_with``) to build instead."""
         self.spec = spec
-        self.rendered = render(spec)
+        self.rendered = render(spec) if rendered is None else rendered
         self._flags = SCHEDULE_FLAGS[schedule]
         self._builds: dict[tuple[bool, bool], Any] = {}
 

@@ -1,68 +1,31 @@
-"""Issue 11 features through each kernel family's kernels, on the CPU emulator (SIMT implements all).
+"""Every feature through each kernel family's kernels, on the CPU emulator (SIMT implements all).
 
 GQA/MQA, varlen (lengths 0 and 1 included), sliding window, causal alignment, softcap,
 ALiBi, bool attn_mask, additive bias with its gradient, deterministic backward, float64 and
-head dims that are not multiples of 8 -- alone and combined -- against fagen.reference in
-float64 with flash-attn's criterion (tests/numerics.py): |ours - ref64| <= 2 |torch same
-dtype - ref64| + atol. Every kernel runs from an explicit spec of the family under test
-(``IMPLS``: every registered family; a case whose features a family does not implement is
-skipped for it, with the family's reason). Also: the deterministic backward is bit for bit the
-same under the emulator's reverse schedule (block and thread order) while the atomic one
-is not, and its source has no atomics; the dropout keep-mask of packed sequences is
-``dropout_keep_mask`` bit for bit; every flag compiles with NVRTC for sm_80 and sm_90
-without spills.
+head dims that are not multiples of 8 -- alone and combined -- judged by the feature harness
+(tests/feature_harness.py: fagen.reference in float64, flash-attn's criterion). Every kernel runs
+from an explicit spec of the family under test (``IMPLS``: every registered family; a case whose
+features a family does not implement is skipped for it, with the family's reason). Also: the
+deterministic backward is bit for bit the same under the emulator's reverse schedule (block and
+thread order) while the atomic one is not, and its source has no atomics; the dropout keep-mask of
+packed sequences is ``dropout_keep_mask`` bit for bit; every flag compiles with NVRTC for sm_80 and
+sm_90 without spills.
 """
 from __future__ import annotations
 
-import itertools
+from dataclasses import replace
 from unittest import mock
-from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 import fagen.functional as F
 import fagen.settings
 from fagen import KernelSpec
-from fagen import reference as R
 from fagen.families import FamilySpec, family_names, get_family
-from featref import assert_lse_close, flash_criterion
-from featref import attention as attention_oracle
+from feature_harness import FeatCase, cu_seqlens, check_case, make_inputs, run_kernels, spec_or_skip, specs
 
 IMPLS = list(family_names())  # a family runs the cases whose features it implements (the others skip)
-DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-#: flash-attn's atol per dtype (tests/numerics.py); float64: the kernels keep lse, D and the dQ accumulator
-#: in fp32 and take the scale as an fp32 argument (fagen.abi), so they agree to ~1e-7 relative.
-ATOL = {"float16": 2e-4, "bfloat16": 2e-3, "float32": 2e-6, "float64": 2e-6}
-
-
-@dataclass(frozen=True)
-class FeatCase:
-    name: str
-    dtype: str = "float16"
-    batch: int = 2
-    heads: int = 4
-    heads_kv: int = 4
-    seqlen_q: int = 37
-    seqlen_k: int = 45
-    head_dim: int = 32
-    causal: bool = False
-    window: tuple[int, int] | None = None
-    align: str = "bottom_right"
-    softcap: float = 0.0
-    alibi: str | None = None  # "h": slopes [H]; "bh": [B, H]
-    mask: tuple[int, ...] | None = None  # shape broadcastable to [B, H, Nq, Nk]
-    bias: tuple[int, ...] | None = None  # shape broadcastable to [B, H, Nq, Nk]; its gradient is checked
-    dropout_p: float = 0.0
-    lens: tuple[tuple[int, int], ...] | None = None  # varlen: (len_q, len_k) per sequence
-    deterministic: bool = False
-    q_scale: float = 1.0  # larger scores (softcap, fp32 overflow margins)
-    tile: tuple[int, int, int] | None = None  # (block_r, block_c, num_warps): small tiles = many blocks per sequence
-    seed: int = field(default=7)
-
-    def __str__(self) -> str:
-        return self.name
 
 
 CASES = [
@@ -105,153 +68,6 @@ CASES = [
              causal=True, window=(12, -1)),
     FeatCase("d8-alibi-fp32", "float32", head_dim=8, alibi="h", causal=True, seqlen_q=45, seqlen_k=37),
 ]
-
-
-# --------------------------------------------------------------------------- inputs and specs
-def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-
-
-def make_inputs(c: FeatCase) -> tuple[dict, dict]:
-    """(tensors, options): q, k, v, do and the keyword arguments of attention_forward/backward."""
-    g = torch.Generator().manual_seed(1000 + c.seed + c.seqlen_q * 7 + c.head_dim)
-    dt = DT[c.dtype]
-    if c.lens is None:
-        B, Nq, Nk = c.batch, c.seqlen_q, c.seqlen_k
-        sq, sk = (B, Nq, c.heads, c.head_dim), (B, Nk, c.heads_kv, c.head_dim)
-    else:
-        B = len(c.lens)
-        Nq, Nk = max(lq for lq, _ in c.lens), max(lk for _, lk in c.lens)
-        sq = (sum(lq for lq, _ in c.lens), c.heads, c.head_dim)
-        sk = (sum(lk for _, lk in c.lens), c.heads_kv, c.head_dim)
-    t = {"q": (torch.randn(sq, generator=g) * c.q_scale).to(dt), "k": torch.randn(sk, generator=g).to(dt),
-         "v": torch.randn(sk, generator=g).to(dt), "do": torch.randn(sq, generator=g).to(dt)}
-    opt: dict = {"causal": c.causal, "dropout_p": c.dropout_p, "seed": c.seed, "offset": 3, "softcap": c.softcap,
-                 "causal_align": c.align}
-    if c.window is not None:
-        opt["window_size"] = c.window
-    if c.alibi is not None:
-        opt["alibi_slopes"] = torch.rand((c.heads,) if c.alibi == "h" else (B, c.heads), generator=g) + 0.1
-    if c.mask is not None:
-        m = torch.rand(c.mask, generator=g) > 0.3
-        opt["attn_mask"] = m
-    if c.bias is not None:
-        opt["attn_bias"] = torch.randn(c.bias, generator=g).to(dt)
-    if c.lens is not None:
-        opt.update(cu_seqlens_q=_cu([lq for lq, _ in c.lens]), cu_seqlens_k=_cu([lk for _, lk in c.lens]),
-                   max_seqlen_q=Nq, max_seqlen_k=Nk)
-    return t, opt
-
-
-def spec_or_skip(impl: str, **fields) -> KernelSpec:
-    """KernelSpec(impl=impl, **fields); skips the test when the family does not implement these features."""
-    try:
-        return KernelSpec(impl=impl, **fields)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["loc"] == ("impl",) and err["type"] == "unsupported":
-            pytest.skip(err["msg"])
-        raise
-
-
-def specs(c: FeatCase, impl: str) -> tuple[KernelSpec, KernelSpec]:
-    """The (forward, backward) specs of the case in family ``impl`` (head dim padded to a multiple of 8);
-    skips when the family does not implement the case's features."""
-    flags = dict(head_dim=-(-c.head_dim // 8) * 8, dtype=c.dtype, causal=c.causal, dropout=c.dropout_p > 0,
-                 window=c.window is not None, softcap=c.softcap > 0, alibi=c.alibi is not None,
-                 attn_mask=c.mask is not None, bias=c.bias is not None, varlen=c.lens is not None)
-    if c.align != "bottom_right":
-        flags["causal_align"] = c.align
-    if c.tile is not None:
-        flags.update(block_r=c.tile[0], block_c=c.tile[1], num_warps=c.tile[2])
-    fwd = spec_or_skip(impl, direction="fwd", **flags)
-    bwd = spec_or_skip(impl, direction="bwd", deterministic=c.deterministic, bias_grad=c.bias is not None, **flags)
-    return fwd, bwd
-
-
-def run_kernels(c: FeatCase, impl: str, t: dict, opt: dict) -> dict[str, torch.Tensor]:
-    sf, sb = specs(c, impl)
-    o, lse = F.attention_forward(t["q"], t["k"], t["v"], spec=sf, **opt)
-    grads = F.attention_backward(t["do"], t["q"], t["k"], t["v"], o, lse, spec=sb, deterministic=c.deterministic,
-                                 bias_requires_grad=c.bias is not None, **opt)
-    out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
-    if c.bias is not None:
-        out["dbias"] = grads[3]
-    return out
-
-
-def _keep(c: FeatCase, t: dict, opt: dict) -> torch.Tensor | None:
-    if not c.dropout_p:
-        return None
-    if c.lens is None:
-        B, Nq, Nk = c.batch, c.seqlen_q, c.seqlen_k
-    else:
-        B, Nq, Nk = len(c.lens), opt["max_seqlen_q"], opt["max_seqlen_k"]
-    return F.dropout_keep_mask(B, c.heads, Nq, Nk, c.dropout_p, seed=c.seed, offset=3)
-
-
-def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
-    """Plain PyTorch's float32 lse of the case (tests/featref.py's oracle; per sequence when packed):
-    the kernels keep lse in float32 whatever the input dtype."""
-    kw = dict(causal=c.causal, window=c.window or (-1, -1), softcap=c.softcap, align=c.align,
-              alibi=opt.get("alibi_slopes"))
-    q, k, v = (t[n].float() for n in "qkv")
-    if c.lens is None:
-        return attention_oracle(q, k, v, mask=opt.get("attn_mask"), bias=opt.get("attn_bias"), **kw)[1]
-    assert c.mask is None and c.bias is None, "per-sequence mask/bias: not needed yet"
-    cq, ck = opt["cu_seqlens_q"].tolist(), opt["cu_seqlens_k"].tolist()
-    slopes = kw.pop("alibi")
-    out = []
-    for b in range(len(c.lens)):
-        qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]]
-        # [B, H] slopes: sequence b takes row b (flash-attn's varlen convention); [H] slopes are shared.
-        alibi = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
-        if ks.shape[1] == 0:
-            out.append(torch.full((c.heads, qs.shape[1]), float("-inf")))
-        else:
-            out.append(attention_oracle(qs, ks, vs, alibi=alibi, **kw)[1][0])
-    return torch.cat(out, dim=1)
-
-
-def check_case(c: FeatCase, impl: str) -> None:
-    """Forward + backward of family ``impl`` vs the float64 reference, flash-attn's criterion."""
-    t, opt = make_inputs(c)
-    ours = run_kernels(c, impl, t, opt)
-    for name, x in ours.items():
-        assert not torch.isnan(x).any(), f"{c}: NaN in {name}"
-
-    rkw = {k_: v_ for k_, v_ in opt.items() if k_ not in ("seed", "offset", "max_seqlen_q", "max_seqlen_k")}
-    rkw["keep_mask"] = _keep(c, t, opt)
-    o64, lse64 = R.attention_forward_ref(t["q"], t["k"], t["v"], **rkw)
-    ref = R.attention_backward_ref(t["do"], t["q"], t["k"], t["v"], o64, lse64, bias_requires_grad=c.bias is not None,
-                                   **rkw)
-    ref64 = {"o": o64, "dq": ref[0], "dk": ref[1], "dv": ref[2]}
-    if c.bias is not None:
-        ref64["dbias"] = ref[3]
-
-    # plain PyTorch in the same dtype, autograd for the gradients
-    leaves = {n: t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
-    tkw = dict(rkw)
-    if c.bias is not None:
-        leaves["bias"] = opt["attn_bias"].detach().clone().requires_grad_(True)
-        tkw["attn_bias"] = leaves["bias"]
-    ot = R.attention_ref_torch(leaves["q"], leaves["k"], leaves["v"], **tkw)
-    ot.backward(t["do"])
-    same = {"o": ot.detach(), "dq": leaves["q"].grad, "dk": leaves["k"].grad, "dv": leaves["v"].grad}
-    if c.bias is not None:
-        same["dbias"] = leaves["bias"].grad
-    mag = max((r.abs().max().item() if r.numel() else 0.0) for r in ref64.values())
-    atol = ATOL[c.dtype] * max(1.0, mag)
-    for name, r in ref64.items():  # an all-zero reference fails: every case sees keys
-        flash_criterion(f"{c}: {name}", ours[name], r, same[name], atol)
-
-    assert_lse_close(f"{c}: lse", ours["lse"], lse64, _lse32(c, t, opt))
-    finite = torch.isfinite(lse64)
-    # fully masked rows (no allowed key): exactly zero output and dq
-    dead = ~finite  # [B, H, Nq] or [H, total_q]
-    if dead.any():
-        rows = dead.transpose(0, 1) if c.lens is not None else dead.permute(0, 2, 1)
-        assert (ours["o"][rows] == 0).all() and (ours["dq"][rows] == 0).all(), f"{c}: fully masked rows not zero"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -358,7 +174,7 @@ def test_varlen_gqa_dropout_applies_the_keep_mask(impl: str) -> None:
     packed sequence is dropout_keep_mask's, bit for bit."""
     p, seed, offset, d, H, Hkv = 0.4, 11, 2**33 + 5, 64, 4, 2
     lens = [(23, 64), (0, 9), (1, 1), (40, 17)]
-    cq, ck = _cu([a for a, _ in lens]), _cu([b for _, b in lens])
+    cq, ck = cu_seqlens([a for a, _ in lens]), cu_seqlens([b for _, b in lens])
     q = torch.zeros(int(cq[-1]), H, d)
     k = torch.randn(int(ck[-1]), Hkv, d)
     v = torch.cat([torch.eye(d)[:lk] for _, lk in lens])[:, None, :].expand(-1, Hkv, d).contiguous()
