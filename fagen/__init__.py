@@ -29,7 +29,8 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 _LAZY = {
     "attention_forward": "functional", "attention_backward": "functional", "dropout_keep_mask": "functional",
     "run_forward": "functional", "run_backward": "functional",
-    "flash_attn_func": "ops", "flash_attn_varlen_func": "ops", "scaled_dot_product_attention": "ops",
+    "flash_attn_func": "ops", "flash_attn_varlen_func": "ops", "flash_attn_qkvpacked_func": "ops",
+    "flash_attn_kvpacked_func": "ops", "flash_attn_varlen_qkvpacked_func": "ops", "flash_attn_varlen_kvpacked_func": "ops", "scaled_dot_product_attention": "ops",
     "draw_rng_state": "ops", "AttentionOptions": "inputs",
 }
 

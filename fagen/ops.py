@@ -37,7 +37,8 @@ from .errors import FagenError, InputError, InputTypeError
 from .functional import AttentionOptions, Tensors
 from .masking import band
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "attention",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention", "attention",
            "draw_rng_state", "attn_probs", "custom_op_tags", "op_arguments", "OP_ORDER", "FWD_SCHEMA", "BWD_SCHEMA"]
 
 Tensor = torch.Tensor
@@ -521,14 +522,96 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     return o, lse, s_dmask
 
 
+# --------------------------------------------------------------------------- packed entry points
+def _unpacked(t: Any, name: str, n: int, dim: int, layout: str) -> tuple[Tensor, ...]:
+    """The ``n`` views ``t.unbind(dim)`` of a packed tensor (no copy; autograd sums their
+    gradients back into ``t``), after checking its shape names ``name``."""
+    _check_tensors(**{name: t})
+    if t is None or not isinstance(t, torch.Tensor):
+        raise InputTypeError(name, f"a torch.Tensor {layout}", type(t).__name__)
+    if t.dim() != dim + 3 or t.shape[dim] != n:
+        raise InputError(name, f"a {dim + 3}-D tensor {layout}", f"shape {tuple(t.shape)}")
+    return t.unbind(dim)
+
+
+def _packed_call(names: dict[str, str], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (InputError, InputTypeError) as err:
+        raise _renamed(err, names) from None
+
+
+_QKV_NAMES = {"q": "qkv", "k": "qkv", "v": "qkv"}
+_KV_NAMES = {"k": "kv", "v": "kv"}
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                              return_attn_probs: bool = False, **extra: Any) -> Union[Tensor, tuple[Tensor, ...]]:
+    """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv`` [B, N, 3, H, d] (q, k, v stacked in
+    dim 2). Runs :func:`flash_attn_func` on the three views ``qkv.unbind(2)`` (no copy; the
+    gradients flow back into ``qkv``). Returns as :func:`flash_attn_func`; fagen's keyword-only
+    additions of :func:`flash_attn_func` are taken too."""
+    q, k, v = _unpacked(qkv, "qkv", 3, 2, "[B, N, 3, H, d]")
+    return _packed_call(_QKV_NAMES, flash_attn_func, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, return_attn_probs, **extra)
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                             return_attn_probs: bool = False, **extra: Any) -> Union[Tensor, tuple[Tensor, ...]]:
+    """flash-attn's ``flash_attn_kvpacked_func``: q [B, Nq, H, d], ``kv`` [B, Nk, 2, H_kv, d] (k, v
+    stacked in dim 2; MQA/GQA: H a multiple of H_kv). Runs :func:`flash_attn_func` on
+    ``kv.unbind(2)`` (views). Returns as :func:`flash_attn_func`."""
+    k, v = _unpacked(kv, "kv", 2, 2, "[B, Nk, 2, H_kv, d]")
+    return _packed_call(_KV_NAMES, flash_attn_func, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, return_attn_probs, **extra)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False,
+                                     **extra: Any) -> Union[Tensor, tuple[Tensor, ...]]:
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` [total, 3, H, d] packed
+    sequences (``cu_seqlens`` int32 [B + 1], ``max_seqlen``), the same lengths for queries and
+    keys. Runs :func:`flash_attn_varlen_func` on ``qkv.unbind(1)`` (views). Returns as
+    :func:`flash_attn_varlen_func`."""
+    q, k, v = _unpacked(qkv, "qkv", 3, 1, "[total, 3, H, d]")
+    names = {**_QKV_NAMES, "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens", "max_seqlen_q": "max_seqlen",
+             "max_seqlen_k": "max_seqlen"}
+    return _packed_call(names, flash_attn_varlen_func, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                        return_attn_probs, **extra)
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False,
+                                    **extra: Any) -> Union[Tensor, tuple[Tensor, ...]]:
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: q [total_q, H, d], ``kv`` [total_k, 2,
+    H_kv, d]. Runs :func:`flash_attn_varlen_func` on ``kv.unbind(1)`` (views). Returns as
+    :func:`flash_attn_varlen_func`."""
+    k, v = _unpacked(kv, "kv", 2, 1, "[total_k, 2, H_kv, d]")
+    return _packed_call(_KV_NAMES, flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs, **extra)
+
+
 # --------------------------------------------------------------------------- SDPA
 _SDPA_NAMES = {"q": "query", "k": "key", "v": "value", "attn_bias": "attn_mask", "causal": "is_causal",
                "softmax_scale": "scale", "causal_align": "is_causal"}
 
 
-def _renamed(err: FagenError) -> FagenError:
-    """An error from the flash layout, naming the SDPA argument instead."""
-    name = _SDPA_NAMES.get(getattr(err, "argument", ""), None)
+def _renamed(err: FagenError, names: Optional[dict[str, str]] = None) -> FagenError:
+    """An error from the flash layout, naming the caller's argument instead (SDPA's by default)."""
+    name = (_SDPA_NAMES if names is None else names).get(getattr(err, "argument", ""), None)
     if name is None:
         return err
     new = type(err)(name, err.expected)
