@@ -13,7 +13,9 @@ signature gives it. Correctness therefore needs each value to have exactly its
 C type's width and representation: :func:`to_cuda_arg` maps ``int`` ->
 ``int32``, ``unsigned int`` -> ``uint32``, ``long long`` -> ``int64``,
 ``unsigned long long`` -> ``uint64``, ``float`` -> ``float32`` and every pointer
--> ``uint64`` (64-bit device addresses), after checking the value fits.
+-> ``uint64`` (64-bit device addresses), after checking the value fits. A tensor map
+(``CUtensorMap``, 128 bytes) is a one-element numpy array (:func:`tensor_map_arg`), the one
+by-value form of more than 16 bytes that every allowed CuPy packs.
 
 Launch limits checked before CuPy sees them (it casts grid dims to C ``int``
 and clamps 0 to 1 silently): grid x in [1, 2**31-1], y and z in [1, 65535],
@@ -277,17 +279,41 @@ def _warn_ptx(arch: str, target: str, capability: Version | None = None) -> None
                   f"(native code: {nvrtc.install_hint(13)})", RuntimeWarning, stacklevel=3)
 
 
+#: One ``CUtensorMap`` as a numpy element: 128 opaque bytes.
+TENSOR_MAP_DTYPE = np.dtype((np.void, 128))
+
+
+def tensor_map_arg(raw: bytes) -> np.ndarray:
+    """The 128 bytes of a ``CUtensorMap`` as the kernel argument CuPy passes by value: a numpy
+    array of **one** 128-byte element (shape ``(1,)``), in its own 64-byte aligned buffer.
+
+    Every CuPy fagen allows (``>=13.6``; the form dates from CuPy 10) packs a size-one
+    ``numpy.ndarray`` as ``CNumpyArray``: the driver copies the parameter's bytes from the array's
+    data pointer (``cupy/cuda/function.pyx``, ``_pointer``). A ``numpy.void`` *scalar* of 128 bytes
+    does not work everywhere: CuPy 13.x maps scalars to 1/2/4/8/16-byte C integers and raises
+    ``TypeError('Unsupported type')``, CuPy 14.0 copies scalars into a 64-byte buffer and fails an
+    assertion; only 14.1+ takes it. ``tests/test_gpu_launch.py`` hands this form to the installed
+    CuPy's own launcher."""
+    if len(raw) != TENSOR_MAP_DTYPE.itemsize:
+        raise LaunchError("tensor map", "the 128 bytes of a CUtensorMap", f"{len(raw)} bytes")
+    buf = np.zeros(2 * TENSOR_MAP_DTYPE.itemsize, np.uint8)
+    at = -buf.__array_interface__["data"][0] % 64  # CUtensorMap is declared 64-byte aligned
+    buf[at:at + 128] = np.frombuffer(raw, np.uint8)
+    return buf[at:at + 128].view(TENSOR_MAP_DTYPE)
+
+
 def to_cuda_arg(ctype: str, value: Any, name: str = "") -> Any:
     """``value`` as the numpy scalar whose bytes are exactly the C parameter ``ctype``; for the
-    tensor-map kind (:data:`fagen.abi.TENSORMAP`) a 128-byte ``numpy.void`` holding the
-    ``CUtensorMap`` that :func:`encode_tensor_map` makes of a :class:`fagen.tma.TensorMapFields`."""
+    tensor-map kind (:data:`fagen.abi.TENSORMAP`) the one-element array of :func:`tensor_map_arg`
+    holding the ``CUtensorMap`` that :func:`encode_tensor_map` makes of a
+    :class:`fagen.tma.TensorMapFields`."""
     label = name or ctype
     if is_tensormap(ctype):
         from ..tma import TensorMapFields
 
         if not isinstance(value, TensorMapFields):
             raise LaunchError(label, "fagen.tma.TensorMapFields (see fagen.tma.tensor_map_for)", type(value).__name__)
-        return np.frombuffer(encode_tensor_map(value), dtype=np.dtype((np.void, 128)))[0]
+        return tensor_map_arg(encode_tensor_map(value))
     if ctype.endswith("*"):
         ptr = _as_int(value, label, "a device pointer")
         if not 0 <= ptr < 2**64:
