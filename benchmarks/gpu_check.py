@@ -11,8 +11,8 @@ Offline GPU machine (torch, CuPy, jinja2, filelock, rich and cuda-pathfinder pre
 package index): ``--wheels DIR`` unzips the wheels of DIR that fit this Python into a fresh
 folder under the temp dir and puts it first on the import path of the check and of its
 pytest run -- the rest fagen needs (pydantic, pydantic-core, annotated-types,
-typing-inspection, platformdirs, typing-extensions; ../shared/gpu-wheels holds them for
-CPython 3.12). Nothing is installed, and the checkout needs no ``pip install -e``. The
+typing-inspection, platformdirs, typing-extensions: docs/performance.md says how to download
+them). Nothing is installed, and the checkout needs no ``pip install -e``. The
 same by hand: ``pip install --no-index --no-deps --target SITE DIR/*.whl`` and
 ``PYTHONPATH=SITE:$PWD python benchmarks/gpu_check.py OUTDIR``.
 

@@ -9,6 +9,7 @@ A block that cannot run on a CPU-only machine is preceded by the line
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,14 +63,26 @@ def test_few_blocks_are_exempt() -> None:
 
 
 @pytest.mark.parametrize("doc, line, code, skip", BLOCKS, ids=[f"{d}:{n}" for d, n, _, _ in BLOCKS])
-def test_python_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path) -> None:
+    """Each block in a fresh interpreter, as a reader would paste it: nothing imported by another
+    block or by the tests helps it (a block that uses ``fagen.functional`` without importing it fails)."""
     if skip is not None:
         pytest.skip(skip)
-    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
-    namespace: dict = {"__name__": "__doc_block__"}
-    # line numbers in a traceback are the document's own
-    exec(compile("\n" * line + code, f"{doc} (python block at line {line})", "exec"), namespace)
+    script = tmp_path / "block.py"
+    # blank lines first: line numbers in a traceback are the document's own
+    script.write_text("\n" * line + code, encoding="utf-8")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{doc}: python block at line {line} failed:\n{run.stderr[-4000:]}"
+
+
+def test_a_block_runs_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """The runner above does not inherit the test process's imports."""
+    import fagen.functional  # noqa: F401 - loaded here, so fagen.functional resolves in this process
+
+    script = tmp_path / "block.py"
+    script.write_text("import fagen\nfagen.functional.SEQLEN_MAX\n", encoding="utf-8")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "functional" in run.stderr
 
 
 # --------------------------------------------------------------------------- links and paths
