@@ -1898,6 +1898,16 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 // dS^T (the softmax scale folded into dS: dQ~ and dK~ need no scaling).
                 wg_ds(s_acc, dp_acc, sdlt + st * BLOCK_R, scale, t4);
                 wg_frags(dp_acc, dsa);
+
+                // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8. Stored before the
+                // register-A dK~ wgmma below is issued: its A registers (dsa) may not be read by anything
+                // else until the wait_group that retires it (PTX ISA, wgmma.wait_group), as FA3 does.
+#pragma unroll
+                for (int kc = 0; kc < BLOCK_R / 16; ++kc) {
+                    const int n = 2 * kc + (sm_m >> 1);
+                    fa_stmatrix_x4(sds + (n / 8) * BLOCK_C * PANEL_ELEMS + sm_kr * PANEL_ELEMS + (((n % 8) ^ (sm_kr % 8)) * 8),
+                                   dsa[kc]);
+                }
                 fa_wgmma_fence();
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
@@ -1906,14 +1916,6 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
                     fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
                 fa_wgmma_commit_group();
-
-                // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8.
-#pragma unroll
-                for (int kc = 0; kc < BLOCK_R / 16; ++kc) {
-                    const int n = 2 * kc + (sm_m >> 1);
-                    fa_stmatrix_x4(sds + (n / 8) * BLOCK_C * PANEL_ELEMS + sm_kr * PANEL_ELEMS + (((n % 8) ^ (sm_kr % 8)) * 8),
-                                   dsa[kc]);
-                }
                 if (tid == 0) fa_bulk_wait_group_read<0>();  // the last dQ reduce has read the staging tile
                 fa_fence_proxy_async();                      // dS^T (generic proxy) -> the wgmma reads
                 fa_named_barrier_sync(BAR_DS, CONSUMERS);    // dS^T of every warpgroup stored, staging free

@@ -119,6 +119,8 @@ struct Snap {  // one shared element an async operation read, with its value the
 struct WgmmaOp {
     int n;
     float* d[128];
+    unsigned* a[128];          // register A (rs): each thread's fragment registers; nullptr for ss
+    unsigned a_saved[128][4];  // their values at issue (the registers hold poison until the wait)
     std::vector<float> res;  // [128][n/2]
     std::vector<Snap> snaps;
     bool checked;
@@ -364,6 +366,9 @@ inline void wgmma_complete(void* const* payloads) {
         // Register A: warp w's registers hold rows 16w..16w+15 in mma.m16n8k16's A layout.
         for (unsigned t = 0; t < 128; ++t) {
             const unsigned* a = static_cast<const WgmmaLane*>(payloads[t])->a;
+            for (const PendingWgmma& pw : h.threads[base + t].wgmma)  // A of a wgmma still in flight: its values
+                if (pw.op->a[t] == a) a = pw.op->a_saved[t];
+            memcpy(op->a_saved[t], a, sizeof op->a_saved[t]);
             const unsigned w = t / 32, gq = (t % 32) >> 2, tq = t & 3u;
             for (unsigned r = 0; r < 4; ++r) {
                 const unsigned row = 16 * w + gq + 8 * (r & 1u), col = 2 * tq + 8 * (r >> 1);
@@ -394,6 +399,11 @@ inline void wgmma_complete(void* const* payloads) {
         }
         for (unsigned i = 0; i < n / 2; ++i) memcpy(&p.d[i], &kPoison32, 4);
         op->d[t] = p.d;
+        // Register A, like the accumulator (PTX ISA 9.7.15.7.3: accessing the registers of A before the
+        // wait_group that retires the wgmma is undefined): poison until the wait, which restores them.
+        op->a[t] = const_cast<unsigned*>(p.a);
+        if (p.a)
+            for (unsigned r = 0; r < 4; ++r) memcpy(op->a[t] + r, &kPoison32, 4);
         ++op->refs;
         ts.wgmma.push_back(PendingWgmma{op, ts.wgmma_commits, true});
     }
@@ -445,6 +455,7 @@ inline void wgmma_wait(unsigned pending, const char* file, int line) {
     if (ts.wgmma_commits <= pending) return;
     const unsigned done = ts.wgmma_commits - pending;
     size_t keep = 0;
+    std::vector<WgmmaOp*> retired;
     for (size_t k = 0; k < ts.wgmma.size(); ++k) {
         PendingWgmma pw = ts.wgmma[k];
         if (pw.group >= done) {
@@ -479,9 +490,46 @@ inline void wgmma_wait(unsigned pending, const char* file, int line) {
         if (self / 128 < kWgmmaAgents)  // retired: the operand reads happen before what follows
             race::agent_retired(self, race::agent(self / 128), op->epoch, race::site(file, line, "wgmma.wait_group"));
 #endif
-        if (--op->refs == 0) delete op;
+        retired.push_back(op);
     }
     ts.wgmma.resize(keep);
+    // Register A of the retired wgmmas: untouched since the issue (still poison), then the thread's
+    // again -- unless a wgmma still in flight reads the same registers (it restores them at its wait).
+    for (size_t k = 0; k < retired.size(); ++k) {
+        unsigned* a = retired[k]->a[t];
+        bool busy = a == nullptr;
+        for (size_t j = 0; j < k && !busy; ++j) busy = retired[j]->a[t] == a;
+        for (size_t j = 0; j < keep && !busy; ++j) busy = ts.wgmma[j].op->a[t] == a;
+        if (busy) continue;
+        for (int r = 0; r < 4; ++r)
+            if (memcmp(a + r, &kPoison32, 4) != 0)
+                fail("register A fragment a[%d] of the wgmma issued at %s:%d was written before "
+                     "fa_wgmma_wait_group at %s:%d retired it",
+                     r, retired[k]->file, retired[k]->line, file, line);
+        memcpy(a, retired[k]->a_saved[t], sizeof retired[k]->a_saved[t]);
+    }
+    for (WgmmaOp* op : retired)
+        if (--op->refs == 0) delete op;
+}
+
+// A primitive reading `bytes` of this thread's registers at `r` (stmatrix): none may be the
+// accumulator or the register A of a wgmma the thread has not yet retired with wait_group (PTX ISA
+// 9.7.15.7.3: undefined; the emulator's poison would otherwise be stored as data).
+inline void check_registers_free(const void* r, size_t bytes, const char* name, const char* file, int line) {
+    Hopper& h = state();
+    const unsigned self = g.cur->index, t = self % 128;
+    const char* lo = static_cast<const char*>(r);
+    for (const PendingWgmma& pw : h.threads[self].wgmma) {
+        const WgmmaOp* op = pw.op;
+        const char* d = reinterpret_cast<const char*>(op->d[t]);
+        const char* a = reinterpret_cast<const char*>(op->a[t]);
+        const bool in_d = lo < d + sizeof(float) * size_t(op->n / 2) && d < lo + bytes;
+        const bool in_a = a && lo < a + sizeof op->a_saved[t] && a < lo + bytes;
+        if (in_d || in_a)
+            fail("%s at %s:%d reads register(s) of %s of the wgmma issued at %s:%d before fa_wgmma_wait_group "
+                 "retired it (PTX ISA 9.7.15.7.3: undefined)",
+                 name, file, line, in_a ? "the A fragment" : "the accumulator", op->file, op->line);
+    }
 }
 
 // ---------------------------------------------------------------- mbarrier
@@ -901,6 +949,7 @@ void stmatrix_complete(void* const* payloads, unsigned arrived) {
 template <int NUM, bool TRANS>
 inline void stmatrix(void* row, const unsigned* r, const char* name, const char* file, int line) {
     Quiet quiet;
+    check_registers_free(r, sizeof(unsigned) * NUM, name, file, line);
     StmatrixLane lane{r, static_cast<unsigned char*>(row), name, file, line};
     warp_exchange(0xffffffffu, &lane, &stmatrix_complete<NUM, TRANS>, name, file, line);
 }
