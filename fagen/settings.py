@@ -14,10 +14,12 @@ _ENV = {
     "cuda_include": "FAGEN_CUDA_INCLUDE",  # directory with cuda_fp16.h (default: the pip wheel's)
     "emu_schedule": "FAGEN_EMU_SCHEDULE",  # "forward" or "reverse": the emulator's thread order
     "emu_opt": "FAGEN_EMU_OPT",  # g++ optimisation level of the emulator's plain builds: O0..O3
+    "emu_level": "FAGEN_EMU_LEVEL",  # "source" (the CUDA source) or "ptx" (NVRTC's PTX, translated)
     "nvrtc": "FAGEN_NVRTC",  # folder of NVRTC wheels (pip install --target) to compile with
 }
 EMU_SCHEDULES = ("forward", "reverse")
 EMU_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+EMU_LEVELS = ("source", "ptx")
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,15 @@ class Settings:
     emu_schedule: str = "forward"
     nvrtc: Path | None = None
     emu_opt: str = "O2"
+    emu_level: str = "source"
 
     def __post_init__(self) -> None:
         if self.emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"{_ENV['emu_schedule']}: expected one of {EMU_SCHEDULES}, got {self.emu_schedule!r}")
         if self.emu_opt not in EMU_OPT_LEVELS:
             raise ValueError(f"{_ENV['emu_opt']}: expected one of {EMU_OPT_LEVELS}, got {self.emu_opt!r}")
+        if self.emu_level not in EMU_LEVELS:
+            raise ValueError(f"{_ENV['emu_level']}: expected one of {EMU_LEVELS}, got {self.emu_level!r}")
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -46,6 +51,7 @@ class Settings:
                    cuda_include=Path(inc) if inc else None,
                    emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward",
                    emu_opt=os.environ.get(_ENV["emu_opt"]) or "O2",
+                   emu_level=os.environ.get(_ENV["emu_level"]) or "source",
                    nvrtc=Path(os.environ[_ENV["nvrtc"]]) if os.environ.get(_ENV["nvrtc"]) else None)
 
 

@@ -4,7 +4,10 @@ Inside :func:`sanitized` every CPU launch is bounds-checked instead: the spec's
 AddressSanitizer build runs it in a child process (:meth:`EmuModule.run_sanitized`),
 each pointer argument copied into its own exact-size ``malloc``. Inside :func:`racecheck`
 every CPU launch runs the spec's racecheck build (hazards between threads become
-:class:`fagen.emulator.EmulatorRaceError`).
+:class:`fagen.emulator.EmulatorRaceError`). Inside :func:`ptx` (or with ``FAGEN_EMU_LEVEL=ptx``)
+every CPU launch runs the spec's PTX build: NVRTC's PTX for the spec's real target, translated to
+C++ (:mod:`fagen.emulator.ptx`); PTX-level hazards become
+:class:`fagen.emulator.ptx.PtxHazardError`.
 """
 from __future__ import annotations
 
@@ -82,6 +85,54 @@ def racecheck() -> Iterator[RacecheckedLaunches]:
         _RACECHECK.reset(token)
 
 
+@dataclass
+class PtxLaunches:
+    """What :func:`ptx` yields: the launches made at the PTX level so far."""
+
+    #: (spec name, kernel role, kernel name) per launch, in launch order.
+    launches: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def roles(self) -> set[str]:
+        return {role for _, role, _ in self.launches}
+
+
+_PTX: ContextVar[PtxLaunches | None] = ContextVar("fagen_cpu_ptx", default=None)
+
+
+@contextlib.contextmanager
+def ptx() -> Iterator[PtxLaunches]:
+    """Every CPU kernel launch inside the block runs the spec's PTX build.
+
+    The spec's kernels are compiled by NVRTC to PTX for the spec's real target (``compute_80``,
+    ``compute_90a``, ...: the same source and options as its cubin, without ``FAGEN_EMULATOR``),
+    the PTX is translated to C++ and built on the emulator's fiber runtime (once per spec, cached
+    like any emulator build), so the inline PTX of the device-function layer and NVVM's
+    optimisations are what runs. A register of an in-flight ``wgmma`` accessed before its
+    ``wgmma.wait_group`` (and the other PTX-level hazards) raises
+    :class:`fagen.emulator.ptx.PtxHazardError`. Yields a :class:`PtxLaunches` record. Inside
+    :func:`sanitized` or :func:`racecheck` as well, those win (they instrument the source build).
+    ``FAGEN_EMU_LEVEL=ptx`` (the ``emu_level`` setting) does the same for a whole process.
+    """
+    record = PtxLaunches()
+    token = _PTX.set(record)
+    try:
+        yield record
+    finally:
+        _PTX.reset(token)
+
+
+def _ptx_level() -> PtxLaunches | None:
+    """The PTX record of this context, or a throwaway one when the settings ask for the PTX level;
+    None at the source level."""
+    record = _PTX.get()
+    if record is not None:
+        return record
+    from ..settings import get_settings
+
+    return PtxLaunches() if get_settings().emu_level == "ptx" else None
+
+
 @contextlib.contextmanager
 def sanitized(*, timeout: float | None = 600.0) -> Iterator[SanitizedLaunches]:
     """Every CPU kernel launch inside the block runs bounds-checked under AddressSanitizer.
@@ -109,6 +160,19 @@ class CpuModule:
         self.rendered = render(spec) if rendered is None else rendered
         self._flags = SCHEDULE_FLAGS[schedule]
         self._builds: dict[tuple[bool, bool], Any] = {}
+        self._ptx_build: Any = None
+
+    def ptx_build(self) -> Any:
+        """The spec's PTX-level build (:func:`fagen.emulator.ptx.build_ptx` of NVRTC's PTX for the
+        spec's target), made on first use."""
+        if self._ptx_build is None:
+            from ..compiler import compile as nvrtc_compile
+            from ..emulator.ptx import build_ptx
+
+            target = self.spec.arch.replace("sm_", "compute_")
+            text = nvrtc_compile(self.spec, ptx_target=target).cubin
+            self._ptx_build = build_ptx(text, self.rendered.kernels, extra_flags=self._flags)
+        return self._ptx_build
 
     def _build(self, *, sanitize: bool, racecheck: bool = False) -> Any:
         """The plain (or AddressSanitizer, or racecheck) emulator build, made on first use."""
@@ -138,6 +202,11 @@ class CpuModule:
             races.launches.append((self.spec.name, kernel.role.name, kernel.name))
             races.markers += emu.race_markers()
             races.marker_lines |= {(self.spec.name, line) for line in emu.race_marker_lines()}
+            return
+        level = _ptx_level()
+        if level is not None:
+            self.ptx_build().launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
+            level.launches.append((self.spec.name, kernel.role.name, kernel.name))
             return
         self._build(sanitize=False).launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
 

@@ -1,0 +1,11 @@
+"""The PTX level of the CPU emulator: NVRTC's PTX for the spec's real target, translated to C++
+(one function per ``.entry``, PTX registers as locals, branches as ``goto``) and run on the
+emulator's fiber runtime. See docs/emulator.md, "Two levels: source and PTX"."""
+from __future__ import annotations
+
+from .build import PtxModule, build_ptx, build_source_ptx, ptx_of_source
+from .errors import PtxHazardError, PtxUnsupportedError
+from .translate import FORMS, TRANSLATOR_VERSION, forms_table, translate
+
+__all__ = ["PtxModule", "build_ptx", "build_source_ptx", "ptx_of_source", "PtxHazardError", "PtxUnsupportedError",
+           "FORMS", "TRANSLATOR_VERSION", "forms_table", "translate"]

@@ -1,0 +1,161 @@
+"""Building PTX for the CPU emulator: translate (translate.py), compile with g++ on top of the
+fiber runtime, cache like the source-level builds.
+
+The translation unit: ``runtime.h`` + ``racecheck.h`` + ``shim.h`` + ``hopper.h`` (always) +
+``ptx_runtime.h`` (the prelude, precompiled once per flags like the source builds'), then the
+translated entries under ``#line``-free C++ (reports name PTX lines through the collectives'
+call sites and the hazard messages), then one launch wrapper per kernel. Cache key: the PTX
+text, :data:`TRANSLATOR_VERSION`, the support headers, the wrappers, the compiler and the flags.
+Next to ``<stem>.so``: ``<stem>.ptx`` (the PTX the lines refer to) and ``<stem>.cpp``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from ... import cache
+from ...nvrtc import headers_digest
+from ..builder import _compile, _default_cache_dir, _is_valid, _prelude_header, _support_text, compile_flags
+from ..errors import EmulatorBuildError, EmulatorKernelError
+from ..module import EmuModule
+from ..signature import KernelSig, SigLike, as_sig
+from ..toolchain import compiler, cuda_include_dir
+from .errors import PtxHazardError, PtxUnsupportedError
+from .translate import TRANSLATOR_VERSION, translate
+
+_log = logging.getLogger("fagen.emulator.builder")
+_memo: dict[tuple[str, str], "PtxModule"] = {}
+_memo_lock = threading.Lock()
+
+#: g++ flags of PTX builds beyond the plain ones: NVVM already optimised the code, and the
+#: translated functions are large (thousands of statements): -O1 builds several times faster
+#: than -O2 for a few percent of run time.
+PTX_OPT = "-O1"
+
+
+@functools.cache
+def _ptx_runtime_text() -> str:
+    return resources.files(__package__).joinpath("ptx_runtime.h").read_text()
+
+
+def prelude() -> str:
+    runtime, shim, hopper = _support_text()
+    return f"{runtime}\n{shim}\n{hopper}\n{_ptx_runtime_text()}\n"
+
+
+class PtxModule(EmuModule):
+    """An emulator module built from PTX (:func:`build_ptx`): launches like any
+    :class:`~fagen.emulator.EmuModule`; a PTX-level hazard raises :class:`PtxHazardError`."""
+
+    def __init__(self, path: Path, kernels: Sequence[KernelSig], ptx: str) -> None:
+        super().__init__(path, kernels, sanitized=False)
+        self.ptx = ptx
+
+    @property
+    def ptx_path(self) -> Path:
+        return self.path.with_suffix(".ptx")
+
+    def launch(self, *args, **kwargs) -> None:  # type: ignore[override]
+        try:
+            super().launch(*args, **kwargs)
+        except EmulatorKernelError as e:
+            msg = str(e)
+            if msg.startswith("PTX hazard"):
+                import re
+
+                m = re.search(r"\.ptx:(\d+)", msg)
+                raise PtxHazardError(msg, e.kernel, e.block, int(m.group(1)) if m else 0) from None
+            raise
+
+
+def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int]) -> str:
+    out = ["// ---- generated launch wrappers (PTX level)"]
+    for k in kernels:
+        if k.name not in entries:
+            raise PtxUnsupportedError(".entry", f"kernel '{k.name}' is not an entry of the PTX (have "
+                                      f"{sorted(entries)})")
+        if entries[k.name] != len(k.params):
+            raise EmulatorBuildError(f"kernel '{k.name}': the signature has {len(k.params)} parameters, the PTX "
+                                     f"entry {entries[k.name]}")
+        out.append(
+            f"static void fagen_body_{k.name}(void* a) {{ ptx_entry_{k.name}(static_cast<void**>(a)); }}\n"
+            f'extern "C" __attribute__((visibility("default"))) int fagen_launch_{k.name}(\n'
+            f"        unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,\n"
+            f"        size_t smem, void** args, char* errbuf, size_t errlen) {{\n"
+            f'    return fagen_emu::launch("{k.name}", gx, gy, gz, bx, by, bz, smem, &fagen_body_{k.name},\n'
+            f"                             args, errbuf, errlen);\n"
+            f"}}")
+    return "\n".join(out) + "\n"
+
+
+def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug: bool = False,
+              extra_flags: Sequence[str] = (), cache_dir: Path | str | None = None) -> PtxModule:
+    """Translates ``ptx`` (every ``.entry``) to C++ and compiles it for the emulator (or fetches
+    it from the cache). ``kernels`` lists the entries to expose with their C parameter types
+    (the launch packs arguments by them). Raises :class:`PtxUnsupportedError` for a PTX form
+    the translator does not implement, :class:`EmulatorBuildError` when g++ fails."""
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    sigs = tuple(as_sig(k) for k in kernels)
+    cxx, cxx_id = compiler()
+    include = cuda_include_dir()
+    flags = compile_flags(sanitize=False, debug=debug) + [str(f) for f in extra_flags]
+    if not debug:
+        flags = [f for f in flags if not (f.startswith("-O") and len(f) == 3)] + [PTX_OPT]
+    text = prelude()
+    key = cache.digest("ptx", TRANSLATOR_VERSION, text, ptx, repr([(k.name, k.params) for k in sigs]), cxx_id,
+                       "\0".join(flags), include, headers_digest(Path(include)))
+    stem = key[:24]
+    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    memo_key = (str(root.absolute()), stem)
+    with _memo_lock:
+        hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+    so = root / f"{stem}.so"
+    if not _is_valid(so):
+        tr = translate(ptx, f"{stem}.ptx")  # before the lock: an unsupported form fails fast
+        wrappers = render_wrappers(sigs, tr.params)
+        cache.make_dir(root)
+        with cache.locked(so):
+            if not _is_valid(so):
+                _log.info("building %s (PTX level) for the CPU emulator with %s", sigs[0].name if sigs else "?",
+                          Path(cxx).name)
+                full = flags + ["-I", include]
+                pch = _prelude_header(cxx, cxx_id, full, text, root)
+                head = f'#include "{pch}"\n' if pch else text
+                tu = f"{head}\n{tr.cpp}\n{wrappers}"
+                cache.atomic_write(root / f"{stem}.ptx", ptx.encode())
+                _compile(cxx, full, tu, tr.cpp, root, stem)
+    module = PtxModule(so, sigs, ptx)
+    with _memo_lock:
+        return _memo.setdefault(memo_key, module)
+
+
+def ptx_of_source(source: str, arch: str = "sm_90a", options: Sequence[str] = (), name: str = "kernel.cu") -> str:
+    """NVRTC's PTX of a hand-written CUDA source for ``arch``'s virtual target (compute_XY)."""
+    from ...errors import CompileError
+    from ...nvrtc import compile_cubin
+
+    target = arch.replace("sm_", "compute_")
+    res = compile_cubin(source, name, [f"-arch={target}", "-std=c++17", *options], ptx=True)
+    if not res.ok:
+        raise CompileError(name, res.log)
+    return res.cubin.decode()
+
+
+def build_source_ptx(source: str, kernels: Sequence[KernelSig | SigLike], *, arch: str = "sm_90a",
+                     options: Sequence[str] = (), debug: bool = False, extra_flags: Sequence[str] = (),
+                     cache_dir: Path | str | None = None) -> PtxModule:
+    """NVRTC compiles ``source`` to PTX for ``arch``; the PTX is built with :func:`build_ptx`."""
+    return build_ptx(ptx_of_source(source, arch, options), kernels, debug=debug, extra_flags=extra_flags,
+                     cache_dir=cache_dir)
+
+
+def clear_memo() -> None:
+    with _memo_lock:
+        _memo.clear()

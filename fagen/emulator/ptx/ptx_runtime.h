@@ -1,0 +1,390 @@
+// ---------------------------------------------------------------------------
+// fagen CPU emulator, PTX level: the semantic helpers of translated PTX
+// (fagen/emulator/ptx/translate.py). Pasted after runtime.h, racecheck.h,
+// shim.h and hopper.h: the warp collectives, barriers, mma / ldmatrix /
+// cp.async / wgmma / mbarrier / TMA emulation are theirs; this file adds the
+// scalar instruction semantics of the PTX ISA (rounding, flushing, NaN rules,
+// shift clamping, bit-field instructions), shfl.sync with its exact c-operand
+// rules, and the per-thread in-flight register bookkeeping of wgmma (the
+// register hazards only the PTX level can see).
+// ---------------------------------------------------------------------------
+#include <cfenv>
+#include <climits>
+#include <type_traits>
+
+namespace fagen_emu {
+namespace px {
+
+// ------------------------------------------------------------ bit moves
+// A register of type S read (or written) as type D: the same bits when the sizes match, the
+// low bits when D is narrower, extended (sign-extended for a signed S) when D is wider.
+template <class D, class S>
+inline D bc(S s) {
+    if constexpr (std::is_same<D, S>::value) {
+        return s;
+    } else if constexpr (std::is_same<D, bool>::value) {
+        return s != S(0);
+    } else if constexpr (std::is_same<S, bool>::value) {
+        return D(s ? 1 : 0);
+    } else if constexpr (sizeof(D) == sizeof(S)) {
+        D d;
+        memcpy(&d, &s, sizeof d);
+        return d;
+    } else if constexpr (std::is_floating_point<S>::value || std::is_floating_point<D>::value) {
+        // Through the integer of S's size, then resized (mov between widths never happens for floats
+        // in NVVM's output; cvt handles real conversions).
+        typedef typename std::conditional<sizeof(S) == 8, uint64_t,
+                typename std::conditional<sizeof(S) == 4, uint32_t, uint16_t>::type>::type SI;
+        typedef typename std::conditional<sizeof(D) == 8, uint64_t,
+                typename std::conditional<sizeof(D) == 4, uint32_t, uint16_t>::type>::type DI;
+        SI si;
+        memcpy(&si, &s, sizeof si);
+        DI di = DI(si);
+        D d;
+        memcpy(&d, &di, sizeof d);
+        return d;
+    } else {
+        return D(s);  // integer resize: truncation, or extension by S's signedness
+    }
+}
+
+inline float f32(uint32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline double f64(uint64_t bits) { double f; memcpy(&f, &bits, 8); return f; }
+inline uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+inline uint64_t bits(double f) { uint64_t u; memcpy(&u, &f, 8); return u; }
+
+// .ftz: a subnormal input or result becomes a zero of the same sign.
+inline float ftz(float x) { return (bits(x) & 0x7f800000u) == 0 ? f32(bits(x) & 0x80000000u) : x; }
+inline double ftz(double x) { return x; }  // .ftz applies to .f32 only
+
+constexpr uint32_t kCanonicalNaN = 0x7fffffffu;  // PTX ISA: the canonical NaN of f32 results
+
+// ---------------------------------------------------- directed rounding
+// PTX's .rz / .rm / .rp forms of add, sub, mul, fma: the host's rounding mode switched around
+// one operation (volatile operands: no constant folding across the mode change).
+#define FAGEN_PX_ROUNDED(NAME, EXPR)                                                                 \
+    template <class T>                                                                               \
+    __attribute__((noinline)) T NAME(T a, T b, T c, int mode) {                                      \
+        volatile T va = a, vb = b, vc = c;                                                           \
+        (void)vc;                                                                                    \
+        const int old = fegetround();                                                                \
+        fesetround(mode);                                                                            \
+        volatile T r = EXPR;                                                                         \
+        fesetround(old);                                                                             \
+        return r;                                                                                    \
+    }
+FAGEN_PX_ROUNDED(add_r, va + vb)
+FAGEN_PX_ROUNDED(sub_r, va - vb)
+FAGEN_PX_ROUNDED(mul_r, va * vb)
+FAGEN_PX_ROUNDED(fma_r, std::fma(va, vb, vc))
+FAGEN_PX_ROUNDED(div_r, va / vb)
+#undef FAGEN_PX_ROUNDED
+inline float fma_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline double fma_rn(double a, double b, double c) { return fma(a, b, c); }
+
+// ------------------------------------------------------------- min / max
+// PTX ISA min/max .f32: a NaN operand is ignored (the other is returned), two NaNs give the
+// canonical NaN; -0 < +0. With .NaN any NaN operand gives the canonical NaN.
+template <class T>
+inline T fmax_ptx(T a, T b, bool nan_prop) {
+    const bool na = a != a, nb = b != b;
+    if (na || nb) {
+        if (nan_prop || (na && nb)) return sizeof(T) == 4 ? T(f32(kCanonicalNaN)) : T(f64(0x7fffffffffffffffull));
+        return na ? b : a;
+    }
+    if (a == b) return std::signbit(a) ? b : a;
+    return a > b ? a : b;
+}
+template <class T>
+inline T fmin_ptx(T a, T b, bool nan_prop) {
+    const bool na = a != a, nb = b != b;
+    if (na || nb) {
+        if (nan_prop || (na && nb)) return sizeof(T) == 4 ? T(f32(kCanonicalNaN)) : T(f64(0x7fffffffffffffffull));
+        return na ? b : a;
+    }
+    if (a == b) return std::signbit(a) ? a : b;
+    return a < b ? a : b;
+}
+
+// ---------------------------------------------------- approximate math
+// ex2.approx / lg2.approx / rcp.approx / rsqrt.approx / sqrt.approx / sin / cos: the GPU's
+// MUFU results are within a few ulp (ex2.approx.ftz.f32: 2 ulp over the full range); the
+// emulator returns libm's (correctly rounded or nearly). Special values follow the ISA tables.
+inline float ex2_approx(float x) { return exp2f(x); }
+inline float lg2_approx(float x) { return log2f(x); }
+
+// ------------------------------------------------------------- conversions
+// f32 -> f16 bits, IEEE round to nearest even (cvt.rn.f16.f32); overflow to inf, NaN to the
+// canonical f16 NaN 0x7fff.
+inline uint16_t f32_to_f16_rn(float f) {
+    const uint32_t x = bits(f), sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return 0x7fffu;
+    if (ax >= 0x47800000u) {  // >= 65536: inf (also rounds to inf from >= 65520)
+        return uint16_t(sign | 0x7c00u);
+    }
+    if (ax >= 0x38800000u) {  // normal f16 range (>= 2^-14)
+        uint32_t m = ax + 0xfffu + ((ax >> 13) & 1u);  // round to nearest even at bit 13
+        m -= 0x38000000u;                                // rebias 127 -> 15
+        const uint32_t h = m >> 13;
+        return uint16_t(sign | (h >= 0x7c00u ? 0x7c00u : h));
+    }
+    // subnormal f16 (or zero): value / 2^-24, rounded to nearest even
+    if (ax < 0x33000000u) return uint16_t(sign);  // < 2^-25: rounds to 0 (2^-25 exactly: tie to even 0)
+    const uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u;
+    const unsigned shift = 126u - e;  // mant * 2^(e-127-23) / 2^-24 = mant >> (126 - e)... (e-150+24)
+    const unsigned s = shift;         // 14 + (112 - e) + ... computed so that result = mant >> s
+    const uint32_t q = mant >> s, rem = mant & ((1u << s) - 1u), half = 1u << (s - 1u);
+    const uint32_t r = q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+    return uint16_t(sign | r);
+}
+inline uint16_t f32_to_bf16_rn(float f) {
+    const uint32_t x = bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // canonical NaN
+    return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float f16_to_f32(uint16_t h) { return f16_bits_to_float(h); }
+inline float bf16_to_f32(uint16_t h) { return bf16_bits_to_float(h); }
+
+inline float sat(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
+
+// Float -> integer: rounded as asked, NaN to 0, saturated to the integer's range (PTX ISA cvt).
+template <class I, class F>
+inline I f2i(F x, int mode) {
+    if (x != x) return I(0);
+    F r;
+    switch (mode) {
+        case 0: r = std::nearbyint(x); break;  // rni (nearest even: the host's default mode)
+        case 1: r = std::trunc(x); break;      // rzi
+        case 2: r = std::floor(x); break;      // rmi
+        default: r = std::ceil(x); break;      // rpi
+    }
+    if (r <= F(std::numeric_limits<I>::min())) return std::numeric_limits<I>::min();
+    if (r >= F(std::numeric_limits<I>::max())) return std::numeric_limits<I>::max();
+    return I(r);
+}
+template <class F>
+inline F round_int(F x, int mode) {  // cvt.rni/rzi/rmi/rpi.f32.f32
+    switch (mode) {
+        case 0: return std::nearbyint(x);
+        case 1: return std::trunc(x);
+        case 2: return std::floor(x);
+        default: return std::ceil(x);
+    }
+}
+template <class D, class S>
+inline D sat_int(S x) {  // cvt.sat between integer types: clamp to D's range
+    typedef long long W;
+    if constexpr (std::is_unsigned<S>::value && sizeof(S) == 8) {
+        if (x > (unsigned long long)std::numeric_limits<D>::max()) return std::numeric_limits<D>::max();
+        return D(x);
+    } else {
+        const W v = W(x);
+        if (v < W(std::numeric_limits<D>::min())) return std::numeric_limits<D>::min();
+        if (std::is_unsigned<D>::value || sizeof(D) < 8)
+            if (v > W(std::numeric_limits<D>::max())) return std::numeric_limits<D>::max();
+        return D(v);
+    }
+}
+
+// ----------------------------------------------------------- integer ops
+// shl / shr: a shift amount beyond the width is clamped to it (PTX ISA), not undefined.
+template <class T>
+inline T shl(T a, uint32_t n) { return n >= sizeof(T) * 8 ? T(0) : T(a << n); }
+template <class T>
+inline T shr(T a, uint32_t n) {
+    if (n >= sizeof(T) * 8) return std::is_signed<T>::value ? T(a < 0 ? -1 : 0) : T(0);
+    return T(a >> n);
+}
+template <class T>
+inline T div_i(T a, T b) {  // PTX leaves x / 0 unspecified: the emulator returns all-ones
+    if (b == 0) return T(~T(0));
+    if (std::is_signed<T>::value && b == T(-1)) return T(0) - a;  // no INT_MIN / -1 trap
+    return a / b;
+}
+template <class T>
+inline T rem_i(T a, T b) {
+    if (b == 0) return a;
+    if (std::is_signed<T>::value && b == T(-1)) return T(0);
+    return a % b;
+}
+template <class T>
+inline T mulhi(T a, T b) {
+    if constexpr (sizeof(T) == 4) {
+        typedef typename std::conditional<std::is_signed<T>::value, int64_t, uint64_t>::type W;
+        return T((W(a) * W(b)) >> 32);
+    } else {
+        typedef typename std::conditional<std::is_signed<T>::value, __int128, unsigned __int128>::type W;
+        return T((W(a) * W(b)) >> 64);
+    }
+}
+// bfe: extract len bits at pos (pos, len taken from their low 8 bits), sign-extended for signed.
+template <class T>
+inline T bfe(T a, uint32_t pos, uint32_t len) {
+    typedef typename std::make_unsigned<T>::type U;
+    const unsigned w = sizeof(T) * 8;
+    pos &= 0xffu, len &= 0xffu;
+    if (len == 0) return T(0);
+    U ua = U(a);
+    const bool sbit = std::is_signed<T>::value && ((pos + len - 1 >= w) ? (ua >> (w - 1)) & 1u
+                                                                          : (ua >> (pos + len - 1)) & 1u);
+    U r = pos >= w ? U(0) : U(ua >> pos);
+    if (len < w) {
+        const U mask = U((U(1) << len) - 1u);
+        r &= mask;
+        if (sbit) r |= U(~mask);
+    } else if (std::is_signed<T>::value && pos >= w && sbit) {
+        r = U(~U(0));
+    }
+    return T(r);
+}
+// bfi: insert len bits of a into b at pos.
+template <class T>
+inline T bfi(T a, T b, uint32_t pos, uint32_t len) {
+    const unsigned w = sizeof(T) * 8;
+    pos &= 0xffu, len &= 0xffu;
+    if (len == 0 || pos >= w) return b;
+    if (len > w - pos) len = w - pos;
+    const T mask = len >= w ? T(~T(0)) : T(((T(1) << len) - 1u) << pos);
+    return T((b & ~mask) | (T(a << pos) & mask));
+}
+// prmt.b32 (default mode): byte i of the result is byte c[4i+2:4i] of {b, a}, sign-replicated
+// when c[4i+3] is set.
+inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+    const uint64_t x = uint64_t(b) << 32 | a;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t sel = (c >> (4 * i)) & 0xfu;
+        uint32_t byte = uint32_t(x >> (8 * (sel & 7u))) & 0xffu;
+        if (sel & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;
+        r |= byte << (8 * i);
+    }
+    return r;
+}
+inline uint32_t lop3(uint32_t a, uint32_t b, uint32_t c, uint32_t lut) {
+    uint32_t r = 0;
+    for (int i = 0; i < 8; ++i)
+        if (lut >> i & 1u) r |= ((i & 4) ? a : ~a) & ((i & 2) ? b : ~b) & ((i & 1) ? c : ~c);
+    return r;
+}
+// shf.{l,r}.{wrap,clamp}.b32 d, a, b, c: funnel shift of {b:a} by c.
+inline uint32_t shf(uint32_t a, uint32_t b, uint32_t c, bool left, bool clamp) {
+    const uint32_t n = clamp ? (c > 32u ? 32u : c) : (c & 31u);
+    const uint64_t x = uint64_t(b) << 32 | a;
+    if (left) return uint32_t((x << n) >> 32);
+    return uint32_t(x >> n);
+}
+inline uint32_t brev32(uint32_t x) {
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+    x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+    x = ((x >> 8) & 0x00ff00ffu) | ((x & 0x00ff00ffu) << 8);
+    return (x >> 16) | (x << 16);
+}
+template <class T>
+inline uint32_t clz(T x) {
+    return x == 0 ? sizeof(T) * 8 : (sizeof(T) == 8 ? __builtin_clzll(uint64_t(x)) : __builtin_clz(uint32_t(x)));
+}
+template <class T>
+inline uint32_t popc(T x) { return sizeof(T) == 8 ? __builtin_popcountll(uint64_t(x)) : __builtin_popcount(uint32_t(x)); }
+
+// ----------------------------------------------------------------- setp
+// Ordered comparisons are false when either operand is NaN (ne too); the u-forms are true.
+template <class T> inline bool isnan_(T x) { if constexpr (std::is_floating_point<T>::value) return x != x; else return false; }
+
+// ------------------------------------------------------ special registers
+inline uint32_t laneid() { return g.cur->index & 31u; }
+inline uint32_t warpid() { return g.cur->index >> 5; }
+
+// ----------------------------------------------------------- addresses
+inline unsigned char* smem(uint64_t shared_addr) { return g.smem + shared_addr; }
+inline uint64_t cvta_shared(uint64_t a) { return uint64_t(reinterpret_cast<uintptr_t>(g.smem)) + a; }
+inline uint64_t cvta_to_shared(uint64_t a) { return a - uint64_t(reinterpret_cast<uintptr_t>(g.smem)); }
+template <class T> inline T ld(const void* p) { T v; memcpy(&v, p, sizeof v); return v; }
+template <class T> inline void st(void* p, T v) { memcpy(p, &v, sizeof v); }
+inline void* hp(uint64_t a) { return reinterpret_cast<void*>(uintptr_t(a)); }
+
+// --------------------------------------------------------------- shfl.sync
+// shfl.sync.{up,down,bfly,idx}.b32 d|p, a, b, c, membermask, exactly as the ISA's pseudo-code:
+// segmask = c[12:8], maxLane = (lane & segmask) | (c[4:0] & ~segmask), minLane = lane & segmask.
+struct ShflLane {
+    uint32_t a, b, c, d;
+    bool p;
+};
+template <int MODE>  // 0 up, 1 down, 2 bfly, 3 idx
+void shfl_complete(void* const* payloads, unsigned arrived) {
+    uint32_t in[32];
+    for (unsigned l = 0; l < 32; ++l) in[l] = payloads[l] ? static_cast<ShflLane*>(payloads[l])->a : ~0u;
+    for (unsigned l = 0; l < 32; ++l) {
+        if (!payloads[l]) continue;
+        ShflLane& s = *static_cast<ShflLane*>(payloads[l]);
+        const int lane = int(l), bval = int(s.b & 31u), cval = int(s.c & 31u), segmask = int((s.c >> 8) & 31u);
+        const int maxLane = (lane & segmask) | (cval & ~segmask), minLane = lane & segmask;
+        int j;
+        bool pval;
+        switch (MODE) {
+            case 0: j = lane - bval; pval = j >= maxLane; break;
+            case 1: j = lane + bval; pval = j <= maxLane; break;
+            case 2: j = lane ^ bval; pval = j <= maxLane; break;
+            default: j = minLane | (bval & ~segmask); pval = j <= maxLane; break;
+        }
+        if (!pval) j = lane;
+        // A source lane outside the collective has no value: all-ones (NaN bits), like the shim.
+        s.d = (arrived >> j & 1u) ? in[j] : ~0u;
+        s.p = pval;
+    }
+}
+template <int MODE>
+inline uint32_t shfl(uint32_t a, uint32_t b, uint32_t c, uint32_t mask, bool* p, const char* name, const char* file,
+                     int line) {
+    ShflLane lane{a, b, c, 0, false};
+    warp_exchange(mask, &lane, &shfl_complete<MODE>, name, file, line);
+    if (p) *p = lane.p;
+    return lane.d;
+}
+
+// ------------------------------------------------------------------- mma
+template <bool BF16>
+inline void mma(float* d, const float* c, const uint32_t* a, const uint32_t* b, const char* file, int line) {
+    float acc[4] = {c[0], c[1], c[2], c[3]};
+    mma_m16n8k16<BF16>(acc, a, b, file, line);
+    d[0] = acc[0], d[1] = acc[1], d[2] = acc[2], d[3] = acc[3];
+}
+
+// ---------------------------------------------------- PTX-level hazards
+// A hazard only the PTX level can see (the message starts "PTX hazard": fagen.emulator.ptx
+// raises it as PtxHazardError).
+[[noreturn]] inline void hazard(const char* kernel_file, int line, const char* fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+[[noreturn]] inline void hazard(const char* kernel_file, int line, const char* fmt, ...) {
+    begin_message("PTX hazard");
+    appendf("at %s:%d, warp %u, ", kernel_file, line, g.cur->index >> 5);
+    append_thread(g.cur);
+    appendf(" (lane %u): ", g.cur->index & 31u);
+    const size_t n = strlen(g.msg);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g.msg + n, sizeof g.msg - n, fmt, ap);
+    va_end(ap);
+    abort_block(FAGEN_EMU_KERNEL_ERROR);
+}
+
+// Per-thread wgmma register tracking: for each register tuple (an accumulator list or an A
+// fragment) of a wgmma site, the commit group that holds it in flight (-1: none), the line of
+// the wgmma that put it there, and whether a register of it was accessed since the thread's last
+// wgmma.fence. The translator sizes it (tuples) and emits the checks.
+struct WgTrack {
+    int group[64];
+    int line[64];
+    bool touched[64];
+    int commits;
+    int inflight;  // tuples in flight (0: the fast path of every check)
+};
+inline void wg_reset(WgTrack& t) {
+    for (int i = 0; i < 64; ++i) t.group[i] = -1, t.line[i] = 0, t.touched[i] = false;
+    t.commits = 0;
+    t.inflight = 0;
+}
+
+}  // namespace px
+}  // namespace fagen_emu
