@@ -1149,8 +1149,8 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
             dst, tm, bar = inst.operands
             base, coords = _tmap_operand(fn, tm, rank)
             return (f"{{ const int c_[{rank}] = {{{coords}}}; fagen_emu::hopper::tma(fagen_emu::hopper::kTmaLoad, {rank}, "
-                    f"{fn.host(dst, 'shared')}, static_cast<const FaTensorMap*>(fagen_emu::px::hp({base})), "
-                    f"static_cast<unsigned long long*>({fn.host(bar, 'shared')}), c_, {fn.site()}); }}")
+                    f"{fn.host(dst, 'shared')}, reinterpret_cast<const FaTensorMap*>(fagen_emu::px::hp({base})), "
+                    f"reinterpret_cast<unsigned long long*>({fn.host(bar, 'shared')}), c_, {fn.site()}); }}")
         # store / reduce: [tmap, {c}], [src]
         extra = mods - {"cp", "reduce", "async", "bulk", "tensor", f"{rank}d", "global", "shared::cta", "tile",
                         "bulk_group", "add"}
@@ -1163,7 +1163,7 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
         base, coords = _tmap_operand(fn, tm, rank)
         kind = "kTmaReduceAdd" if reduce else "kTmaStore"
         return (f"{{ const int c_[{rank}] = {{{coords}}}; fagen_emu::hopper::tma(fagen_emu::hopper::{kind}, {rank}, "
-                f"{fn.host(src, 'shared')}, static_cast<const FaTensorMap*>(fagen_emu::px::hp({base})), nullptr, c_, "
+                f"{fn.host(src, 'shared')}, reinterpret_cast<const FaTensorMap*>(fagen_emu::px::hp({base})), nullptr, c_, "
                 f"{fn.site()}); }}")
     # non-tensor bulk copies
     if "mbarrier::complete_tx::bytes" in mods:
@@ -1175,7 +1175,7 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
         dst, src, size, bar = inst.operands
         return (f"fagen_emu::hopper::bulk(fagen_emu::hopper::kTmaLoad, {fn.host(dst, 'shared')}, "
                 f"{fn.host(src, 'global')}, unsigned({fn.src(size, 'u32')}), "
-                f"static_cast<unsigned long long*>({fn.host(bar, 'shared')}), \"cp.async.bulk\", {fn.site()});")
+                f"reinterpret_cast<unsigned long long*>({fn.host(bar, 'shared')}), \"cp.async.bulk\", {fn.site()});")
     extra = mods - {"cp", "reduce", "async", "bulk", "global", "shared::cta", "bulk_group", "add", "f32"}
     if extra or "bulk_group" not in mods or (reduce and not {"add", "f32"} <= mods):
         raise fn.unsupported(f"bulk store / reduce modifiers {sorted(extra)}")
@@ -1216,7 +1216,7 @@ def _tmap_operand(fn: _Fn, op: str, rank: int) -> tuple[str, str]:
 def _mbar(fn: _Fn, inst: Inst) -> str:
     mods = _check(fn, inst, {"init", "arrive", "expect_tx", "try_wait", "test_wait", "parity", "release",
                              "acquire", "cta", "shared", "shared::cta", "b64"})
-    bar = lambda op: f"static_cast<unsigned long long*>({fn.host(op, 'shared')})"  # noqa: E731
+    bar = lambda op: f"reinterpret_cast<unsigned long long*>({fn.host(op, 'shared')})"  # noqa: E731
     if "init" in mods:
         _nops(fn, inst, 2)
         return f"fagen_emu::hopper::mbar_init({bar(inst.operands[0])}, unsigned({fn.src(inst.operands[1], 'u32')}), {fn.site()});"
@@ -1296,8 +1296,11 @@ def _wgmma(fn: _Fn, inst: Inst) -> str:
         aregs = fn.vec(ops[1])
         a_tuple = fn.tuples[tuple(fn.reg(r).cname for r in aregs)]
         touched.append(a_tuple)
-        out.append("const uint32_t a_[4] = {" + ", ".join(fn.src(r, "b32") for r in aregs) + "};")
-        a_ptr, da = "a_", "0ull"
+        # hopper.h poisons the A registers it is handed until the retiring wait: a per-tuple stage,
+        # loaded unless another wgmma in flight holds it (it then reads the saved values).
+        out.append(f"if (wgt.group[{a_tuple.tid}] < 0) {{ " + " ".join(
+            f"wgsa_{a_tuple.tid}[{i}] = {fn.src(r, 'b32')};" for i, r in enumerate(aregs)) + " }")
+        a_ptr, da = f"wgsa_{a_tuple.tid}", "0ull"
     else:
         a_ptr, da = "nullptr", fn.src(ops[1], "b64")
     for tup in touched:
@@ -1450,7 +1453,8 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
             code = f"if ({fn.src(inst.guard, 'pred')}) {{ {code} }}"
         body.append(f"/* {inst.line} */ {code}")
     ntup = max(len(fn.tuples), 1)
-    stage = [f"float wgst_{t.tid}[{t.n}];" for t in fn.tuples.values() if t.kind == "D"]
+    stage = [f"float wgst_{t.tid}[{t.n}];" if t.kind == "D" else f"uint32_t wgsa_{t.tid}[{t.n}];"
+             for t in fn.tuples.values()]
     head = [f"// PTX entry {entry.name} (line {entry.line})",
             f"static void ptx_entry_{_ident(entry.name)}(void** fagen_args) {{",
             "    (void)fagen_args;",
