@@ -309,18 +309,22 @@ def parse_module(ptx: str) -> Module:
         if _FUNC.match(text, i):
             raise PtxUnsupportedError(".func", "device functions that are not inlined (.func / call) are not "
                                       "translated", _line_of(text, i))
+        lm = re.match(r"\.(version|target|address_size)[ \t]+([^\n;]*)", text[i:])
+        if lm:  # line-terminated directives (no semicolon)
+            if lm.group(1) == "version":
+                version = lm.group(2).strip()
+            elif lm.group(1) == "target":
+                target = lm.group(2).strip()
+            else:
+                address_size = int(lm.group(2).strip())
+            i += lm.end()
+            continue
         j = text.find(";", i)
         if j < 0:
             raise PtxUnsupportedError("", f"unterminated directive {text[i:i + 60]!r}", _line_of(text, i))
         decl = text[i:j].strip()
         line = _line_of(text, i)
-        if decl.startswith(".version"):
-            version = decl.split()[1]
-        elif decl.startswith(".target"):
-            target = decl.split(None, 1)[1]
-        elif decl.startswith(".address_size"):
-            address_size = int(decl.split()[1])
-        elif _VAR.match(decl):
+        if _VAR.match(decl):
             globals_.append(_parse_var(decl, line))
         else:
             raise PtxUnsupportedError(decl.split()[0], f"unsupported module-level directive {decl[:80]!r}", line)
