@@ -224,17 +224,15 @@ inline T bfe(T a, uint32_t pos, uint32_t len) {
     typedef typename std::make_unsigned<T>::type U;
     const unsigned w = sizeof(T) * 8;
     pos &= 0xffu, len &= 0xffu;
-    if (len == 0) return T(0);
-    U ua = U(a);
-    const bool sbit = std::is_signed<T>::value && ((pos + len - 1 >= w) ? (ua >> (w - 1)) & 1u
-                                                                          : (ua >> (pos + len - 1)) & 1u);
-    U r = pos >= w ? U(0) : U(ua >> pos);
-    if (len < w) {
-        const U mask = U((U(1) << len) - 1u);
+    const U ua = U(a);
+    // ISA: the sign bit is bit (pos + len - 1), clamped to the msb, of a signed source with len != 0
+    const bool sbit = std::is_signed<T>::value && len != 0 && ((ua >> (pos + len - 1 >= w ? w - 1 : pos + len - 1)) & 1u);
+    const unsigned eff = pos >= w ? 0u : (len < w - pos ? len : w - pos);  // bits taken from a
+    U r = eff == 0 ? U(0) : U(ua >> pos);
+    if (eff < w) {
+        const U mask = eff ? U((U(1) << eff) - 1u) : U(0);
         r &= mask;
         if (sbit) r |= U(~mask);
-    } else if (std::is_signed<T>::value && pos >= w && sbit) {
-        r = U(~U(0));
     }
     return T(r);
 }
