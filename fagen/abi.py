@@ -22,7 +22,9 @@ dtype), element b*stride_b + h*stride_h + r*stride_q + c*stride_k (stride 0 = br
 ``dbias`` fp32 [B, H, Nq, Nk] written with bias_grad; ``row_offset``/``col_offset`` (0 = off)
 are added to the row and column of the dropout keep-mask (Philox counter) only, so a kernel
 running a block of a longer sequence (a ring attention step) drops exactly what the whole
-sequence's kernel drops there. fagen/masking.py and
+sequence's kernel drops there; ``sinks`` fp32 [H] (attention sinks, forward: one logit per q
+head in every row's softmax denominator). ``dlse`` (the pre kernel, nullable: null = none) fp32
+in lse's layout: the gradient of lse, subtracted from D. fagen/masking.py and
 templates/partials/{masking,score_mod}.cuh state the semantics.
 
 Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
@@ -70,7 +72,8 @@ FEATURE_PARAMS: tuple[tuple[str, str], ...] = tuple(
      ("const unsigned char*", "mask")] + _bhqk("mask")
     + [("const T*", "bias")] + _bhqk("bias")
     + [("long long", "stride_lse_b"), ("long long", "stride_lse_h")]
-    + [("int", "row_offset"), ("int", "col_offset")])
+    + [("int", "row_offset"), ("int", "col_offset")]
+    + [("const float*", "sinks")])
 #: Appended after FEATURE_PARAMS to the backward main and dq kernels.
 DBIAS_PARAMS: tuple[tuple[str, str], ...] = tuple([("float*", "dbias")] + _bhqk("dbias"))
 
@@ -107,7 +110,8 @@ BWD_PRE = Role(
     "pre",
     tuple([("const T*", "o"), ("const T*", "do_"), ("float*", "delta"), ("float*", "dq_accum"),
            ("int", "heads"), ("int", "seqlen_q")] + _strides("o") + _strides("do")
-          + [("const int*", "cu_seqlens_q"), ("long long", "stride_lse_b"), ("long long", "stride_lse_h")]),
+          + [("const int*", "cu_seqlens_q"), ("long long", "stride_lse_b"), ("long long", "stride_lse_h"),
+             ("const float*", "dlse")]),
     "q", "num_warps",
 )
 BWD_MAIN = Role(

@@ -28,7 +28,7 @@ SPEC_OPTIONS = {
     "block_r": "--block-r", "block_c": "--block-c", "num_warps": "--num-warps", "impl": "--impl",
     "causal_align": "--causal-align", "window": "--window", "softcap": "--softcap", "alibi": "--alibi",
     "attn_mask": "--attn-mask", "bias": "--bias", "bias_grad": "--bias-grad", "varlen": "--varlen",
-    "deterministic": "--deterministic",
+    "deterministic": "--deterministic", "sinks": "--sinks",
 }
 
 

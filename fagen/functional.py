@@ -25,7 +25,7 @@ from .abi import is_tensormap
 from .errors import InputError, InputTypeError
 from .families import get_family
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
-                     check_lse, check_seed_offset, reduce_to_shape, validate_features, validate_flag, validate_qkv,
+                     check_lse, check_seed_offset, check_tensor, reduce_to_shape, validate_features, validate_flag, validate_qkv,
                      validate_softmax_scale, validate_varlen)
 from .philox import keep_mask
 from .renderer import KernelInfo, kernel_infos
@@ -41,7 +41,7 @@ FIELD_ARGUMENT = {
     "causal": "causal", "key_padding": "key_padding_mask", "dropout": "dropout_p", "window": "window_size",
     "softcap": "softcap", "alibi": "alibi_slopes", "attn_mask": "attn_mask", "bias": "attn_bias",
     "bias_grad": "attn_bias", "varlen": "cu_seqlens_q", "deterministic": "deterministic",
-    "causal_align": "causal_align",
+    "causal_align": "causal_align", "sinks": "sinks",
 }
 
 
@@ -237,6 +237,7 @@ class Tensors(NamedTuple):
     attn_bias: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # fp32 [H]: attention-sink logits (forward flag; dsinks from the backward)
 
 
 def _problem(q: Any, k: Any, v: Any, t: Tensors, max_seqlen_q: Any, max_seqlen_k: Any,
@@ -318,6 +319,8 @@ class _Plan:
     alibi_copy: bool = False
     check_cu: bool = False  # CPU varlen: cu_seqlens values are read (no device to synchronise)
     lse_ready: bool = True  # the backward's lse is contiguous and of the kernels' dtype
+    sinks_copy: bool = False  # sinks need a contiguous copy
+    dlse_ready: bool = True  # the backward's dlse (if any) is contiguous float32
 
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
@@ -384,7 +387,8 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     lse_dtype = _acc_dtype(kern, "lse")
     common = dict(p=p, lse_dtype=lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
-                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)
+                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes,
+                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks)
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
@@ -422,17 +426,35 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
         if p.no_keys and not p.empty and p.device.type != "meta":
             o.zero_()
             lse.fill_(-math.inf)
+            if t.sinks is not None:  # no key: the row's softmax is the sink's alone
+                lse.copy_(_sink_rows(t.sinks, p).expand(p.lse_shape))
         return _unpad(o, p), lse
     kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
     slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
+    sinks = t.sinks.contiguous() if plan.sinks_copy else t.sinks
     args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
             "lse": lse.data_ptr(), "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask),
             "bias": _ptr(t.attn_bias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-            "seed": seed, "offset": offset, "dbias": 0}
+            "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks)}
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
     return _unpad(o, p), lse
+
+
+def _sink_rows(sinks: torch.Tensor, p: Problem) -> torch.Tensor:
+    """sinks [H] shaped to broadcast against lse ([B, H, Nq], or [H, total_q] when packed)."""
+    return sinks[:, None] if p.varlen else sinks[None, :, None]
+
+
+def _dsinks(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, p: Problem) -> torch.Tensor:
+    """d sink_h = -sum_{b,i} P_sink(b, h, i) D'_(b, h, i), P_sink = exp(sink_h - lse): the sink has no value,
+    so its probability enters o_i = sum_j P_ij v_j only through the normalisation (d o_i / d sink =
+    -P_sink o_i) and lse (d lse_i / d sink = P_sink); D' = rowsum(dO o O) - dlse (the pre kernel's
+    delta). In float64 over a fixed shape (torch's reductions run in a fixed order: deterministic)."""
+    rows = torch.exp(_sink_rows(sinks.double(), p) - lse.double()) * delta.double()
+    dims = (1,) if p.varlen else (0, 2)
+    return (-rows.sum(dim=dims)).to(sinks.dtype)
 
 
 def _tensor_maps(spec: KernelSpec, kern: KernelInfo, **tensors: torch.Tensor) -> dict[str, Any]:
@@ -458,8 +480,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                       spec: KernelSpec | None = None, dropout_row_offset: int = 0,
-                      dropout_col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      dropout_col_offset: int = 0, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: (o like q, lse float32 [B, H, Nq] or [H, total_q] when packed).
+    ``sinks``: fp32 [H] attention-sink logits (each row's softmax also runs over its head's sink,
+    which has no value; lse includes it).
 
     ``spec``: an explicit KernelSpec (tiles, family) that must match the inputs and options.
     ``dropout_row_offset``/``dropout_col_offset``: q row i and key j draw the keep-mask bit of
@@ -467,13 +491,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     (ring attention, :mod:`fagen.distributed`); masks and scores keep the local indices."""
     opts = _options_of(causal, dropout_p, softmax_scale, window_size, softcap, causal_align)
     return forward(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q,
-                                          cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                          cu_seqlens_k, sinks), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    seed=seed, offset=offset, spec=spec, dropout_row_offset=dropout_row_offset,
                    dropout_col_offset=dropout_col_offset)
 
 
 _TENSOR_NAMES = frozenset(Tensors._fields) | {"max_seqlen_q", "max_seqlen_k", "seed", "offset",
-                                              "dropout_row_offset", "dropout_col_offset"}
+                                              "dropout_row_offset", "dropout_col_offset", "dlse"}
 _OPTION_NAMES = frozenset(f for f in AttentionOptions.__dataclass_fields__ if f != "deterministic")
 
 
@@ -506,12 +530,29 @@ def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 # --------------------------------------------------------------------------- backward
+def _check_dlse(dlse: Any, p: Problem) -> bool:
+    """None, or the gradient of lse: lse's shape, float32 (float64 for float64 inputs), q's device.
+    True when it needs no contiguous float32 copy."""
+    if dlse is None:
+        return True
+    check_tensor("dlse", dlse)
+    if dlse.dtype != torch.float32 and not (dlse.dtype == torch.float64 and p.dtype == "float64"):
+        raise InputTypeError("dlse", "dtype float32 (float32 or float64 for float64 inputs), like lse", dlse.dtype)
+    if tuple(dlse.shape) != p.lse_shape:
+        layout = "[H, total_q]" if p.varlen else "[B, H, Nq]"
+        raise InputError("dlse", f"lse's shape {layout} = {list(p.lse_shape)}", f"{list(dlse.shape)}")
+    if dlse.device != p.device:
+        raise InputError("dlse", f"the same device as q ({p.device})", dlse.device)
+    return dlse.dtype == torch.float32 and dlse.is_contiguous()
+
+
 def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: AttentionOptions, t: Tensors,
                    max_seqlen_q: Any, max_seqlen_k: Any, bias_grad: Any, spec: KernelSpec | None,
-                   offsets: tuple[int, int]) -> _Plan:
+                   offsets: tuple[int, int], dlse: Any = None) -> _Plan:
     p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
     check_like("o", o, q)
     check_like("do", do, q)
+    dlse_ready = _check_dlse(dlse, p)
     bias_grad = validate_flag("bias_requires_grad", bias_grad)
     if bias_grad and f.attn_bias is None:
         raise InputError("bias_requires_grad", "False without attn_bias", True)
@@ -522,7 +563,8 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
     common = dict(p=p, lse_dtype=lse_dtype, acc_dtype=_acc_dtype(main, "dq_accum"),
                   lse_ready=lse.is_contiguous() and lse.dtype == lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
-                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes)
+                  alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes,
+                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks, dlse_ready=dlse_ready)
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
@@ -544,15 +586,15 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              lse: torch.Tensor, options: AttentionOptions, tensors: Tensors | None = None, *,
              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seed: int = 0, offset: int = 0,
              bias_requires_grad: bool = False, spec: KernelSpec | None = None, dropout_row_offset: int = 0,
-             dropout_col_offset: int = 0) -> tuple[torch.Tensor, ...]:
+             dropout_col_offset: int = 0, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`attention_backward` with its options as one :class:`AttentionOptions` (its
     ``deterministic`` chooses the backward) and the optional tensors as one :class:`Tensors`."""
     offsets = (dropout_row_offset, dropout_col_offset)
     plan, t = _planned(
         lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
-                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets),
+                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse)),
         lambda opts, t: _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k, bias_requires_grad,
-                                       spec, offsets),
+                                       spec, offsets, dlse),
         options, tensors, offsets)
     seed, offset = check_seed_offset(seed, offset)
     if plan.check_cu:
@@ -572,6 +614,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dbias = None
     if bias_grad:
         dbias = torch.zeros((p.batch, p.heads, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=q.device)
+    dlse_t = dlse if plan.dlse_ready else dlse.contiguous().to(torch.float32)
+    delta = None
     if not plan.launches:
         if p.device.type != "meta":
             dq.zero_()
@@ -586,14 +630,22 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
                 "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
                 "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-                "seed": seed, "offset": offset}
+                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0}
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v, do=do, dq_accum=dq_accum)})
     out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p))
     if bias_grad:
         bias = t.attn_bias
-        return out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)
+        out = out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)
+    if t.sinks is not None:
+        if p.device.type == "meta":
+            return out + (torch.empty_like(t.sinks),)
+        if delta is None:  # nothing launched: o = 0, so D = 0 and D' = -dlse
+            delta = torch.zeros(p.lse_shape, dtype=torch.float32, device=q.device)
+            if dlse_t is not None:
+                delta = delta - dlse_t
+        out = out + (_dsinks(t.sinks, lse, delta, p),)
     return out
 
 
@@ -607,18 +659,20 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                        deterministic: bool = False, bias_requires_grad: bool = False,
                        spec: KernelSpec | None = None, dropout_row_offset: int = 0,
-                       dropout_col_offset: int = 0) -> tuple[torch.Tensor, ...]:
+                       dropout_col_offset: int = 0, sinks: torch.Tensor | None = None,
+                       dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward (Algorithm 4): (dq, dk, dv) in the input dtype and shapes, plus dbias
-    (summed to attn_bias's shape, in its dtype) when ``bias_requires_grad``. Pass the forward's
-    o and lse and the same options. ``deterministic``: no order-dependent atomics (a separate
+    (summed to attn_bias's shape, in its dtype) when ``bias_requires_grad``, plus dsinks (fp32 [H])
+    when ``sinks`` are given. Pass the forward's o and lse and the same options. ``dlse``: the
+    gradient of lse (its shape), which enters D_i = rowsum(dO o O) - dlse_i. ``deterministic``: no order-dependent atomics (a separate
     dQ kernel), bitwise-reproducible dq on a GPU. ``dropout_row_offset``/``dropout_col_offset``: as
     :func:`attention_forward`'s."""
     opts = _options_of(causal, dropout_p, softmax_scale, window_size, softcap, causal_align, deterministic)
     return backward(do, q, k, v, o, lse, opts, Tensors(key_padding_mask, alibi_slopes, attn_mask, attn_bias,
-                                                       cu_seqlens_q, cu_seqlens_k),
+                                                       cu_seqlens_q, cu_seqlens_k, sinks),
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seed=seed, offset=offset,
                     bias_requires_grad=bias_requires_grad, spec=spec, dropout_row_offset=dropout_row_offset,
-                    dropout_col_offset=dropout_col_offset)
+                    dropout_col_offset=dropout_col_offset, dlse=dlse)
 
 
 def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

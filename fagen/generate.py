@@ -65,6 +65,7 @@ FEATURE_VARIANTS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("bwd", "fwd"), {"causal": True, "varlen": True}),
     (("bwd",), {"causal": True, "deterministic": True}),
     (("bwd", "fwd"), {"dtype": "float64"}),
+    (("fwd",), {"causal": True, "sinks": True}),
 )
 FEATURE_HEAD_DIM = 64
 

@@ -310,6 +310,20 @@ def validate_alibi_slopes(slopes: Any, p: Problem) -> torch.Tensor | None:
     return slopes if slopes.numel() == 0 or slopes.stride(-1) == 1 else slopes.contiguous()
 
 
+def validate_sinks(sinks: Any, p: Problem) -> torch.Tensor | None:
+    """None, or float32 attention-sink logits [H] (one per q head) on q's device, contiguous."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks)
+    if sinks.dtype != torch.float32:
+        raise InputTypeError("sinks", "dtype torch.float32 (one logit per query head)", sinks.dtype)
+    if tuple(sinks.shape) != (p.heads,):
+        raise InputError("sinks", f"shape [H] = [{p.heads}] (one logit per query head)", list(sinks.shape))
+    if sinks.device != p.device:
+        raise InputError("sinks", f"the same device as q ({p.device})", sinks.device)
+    return sinks if sinks.numel() <= 1 or sinks.stride(0) == 1 else sinks.contiguous()
+
+
 def _broadcast4(name: str, t: torch.Tensor, p: Problem) -> torch.Tensor:
     """``t`` expanded (a view: stride 0 on broadcast dims) to [B, H, Nq, Nk]."""
     target = (p.batch, p.heads, p.seqlen_q, p.seqlen_k)
@@ -496,6 +510,7 @@ class Features:
     dropout_p: float = 0.0
     scale: float = 1.0
     deterministic: bool = False
+    sinks: torch.Tensor | None = None  # fp32 [H]
 
     @property
     def uses_window(self) -> bool:
@@ -512,6 +527,8 @@ class Features:
         }
         if direction == "bwd":
             extra.update(deterministic=self.deterministic, bias_grad=bias_grad)
+        else:  # the backward reads the sink through lse: no flag
+            extra.update(sinks=self.sinks is not None)
         flags.update({k: True for k, on in extra.items() if on})
         # the alignment only matters where the diagonal does, and not at all when Nq == Nk
         diagonal = self.causal or self.uses_window or self.alibi_slopes is not None
@@ -522,7 +539,7 @@ class Features:
 
 def validate_features(p: Problem, dtype: torch.dtype, opts: AttentionOptions, *, key_padding_mask: Any = None,
                       alibi_slopes: Any = None, attn_mask: Any = None, attn_bias: Any = None,
-                      cu_seqlens_q: Any = None, cu_seqlens_k: Any = None) -> Features:
+                      cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, sinks: Any = None) -> Features:
     """Every optional tensor checked against the problem, with the options resolved for it
     (flash-attn's window rules: causal means right = 0; a side >= Nk is unbounded)."""
     return Features(
@@ -530,7 +547,8 @@ def validate_features(p: Problem, dtype: torch.dtype, opts: AttentionOptions, *,
         alibi_slopes=validate_alibi_slopes(alibi_slopes, p),
         key_padding_mask=validate_key_padding_mask(key_padding_mask, p), attn_mask=validate_attn_mask(attn_mask, p),
         attn_bias=validate_attn_bias(attn_bias, p, dtype), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        dropout_p=opts.dropout_p, scale=opts.scale(p.true_head_dim), deterministic=opts.deterministic)
+        dropout_p=opts.dropout_p, scale=opts.scale(p.true_head_dim), deterministic=opts.deterministic,
+        sinks=validate_sinks(sinks, p))
 
 
 def check_seed_offset(seed: Any, offset: Any) -> tuple[int, int]:

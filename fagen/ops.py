@@ -86,7 +86,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 #: softmax_scale, causal) still works -- and every type and default comes from those two.
 OP_ORDER = ("key_padding_mask", "dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap",
             "alibi_slopes", "attn_mask", "attn_bias", "causal_align", "cu_seqlens_q", "cu_seqlens_k",
-            "max_seqlen_q", "max_seqlen_k", "deterministic")
+            "max_seqlen_q", "max_seqlen_k", "deterministic", "sinks")
 _PREFIX = 4  # arguments without defaults (the first schema's)
 
 
@@ -108,14 +108,16 @@ def _schema_args(names: tuple[str, ...], decl: dict[str, tuple[str, str]]) -> st
 _DECL = _declarations()
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_schema_args(OP_ORDER, _DECL)}) -> (Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, {_schema_args(OP_ORDER[:_PREFIX], _DECL)}, "
-              f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:], _DECL)}, bool bias_requires_grad=False) "
-              "-> (Tensor, Tensor, Tensor, Tensor)")
+              f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:], _DECL)}, bool bias_requires_grad=False, "
+              "Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _TENSOR_POS = tuple(OP_ORDER.index(n) for n in Tensors._fields)
 _OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
 _MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
 _SCALAR_POS = tuple(i for i, n in enumerate(OP_ORDER) if n not in Tensors._fields)
 _BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's inputs
 _BIAS_DATA = Tensors._fields.index("attn_bias")
+_SINKS_INDEX = 3 + OP_ORDER.index("sinks")  # of sinks among fagen::fwd's inputs
+_SINKS_DATA = Tensors._fields.index("sinks")
 _SCALAR_NAMES = tuple(OP_ORDER[i] for i in _SCALAR_POS)
 _OPTION_IN_SCALARS = tuple(_SCALAR_NAMES.index(n) for n in AttentionOptions.op_names())
 _MAXQ, _MAXK = _SCALAR_NAMES.index("max_seqlen_q"), _SCALAR_NAMES.index("max_seqlen_k")
@@ -140,7 +142,7 @@ def op_arguments(options: AttentionOptions, tensors: Tensors, max_seqlen_q: Any 
     t, o = tensors, options
     return (t.key_padding_mask, o.dropout_p, o.softmax_scale, o.causal, o.window_size[0], o.window_size[1],
             o.softcap, t.alibi_slopes, t.attn_mask, t.attn_bias, o.causal_align, t.cu_seqlens_q, t.cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, o.deterministic)
+            max_seqlen_q, max_seqlen_k, o.deterministic, t.sinks)
 
 
 def _unpack(rest: tuple[Any, ...]) -> tuple[Tensors, Any, Any, AttentionOptions]:
@@ -193,29 +195,34 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tens
 
 
 # --------------------------------------------------------------------------- fagen::bwd
-def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool]:
-    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad)."""
+def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Optional[Tensor]]:
+    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse)."""
     n = len(OP_ORDER)
     full = rest[:_PREFIX] + rest[_PREFIX + 1:]
     bias_grad = full[n] if len(full) > n else False
-    return rest[_PREFIX], full[:n], bias_grad
+    dlse = full[n + 1] if len(full) > n + 1 else None
+    return rest[_PREFIX], full[:n], bias_grad, dlse
 
 
 def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, rng_state: Tensor,
              tensors: Tensors, max_q: Any, max_k: Any, opts: AttentionOptions,
-             bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """fagen::bwd's implementation on unpacked arguments: (dq, dk, dv, dbias or an empty tensor)."""
+             bias_grad: bool, dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fagen::bwd's implementation on unpacked arguments: (dq, dk, dv, dbias or an empty tensor,
+    dsinks or an empty tensor). ``dlse``: the gradient of lse (None: zero)."""
     seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.to(torch.float32)
     grads = F.backward(_lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, opts, tensors, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad)
+                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad, dlse=dlse)
     dbias = grads[3] if bias_grad else q.new_empty((0,))
-    return grads[0], grads[1], grads[2], dbias
+    dsinks = grads[-1] if tensors.sinks is not None else q.new_empty((0,))
+    return grads[0], grads[1], grads[2], dbias, dsinks
 
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rng_state, args, bias_grad = _bwd_split(rest)
-    return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad)
+              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rng_state, args, bias_grad, dlse = _bwd_split(rest)
+    return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad, dlse)
 
 
 _bwd = torch.library.custom_op("fagen::bwd", _bwd_impl, mutates_args=(), schema=BWD_SCHEMA)
@@ -224,13 +231,15 @@ _BWD = torch.ops.fagen.bwd.default
 
 @_bwd.register_fake
 def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _rng, args, bias_grad = _bwd_split(rest)
+              *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _rng, args, bias_grad, _dlse = _bwd_split(rest)
     tensors, max_q, max_k, opts = _unpack(args)
     F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
     bias = tensors.attn_bias
     dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    sinks = tensors.sinks
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
 # --------------------------------------------------------------------------- autograd
@@ -244,18 +253,25 @@ def _merge(data: tuple[Any, ...], scalars: tuple[Any, ...]) -> list[Any]:
     return rest
 
 
-def _backward_of(ctx: Any, do: Tensor, bias_index: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """dq, dk, dv and (where attn_bias, input ``bias_index``, requires grad) dbias, from what
-    :func:`_save` kept: fagen::bwd, or its implementation directly (see :func:`_direct`)."""
+def _backward_of(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], bias_index: int,
+                 sinks_index: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """dq, dk, dv, (where attn_bias, input ``bias_index``, requires grad) dbias and (where sinks,
+    input ``sinks_index``, are given) dsinks, from what :func:`_save` kept: fagen::bwd, or its
+    implementation directly (see :func:`_direct`). ``do`` / ``dlse`` None: that output's
+    gradient is zero (the ctx does not materialise them; a None dlse is no term at all)."""
     q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
     bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[bias_index])
-    if _direct((do, q, k, v, o, lse, *data)):
-        dq, dk, dv, dbias = _run_bwd(do, q, k, v, o, lse, rng_state, Tensors._make(data), ctx.scalars[_MAXQ],
-                                     ctx.scalars[_MAXK], ctx.options, bias_grad)
+    if _direct((do, q, k, v, o, lse, dlse, *data)):
+        dq, dk, dv, dbias, dsinks = _run_bwd(do, q, k, v, o, lse, rng_state, Tensors._make(data), ctx.scalars[_MAXQ],
+                                             ctx.scalars[_MAXK], ctx.options, bias_grad, dlse)
     else:
         rest = _merge(tuple(data), ctx.scalars)
-        dq, dk, dv, dbias = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad)
-    return dq, dk, dv, (dbias if bias_grad else None)
+        dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad,
+                                         dlse)
+    sinks_grad = data[_SINKS_DATA] is not None and bool(ctx.needs_input_grad[sinks_index])
+    return dq, dk, dv, (dbias if bias_grad else None), (dsinks if sinks_grad else None)
 
 
 def _options_in(scalars: tuple[Any, ...]) -> AttentionOptions:
@@ -270,7 +286,8 @@ def _save(ctx: Any, q: Tensor, k: Tensor, v: Tensor, data: tuple[Any, ...], scal
     ctx.save_for_backward(q, k, v, o, lse, rng_state, *data)
     ctx.scalars = scalars
     ctx.options = opts
-    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.mark_non_differentiable(rng_state)  # lse is differentiable: its gradient enters D (no extra pass)
+    ctx.set_materialize_grads(False)  # an unused o or lse hands the backward None, not zeros
 
 
 def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -279,10 +296,11 @@ def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, T
     _save(ctx, *inputs[:3], _get_tensors(rest), scalars, _options_in(scalars), output)
 
 
-def _op_backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:
-    dq, dk, dv, dbias = _backward_of(ctx, do, _BIAS_INDEX)
+def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: Any) -> tuple[Optional[Tensor], ...]:
+    dq, dk, dv, dbias, dsinks = _backward_of(ctx, do, dlse, _BIAS_INDEX, _SINKS_INDEX)
     grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
     grads[_BIAS_INDEX] = dbias
+    grads[_SINKS_INDEX] = dsinks
     return tuple(grads)
 
 
@@ -297,11 +315,11 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],  # type: ignore[override]
                 alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], attn_bias: Optional[Tensor],
-                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], sinks: Optional[Tensor],
                 scalars: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
         # ctx-style forward, not setup_context: Function.apply binds a setup_context forward's
         # arguments with inspect.signature on every call (tens of microseconds)
-        data = (key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+        data = (key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, sinks)
         opts = _options_in(scalars)
         if _direct((q, k, v, *data)):
             output = _run_fwd(q, k, v, Tensors._make(data), scalars[_MAXQ], scalars[_MAXK], opts)
@@ -311,9 +329,10 @@ class _Attention(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        dq, dk, dv, dbias = _backward_of(ctx, do, 3 + _BIAS_DATA)
-        return dq, dk, dv, None, None, None, dbias, None, None, None
+    def backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor],  # type: ignore[override]
+                 _drng: Any) -> tuple[Optional[Tensor], ...]:
+        dq, dk, dv, dbias, dsinks = _backward_of(ctx, do, dlse, 3 + _BIAS_DATA, 3 + _SINKS_DATA)
+        return dq, dk, dv, None, None, None, dbias, None, None, dsinks, None
 
 
 def _apply(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensors: Tensors,
@@ -456,8 +475,8 @@ def _probs_dense(q: Tensor, k: Tensor, lse: Tensor, keep: Optional[Tensor], soft
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, *,
-                    key_padding_mask: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
+                    return_attn_probs: bool = False, *, key_padding_mask: Optional[Tensor] = None,
+                    sinks: Optional[Tensor] = None, return_lse: bool = False) -> Union[Tensor, tuple[Tensor, ...]]:
     """FlashAttention in flash-attn's layout and signature, differentiable.
 
     Args:
@@ -475,16 +494,21 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         return_attn_probs: also return ``softmax_lse`` [B, H, Nq] and ``S_dmask`` (see :func:`attn_probs`;
             for testing only: it is N x N).
         key_padding_mask: bool [B, Nk], True = the key takes part (a fagen addition, keyword-only).
+        sinks: fp32 [H], attention sinks (keyword-only): one logit per query head that joins every
+            row's softmax denominator and contributes no value; lse includes it; differentiable.
+        return_lse: also return ``softmax_lse`` (keyword-only), differentiable like ``out``.
 
-    Returns ``out`` [B, Nq, H, d], or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs``.
+    Returns ``out`` [B, Nq, H, d], ``(out, softmax_lse)`` with ``return_lse``, or ``(out, softmax_lse,
+    S_dmask)`` with ``return_attn_probs``; ``softmax_lse`` [B, H, Nq] takes a gradient.
     """
-    _check_tensors(q=q, k=k, v=v, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes)
+    _check_tensors(q=q, k=k, v=v, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes, sinks=sinks)
     want_probs = F.validate_flag("return_attn_probs", return_attn_probs)
+    want_lse = F.validate_flag("return_lse", return_lse)
     opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                window_size=window_size, softcap=softcap, deterministic=deterministic)
-    o, lse, rng_state = _apply(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes))
+    o, lse, rng_state = _apply(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes, sinks=sinks))
     if not want_probs:
-        return o
+        return (o, lse) if want_lse else o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          key_padding_mask=key_padding_mask)
@@ -496,25 +520,30 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                           return_attn_probs: bool = False) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
+                           return_attn_probs: bool = False, *, sinks: Optional[Tensor] = None,
+                           return_lse: bool = False) -> Union[Tensor, tuple[Tensor, ...]]:
     """flash-attn's packed-sequence attention, differentiable.
 
     q: [total_q, H, d], k, v: [total_k, H_kv, d] -- sequence b is rows
     ``cu_seqlens[b]:cu_seqlens[b+1]``; cu_seqlens_q/k: int32 [B + 1] on q's device (0 first,
     non-decreasing, last = total; lengths 0 allowed); max_seqlen_q/k: ints at least every length.
     Causal, window and ALiBi are aligned bottom-right per sequence. The other arguments as
-    :func:`flash_attn_func`. Returns ``out`` [total_q, H, d], or ``(out, softmax_lse [H, total_q],
-    S_dmask [B, H, max_seqlen_q, max_seqlen_k])`` with ``return_attn_probs``.
+    :func:`flash_attn_func` (``sinks`` and ``return_lse`` keyword-only). Returns ``out`` [total_q, H, d],
+    ``(out, softmax_lse [H, total_q])`` with ``return_lse``, or ``(out, softmax_lse, S_dmask [B, H,
+    max_seqlen_q, max_seqlen_k])`` with ``return_attn_probs``.
     """
-    _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                   sinks=sinks)
     want_probs = F.validate_flag("return_attn_probs", return_attn_probs)
+    want_lse = F.validate_flag("return_lse", return_lse)
     _check_max_seqlen(max_seqlen_q, max_seqlen_k)
     opts = AttentionOptions.of(causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                window_size=window_size, softcap=softcap, deterministic=deterministic)
     o, lse, rng_state = _apply(q, k, v, opts, Tensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                                      cu_seqlens_k=cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+                                                      cu_seqlens_k=cu_seqlens_k, sinks=sinks),
+                               max_seqlen_q, max_seqlen_k)
     if not want_probs:
-        return o
+        return (o, lse) if want_lse else o
     s_dmask = attn_probs(q, k, lse, rng_state, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -681,7 +710,7 @@ def _causal_bias(attn_mask: Any, is_causal: bool, Nq: int, Nk: int) -> Optional[
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False, *, sinks: Optional[Tensor] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with its layout and semantics.
 
     query [..., H, Nq, d], key/value [..., H_kv, Nk, d] (3-D [H, N, d] included; H_kv = H unless
@@ -693,16 +722,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     reads it, with no N x N mask. Other tensor subclasses are refused. A bool mask may be combined
     with ``is_causal`` (torch refuses). A query row that may attend to no key gets 0 (and zero
     gradients), as torch's fused CUDA kernels and its math backend return. Empty inputs (any
-    size 0) give the empty or zero results torch gives.
+    size 0) give the empty or zero results torch gives. ``sinks`` (keyword-only, fp32 [H]):
+    attention sinks, as :func:`flash_attn_func`'s.
     """
     if attn_mask is not None and type(attn_mask) is not torch.Tensor:
         _check_tensors(query=query, key=key, value=value)
         _sdpa_check(query, key, value, _bool_arg("enable_gqa", enable_gqa))
         align = _causal_bias(attn_mask, _bool_arg("is_causal", is_causal), query.shape[-2], key.shape[-2])
         if align is not None:
-            return _sdpa(query, key, value, None, dropout_p, True, scale, enable_gqa, align)
+            return _sdpa(query, key, value, None, dropout_p, True, scale, enable_gqa, align, sinks)
         _check_tensors(attn_mask=attn_mask)
-    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "top_left")
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "top_left", sinks)
 
 
 def _bool_arg(name: str, value: Any) -> bool:
@@ -710,8 +740,8 @@ def _bool_arg(name: str, value: Any) -> bool:
 
 
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: Any, is_causal: Any,
-          scale: Any, enable_gqa: Any, causal_align: str) -> Tensor:
-    _check_tensors(query=query, key=key, value=value, attn_mask=attn_mask)
+          scale: Any, enable_gqa: Any, causal_align: str, sinks: Optional[Tensor] = None) -> Tensor:
+    _check_tensors(query=query, key=key, value=value, attn_mask=attn_mask, sinks=sinks)
     enable_gqa = _bool_arg("enable_gqa", enable_gqa)
     is_causal = _bool_arg("is_causal", is_causal)
     _sdpa_check(query, key, value, enable_gqa)
@@ -729,7 +759,7 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
         opts = AttentionOptions.of(causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
                                    causal_align=causal_align)
         o, _lse, _rng = _apply(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), opts,
-                               Tensors(kpm, None, mask, bias))
+                               Tensors(kpm, None, mask, bias, sinks=sinks))
     except (InputError, InputTypeError) as err:
         raise _renamed(err) from None
     return o.transpose(1, 2).reshape(query.shape)

@@ -33,6 +33,16 @@ Backward (no autograd)::
     dS_raw = dS o (1 - tanh^2(scale Q K^T / softcap))   (softcap > 0; else dS)
     dQ = scale * dS_raw K,    dK = scale * dS_raw^T Q
 
+Attention sinks (``sinks`` ``[H]``, one logit per q head): row ``i``'s softmax runs over its
+scores and the sink logit, appended as a column and dropped after the softmax (the sink has no
+value; it is neither scaled, softcapped, biased nor dropped out)::
+
+    lse_i = log(exp(sink_h) + sum_{j: M_ij} exp(S_ij))    (= sink_h for a row with no allowed key)
+    P_ij  = M_ij ? exp(S_ij - lse_i) : 0,    P_i,sink = exp(sink_h - lse_i)
+    d sink_h = -sum_{b, i} P_i,sink D'_i
+
+A gradient of ``lse`` (``dlse``) enters as ``D'_i = D_i - dlse_i`` in ``dS`` (and ``d sink``).
+
 A row with no allowed key has output 0 and ``lse = -inf`` (flash-attn leaves such rows
 undefined or reports lse = +inf; torch SDPA gives NaN for an all-False bool mask row).
 
@@ -272,7 +282,7 @@ class _Problem:
 
     def __init__(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool, key_padding_mask: Any,
                  keep_mask: Any, dropout_p: float, softmax_scale: Any, window_size: Any, softcap: Any,
-                 alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any) -> None:
+                 alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any, sinks: Any = None) -> None:
         q, k, v = _check_qkv(q, k, v)
         self.q, self.k, self.v = q, k, v
         B, Nq, H, d = q.shape
@@ -291,6 +301,15 @@ class _Problem:
         self.allowed = allowed if am is None else allowed & am
         self.bias = _broadcast("attn_bias", attn_bias, full, boolean=False, device=dev)
         self.slopes = _check_slopes(alibi_slopes, B, H, dev)
+        self.sinks = None if sinks is None else _as_float_tensor("sinks", sinks, 1).to(dev)
+        if self.sinks is not None and tuple(self.sinks.shape) != (H,):
+            raise ValueError(f"sinks must have shape [H] = [{H}], got {tuple(self.sinks.shape)}")
+
+    def with_sink(self, lse: torch.Tensor) -> torch.Tensor:
+        """The rows' lse [B, H, Nq] over the scores, with the sink column added (logaddexp)."""
+        if self.sinks is None:
+            return lse
+        return torch.logaddexp(lse, self.sinks[None, :, None].expand_as(lse))
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """[B, Nk, H_kv, x] -> [B, Nk, H, x] (q head h reads kv head h // g)."""
@@ -321,13 +340,17 @@ def _forward_fixed(pr: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     k64, v64 = (pr.expand_kv(t.detach().to(torch.float64)) for t in (pr.k, pr.v))
     _, s = pr.scores(q64, k64)
     lse, p = _softmax(s, pr.allowed)
+    if pr.sinks is not None:  # the sink column joins the normalisation only
+        lse_all = pr.with_sink(lse)
+        p = p * torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(lse - lse_all))[..., None]
+        lse = lse_all
     pdrop = p if pr.zscale is None else p * pr.zscale
     return _pair_sum(pdrop, v64, pr.allowed), lse
 
 
-def _backward_fixed(pr: _Problem, do: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dS [B, H, Nq, Nk])."""
+def _backward_fixed(pr: _Problem, do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    dlse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dS [B, H, Nq, Nk], dsinks [H] or None)."""
     q64 = pr.q.detach().to(torch.float64)
     k64, v64 = (pr.expand_kv(t.detach().to(torch.float64)) for t in (pr.k, pr.v))
     do64, o64, lse64 = (t.detach().to(device=pr.dev, dtype=torch.float64) for t in (do, o, lse))
@@ -342,6 +365,11 @@ def _backward_fixed(pr: _Problem, do: torch.Tensor, o: torch.Tensor,
     if zscale is not None:
         dp = torch.where(zscale > 0, dp * zscale, torch.zeros_like(dp))  # a dropped pair has dP = 0
     D = torch.einsum("bihd,bihd->bhi", do64, o64)
+    if dlse is not None:
+        D = D - dlse.detach().to(device=pr.dev, dtype=torch.float64)
+    dsinks = None
+    if pr.sinks is not None:
+        dsinks = -(torch.exp(pr.sinks[None, :, None] - lse64) * D).sum(dim=(0, 2))
     live = allowed & ~torch.isneginf(lse64)[..., None]  # pairs that take part
     ds = torch.where(live, p * (dp - D[..., None]), torch.zeros_like(p))
     ds_raw = ds
@@ -350,7 +378,7 @@ def _backward_fixed(pr: _Problem, do: torch.Tensor, o: torch.Tensor,
         ds_raw = torch.where(live, ds * (1 - t * t), torch.zeros_like(ds))
     dq = pr.scale * _pair_sum(ds_raw, k64, live)
     dk = pr.scale * _pair_sum(ds_raw.transpose(-1, -2), q64, live.transpose(-1, -2))
-    return dq, pr.reduce_kv(dk), pr.reduce_kv(dv_), ds
+    return dq, pr.reduce_kv(dk), pr.reduce_kv(dv_), ds, dsinks
 
 
 def _reduce_to(full: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -414,14 +442,15 @@ def attention_forward_ref(
     causal_align: str = "bottom_right",
     cu_seqlens_q: Optional[ArrayLike] = None,
     cu_seqlens_k: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 attention forward: return ``(o [B, Nq, H, dv], lse [B, H, Nq])`` (varlen:
     ``o [total_q, H, dv]``, ``lse [H, total_q]``); the module docstring states the equations.
-    ``keep_mask`` is required when ``dropout_p > 0``.
+    ``keep_mask`` is required when ``dropout_p > 0``; ``sinks`` ``[H]``: attention sinks.
     """
     kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, sinks=sinks)
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _forward_fixed(_Problem(q, k, v, **kw))
     q, k, v = _check_qkv(q, k, v, ndim=3)
@@ -446,16 +475,27 @@ def _varlen_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: Optio
     slopes = kw["alibi_slopes"]
     if slopes is not None:
         slopes = _check_slopes(slopes, B, H, dev)
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        sinks = _as_float_tensor("sinks", sinks, 1).to(dev)
     for b, (q0, q1, k0, k1) in enumerate(spans):
         lq, lk = q1 - q0, k1 - k0
-        if lq == 0 or lk == 0:  # no query, or no key: rows fully masked
+        if lq == 0 or lk == 0:  # no query, or no key: rows fully masked (lse = the sink, if any)
             o_ = torch.zeros(lq, H, dv, dtype=torch.float64, device=dev)
             if backward:
+                dsk = None
+                if sinks is not None:  # o = 0, P_sink = 1: d sink = sum of dlse over the rows
+                    dl = grads[3]
+                    dsk = (torch.zeros(H, dtype=torch.float64, device=dev) if dl is None
+                           else dl[:, q0:q1].to(torch.float64).sum(dim=1))
                 yield lq, lk, (torch.zeros(lq, H, q.shape[2], dtype=torch.float64, device=dev),
                                torch.zeros(lk, Hkv, k.shape[2], dtype=torch.float64, device=dev),
-                               torch.zeros(lk, Hkv, dv, dtype=torch.float64, device=dev)), None
+                               torch.zeros(lk, Hkv, dv, dtype=torch.float64, device=dev), dsk), None
             else:
-                yield lq, lk, o_, torch.full((H, lq), -math.inf, dtype=torch.float64, device=dev)
+                lse_ = torch.full((H, lq), -math.inf, dtype=torch.float64, device=dev)
+                if sinks is not None:
+                    lse_ = sinks.to(torch.float64)[:, None].expand(H, lq).clone()
+                yield lq, lk, o_, lse_
             continue
         one = dict(kw)
         one["key_padding_mask"] = None
@@ -469,9 +509,10 @@ def _varlen_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: Optio
             o_, lse_ = _forward_fixed(pr)
             yield lq, lk, o_[0], lse_[0]
         else:
-            do, o, lse = grads
-            dq, dk, dv_, ds = _backward_fixed(pr, do[None, q0:q1], o[None, q0:q1], lse[None, :, q0:q1])
-            yield lq, lk, (dq[0], dk[0], dv_[0]), ds
+            do, o, lse, dlse = grads
+            dq, dk, dv_, ds, dsk = _backward_fixed(pr, do[None, q0:q1], o[None, q0:q1], lse[None, :, q0:q1],
+                                                   None if dlse is None else dlse[None, :, q0:q1])
+            yield lq, lk, (dq[0], dk[0], dv_[0], dsk), ds
 
 
 def attention_backward_ref(
@@ -496,15 +537,18 @@ def attention_backward_ref(
     cu_seqlens_q: Optional[ArrayLike] = None,
     cu_seqlens_k: Optional[ArrayLike] = None,
     bias_requires_grad: bool = False,
+    sinks: Optional[ArrayLike] = None,
+    dlse: Optional[ArrayLike] = None,
 ) -> tuple[torch.Tensor, ...]:
     """Float64 attention backward from the equations (no autograd): return ``(dq, dk, dv)``,
     plus ``dbias`` (float64, ``attn_bias``'s shape: dS summed over its broadcast dims) when
     ``bias_requires_grad``. ``o`` and ``lse`` are the forward outputs (``lse`` may be float32,
-    as kernels store it); the module docstring states the equations.
+    as kernels store it); the module docstring states the equations. With ``sinks`` (``[H]``) the
+    result ends with ``dsinks`` (float64 ``[H]``); ``dlse`` (lse's shape) is a gradient of lse.
     """
     kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, sinks=sinks)
     if bias_requires_grad and attn_bias is None:
         raise ValueError("bias_requires_grad needs attn_bias")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -513,34 +557,43 @@ def attention_backward_ref(
     do = _as_float_tensor("do", do, nd)
     o = _as_float_tensor("o", o, nd)
     lse = _as_float_tensor("lse", lse, nd - 1)
+    if dlse is not None:
+        dlse = _as_float_tensor("dlse", dlse, nd - 1)
+        if tuple(dlse.shape) != tuple(lse.shape):
+            raise ValueError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     expected = {"do": (do, out_shape), "o": (o, out_shape), "lse": (lse, lse_shape)}
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    tail: tuple[torch.Tensor, ...] = ()
     if not varlen:
         pr = _Problem(q, k, v, **kw)
-        dq, dk, dv_, ds = _backward_fixed(pr, do, o, lse)
+        dq, dk, dv_, ds, dsk = _backward_fixed(pr, do, o, lse, dlse)
+        tail = () if dsk is None else (dsk,)
         if not bias_requires_grad:
-            return dq, dk, dv_
-        return dq, dk, dv_, _reduce_to(ds, tuple(torch.as_tensor(attn_bias).shape))
-    dqs, dks, dvs, dss = [], [], [], []
-    for lq, lk, (dq, dk, dv_), ds in _varlen_each(q, k, v, (do, o, lse), cu_seqlens_q, cu_seqlens_k, kw,
-                                                  backward=True):
+            return (dq, dk, dv_) + tail
+        return (dq, dk, dv_, _reduce_to(ds, tuple(torch.as_tensor(attn_bias).shape))) + tail
+    dqs, dks, dvs, dss, dsks = [], [], [], [], []
+    for lq, lk, (dq, dk, dv_, dsk), ds in _varlen_each(q, k, v, (do, o, lse, dlse), cu_seqlens_q, cu_seqlens_k,
+                                                       kw, backward=True):
         dqs.append(dq)
         dks.append(dk)
         dvs.append(dv_)
         dss.append((lq, lk, ds))
+        dsks.append(dsk)
     grads = (torch.cat(dqs), torch.cat(dks), torch.cat(dvs))
+    if sinks is not None:
+        tail = (torch.stack(dsks).sum(dim=0),)
     if not bias_requires_grad:
-        return grads
+        return grads + tail
     mq, mk = max(lq for lq, _, _ in dss), max(lk for _, lk, _ in dss)
     full = torch.zeros(len(dss), q.shape[1], mq, mk, dtype=torch.float64, device=q.device)
     for b, (lq, lk, ds) in enumerate(dss):
         if ds is not None:
             full[b, :, :lq, :lk] = ds[0]
-    return grads + (_reduce_to(full, tuple(torch.as_tensor(attn_bias).shape)),)
+    return grads + (_reduce_to(full, tuple(torch.as_tensor(attn_bias).shape)),) + tail
 
 
 def attention_ref_torch(
@@ -562,8 +615,11 @@ def attention_ref_torch(
     causal_align: str = "bottom_right",
     cu_seqlens_q: Optional[ArrayLike] = None,
     cu_seqlens_k: Optional[ArrayLike] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Plain, autograd-able PyTorch attention (every feature above); returns ``o`` only.
+    ``sinks`` ``[H]``: the sink column is appended to the scores before the softmax and dropped
+    after it (autograd gives its gradient).
 
     Computes ``softmax(softcap(scale Q K^T) + alibi + bias + mask) o Z / (1 - p) @ V`` in the
     input dtype, or in float64 when ``upcast`` (the result is then float64). It measures "the
@@ -574,7 +630,7 @@ def attention_ref_torch(
     """
     kw = dict(causal=causal, key_padding_mask=key_padding_mask, keep_mask=keep_mask, dropout_p=dropout_p,
               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align)
+              attn_mask=attn_mask, attn_bias=attn_bias, causal_align=causal_align, sinks=sinks)
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _torch_fixed(q, k, v, upcast=upcast, **kw)
     q, k, v = _check_qkv(q, k, v, ndim=3)
@@ -591,7 +647,8 @@ def attention_ref_torch(
         lq, lk = q1 - q0, k1 - k0
         if lq == 0 or lk == 0:
             dt = torch.float64 if upcast else v.dtype
-            outs.append(torch.zeros(lq, H, v.shape[2], dtype=dt, device=dev) + 0 * v.sum().to(dt))
+            outs.append(torch.zeros(lq, H, v.shape[2], dtype=dt, device=dev) + 0 * v.sum().to(dt)
+                        + (0 * sinks.sum().to(dt) if sinks is not None else 0))
             continue
         one = dict(kw)
         one["keep_mask"] = (None if keep_mask is None else
@@ -605,7 +662,8 @@ def attention_ref_torch(
 
 def _torch_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, upcast: bool, causal: bool,
                  key_padding_mask: Any, keep_mask: Any, dropout_p: float, softmax_scale: Any, window_size: Any,
-                 softcap: Any, alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any) -> torch.Tensor:
+                 softcap: Any, alibi_slopes: Any, attn_mask: Any, attn_bias: Any, causal_align: Any,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     q, k, v = _check_qkv(q, k, v)
     B, Nq, H, d = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -639,8 +697,13 @@ def _torch_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, upcast: b
     bias = _broadcast("attn_bias", attn_bias, full, boolean=False, device=dev)
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
-    scores = scores.masked_fill(~allowed, -math.inf).masked_fill(~row_any, 0.0)
-    attn = torch.softmax(scores, dim=-1).masked_fill(~row_any, 0.0)
+    if sinks is not None:  # the sink column: appended, softmax, dropped (a row with no key: all sink)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        col = sinks.to(scores.dtype)[None, :, None, None].expand(B, H, Nq, 1)
+        attn = torch.softmax(torch.cat([scores.expand(B, H, Nq, Nk), col], dim=-1), dim=-1)[..., :Nk]
+    else:
+        scores = scores.masked_fill(~allowed, -math.inf).masked_fill(~row_any, 0.0)
+        attn = torch.softmax(scores, dim=-1).masked_fill(~row_any, 0.0)
     if keep_mask is not None:
         z = _as_bool_tensor("keep_mask", keep_mask, full, dev)
         attn = attn.masked_fill(~z, 0.0) / (1.0 - p)

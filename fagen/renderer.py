@@ -130,7 +130,7 @@ def spec_constants(spec: KernelSpec) -> dict[str, Any]:
         "IS_TOP_LEFT": spec.causal_align == "top_left", "HAS_WINDOW": spec.window, "HAS_SOFTCAP": spec.softcap,
         "HAS_ALIBI": spec.alibi, "HAS_ATTN_MASK": spec.attn_mask, "HAS_BIAS": spec.bias,
         "HAS_BIAS_GRAD": spec.bias_grad, "IS_VARLEN": spec.varlen, "IS_DETERMINISTIC": spec.deterministic,
-        "SRAM_BYTES": spec.sram_bytes,
+        "HAS_SINKS": spec.sinks, "SRAM_BYTES": spec.sram_bytes,
     }
 
 

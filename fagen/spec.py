@@ -48,9 +48,9 @@ SEQLEN_MAX = 2**31 - 2**16
 NAME_FLAGS: tuple[tuple[str, str], ...] = (
     ("causal", "causal"), ("key_padding", "kpad"), ("dropout", "dropout"), ("window", "win"), ("softcap", "softcap"),
     ("alibi", "alibi"), ("attn_mask", "mask"), ("bias", "bias"), ("bias_grad", "dbias"), ("varlen", "varlen"),
-    ("deterministic", "det"))
+    ("deterministic", "det"), ("sinks", "sinks"))
 #: Boolean flags that are optional features (a family lists those it implements).
-FLAG_FEATURES = ("window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic")
+FLAG_FEATURES = ("window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic", "sinks")
 
 
 Knobs = tuple[tuple[str, int], ...]
@@ -90,6 +90,8 @@ class KernelSpec(BaseModel):
     bias_grad: bool = Field(False, description="backward also writes dBias (needs bias)")
     varlen: bool = Field(False, description="packed variable-length sequences (cu_seqlens runtime)")
     deterministic: bool = Field(False, description="backward without order-dependent atomics: dQ by a separate dq kernel")
+    sinks: bool = Field(False, description="forward: attention sinks, one fp32 logit per q head in every row's softmax "
+                        "denominator (sinks runtime); the backward needs no flag (lse includes the sink)")
     arch: Arch = "sm_90"
     sram_bytes: int = Field(None, validate_default=True, description="M in bytes; default: the arch's opt-in max")  # type: ignore[assignment]
     block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
@@ -169,6 +171,9 @@ class KernelSpec(BaseModel):
         if self.deterministic and self.direction != "bwd":
             raise _field_error("deterministic", "flags", "deterministic applies to the backward only (every forward "
                                "kernel is deterministic: no atomics); use direction='bwd'", True)
+        if self.sinks and self.direction != "fwd":
+            raise _field_error("sinks", "flags", "sinks applies to the forward only (the backward reads the sink "
+                               "through lse and needs no flag); use direction='fwd'", True)
         if self.causal_align == "top_left" and not (self.causal or self.window or self.alibi):
             raise _field_error("causal_align", "flags", "causal_align='top_left' changes only causal, window or alibi "
                                "kernels; set one of them or keep 'bottom_right'", self.causal_align)
@@ -325,7 +330,7 @@ class KernelSpec(BaseModel):
     def name(self) -> str:
         """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90; a family's
         knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``). Feature flags add
-        ``_tl _win _softcap _alibi _mask _bias _dbias _varlen _det`` after ``_causal _kpad _dropout``."""
+        ``_tl _win _softcap _alibi _mask _bias _dbias _varlen _det _sinks`` after ``_causal _kpad _dropout``."""
         flags = [abbrev for field, abbrev in NAME_FLAGS if getattr(self, field)]
         if self.causal_align == "top_left":
             flags.insert(int(self.causal), "tl")  # right after _causal

@@ -150,7 +150,9 @@ def test_feature_flags_enter_name_and_cache_key() -> None:
     every = base.replace(window=True, softcap=True, alibi=True, attn_mask=True, bias=True, bias_grad=True,
                          varlen=True, deterministic=True, key_padding=True, dropout=True, causal_align="top_left")
     assert every.name.startswith("fa_bwd_d64_fp16_causal_tl_kpad_dropout_win_softcap_alibi_mask_bias_dbias_varlen_det_")
-    assert every.features == frozenset(FLAG_FEATURES) | {"top_left"}
+    assert every.features == frozenset(FLAG_FEATURES) - {"sinks"} | {"top_left"}  # sinks: the forward's flag
+    sinks = KernelSpec(direction="fwd", head_dim=64, causal=True, sinks=True, impl="simt")
+    assert "_causal_sinks_" in sinks.name and sinks.features == {"sinks"}
 
 
 @pytest.mark.parametrize(

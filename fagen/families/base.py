@@ -23,7 +23,7 @@ DEFAULT_NUM_WARPS = 4
 #: Spec features a family must list in ``features`` to take a spec that uses them
 #: (FamilySpec.features): each names a flag (or "top_left" for causal_align, "float64" for the dtype).
 FEATURES = ("top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic",
-            "float64")
+            "float64", "sinks")
 #: Registers per thread the launch bounds leave by default (KernelSpec.min_blocks_per_sm).
 MIN_REGS_PER_THREAD = 128
 

@@ -59,9 +59,9 @@ class MmaFamily(FamilyBase):
     #: Spec features the templates implement (the masking rule's window and top-left alignment, the
     #: score modifications of partials/score_mod.cuh and dBias, varlen's packed sequences; GQA needs no
     #: flag), the bool attn_mask and the deterministic backward (its ``dq`` kernel). The combinations
-    #: ``combination_reason`` declines take SIMT.
+    #: ``combination_reason`` declines take SIMT. Attention sinks: the forward's epilogue.
     features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
-                                          "varlen", "deterministic"})
+                                          "varlen", "deterministic", "sinks"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.

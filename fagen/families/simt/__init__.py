@@ -22,7 +22,7 @@ class SimtFamily(FamilyBase):
     max_block_r: int = 128
     max_block_c: int = 128
     features: frozenset[str] = frozenset({"top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
-                                          "varlen", "deterministic", "float64"})
+                                          "varlen", "deterministic", "float64", "sinks"})
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         return {"strides": smem_strides(fs.head_dim, fs.itemsize, fs.block_c), "acc": acc_type(fs.itemsize)[0]}
