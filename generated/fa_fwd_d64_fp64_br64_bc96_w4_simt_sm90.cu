@@ -1071,21 +1071,15 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             }
         }
         s.alpha[r] = state;
-    }
-    if constexpr (HAS_SINKS) {
-        // Attention sinks: the row's softmax also runs over sinks[h] (no value). lse_i becomes
-        // logaddexp(m_i + log l_i, sink) and O_i's divisor l_i grows by exp(sink - m_i): s.l holds
-        // l_i / o_scale (common.cuh: fa_sink_lse), s.m the new lse, s.alpha stays the row state. A
-        // fully masked row keeps O_i = 0 and gets lse = sink.
-        fa_sync();  // the state pass above wrote s.alpha; every thread read s.m / s.l before
-        const Acc sink = (Acc)sinks[h];
-        for (int r = tid; r < BLOCK_R; r += NUM_THREADS) {
-            const Acc state = s.alpha[r];
+        if constexpr (HAS_SINKS) {
+            // Attention sinks: the row's softmax also runs over sinks[h] (no value). lse_i becomes
+            // logaddexp(m_i + log l_i, sink) and O_i's divisor l_i grows by exp(sink - m_i): s.l
+            // holds l_i / o_scale (partials/common.cuh: fa_sink_lse), s.m the new lse (this thread
+            // owns row r here as above). A fully masked row keeps O_i = 0 and gets lse = sink.
             Acc o_scale = Acc(1);
             const Acc lse_s = state == Acc(1) ? s.m[r] + fa_log(s.l[r]) : (state == Acc(0) ? NEG_INF : state);
-            const Acc lse_r = fa_sink_lse(lse_s, sink, &o_scale);
-            s.m[r] = lse_r;
-            if (state == Acc(1)) s.l[r] = s.l[r] / o_scale;  // o_scale > 0: exp of a finite difference
+            s.m[r] = fa_sink_lse(lse_s, (Acc)sinks[h], &o_scale);
+            if (state == Acc(1)) s.l[r] = s.l[r] / o_scale;  // o_scale >= 0; 0 (underflow): O_i -> 0
         }
     }
     fa_sync();

@@ -217,3 +217,35 @@ def test_sinks_errors_name_the_argument(sinks, error, monkeypatch: pytest.Monkey
     with pytest.raises(error) as err:
         flash_attn_func(q, k, v, sinks=sinks)
     assert err.value.argument == "sinks"
+
+
+# --------------------------------------------------------------------------- racecheck and sanitizer
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_sinks_and_dlse_kernels_run_clean_under_racecheck_and_asan(impl) -> None:
+    """The forward with sinks and every backward role with dlse (GQA, causal with rows that see no
+    key, key padding, lengths inside a tile): no shared-memory race, no access past a tensor, and
+    the plain run's bits."""
+    from fagen.runtime import cpu
+
+    q, k, v = _qkv(1, 40, 24, 2, 1, 16, torch.float16, seed=11)
+    sinks, do, dlse = _sinks(2), torch.randn(1, 40, 2, 16).to(torch.float16), torch.randn(1, 2, 40)
+    kpm = torch.rand(1, 24, generator=torch.Generator().manual_seed(2)) > 0.3
+    kpm[:, 0] = True
+    tile = dict(block_r=16 if impl == "simt" else 32, block_c=16, num_warps=2)
+    flags = dict(head_dim=16, dtype="float16", causal=True, key_padding=True, impl=impl, **tile)
+    fwd, bwd = KernelSpec(direction="fwd", sinks=True, **flags), KernelSpec(direction="bwd", **flags)
+    kw = dict(causal=True, key_padding_mask=kpm, sinks=sinks)
+
+    def run():
+        o, lse = F.attention_forward(q, k, v, spec=fwd, **kw)
+        return (o, lse) + F.attention_backward(do, q, k, v, o, lse, spec=bwd, dlse=dlse, **kw)
+
+    plain = run()
+    with cpu.racecheck() as record:
+        raced = run()
+    assert {"main", "pre", "post"} <= set(record.roles)
+    with cpu.sanitized() as record:
+        checked = run()
+    assert {"main", "pre", "post"} <= set(record.roles)
+    for a, b, c in zip(plain, raced, checked):
+        assert torch.equal(a, b) and torch.equal(a, c)
