@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from .choices import tuned_or_default
 from .abi import is_tensormap
+from .arch import arch_info
 from .errors import InputError, InputTypeError
 from .families import get_family
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
@@ -30,6 +31,7 @@ from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_v
 from .philox import keep_mask
 from .renderer import KernelInfo, kernel_infos
 from .runtime import get_module
+from .settings import get_settings
 from .spec import KernelSpec
 
 __all__ = ["attention_forward", "attention_backward", "forward", "backward", "run_forward", "run_backward",
@@ -51,7 +53,10 @@ def default_arch(device: torch.device) -> str:
         from .runtime.gpu import device_arch
 
         return device_arch(device)
-    return "sm_90"  # the emulator runs any arch; tiles follow sm_90's M
+    emulate = get_settings().emulate_arch  # FAGEN_EMULATE_ARCH: the GPU whose choices CPU tensors take
+    if emulate is None:
+        return "sm_90"  # the emulator runs any arch; tiles follow sm_90's M
+    return arch_info(emulate).cubin_arch  # sm_90a: a 9.0 GPU's sm_90, made arch-specific as on the GPU
 
 
 @functools.lru_cache(maxsize=512)
@@ -107,7 +112,9 @@ def _arch_specific_spec(direction: str, p: Problem, arch: str, flags: dict[str, 
     """On a GPU whose generic arch has an arch-specific target: the default spec for that target
     when the family it picks needs it (takes the spec there, not on the generic arch); else None,
     and the generic arch's spec stands."""
-    special = ARCH_SPECIFIC.get(arch) if p.device.type == "cuda" else None
+    special = ARCH_SPECIFIC.get(arch)
+    if p.device.type != "cuda" and get_settings().emulate_arch != special:
+        special = None  # CPU tensors: only when FAGEN_EMULATE_ARCH names the arch-specific target
     if special is None:
         return None
     try:
@@ -321,6 +328,8 @@ class _Plan:
     lse_ready: bool = True  # the backward's lse is contiguous and of the kernels' dtype
     sinks_copy: bool = False  # sinks need a contiguous copy
     dlse_ready: bool = True  # the backward's dlse (if any) is contiguous float32
+    tma: tuple[str, ...] = ()  # inputs the family reads through tensor maps (address checked per call)
+    tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
 
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
@@ -363,6 +372,8 @@ def _planned(key_of: Callable[[Tensors], tuple[Any, ...]], build: Callable[[Atte
         key = key_of(t) if type(t) is Tensors and type(options) is AttentionOptions else None
     except AttributeError:  # not a tensor: the checks name it
         key = None
+    if key is not None:  # a CPU tensor's spec follows FAGEN_EMULATE_ARCH
+        key = (key, get_settings().emulate_arch)
     key, plan = _lookup(key)
     if plan is None:
         opts, t = _as_options(options), _as_tensors(tensors)
@@ -394,12 +405,14 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
     meta = {"q": _padded_meta(q, p), "k": _padded_meta(k, p), "v": _padded_meta(v, p),
             "o": torch.empty(shape_q, device="meta")}
+    tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v)
+    meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
             "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides)}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
-    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, **common)
+    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, tma=tma, tma_copy=tma_copy, **common)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -420,6 +433,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     p = plan.p
     if p.padded:
         q, k, v = _pad(q, p), _pad(k, p), _pad(v, p)
+    if plan.tma:
+        q, k, v = _tma_ready(plan, q=q, k=k, v=v)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
     if not plan.launches:
@@ -455,6 +470,34 @@ def _dsinks(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, p: Prob
     rows = torch.exp(_sink_rows(sinks.double(), p) - lse.double()) * delta.double()
     dims = (1,) if p.varlen else (0, 2)
     return (-rows.sum(dim=dims)).to(sinks.dtype)
+
+
+def _tma_inputs(spec: KernelSpec, p: Problem, **tensors: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The inputs ``spec``'s family reads through tensor maps (``Family.tma_tensors``), and those
+    of them whose strides no tensor map describes (:func:`fagen.tma.layout_fits`: a dO broadcast
+    over the batch, rows 68 halves apart): the launch passes contiguous copies of these, so a
+    family never raises where another would not. Padded inputs are contiguous copies already."""
+    from .tma import layout_fits
+
+    names = tuple(n for n in get_family(spec.impl).tma_tensors(spec.family_spec) if n in tensors)
+    if p.padded:
+        return names, frozenset()
+    return names, frozenset(n for n in names
+                            if not layout_fits(tensors[n].shape, tensors[n].stride(), tensors[n].element_size()))
+
+
+def _tma_ready(plan: _Plan, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as the plan's tensor maps take them: those in ``plan.tma_copy`` contiguous; one
+    read through a tensor map whose address is not 16-byte aligned (a view at an odd element
+    offset) copied into a fresh tensor of the same strides (the plan's stride arguments hold)."""
+    out = []
+    for name, x in tensors.items():
+        if name in plan.tma_copy:
+            x = x.contiguous()
+        elif name in plan.tma and x.data_ptr() % 16:
+            x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+        out.append(x)
+    return out
 
 
 def _tensor_maps(spec: KernelSpec, kern: KernelInfo, **tensors: torch.Tensor) -> dict[str, Any]:
@@ -570,6 +613,8 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
     shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
     meta = {n: _padded_meta(x, p) for n, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do))}
+    tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v, do=do)
+    meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     meta.update(dq=torch.empty(shape_q, device="meta"), dk=torch.empty(shape_k, device="meta"),
                 dv=torch.empty(shape_k, device="meta"))
     dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None
@@ -579,7 +624,7 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
     launches = tuple((kern, _grid(kern, p)) for kern in _kernels(spec))  # pre, main, (dq,) post
-    return _Plan(spec=spec, launches=launches, args=args, **common)
+    return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, **common)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -603,6 +648,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     bias_grad = bool(bias_requires_grad)
     if p.padded:
         do, q, k, v, o = _pad(do, p), _pad(q, p), _pad(k, p), _pad(v, p), _pad(o, p)
+    if plan.tma:
+        do, q, k, v = _tma_ready(plan, do=do, q=q, k=k, v=v)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # The main kernel writes every element of dK and dV (each K/V block's rows below Nk, every
     # head-dim column, zeros for padded keys and for keys no query sees; GQA: one CTA per K/V

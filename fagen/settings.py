@@ -16,6 +16,7 @@ _ENV = {
     "emu_opt": "FAGEN_EMU_OPT",  # g++ optimisation level of the emulator's plain builds: O0..O3
     "emu_level": "FAGEN_EMU_LEVEL",  # "source" (the CUDA source) or "ptx" (NVRTC's PTX, translated)
     "nvrtc": "FAGEN_NVRTC",  # folder of NVRTC wheels (pip install --target) to compile with
+    "emulate_arch": "FAGEN_EMULATE_ARCH",  # CPU tensors take the specs a GPU of this arch takes (sm_90a, ...)
 }
 EMU_SCHEDULES = ("forward", "reverse")
 EMU_OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -32,6 +33,7 @@ class Settings:
     nvrtc: Path | None = None
     emu_opt: str = "O2"
     emu_level: str = "source"
+    emulate_arch: str | None = None
 
     def __post_init__(self) -> None:
         if self.emu_schedule not in EMU_SCHEDULES:
@@ -40,6 +42,11 @@ class Settings:
             raise ValueError(f"{_ENV['emu_opt']}: expected one of {EMU_OPT_LEVELS}, got {self.emu_opt!r}")
         if self.emu_level not in EMU_LEVELS:
             raise ValueError(f"{_ENV['emu_level']}: expected one of {EMU_LEVELS}, got {self.emu_level!r}")
+        if self.emulate_arch is not None:
+            from .arch import ARCHS
+
+            if self.emulate_arch not in ARCHS:
+                raise ValueError(f"{_ENV['emulate_arch']}: expected one of {tuple(ARCHS)}, got {self.emulate_arch!r}")
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -52,6 +59,7 @@ class Settings:
                    emu_schedule=os.environ.get(_ENV["emu_schedule"]) or "forward",
                    emu_opt=os.environ.get(_ENV["emu_opt"]) or "O2",
                    emu_level=os.environ.get(_ENV["emu_level"]) or "source",
+                   emulate_arch=os.environ.get(_ENV["emulate_arch"]) or None,
                    nvrtc=Path(os.environ[_ENV["nvrtc"]]) if os.environ.get(_ENV["nvrtc"]) else None)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from .errors import InputError, InputTypeError
 
-__all__ = ["TensorMapFields", "tensor_map_fields", "tensor_map_for", "DTYPES", "EMULATOR_MAGIC"]
+__all__ = ["TensorMapFields", "tensor_map_fields", "tensor_map_for", "layout_fits", "DTYPES", "EMULATOR_MAGIC"]
 
 #: dtype name -> (CUtensorMapDataType value, bytes per element).
 DTYPES: dict[str, tuple[int, int]] = {
@@ -93,6 +93,37 @@ def _ints(name: str, value: Any, n: int | None = None) -> tuple[int, ...]:
     return out
 
 
+def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], eb: int) -> tuple[int, ...] | None:
+    """The map's byte strides of dims 1..rank-1 (innermost first), or None where a tensor map cannot
+    have them: each a positive multiple of 16 below 2^40. A dimension of one element is never
+    stepped along (its only in-bounds coordinate is 0), so whatever its stride (torch leaves any
+    value there, 0 included) the map gets the dense one: the span of the dims inside it."""
+    out: list[int] = []
+    inner = eb  # bytes between consecutive elements of the dimension inside the current one
+    for extent_in, extent, stride in zip(reversed(shape[1:]), reversed(shape[:-1]), reversed(strides[:-1])):
+        b = -(-extent_in * inner // 16) * 16 if extent == 1 else stride * eb
+        if b <= 0 or b % 16 or b >= 2**40:
+            return None
+        out.append(b)
+        inner = b
+    return tuple(out)
+
+
+def layout_fits(shape: Sequence[int], strides: Sequence[int], elem_bytes: int, address: int | None = None) -> bool:
+    """Whether a tensor map can describe a tensor of ``shape`` and element ``strides`` (torch order)
+    at ``address`` (None: not checked): the innermost stride 1, the outer ones as
+    :func:`tensor_map_fields` requires (a broadcast dimension, stride 0 over more than one element,
+    does not fit; neither does a row of 68 halves), the address 16-byte aligned. The launchers
+    copy a tensor that does not fit (``Family.tma_tensors``), so no family fails where another
+    would not."""
+    shape_t, strides_t = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+    if not shape_t or len(strides_t) != len(shape_t) or (strides_t[-1] != 1 and shape_t[-1] != 1):
+        return False
+    if address is not None and address % 16:
+        return False
+    return _byte_strides(shape_t, strides_t, elem_bytes) is not None
+
+
 def tensor_map_fields(address: int, dtype: str, shape: Sequence[int], strides: Sequence[int], box: Sequence[int], *,
                       swizzle: int = 0, element_strides: Sequence[int] | None = None,
                       oob_fill: str = "zero") -> TensorMapFields:
@@ -122,10 +153,10 @@ def tensor_map_fields(address: int, dtype: str, shape: Sequence[int], strides: S
         raise InputError("shape", "every extent in [1, 2^32]", shape_t)
     if strides_t[-1] != 1:
         raise InputError("strides", "a contiguous innermost dimension (last stride 1)", strides_t)
-    byte_strides = tuple(s * eb for s in reversed(strides_t[:-1]))  # dims 1..rank-1, innermost first
-    if any(b <= 0 or b % 16 or b >= 2**40 for b in byte_strides):
-        raise InputError("strides", "outer strides positive, multiples of 16 bytes and below 2^40 bytes",
-                         tuple(strides_t))
+    byte_strides = _byte_strides(shape_t, strides_t, eb)
+    if byte_strides is None:
+        raise InputError("strides", "outer strides positive, multiples of 16 bytes and below 2^40 bytes "
+                         "(a dimension of one element: any)", tuple(strides_t))
     if any(not 1 <= b <= 256 for b in box_t):
         raise InputError("box", "every extent in [1, 256]", box_t)
     if any(not 1 <= e <= 8 for e in es_t):

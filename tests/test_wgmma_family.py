@@ -109,12 +109,15 @@ def test_tensor_maps_of_the_launch() -> None:
     assert MMA.tensor_maps(FamilySpec("fwd", 64, "float16", "sm_90"), FWD_MAIN, {}) == {}
 
 
-def test_unaligned_strides_are_an_input_error_naming_them() -> None:
+def test_strides_a_tensor_map_cannot_take_are_copied_not_refused() -> None:
+    """mma takes any row stride, so this family does too: an input whose rows are not a multiple
+    of 16 bytes apart is copied for its tensor map (tests/test_wgmma_inputs.py: every such layout)."""
     spec = _spec()
     q = torch.randn(1, 64, 1, 72, dtype=torch.float16)[..., :64]  # row stride 72 elements: 144 bytes, fine
     k = torch.randn(1, 64, 1, 68, dtype=torch.float16)[..., :64]  # 136 bytes: not a multiple of 16
-    with pytest.raises(ValueError, match="strides"):
-        F.run_forward(spec, q, k, k)
+    o, lse = F.run_forward(spec, q, k, k)
+    want, want_lse = F.run_forward(spec, q, k.contiguous(), k.contiguous())
+    assert torch.equal(o, want) and torch.equal(lse, want_lse)
 
 
 # --------------------------------------------------------------------------- numerics

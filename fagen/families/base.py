@@ -242,6 +242,12 @@ class Family(Protocol):
         launch of ``role``, from the launch's tensors by parameter name (q, k, v, ...); the
         launchers call it only for a role that has such parameters."""
 
+    def tma_tensors(self, fs: FamilySpec) -> tuple[str, ...]:
+        """The launch's input tensors (q, k, v, do) the kernels read through tensor maps: the
+        launchers pass a contiguous copy of one whose layout no tensor map describes
+        (:func:`fagen.tma.layout_fits`: a broadcast, a stride not a multiple of 16 bytes), so a
+        family takes every layout the others take."""
+
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost | None:
         """Autotuner cost of one visited tile pair of ``fs.tile``; ``sass`` is the static opcode mix
         of the main kernel's main loop when the disassembler is installed (the model already derives
@@ -324,6 +330,9 @@ class FamilyBase:
         if any(is_tensormap(ctype) for ctype, _ in role.params):
             raise NotImplementedError(f"{self.name}: role {role.name!r} takes tensor maps but the family builds none")
         return {}
+
+    def tma_tensors(self, fs: FamilySpec) -> tuple[str, ...]:
+        return ()
 
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost | None:
         return None

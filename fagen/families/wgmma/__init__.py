@@ -195,6 +195,9 @@ class WgmmaFamily(FamilyBase):
     def pair_cost(self, fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
         return pair_cost(fs, sass)
 
+    def tma_tensors(self, fs: FamilySpec) -> tuple[str, ...]:
+        return ("q", "k", "v", "do") if fs.direction == "bwd" else ("q", "k", "v")
+
     def tensor_maps(self, fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """The role's tensor-map arguments (:class:`fagen.tma.TensorMapFields`) for the tensors by
         parameter name (q, k, v: [B, N, H, d], head dim contiguous)."""
