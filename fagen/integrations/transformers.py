@@ -11,7 +11,8 @@
   which fagen's kernels read as ``attn_mask``.
 * an **attention function** (``AttentionInterface``) that runs fagen's ``fagen::fwd`` / ``fagen::bwd``
   custom ops on the module's ``[B, H, N, d]`` query/key/value: native GQA (no ``repeat_kv``), the
-  module's ``scaling``, ``dropout`` (training), ``softcap`` and the mask above.
+  module's ``scaling``, ``dropout`` (training), ``softcap``, attention sinks (gpt-oss's ``s_aux``,
+  forward and backward: the parameter gets its gradient) and the mask above.
 
 ``transformers`` is imported only when :func:`register` runs (install ``fagen[transformers]``).
 """
@@ -227,9 +228,14 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if kwargs.get("position_bias") is not None:
         raise InputError("position_bias", "None: attn_implementation='fagen' has no additive position bias "
                          "(use attn_implementation='sdpa' or 'eager' for this model)", "a tensor")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise InputError("s_aux", "None: attn_implementation='fagen' has no attention sinks "
-                         "(use attn_implementation='eager' for this model)", "a tensor")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:  # gpt-oss: one learnable logit per q head (the module's parameter, any float dtype)
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != query.shape[1]:
+            raise InputError("s_aux", f"attention sinks of shape [H] = [{query.shape[1]}] (one logit per query head)",
+                             tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__)
+        sinks = sinks.float()  # fagen takes fp32 sinks; the cast is differentiable (the parameter gets dsinks)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     Nq = q.shape[1]
     opts: dict[str, Any] = dict(causal=False, window_size=(-1, -1), causal_align="top_left")
@@ -242,7 +248,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                      window_size=(attention_mask.window_left, -1))
         out, _lse, _rng = attention(q.reshape(B * Nq, H, d), k.reshape(B * Nq, k.shape[2], d),
                                     v.reshape(B * Nq, v.shape[2], v.shape[3]), packed,
-                                    Tensors(cu_seqlens_q=cu, cu_seqlens_k=cu), max_seqlen_q=Nq, max_seqlen_k=Nq)
+                                    Tensors(cu_seqlens_q=cu, cu_seqlens_k=cu, sinks=sinks), max_seqlen_q=Nq,
+                                    max_seqlen_k=Nq)
         return out.reshape(B, Nq, H, out.shape[-1]), None
     if isinstance(attention_mask, FagenMask):
         if attention_mask.dense is not None:
@@ -269,7 +276,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                          type(attention_mask).__name__)
     cap = 0.0 if softcap is None else float(softcap)
     options = AttentionOptions.of(dropout_p=float(dropout), softmax_scale=scaling, softcap=cap, **opts)
-    out, _lse, _rng = attention(q, k, v, options, Tensors(**data))
+    out, _lse, _rng = attention(q, k, v, options, Tensors(**data, sinks=sinks))
     return out, None
 
 
