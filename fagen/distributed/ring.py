@@ -200,8 +200,25 @@ def _acc_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def add_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """The merged result of every key with the attention sinks added once: lse' = logaddexp(lse,
+    sink_h), o' = o exp(lse - lse') (the sink has no value). A row with no allowed key gets o = 0,
+    lse = the sink. o [B, N, H, d] (fp32), lse [B, H, N]."""
+    new = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None].expand_as(lse))
+    w = torch.where(lse == -math.inf, 0.0, torch.exp(lse - new))
+    return o * w.transpose(1, 2).unsqueeze(-1), new
+
+
+def sink_grad(do: Tensor, o: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """This shard's d sink_h = -sum_{b,i} exp(sink_h - lse_i) rowsum(dO o O)_i (float64 sums in a fixed
+    order). A replicated parameter's gradient: the trainer sums it over the group as it sums the
+    other parameters' (DDP / FSDP)."""
+    D = (do.double() * o.double()).sum(-1).transpose(1, 2)  # [B, H, N]
+    return (-(torch.exp(sinks.double()[None, :, None] - lse.double()) * D).sum(dim=(0, 2))).to(sinks.dtype)
+
+
 def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Tensor],
-                  opts: _Opts) -> tuple[Tensor, Tensor]:
+                  opts: _Opts, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     B, n_local, H, _ = q.shape
     nc = len(ring.chunks(ring.rank))
     csize = n_local // nc
@@ -226,6 +243,8 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Ten
         if xchg is not None:
             held = xchg.wait()
         clock.lap("wait")
+    if sinks is not None:
+        o_acc, lse_acc = add_sinks(o_acc, lse_acc, sinks)
     return o_acc.to(q.dtype), lse_acc
 
 
@@ -277,20 +296,20 @@ def _ring_of(group_name: str, layout: str) -> Ring:
                          **custom_op_tags(torch.Tag.nondeterministic_seeded))
 def _ring_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
               softmax_scale: Optional[float], causal: bool, layout: str,
-              group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+              group_name: str, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     ring = _ring_of(group_name, layout)
     _check_same_shards(ring, q)
     rng_state = draw_rng_state() if dropout_p > 0 else torch.zeros(2, dtype=torch.int64)
     seed, offset = (int(x) for x in rng_state.tolist())
     o, lse = _ring_forward(ring, q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask,
-                           _Opts(causal, dropout_p, softmax_scale, seed, offset))
+                           _Opts(causal, dropout_p, softmax_scale, seed, offset), sinks)
     return o, lse, rng_state
 
 
 @_ring_fwd.register_fake
 def _ring_fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], dropout_p: float,
                    softmax_scale: Optional[float], causal: bool, layout: str,
-                   group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+                   group_name: str, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     B, n, H, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((B, H, n), dtype=_acc_dtype(q)),
             torch.empty((2,), dtype=torch.int64, device="cpu"))
@@ -299,33 +318,38 @@ def _ring_fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[T
 @torch.library.custom_op("fagen::ring_bwd", mutates_args=())
 def _ring_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
               dropout_p: float, softmax_scale: Optional[float], causal: bool, rng_state: Tensor, layout: str,
-              group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+              group_name: str, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     seed, offset = (int(x) for x in rng_state.tolist())
-    return _ring_backward(_ring_of(group_name, layout), do.contiguous(), q.contiguous(), k.contiguous(),
-                          v.contiguous(), o.contiguous(), lse, key_padding_mask,
-                          _Opts(causal, dropout_p, softmax_scale, seed, offset))
+    dq, dk, dv = _ring_backward(_ring_of(group_name, layout), do.contiguous(), q.contiguous(), k.contiguous(),
+                                v.contiguous(), o.contiguous(), lse, key_padding_mask,
+                                _Opts(causal, dropout_p, softmax_scale, seed, offset))
+    dsinks = sink_grad(do, o, lse, sinks) if sinks is not None else q.new_empty((0,))
+    return dq, dk, dv, dsinks
 
 
 @_ring_bwd.register_fake
 def _ring_bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    key_padding_mask: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
-                   rng_state: Tensor, layout: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                   rng_state: Tensor, layout: str, group_name: str,
+                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    q, k, v, kpm, dropout_p, softmax_scale, causal, layout, group_name = inputs
+    q, k, v, kpm, dropout_p, softmax_scale, causal, layout, group_name, *rest = inputs
     o, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, o, lse, kpm, rng_state)
+    ctx.save_for_backward(q, k, v, o, lse, kpm, rng_state, rest[0] if rest else None)
     ctx.args = (dropout_p, softmax_scale, causal, layout, group_name)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Any, ...]:
-    q, k, v, o, lse, kpm, rng_state = ctx.saved_tensors
+    q, k, v, o, lse, kpm, rng_state, sinks = ctx.saved_tensors
     dropout_p, softmax_scale, causal, layout, group_name = ctx.args
-    dq, dk, dv = _ring_bwd(do, q, k, v, o, lse, kpm, dropout_p, softmax_scale, causal, rng_state, layout, group_name)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv, dsinks = _ring_bwd(do, q, k, v, o, lse, kpm, dropout_p, softmax_scale, causal, rng_state, layout,
+                                   group_name, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, (dsinks if sinks is not None else None)
 
 
 _ring_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -365,7 +389,7 @@ def _check_same_shards(ring: Ring, q: Tensor) -> None:
 def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                          softmax_scale: Optional[float] = None, causal: bool = False, *, group: Any = None,
                          layout: str = "contiguous", key_padding_mask: Optional[Tensor] = None,
-                         return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                         return_lse: bool = False, sinks: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``, differentiable.
 
     q: ``[B, N_local, H, d]``, k, v: ``[B, N_local, H_kv, d]`` -- this rank's shard in ``layout``
@@ -376,13 +400,20 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0
     (seed, offset) like :func:`fagen.flash_attn_func` -- ranks whose torch generators agree draw the
     same key -- and keeps exactly the elements :func:`fagen.dropout_keep_mask` of the whole
     sequence keeps. Returns this rank's output shard (and its lse ``[B, H, N_local]`` with
-    ``return_lse``). ``group``: the process group (None = the default group).
+    ``return_lse``). ``group``: the process group (None = the default group). ``sinks``: fp32
+    ``[H]`` attention sinks, as :func:`fagen.flash_attn_func`'s: added once, after the merge over
+    every K/V shard (lse includes them); their gradient is this shard's part (rows held here), which
+    the trainer sums over the group like any replicated parameter's (DDP / FSDP do).
     """
     _check(q, k, v, key_padding_mask, layout)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+                              or tuple(sinks.shape) != (q.shape[2],)):
+        raise InputError("sinks", f"a float32 tensor [H] = [{q.shape[2]}] (one logit per query head)",
+                         getattr(sinks, "shape", type(sinks).__name__))
     p = check_dropout_p(dropout_p)
     if not isinstance(causal, bool):
         raise InputTypeError("causal", "a bool", type(causal).__name__)
     _group_info(group)
     pg = group if group is not None else dist.group.WORLD
-    o, lse, _ = _ring_fwd(q, k, v, key_padding_mask, p, softmax_scale, causal, layout, pg.group_name)
+    o, lse, _ = _ring_fwd(q, k, v, key_padding_mask, p, softmax_scale, causal, layout, pg.group_name, sinks)
     return (o, lse) if return_lse else o

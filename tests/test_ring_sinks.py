@@ -1,0 +1,105 @@
+"""Attention sinks in ring attention (fagen.distributed): two gloo processes on the CPU against
+single-process ``flash_attn_func(..., sinks=...)`` on the whole sequence (causal zigzag with key
+padding, GQA): the output shards, lse and dq, dk, dv, and the sinks' gradient summed over the
+ranks (each rank's is its rows' part); the sink step alone (add_sinks / sink_grad) without processes."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fagen
+from fagen.distributed import ring_flash_attn_func
+from fagen.distributed.ring import add_sinks, merge
+
+import sinkref as S
+
+B, H, HKV, D, N_LOCAL = 1, 2, 1, 16, 6
+
+
+def _inputs(world: int):
+    g = torch.Generator().manual_seed(5)
+    n = world * N_LOCAL
+    q, do = torch.randn(B, n, H, D, generator=g), torch.randn(B, n, H, D, generator=g)
+    k, v = torch.randn(B, n, HKV, D, generator=g), torch.randn(B, n, HKV, D, generator=g)
+    kpm = torch.ones(B, n, dtype=torch.bool)
+    kpm[:, 1:4] = False
+    return q, k, v, do, kpm, torch.tensor([1.5, -0.5])
+
+
+def _zigzag(rank: int, world: int) -> torch.Tensor:
+    c = N_LOCAL // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c,
+                                                                          (2 * world - rank) * c)])
+
+
+def _worker(rank: int, world: int, port: int, cache: str, errfile: str) -> None:
+    os.environ["FAGEN_CACHE_DIR"] = cache
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        q, k, v, do, kpm, sinks = _inputs(world)
+        full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        o, lse = fagen.flash_attn_func(*full[:3], causal=True, key_padding_mask=kpm, sinks=full[3], return_lse=True)
+        o.backward(do)
+        idx = _zigzag(rank, world)
+        shard = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+        s = sinks.clone().requires_grad_()
+        o_l, lse_l = ring_flash_attn_func(*shard, causal=True, layout="zigzag", key_padding_mask=kpm[:, idx],
+                                          sinks=s, return_lse=True)
+        o_l.backward(do[:, idx])
+        torch.testing.assert_close(o_l, o.detach()[:, idx], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse_l.float(), lse.detach()[:, :, idx], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(shard[0].grad, full[0].grad[:, idx], rtol=1e-4, atol=1e-4)
+        dk, dv = shard[1].grad.clone(), shard[2].grad.clone()  # keys held here: their gradients are whole
+        torch.testing.assert_close(dk, full[1].grad[:, idx], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dv, full[2].grad[:, idx], rtol=1e-4, atol=1e-4)
+        dsinks = s.grad.clone()
+        dist.all_reduce(dsinks)  # the trainer's sum over the group
+        torch.testing.assert_close(dsinks, full[3].grad, rtol=1e-4, atol=1e-5)
+    except BaseException:
+        Path(f"{errfile}.{rank}").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ring_sinks_match_single_process(tmp_path: Path) -> None:
+    q, k, v, do, kpm, sinks = _inputs(2)  # build the kernels here: the ranks load them from the cache
+    fagen.flash_attn_func(q, k, v, causal=True, key_padding_mask=kpm, sinks=sinks)
+    errfile = str(tmp_path / "err")
+    try:
+        mp.spawn(_worker, args=(2, _free_port(), os.environ["FAGEN_CACHE_DIR"], errfile), nprocs=2, join=True)
+    except Exception:
+        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
+        pytest.fail("\n".join(msgs) or "a ring process failed")
+
+
+def test_add_sinks_after_merging_equals_the_sink_softmax() -> None:
+    """Two partial results over disjoint keys, merged by lse, then the sink added once: the softmax
+    over every key and the sink (the oracle); rows with no key in either part: o = 0, lse = sink."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 5, 2, 8, generator=g), torch.randn(1, 9, 2, 8, generator=g), torch.randn(1, 9, 2, 8,
+                                                                                                        generator=g)
+    sinks = torch.tensor([0.3, 2.0])
+    kpm = torch.ones(1, 9, dtype=torch.bool)
+    o1, l1 = S.attention(q, k[:, :4], v[:, :4], kpm=kpm[:, :4], dtype=torch.float64)
+    o2, l2 = S.attention(q, k[:, 4:], v[:, 4:], kpm=kpm[:, 4:], dtype=torch.float64)
+    o, lse = add_sinks(*merge(o1, l1, o2, l2), sinks)
+    o64, lse64 = S.attention(q, k, v, sinks=sinks, dtype=torch.float64)
+    torch.testing.assert_close(o, o64)
+    torch.testing.assert_close(lse, lse64)
+    dead_o, dead_lse = add_sinks(torch.zeros(1, 5, 2, 8), torch.full((1, 2, 5), -float("inf")), sinks)
+    assert (dead_o == 0).all() and torch.equal(dead_lse, sinks[None, :, None].expand(1, 2, 5))
