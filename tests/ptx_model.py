@@ -59,9 +59,7 @@ def round_f32(v: Fraction, mode: str, zero_sign: int = 0) -> int:
             up = (mode == "rp" and v > 0) or (mode == "rm" and v < 0)
         return bits32(math.copysign(math.inf if up else big, float(v)))
     lo, hi = _neighbours(v)
-    if lo == hi:
-        r = lo
-    elif mode == "rm":
+    if lo == hi or mode == "rm":
         r = lo
     elif mode == "rp":
         r = hi

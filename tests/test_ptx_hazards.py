@@ -18,7 +18,12 @@ import pytest
 
 from fagen import renderer
 from fagen.emulator import EmulatorDeadlockError, EmulatorError, KernelSig
-from fagen.emulator.ptx import PtxHazardError, PtxUnsupportedError, build_ptx, ptx_of_source
+from fagen.emulator.ptx import (
+    PtxHazardError,
+    PtxUnsupportedError,
+    build_ptx,
+    ptx_of_source,
+)
 
 _KERNEL = r"""
 // D (64 x 8, f32) = A (64 x 16, f16, registers) x B (16 x 8, f16, shared, K-major, no swizzle)

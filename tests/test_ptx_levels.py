@@ -103,7 +103,7 @@ def test_every_form_of_the_shipped_kernels_translates(flags: dict) -> None:
 
 def _doc_table() -> str:
     text = (ROOT / "docs/emulator.md").read_text()
-    m = re.search(r"<!-- ptx-forms:begin -->\n(.*?)\n<!-- ptx-forms:end -->", text, re.S)
+    m = re.search(r"<!-- ptx-forms:begin -->\n(.*?)\n<!-- ptx-forms:end -->", text, re.DOTALL)
     assert m, "docs/emulator.md lacks the <!-- ptx-forms:begin --> ... <!-- ptx-forms:end --> table"
     return m.group(1)
 

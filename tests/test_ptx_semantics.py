@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import ptx_model as M
 import pytest
 
-import ptx_model as M
 from fagen.emulator import KernelSig
 from fagen.emulator.ptx import build_ptx
 

@@ -7,5 +7,15 @@ from .build import PtxModule, build_ptx, build_source_ptx, ptx_of_source
 from .errors import PtxHazardError, PtxUnsupportedError
 from .translate import FORMS, TRANSLATOR_VERSION, forms_table, translate
 
-__all__ = ["PtxModule", "build_ptx", "build_source_ptx", "ptx_of_source", "PtxHazardError", "PtxUnsupportedError",
-           "FORMS", "TRANSLATOR_VERSION", "forms_table", "translate"]
+__all__ = [
+           "FORMS",
+           "TRANSLATOR_VERSION",
+           "PtxHazardError",
+           "PtxModule",
+           "PtxUnsupportedError",
+           "build_ptx",
+           "build_source_ptx",
+           "forms_table",
+           "ptx_of_source",
+           "translate",
+]

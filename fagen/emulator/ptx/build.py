@@ -19,7 +19,14 @@ from pathlib import Path
 
 from ... import cache
 from ...nvrtc import headers_digest
-from ..builder import _compile, _default_cache_dir, _is_valid, _prelude_header, _support_text, compile_flags
+from ..builder import (
+    _compile,
+    _default_cache_dir,
+    _is_valid,
+    _prelude_header,
+    _support_text,
+    compile_flags,
+)
 from ..errors import EmulatorBuildError, EmulatorKernelError
 from ..module import EmuModule
 from ..signature import KernelSig, SigLike, as_sig
@@ -28,7 +35,7 @@ from .errors import PtxHazardError, PtxUnsupportedError
 from .translate import TRANSLATOR_VERSION, translate
 
 _log = logging.getLogger("fagen.emulator.builder")
-_memo: dict[tuple[str, str], "PtxModule"] = {}
+_memo: dict[tuple[str, str], PtxModule] = {}
 _memo_lock = threading.Lock()
 
 #: g++ flags of PTX builds beyond the plain ones: NVVM already optimised the code, and the

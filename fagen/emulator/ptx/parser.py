@@ -191,7 +191,7 @@ def parse_inst(st: Stmt) -> Inst:
 
 _ENTRY = re.compile(r"(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)\s*\(")
 _FUNC = re.compile(r"(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.func\b")
-_VAR = re.compile(r"^(\.extern\s+|\.visible\s+|\.weak\s+)*\.(global|const|shared)\s+(.*)$", re.S)
+_VAR = re.compile(r"^(\.extern\s+|\.visible\s+|\.weak\s+)*\.(global|const|shared)\s+(.*)$", re.DOTALL)
 
 
 def _line_of(text: str, pos: int) -> int:

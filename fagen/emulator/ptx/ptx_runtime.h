@@ -367,22 +367,9 @@ inline void mma(float* d, const float* c, const uint32_t* a, const uint32_t* b, 
     abort_block(FAGEN_EMU_KERNEL_ERROR);
 }
 
-// Per-thread wgmma register tracking: for each register tuple (an accumulator list or an A
-// fragment) of a wgmma site, the commit group that holds it in flight (-1: none), the line of
-// the wgmma that put it there, and whether a register of it was accessed since the thread's last
-// wgmma.fence. The translator sizes it (tuples) and emits the checks.
-struct WgTrack {
-    int group[64];
-    int line[64];
-    bool touched[64];
-    int commits;
-    int inflight;  // tuples in flight (0: the fast path of every check)
-};
-inline void wg_reset(WgTrack& t) {
-    for (int i = 0; i < 64; ++i) t.group[i] = -1, t.line[i] = 0, t.touched[i] = false;
-    t.commits = 0;
-    t.inflight = 0;
-}
+// The per-thread wgmma register tracking (the commit group each register tuple of a wgmma is in
+// flight in, the line of that wgmma, the line of the last access since wgmma.fence) is a local
+// struct of each translated entry, sized by the translator (translate.py, _wgmma).
 
 }  // namespace px
 }  // namespace fagen_emu

@@ -78,7 +78,7 @@ class Form:
 #: Every instruction form the translator accepts; docs/emulator.md's table is made from it
 #: (:func:`forms_table`). A form outside it is a PtxUnsupportedError.
 FORMS: list[Form] = []
-_HANDLERS: dict[str, Callable[["_Fn", Inst], str]] = {}
+_HANDLERS: dict[str, Callable[[_Fn, Inst], str]] = {}
 
 
 def _handler(base: str, modifiers: str, semantics: str, *names: str):
@@ -632,7 +632,7 @@ def _setp(fn: _Fn, inst: Inst) -> str:
     if t in _FLOAT_TYPES and "ftz" in rest:
         x, y = f"fagen_emu::px::ftz({x})", f"fagen_emu::px::ftz({y})"
     if t in _FLOAT_TYPES:
-        nan = f"(fagen_emu::px::isnan_(x_) || fagen_emu::px::isnan_(y_))"
+        nan = "(fagen_emu::px::isnan_(x_) || fagen_emu::px::isnan_(y_))"
         if cmp in _CMP and cmp not in ("lo", "ls", "hi", "hs"):
             c = f"(!{nan} && (x_ {_CMP[cmp]} y_))"
         elif cmp in _UCMP:
@@ -1216,7 +1216,7 @@ def _tmap_operand(fn: _Fn, op: str, rank: int) -> tuple[str, str]:
 def _mbar(fn: _Fn, inst: Inst) -> str:
     mods = _check(fn, inst, {"init", "arrive", "expect_tx", "try_wait", "test_wait", "parity", "release",
                              "acquire", "cta", "shared", "shared::cta", "b64"})
-    bar = lambda op: f"reinterpret_cast<unsigned long long*>({fn.host(op, 'shared')})"  # noqa: E731
+    bar = lambda op: f"reinterpret_cast<unsigned long long*>({fn.host(op, 'shared')})"
     if "init" in mods:
         _nops(fn, inst, 2)
         return f"fagen_emu::hopper::mbar_init({bar(inst.operands[0])}, unsigned({fn.src(inst.operands[1], 'u32')}), {fn.site()});"
@@ -1249,7 +1249,6 @@ def _mbar(fn: _Fn, inst: Inst) -> str:
           "retires it; every access of an in-flight accumulator or A-fragment register is a PtxHazardError, "
           "and so is a wgmma issued after an access of its registers without `wgmma.fence`")
 def _wgmma(fn: _Fn, inst: Inst) -> str:
-    p = inst.parts
     if inst.opcode == "wgmma.fence.sync.aligned":
         return f"fagen_emu::hopper::wgmma_fence({fn.site()}); for (int i_ = 0; i_ < {max(len(fn.tuples), 1)}; ++i_) wgt.touched_line[i_] = 0;"
     if inst.opcode == "wgmma.commit_group.sync.aligned":
@@ -1477,7 +1476,6 @@ def _globals(mod: Module) -> tuple[list[str], dict[str, str], dict[str, int]]:
     decls: list[str] = []
     addrs: dict[str, str] = {}
     shared: dict[str, int] = {}
-    static_off = 0
     for gv in mod.globals:
         if gv.space == "shared":
             if gv.extern:
