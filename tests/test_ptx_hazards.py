@@ -7,7 +7,10 @@ A hand-written register-A wgmma kernel, compiled by NVRTC for compute_90a and ru
   stmatrix, the CTA and the warp;
 * MODE 2: the accumulator stored to global memory before the wait -> PtxHazardError;
 * MODE 3: the A fragment rewritten after ``wgmma.fence`` and before the wgmma -> PtxHazardError
-  (a wgmma issued without a fence after its registers were accessed).
+  (a wgmma issued without a fence after its registers were accessed);
+* MODE 4: warp 0 waits at one ``wgmma.wait_group`` and the other warps at another: the
+  ``.sync.aligned`` instruction is not executed together by the warpgroup -> a divergence error
+  naming both PTX lines.
 Plus: a divergent ``bar.sync`` (two PTX lines) is a divergence error naming the PTX lines, and an
 unknown instruction is a PtxUnsupportedError naming the opcode and line.
 """
@@ -58,7 +61,11 @@ extern "C" __global__ void hz(const unsigned* ain, const __half* b, float* out, 
 #if MODE == 2
     for (int i = 0; i < 4; ++i) early[4 * t + i] = d[i];      // accumulator still in flight
 #endif
+#if MODE == 4
+    if (warp == 0) fa_wgmma_wait_group<0>(); else fa_wgmma_wait_group<1>();   // not .aligned
+#else
     fa_wgmma_wait_group<0>();
+#endif
 #if MODE != 1
     fa_stmatrix_x4(sa + lane * 8 + warp * 512, a);            // the corrected order: after the wait
 #endif
@@ -150,6 +157,15 @@ def test_accumulator_read_before_the_wait_is_a_hazard() -> None:
 def test_wgmma_without_fence_after_its_registers_were_written_is_a_hazard() -> None:
     with pytest.raises(PtxHazardError, match="issued without wgmma.fence after its A fragment registers were accessed"):
         _launch(3)
+
+
+def test_wait_group_not_executed_together_by_the_warpgroup_names_both_ptx_lines() -> None:
+    ptx, _ = _module(4)
+    lines = [i for i, t in enumerate(ptx.splitlines(), 1) if "wgmma.wait_group.sync.aligned" in t]
+    assert len(lines) == 2
+    with pytest.raises(EmulatorDeadlockError, match=r"divergent warpgroup collective") as info:
+        _launch(4)
+    assert all(f".ptx:{n}" in str(info.value) for n in lines)
 
 
 def test_hazard_error_is_an_emulator_error() -> None:

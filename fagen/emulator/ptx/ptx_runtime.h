@@ -367,6 +367,15 @@ inline void mma(float* d, const float* c, const uint32_t* a, const uint32_t* b, 
     abort_block(FAGEN_EMU_KERNEL_ERROR);
 }
 
+// wgmma.fence / commit_group / wait_group are .sync.aligned: every thread of the warpgroup executes
+// the same instruction. A warpgroup rendezvous whose signature holds the PTX line: threads at a
+// different line (or kind) are a "divergent warpgroup collective" naming both PTX lines.
+inline void wg_aligned_noop(void* const*) {}
+inline void wg_aligned(unsigned kind, const char* name, const char* file, int line) {
+    hopper::warpgroup_collective(nullptr, &wg_aligned_noop, uint64_t(unsigned(line)) << 8 | kind, name, name, file,
+                                 line);
+}
+
 // The per-thread wgmma register tracking (the commit group each register tuple of a wgmma is in
 // flight in, the line of that wgmma, the line of the last access since wgmma.fence) is a local
 // struct of each translated entry, sized by the translator (translate.py, _wgmma).

@@ -25,7 +25,7 @@ from .errors import PtxUnsupportedError
 from .parser import Entry, Inst, Module, Stmt, parse_inst, parse_module, type_size
 
 #: Bumped whenever the generated C++ for the same PTX changes (part of the build cache key).
-TRANSLATOR_VERSION = "1"
+TRANSLATOR_VERSION = "2"
 
 # PTX register / instruction type -> C++ storage type of a register of that type.
 _STORE = {"pred": "bool", "b8": "uint16_t", "u8": "uint16_t", "s8": "uint16_t",
@@ -1250,12 +1250,15 @@ def _mbar(fn: _Fn, inst: Inst) -> str:
           "and so is a wgmma issued after an access of its registers without `wgmma.fence`")
 def _wgmma(fn: _Fn, inst: Inst) -> str:
     if inst.opcode == "wgmma.fence.sync.aligned":
-        return f"fagen_emu::hopper::wgmma_fence({fn.site()}); for (int i_ = 0; i_ < {max(len(fn.tuples), 1)}; ++i_) wgt.touched_line[i_] = 0;"
+        return f"fagen_emu::px::wg_aligned(1, \"wgmma.fence.sync.aligned\", {fn.site()}); fagen_emu::hopper::wgmma_fence({fn.site()}); for (int i_ = 0; i_ < {max(len(fn.tuples), 1)}; ++i_) wgt.touched_line[i_] = 0;"
     if inst.opcode == "wgmma.commit_group.sync.aligned":
-        return f"fagen_emu::hopper::wgmma_commit({fn.site()}); ++wgt.commits;"
+        return (f"fagen_emu::px::wg_aligned(2, \"wgmma.commit_group.sync.aligned\", {fn.site()}); "
+                f"fagen_emu::hopper::wgmma_commit({fn.site()}); ++wgt.commits;")
     if inst.opcode == "wgmma.wait_group.sync.aligned":
         _nops(fn, inst, 1)
-        out = [f"{{ const int n_ = int({fn.src(inst.operands[0], 'u32')}); fagen_emu::hopper::wgmma_wait(unsigned(n_), {fn.site()});",
+        out = [f"{{ const int n_ = int({fn.src(inst.operands[0], 'u32')}); "
+               f"fagen_emu::px::wg_aligned(3, \"wgmma.wait_group.sync.aligned\", {fn.site()}); "
+               f"fagen_emu::hopper::wgmma_wait(unsigned(n_), {fn.site()});",
                "const int done_ = wgt.commits - n_;"]
         for tup in fn.tuples.values():
             body = [f"wgt.group[{tup.tid}] = -1; --wgt.inflight;"]
