@@ -1810,7 +1810,13 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         any |= wg_shfl_xor_u(any, 2);
         const float nan = NEG_INF * 0.f;
         const bool empty = any == 0u, dead = !empty && m_r[r] == NEG_INF;
-        const float inv = empty ? 0.f : (dead ? nan : 1.f / l);
+        float inv = empty ? 0.f : (dead ? nan : 1.f / l);
+        float lse_r = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
+        if constexpr (HAS_SINKS) {  // attention sinks: as the mma family's epilogue (partials/common.cuh)
+            float o_scale;
+            lse_r = fa_sink_lse(lse_r, sinks[h], &o_scale);
+            if (!empty) inv *= o_scale;
+        }
         const int row = row0 + 8 * r;
         if (row >= seqlen_q) continue;
         T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
@@ -1819,8 +1825,6 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e)
                 o_row[8 * n + 2 * t4 + (e & 1)] = fa_from_float<T>(empty ? 0.f : o_acc[4 * n + e] * inv);
-        if (t4 == 0)
-            lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] =
-                empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
+        if (t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = lse_r;
     }
 }

@@ -6,7 +6,7 @@ dropped out (FA4's learnable_sink: added raw to the row sum in the epilogue; sof
 modification of q.k only; no dropout). Checked against tests/sinkref.py (the sink column appended,
 then dropped) in float64 and with flash-attn's criterion for float16 / bfloat16 on the simt and mma
 families: causal, window, GQA, key padding, dropout, softcap, varlen, Nq != Nk, lengths off the
-tiles, rows that see no key; the wgmma family declines the forward flag (resolves to mma).
+tiles, rows that see no key; the Hopper family's forward (wgmma) with sinks as well.
 """
 from __future__ import annotations
 
@@ -39,10 +39,8 @@ def test_sinks_is_a_forward_flag_every_family_resolves() -> None:
     fwd = KernelSpec(direction="fwd", head_dim=64, causal=True, sinks=True)
     assert fwd.impl == "mma" and fwd.name.startswith("fa_fwd_d64_fp16_causal_sinks_")
     assert KernelSpec(direction="fwd", head_dim=64, dtype="float64", sinks=True).impl == "simt"
-    # the Hopper family declines the flag by name: impl=None resolves to mma on sm_90a
-    assert KernelSpec(direction="fwd", head_dim=64, causal=True, sinks=True, arch="sm_90a").impl == "mma"
-    with pytest.raises(ValueError, match="sinks"):
-        KernelSpec(direction="fwd", head_dim=64, sinks=True, arch="sm_90a", impl="wgmma")
+    # the Hopper family takes the forward flag (its epilogue); its backward needs none
+    assert KernelSpec(direction="fwd", head_dim=64, causal=True, sinks=True, arch="sm_90a").impl == "wgmma"
     with pytest.raises(ValueError, match="forward only"):
         KernelSpec(direction="bwd", head_dim=64, sinks=True)
 
@@ -217,6 +215,34 @@ def test_sinks_errors_name_the_argument(sinks, error, monkeypatch: pytest.Monkey
     with pytest.raises(error) as err:
         flash_attn_func(q, k, v, sinks=sinks)
     assert err.value.argument == "sinks"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wgmma_forward_with_sinks(dtype) -> None:
+    """The Hopper forward (sm_90a, one consumer warpgroup, in the emulator) with sinks, GQA, causal
+    with rows that see no key, lengths off the tiles; the backward from its lse; and the forward clean
+    under racecheck with the plain run's bits."""
+    from fagen.runtime import cpu
+
+    B, Nq, Nk, H, Hkv, d = 1, 70, 45, 2, 1, 64
+    q, k, v = _qkv(B, Nq, Nk, H, Hkv, d, dtype, seed=13)
+    sinks = _sinks(2, seed=3)
+    g = torch.Generator().manual_seed(4)
+    do, dlse = torch.randn(B, Nq, H, d, generator=g).to(dtype), torch.randn(B, H, Nq, generator=g)
+    fwd = KernelSpec(direction="fwd", head_dim=d, dtype=str(dtype)[6:], causal=True, sinks=True, arch="sm_90a",
+                     impl="wgmma", num_warps=4)
+    o, lse = F.run_forward(fwd, q, k, v, sinks=sinks)
+    dq, dk, dv, dsinks = F.attention_backward(do, q, k, v, o, lse, causal=True, sinks=sinks, dlse=dlse)
+    inputs = {"q": q, "k": k, "v": v, "sinks": sinks}
+    o64, lse64, g64 = S.grads(S.attention, inputs, do, dlse, torch.float64, causal=True)
+    o_pt, _, g_pt = S.grads(S.attention, inputs, do, dlse, dtype, causal=True)
+    S.criterion("out", o, o64, o_pt, dtype)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-5, atol=1e-5)
+    for name, ours in (("q", dq), ("k", dk), ("v", dv), ("sinks", dsinks)):
+        S.criterion("d" + name, ours, g64[name], g_pt[name], dtype)
+    with cpu.racecheck():
+        o2, lse2 = F.run_forward(fwd, q, k, v, sinks=sinks)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
 # --------------------------------------------------------------------------- racecheck and sanitizer

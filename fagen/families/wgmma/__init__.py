@@ -79,7 +79,7 @@ class WgmmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
-    features: frozenset[str] = frozenset({"top_left", "window"})
+    features: frozenset[str] = frozenset({"top_left", "window", "sinks"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
