@@ -278,3 +278,51 @@ def test_shfl_sync_against_the_isa_pseudo_code(mod, mode: str) -> None:
         s = slice(32 * w, 32 * w + 32)
         wd, wp = M.shfl(mode, a[s].tolist(), b[s].tolist(), c[s].tolist())
         assert d[s].tolist() == wd and p[s].tolist() == [int(x) for x in wp], f"warp {w}"
+
+
+_MEM = """
+.visible .entry mem(.param .u64 pa, .param .u64 po, .param .u64 pacc, .param .u64 pold)
+{
+    .reg .b32 %r<8>;
+    .reg .f32 %f<12>;
+    .reg .b64 %rd<12>;
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd1, %r1, 16;
+    ld.param.u64 %rd2, [pa];
+    add.s64 %rd3, %rd2, %rd1;
+    ld.global.nc.v4.f32 {%f1, %f2, %f3, %f4}, [%rd3];
+    ld.global.v2.f32 {%f5, %f6}, [%rd3+8];
+    add.f32 %f7, %f1, %f5;
+    ld.param.u64 %rd4, [po];
+    add.s64 %rd5, %rd4, %rd1;
+    st.global.v4.f32 [%rd5], {%f7, %f6, %f2, %f4};
+    ld.param.u64 %rd6, [pacc];
+    red.relaxed.gpu.global.add.v2.f32 [%rd6], {%f1, %f2};
+    atom.global.add.f32 %f8, [%rd6+8], %f3;
+    ld.param.u64 %rd7, [pold];
+    mul.wide.u32 %rd8, %r1, 4;
+    add.s64 %rd9, %rd7, %rd8;
+    st.global.f32 [%rd9], %f8;
+    ret;
+}
+"""
+
+
+def test_vector_loads_stores_and_atomics() -> None:
+    """ld / st .v2 / .v4 (lanes in register order), red.add.v2.f32 and atom.add.f32 (returns the old
+    value; threads run one at a time, in index order, so the old values are the prefix sums)."""
+    ptx = ".version 8.0\n.target sm_90\n.address_size 64\n" + _MEM
+    sig = (("const float*", "a"), ("float*", "o"), ("float*", "acc"), ("float*", "old"))
+    mod = build_ptx(ptx, [KernelSig("mem", sig)])
+    a = (np.arange(4 * 64, dtype=np.float32) % 7).reshape(64, 4)
+    o = np.zeros((64, 4), np.float32)
+    acc = np.zeros(4, np.float32)
+    old = np.zeros(64, np.float32)
+    mod.launch("mem", 1, 64, 0, [a, o, acc, old])
+    np.testing.assert_array_equal(o, np.stack([a[:, 0] + a[:, 2], a[:, 3], a[:, 1], a[:, 3]], 1))
+    np.testing.assert_array_equal(acc[:3], [a[:, 0].sum(), a[:, 1].sum(), a[:, 2].sum()])
+    np.testing.assert_array_equal(old, np.concatenate([[0], np.cumsum(a[:-1, 2])]))
+    from fagen.emulator import EmulatorKernelError
+
+    with pytest.raises(EmulatorKernelError, match=r"red\.add\.v2\.f32 at .*\.ptx:\d+: address .* is not 8-byte aligned"):
+        mod.launch("mem", 1, 64, 0, [a, o, acc[1:], old])
