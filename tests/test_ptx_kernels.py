@@ -169,3 +169,37 @@ def test_mutation_wrong_wgmma_transpose_immediate_is_caught() -> None:
     # the descriptor form's imm-trans-b forced to 1 (MN-major B) whatever the template asks
     mutant = _mutated_forward(spec, '", p, 1, 1, %" #I3 ", %" #I4 ";', '", p, 1, 1, %" #I3 ", 1;')
     assert _forward_error(spec, mutant)
+
+
+@SLOW[0]
+@SLOW[1]
+def test_the_backwards_old_register_a_order_is_a_ptx_hazard() -> None:
+    """templates/wgmma/bwd.cu.j2 once issued dK~ += dS^T Q_i (register A: dsa[kc]) and stored dS^T
+    from those registers with stmatrix before any wgmma.wait_group; rendered in that order and run at
+    the PTX level, the stmatrix is a PtxHazardError (the corrected order runs clean above)."""
+    import gates
+    from fagen import renderer
+    from fagen.emulator.ptx import PtxHazardError
+
+    template = "wgmma/bwd.cu.j2"
+    text = (renderer.templates_dir() / template).read_text()
+    stores_start = "                // dS^T -> smem (stmatrix x4)"
+    issue_start = "                fa_wgmma_fence();\n{% if not DV_EARLY %}"
+    issue_end = "                fa_wgmma_commit_group();\n"
+    s0 = text.index(stores_start)
+    i0 = text.index(issue_start, s0)
+    i1 = text.index(issue_end, i0) + len(issue_end)
+    old_order = text[:s0] + text[i0:i1] + "\n" + text[s0:i0] + text[i1:]
+    fwd, bwd = _specs("wgmma", "sm_90a", "float16", True)
+    old = gates.mutated_module(bwd, template, old_order)
+    q, k, v, do = _inputs(1, 1, 70, 70, 64, "float16")
+    with cpu.ptx():
+        o, lse = F.run_forward(fwd, q, k, v)
+    real = cpu.cpu_module
+    try:
+        cpu.cpu_module = lambda s: old if s == bwd else real(s)
+        with cpu.ptx(), pytest.raises(PtxHazardError, match=r"in the A fragment of the wgmma.mma_async at PTX line "
+                                                             r"\d+, still in flight .*: stmatrix"):
+            F.run_backward(bwd, do, q, k, v, o, lse)
+    finally:
+        cpu.cpu_module = real

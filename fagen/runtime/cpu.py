@@ -161,16 +161,28 @@ class CpuModule:
         self._flags = SCHEDULE_FLAGS[schedule]
         self._builds: dict[tuple[bool, bool], Any] = {}
         self._ptx_build: Any = None
+        self._variant = rendered is not None
 
     def ptx_build(self) -> Any:
         """The spec's PTX-level build (:func:`fagen.emulator.ptx.build_ptx` of NVRTC's PTX for the
         spec's target), made on first use."""
         if self._ptx_build is None:
             from ..compiler import compile as nvrtc_compile
+            from ..compiler import options_for
             from ..emulator.ptx import build_ptx
 
             target = self.spec.arch.replace("sm_", "compute_")
-            text = nvrtc_compile(self.spec, ptx_target=target).cubin
+            if self._variant:  # a variant of the spec's source: its own PTX (not the spec's, cached)
+                from ..errors import CompileError
+                from ..nvrtc import compile_cubin
+
+                res = compile_cubin(self.rendered.source, f"{self.spec.name}.cu", options_for(self.spec, target),
+                                    ptx=True)
+                if not res.ok:
+                    raise CompileError(self.spec.name, res.log)
+                text = res.cubin
+            else:
+                text = nvrtc_compile(self.spec, ptx_target=target).cubin
             self._ptx_build = build_ptx(text, self.rendered.kernels, extra_flags=self._flags)
         return self._ptx_build
 

@@ -1135,8 +1135,8 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
     mods = set(p)
     if tensor:
         rank = next((int(m[0]) for m in p if re.fullmatch(r"[1-5]d", m)), None)
-        if rank is None or rank < 2 or rank > 4:
-            raise fn.unsupported("tensor copies of rank 2-4")
+        if rank is None or rank < 2 or rank > 5:
+            raise fn.unsupported("tensor copies of rank 2-5")
         if "shared::cluster" in mods and "global" in mods and p.index("shared::cluster") < p.index("global"):
             # load: [dst], [tmap, {c}], [mbar]
             if "mbarrier::complete_tx::bytes" not in mods or "tile" not in mods or reduce:
@@ -1188,7 +1188,7 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
 
 
 FORMS.append(Form("cp.async.bulk[.tensor] / cp.reduce.async.bulk[.tensor]",
-                  "tensor `.2d .3d .4d`: `.shared::cluster.global.tile.mbarrier::complete_tx::bytes` (load), "
+                  "tensor `.2d .3d .4d .5d` (the ranks hopper.h emulates): `.shared::cluster.global.tile.mbarrier::complete_tx::bytes` (load), "
                   "`.global.shared::cta.tile.bulk_group` (store; reduce `.add`); non-tensor load "
                   "`.shared::cluster.global.mbarrier::complete_tx::bytes`, store `.global.shared::cta.bulk_group`, "
                   "reduce `.add.f32`; `.commit_group`, `.wait_group[.read] N`",
