@@ -132,6 +132,11 @@ def max_f32(a_bits: int, b_bits: int, *, nan: bool = False, flush: bool = False,
     return a_bits if (a > b) == is_max else b_bits
 
 
+def copysign(a_bits: int, b_bits: int) -> int:
+    """copysign.f32 d, a, b (ISA 9.7.3.x): "copies the sign bit of a into the value of b"."""
+    return (b_bits & 0x7FFFFFFF) | (a_bits & 0x80000000)
+
+
 def f32_to_f16(a_bits: int) -> int:
     """cvt.rn.f16.f32: IEEE round to nearest even (numpy's conversion); NaN -> canonical 0x7fff."""
     if is_nan_bits(a_bits):

@@ -56,6 +56,7 @@ F_BIN = {  # entry -> (instruction, model)
     "sub_rn": ("sub.f32", lambda a, b, c: M.arith_f32("sub", "rn", a, b)),
     "mul_rn": ("mul.rn.f32", lambda a, b, c: M.arith_f32("mul", "rn", a, b)),
     "mul_rz": ("mul.rz.f32", lambda a, b, c: M.arith_f32("mul", "rz", a, b)),
+    "copysign": ("copysign.f32", lambda a, b, c: M.copysign(a, b)),
     "max": ("max.f32", lambda a, b, c: M.max_f32(a, b)),
     "min": ("min.f32", lambda a, b, c: M.max_f32(a, b, is_max=False)),
     "max_nan": ("max.NaN.f32", lambda a, b, c: M.max_f32(a, b, nan=True)),
@@ -185,7 +186,7 @@ def test_float_arithmetic(mod, name: str) -> None:
         g = int(got[i])
         if M.is_nan_bits(want):
             assert M.is_nan_bits(g), f"{name}({a[i]:#x}, {b[i]:#x}, {c[i]:#x}): {g:#x}, want NaN"
-            if name.startswith(("max", "min")):
+            if name.startswith(("max", "min", "copysign")):
                 assert g == want, f"{name}: canonical NaN expected, got {g:#x}"
         else:
             assert g == want, f"{name}({a[i]:#x}, {b[i]:#x}, {c[i]:#x}) = {g:#x}, model {want:#x}"

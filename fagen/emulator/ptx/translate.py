@@ -515,6 +515,20 @@ def _absneg(fn: _Fn, inst: Inst) -> str:
     return fn.dst(d, t, f"([&] {{ const {ct} x_ = {x}; return x_ < 0 ? {ct}({ut}(0) - {ut}(x_)) : x_; }}())")
 
 
+@_handler("copysign", "`.f32 .f64`", "`copysign d, a, b`: b with the sign bit of a (the ISA's operand order, the "
+          "reverse of C's `copysign`); NaN payloads kept")
+def _copysign(fn: _Fn, inst: Inst) -> str:
+    mods = _check(fn, inst, {"f32", "f64"})
+    t = _type_of(fn, inst, mods)
+    _nops(fn, inst, 3)
+    d, a, b = inst.operands
+    if t == "f32":
+        return fn.dst(d, t, f"fagen_emu::px::f32((fagen_emu::px::bits({fn.src(b, t)}) & 0x7fffffffu) | "
+                            f"(fagen_emu::px::bits({fn.src(a, t)}) & 0x80000000u))")
+    return fn.dst(d, t, f"fagen_emu::px::f64((fagen_emu::px::bits({fn.src(b, t)}) & 0x7fffffffffffffffull) | "
+                        f"(fagen_emu::px::bits({fn.src(a, t)}) & 0x8000000000000000ull))")
+
+
 # --------------------------------------------------------------------------- logic and bits
 @_handler("and / or / xor / not / cnot", "`.pred .b16 .b32 .b64`",
           "bitwise (predicates: logical)", "and", "or", "xor", "not", "cnot")
