@@ -100,6 +100,18 @@ def test_every_form_of_the_shipped_kernels_translates(flags: dict) -> None:
         assert set(tr.entries) == {k.name for k in renderer.render(spec).kernels}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("FAGEN_TEST_SLOW"), reason="set FAGEN_TEST_SLOW=1")
+def test_the_whole_generated_matrix_translates() -> None:
+    """Every spec of ``fagen generate --all`` (standard, Hopper and feature matrices)."""
+    from fagen.compiler import compile as nvrtc_compile
+    from fagen.generate import all_specs
+
+    for spec in all_specs():
+        ptx = nvrtc_compile(spec, ptx_target=spec.arch.replace("sm_", "compute_")).cubin.decode()
+        assert set(translate(ptx).entries) == {k.name for k in renderer.render(spec).kernels}, spec.name
+
+
 def _doc_table() -> str:
     text = (ROOT / "docs/emulator.md").read_text()
     m = re.search(r"<!-- ptx-forms:begin -->\n(.*?)\n<!-- ptx-forms:end -->", text, re.DOTALL)
