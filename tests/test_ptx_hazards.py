@@ -202,3 +202,42 @@ def test_unknown_instruction_is_a_typed_error_naming_opcode_and_line() -> None:
     # a known opcode with an unknown modifier is refused too
     with pytest.raises(PtxUnsupportedError, match=r"unsupported PTX add\.sat\.u32 at PTX line 9"):
         build_ptx(ptx.replace("frobnicate.b32 %r2, %r1", "add.sat.u32 %r2, %r1, %r1"), [KernelSig("k", (("float*", "p"),))])
+
+
+_SPLIT_MMA = """
+.version 8.0
+.target sm_80
+.address_size 64
+.visible .entry split(.param .u64 po)
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<8>;
+    .reg .f32 %f<12>;
+    .reg .b64 %rd<4>;
+    mov.u32 %r1, %tid.x;
+    mov.u32 %r2, 0;
+    mov.f32 %f1, 0f00000000;
+    setp.lt.u32 %p1, %r1, 16;
+    @%p1 bra $LOW;
+    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f2, %f3, %f4, %f5}, {%r2, %r2, %r2, %r2}, {%r2, %r2}, {%f1, %f1, %f1, %f1};
+    bra.uni $DONE;
+$LOW:
+    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f2, %f3, %f4, %f5}, {%r2, %r2, %r2, %r2}, {%r2, %r2}, {%f1, %f1, %f1, %f1};
+$DONE:
+    ld.param.u64 %rd1, [po];
+    mul.wide.u32 %rd2, %r1, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    st.global.f32 [%rd3], %f2;
+    ret;
+}
+"""
+
+
+def test_aligned_mma_split_across_two_ptx_lines_is_a_divergence() -> None:
+    """mma.sync.aligned needs every lane at the same instruction: half a warp at each of two
+    mma.sync lines is reported with both lines (the operation alone would agree)."""
+    mod = build_ptx(_SPLIT_MMA, [KernelSig("split", (("float*", "o"),))])
+    first, second = (i for i, t in enumerate(_SPLIT_MMA.splitlines(), 1) if "mma.sync" in t)
+    with pytest.raises(EmulatorDeadlockError, match=rf"mma.sync.aligned is .aligned, but lane 0 executes it at "
+                                                    rf".*\.ptx:{second} and lane 16 at .*\.ptx:{first}"):
+        mod.launch("split", 1, 32, 0, [np.zeros(32, np.float32)])

@@ -15,6 +15,9 @@
 namespace fagen_emu {
 namespace px {
 
+// The PTX file of the module (set by the translated code's static initialiser), for messages.
+inline const char* fagen_ptx_file_name = "?.ptx";
+
 // ------------------------------------------------------------ bit moves
 // A register of type S read (or written) as type D: the same bits when the sizes match, the
 // low bits when D is narrower, extended (sign-extended for a signed S) when D is wider.
@@ -341,12 +344,66 @@ inline uint32_t shfl(uint32_t a, uint32_t b, uint32_t c, uint32_t mask, bool* p,
     return lane.d;
 }
 
-// ------------------------------------------------------------------- mma
+// ------------------------------------------- .aligned warp collectives
+// mma.sync.aligned, ldmatrix.sync.aligned, stmatrix.sync.aligned: every lane of the warp must
+// execute the same instruction (the runtime's collectives only compare the operation). Each lane's
+// payload starts with the primitive's own payload and carries its PTX line; the completing lane
+// checks the lines before running the primitive.
+template <class P>
+struct Aligned {
+    P p;  // first member: the primitive's completion function reads the payload as a P
+    int line;
+};
+template <class P>
+inline void check_aligned(void* const* payloads, unsigned arrived, const char* what) {
+    int first = -1;
+    unsigned first_lane = 0;
+    for (unsigned l = 0; l < 32; ++l) {
+        if (!(arrived >> l & 1u)) continue;
+        const int line = static_cast<const Aligned<P>*>(payloads[l])->line;
+        if (first < 0) {
+            first = line, first_lane = l;
+        } else if (line != first) {
+            begin_message("divergent warp collective");
+            appendf("warp %u: %s is .aligned, but lane %u executes it at %s:%d and lane %u at %s:%d", g.cur->index >> 5,
+                    what, first_lane, fagen_ptx_file_name, first, l, fagen_ptx_file_name, line);
+            abort_block(FAGEN_EMU_DEADLOCK);
+        }
+    }
+}
+template <bool BF16>
+void mma_aligned_complete(void* const* payloads, unsigned arrived) {
+    check_aligned<MmaLane>(payloads, arrived, "mma.sync.aligned");
+    mma_m16n8k16_complete<BF16>(payloads, arrived);
+}
 template <bool BF16>
 inline void mma(float* d, const float* c, const uint32_t* a, const uint32_t* b, const char* file, int line) {
     float acc[4] = {c[0], c[1], c[2], c[3]};
-    mma_m16n8k16<BF16>(acc, a, b, file, line);
+    Aligned<MmaLane> lane{MmaLane{acc, a, b}, line};
+    warp_exchange(0xffffffffu, &lane, &mma_aligned_complete<BF16>,
+                  BF16 ? "mma.sync.aligned.m16n8k16 (bf16)" : "mma.sync.aligned.m16n8k16 (f16)", file, line);
     d[0] = acc[0], d[1] = acc[1], d[2] = acc[2], d[3] = acc[3];
+}
+template <int NUM, bool TRANS>
+void ldmatrix_aligned_complete(void* const* payloads, unsigned arrived) {
+    check_aligned<LdmatrixLane>(payloads, arrived, "ldmatrix.sync.aligned");
+    ldmatrix_complete<NUM, TRANS>(payloads, arrived);
+}
+template <int NUM, bool TRANS>
+inline void ldmatrix(uint32_t* r, const void* row, const char* file, int line) {
+    Aligned<LdmatrixLane> lane{LdmatrixLane{r, row}, line};
+    warp_exchange(0xffffffffu, &lane, &ldmatrix_aligned_complete<NUM, TRANS>, "ldmatrix.sync.aligned", file, line);
+}
+template <int NUM, bool TRANS>
+void stmatrix_aligned_complete(void* const* payloads, unsigned arrived) {
+    check_aligned<hopper::StmatrixLane>(payloads, arrived, "stmatrix.sync.aligned");
+    hopper::stmatrix_complete<NUM, TRANS>(payloads, arrived);
+}
+template <int NUM, bool TRANS>
+inline void stmatrix(void* row, const uint32_t* r, const char* name, const char* file, int line) {
+    hopper::Quiet quiet;
+    Aligned<hopper::StmatrixLane> lane{hopper::StmatrixLane{r, static_cast<unsigned char*>(row), name, file, line}, line};
+    warp_exchange(0xffffffffu, &lane, &stmatrix_aligned_complete<NUM, TRANS>, name, file, line);
 }
 
 // ---------------------------------------------------- PTX-level hazards

@@ -25,7 +25,7 @@ from .errors import PtxUnsupportedError
 from .parser import Entry, Inst, Module, Stmt, parse_inst, parse_module, type_size
 
 #: Bumped whenever the generated C++ for the same PTX changes (part of the build cache key).
-TRANSLATOR_VERSION = "2"
+TRANSLATOR_VERSION = "3"
 
 # PTX register / instruction type -> C++ storage type of a register of that type.
 _STORE = {"pred": "bool", "b8": "uint16_t", "u8": "uint16_t", "s8": "uint16_t",
@@ -1034,7 +1034,8 @@ def _vote(fn: _Fn, inst: Inst) -> str:
 
 @_handler("mma.sync", "`.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32`",
           "shim.h's `mma_m16n8k16` warp collective (fragments of the ISA; each D element C plus 16 exact "
-          "products summed in double, rounded once), with the PTX line as its site", "mma")
+          "products summed in double, rounded once); `.aligned`: lanes at two different PTX lines are a "
+          "divergence error naming both", "mma")
 def _mma(fn: _Fn, inst: Inst) -> str:
     if inst.opcode not in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
                            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
@@ -1055,7 +1056,8 @@ def _mma(fn: _Fn, inst: Inst) -> str:
 
 @_handler("ldmatrix / stmatrix", "`.sync.aligned.m8n8` `.x1 .x2 .x4` `[.trans]` `.shared[::cta].b16`",
           "shim.h's `ldmatrix` / hopper.h's `stmatrix` warp collectives (ISA fragment layout, 16-byte aligned "
-          "rows) at the PTX line", "ldmatrix", "stmatrix")
+          "rows); `.aligned`: lanes at two different PTX lines are a divergence error naming both",
+          "ldmatrix", "stmatrix")
 def _ldmatrix(fn: _Fn, inst: Inst) -> str:
     mods = _check(fn, inst, {"sync", "aligned", "m8n8", "x1", "x2", "x4", "trans", "shared", "shared::cta", "b16"})
     num = next((int(m[1]) for m in mods if m in ("x1", "x2", "x4")), None)
@@ -1066,7 +1068,7 @@ def _ldmatrix(fn: _Fn, inst: Inst) -> str:
     if inst.parts[0] == "ldmatrix":
         d, a = inst.operands
         regs = fn.vec(d)
-        out = [f"{{ uint32_t r_[{num}]; fagen_emu::ldmatrix<{num}, {trans}>(r_, {fn.host(a, 'shared')}, {fn.site()});"]
+        out = [f"{{ uint32_t r_[{num}]; fagen_emu::px::ldmatrix<{num}, {trans}>(r_, {fn.host(a, 'shared')}, {fn.site()});"]
         out += [fn.dst(r, "b32", f"r_[{i}]") for i, r in enumerate(regs)]
         out.append("}")
         return " ".join(out)
@@ -1074,7 +1076,7 @@ def _ldmatrix(fn: _Fn, inst: Inst) -> str:
     regs = fn.vec(s)
     name = f"stmatrix.x{num}{'.trans' if trans == 'true' else ''}"
     return (f"{{ const uint32_t r_[{num}] = {{{', '.join(fn.src(r, 'b32') for r in regs)}}}; "
-            f"fagen_emu::hopper::stmatrix<{num}, {trans}>({fn.host(a, 'shared')}, r_, \"{name}\", {fn.site()}); }}")
+            f"fagen_emu::px::stmatrix<{num}, {trans}>({fn.host(a, 'shared')}, r_, \"{name}\", {fn.site()}); }}")
 
 
 @_handler("elect.sync", "`_|p, membermask` (d unused)",
@@ -1091,12 +1093,13 @@ def _elect(fn: _Fn, inst: Inst) -> str:
 
 
 @_handler("setmaxnreg", "`.inc .dec` `.sync.aligned.u32 N`",
-          "hopper.h's warpgroup collective (N a multiple of 8 in [24, 256], the same in the warpgroup); no "
-          "other effect")
+          "hopper.h's warpgroup collective (N a multiple of 8 in [24, 256], the same in the warpgroup), after "
+          "a warpgroup rendezvous keyed by the PTX line (`.aligned`); no other effect")
 def _setmaxnreg(fn: _Fn, inst: Inst) -> str:
     mods = _check(fn, inst, {"inc", "dec", "sync", "aligned", "u32"})
     _nops(fn, inst, 1)
-    return (f"fagen_emu::hopper::setmaxnreg(int({fn.src(inst.operands[0], 'u32')}), "
+    return (f"fagen_emu::px::wg_aligned(5, \"setmaxnreg.sync.aligned\", {fn.site()}); "
+            f"fagen_emu::hopper::setmaxnreg(int({fn.src(inst.operands[0], 'u32')}), "
             f"{'true' if 'inc' in mods else 'false'}, {fn.site()});")
 
 
@@ -1261,7 +1264,8 @@ def _mbar(fn: _Fn, inst: Inst) -> str:
           "hopper.h's warpgroup wgmma (operands through the descriptors, D at issue in double, rounded once), "
           "the accumulator staged per register tuple and copied into the registers at the `wait_group` that "
           "retires it; every access of an in-flight accumulator or A-fragment register is a PtxHazardError, "
-          "and so is a wgmma issued after an access of its registers without `wgmma.fence`")
+          "and so is a wgmma issued after an access of its registers without `wgmma.fence`; each of the four "
+          "instructions is a warpgroup rendezvous keyed by its PTX line (`.sync.aligned`)")
 def _wgmma(fn: _Fn, inst: Inst) -> str:
     if inst.opcode == "wgmma.fence.sync.aligned":
         return f"fagen_emu::px::wg_aligned(1, \"wgmma.fence.sync.aligned\", {fn.site()}); fagen_emu::hopper::wgmma_fence({fn.site()}); for (int i_ = 0; i_ < {max(len(fn.tuples), 1)}; ++i_) wgt.touched_line[i_] = 0;"
@@ -1326,6 +1330,7 @@ def _wgmma(fn: _Fn, inst: Inst) -> str:
     # C from the registers unless the tuple is in flight (then the pending result chains).
     out.append(f"if (wgt.group[{d_tuple.tid}] < 0) {{ " + " ".join(
         f"wgst_{d_tuple.tid}[{i}] = {fn.src(r, 'f32')};" for i, r in enumerate(dregs)) + " }")
+    out.append(f"fagen_emu::px::wg_aligned(4, \"wgmma.mma_async.sync.aligned\", {fn.site()});")
     out.append(f"fagen_emu::hopper::wgmma({bf16}, {n}, {ta}, {tb}, wgst_{d_tuple.tid}, {a_ptr}, {da}, "
                f"{fn.src(ops[2], 'b64')}, {sd} ? 1 : 0, {fn.site()});")
     for tup in touched:
@@ -1529,7 +1534,9 @@ def translate(ptx: str, ptx_file: str = "kernel.ptx") -> Translation:
         raise PtxUnsupportedError(".address_size", "only 64-bit addressing", 0)
     decls, addrs, shared = _globals(mod)
     out = [f"// translated from PTX by fagen.emulator.ptx (translator {TRANSLATOR_VERSION}; {mod.target})",
-           f'static const char* const fagen_ptx_file = "{ptx_file}";', *decls]
+           f'static const char* const fagen_ptx_file = "{ptx_file}";',
+           "[[maybe_unused]] static const int fagen_ptx_file_set = (fagen_emu::px::fagen_ptx_file_name = fagen_ptx_file, 0);",
+           *decls]
     for e in mod.entries:
         out.append(translate_entry(mod, e, ptx_file, addrs, shared))
     return Translation("\n".join(out) + "\n", [e.name for e in mod.entries],
