@@ -123,3 +123,29 @@ def test_docs_table_of_supported_forms_is_generated_from_the_code() -> None:
     assert _doc_table() == forms_table(), "regenerate: python -c 'from fagen.emulator.ptx import forms_table; " \
                                           "print(forms_table())'"
     assert len(FORMS) >= 30
+
+
+_LOCAL = r"""
+__device__ int table[4] = {3, -1, 4, 1};
+__constant__ float weights[2] = {0.5f, 2.0f};
+extern "C" __global__ void loc(const int* idx, float* out) {
+    float buf[16];                                   // dynamically indexed: a .local depot
+    const int t = threadIdx.x;
+    for (int i = 0; i < 16; ++i) buf[i] = float(i * t);
+    const int j = idx[t] & 15;
+    out[t] = buf[j] * weights[t & 1] + float(table[t & 3]);
+}
+"""
+
+
+def test_local_depot_and_module_variables() -> None:
+    """A dynamically indexed local array (``.local`` depot, ``cvta.local``) and initialised
+    ``.global`` / ``.const`` variables, at the PTX level, against numpy."""
+    mod = build(_LOCAL, [KernelSig("loc", (("const int*", "idx"), ("float*", "out")))], level="ptx", arch="sm_80")
+    assert ".local" in mod.ptx and ".const" in mod.ptx
+    idx = np.random.default_rng(3).integers(0, 1000, 64).astype(np.int32)
+    out = np.zeros(64, np.float32)
+    mod.launch("loc", 1, 64, 0, [idx, out])
+    t = np.arange(64)
+    want = (idx & 15) * t * np.array([0.5, 2.0])[t & 1] + np.array([3, -1, 4, 1])[t & 3]
+    np.testing.assert_array_equal(out, want.astype(np.float32))
