@@ -423,6 +423,7 @@ constexpr int CONSUMER_REGS = 240;  // registers per consumer thread after setma
 constexpr int PRODUCER_REGS = 24;  // registers per producer thread after setmaxnreg.dec
 constexpr int DQ_MT = 1;  // m64 tiles of dQ_i per consumer warpgroup
 constexpr int DQ_COLS = 64;  // head-dim columns of dQ_i per consumer warpgroup
+constexpr int DQ_GROUP = 8;  // fp32 columns per dQ_i staging group (one TMA reduce-add box)
 constexpr bool DV_EARLY = true;  // dV~ += P^T dO_i issued while dP^T is in flight
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
@@ -469,13 +470,18 @@ constexpr int SMEM_DLT_ALIGN = 16;
 static_assert(SMEM_DLT_OFFSET == fa_align_up(SMEM_LSE_OFFSET + SMEM_LSE_COUNT * (int)sizeof(float), SMEM_DLT_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DLT_OFFSET % SMEM_DLT_ALIGN == 0, "smem buffer misaligned");
 constexpr int SMEM_BARS_OFFSET = 181248;
-constexpr int SMEM_BARS_COUNT = 5;
+constexpr int SMEM_BARS_COUNT = 7;
 constexpr int SMEM_BARS_ALIGN = 16;
 static_assert(SMEM_BARS_OFFSET == fa_align_up(SMEM_DLT_OFFSET + SMEM_DLT_COUNT * (int)sizeof(float), SMEM_BARS_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_BARS_OFFSET % SMEM_BARS_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_BYTES = fa_align_up(SMEM_BARS_OFFSET + SMEM_BARS_COUNT * (int)sizeof(unsigned long long), 16);
+constexpr int SMEM_DQC_OFFSET = 181312;
+constexpr int SMEM_DQC_COUNT = 4;
+constexpr int SMEM_DQC_ALIGN = 16;
+static_assert(SMEM_DQC_OFFSET == fa_align_up(SMEM_BARS_OFFSET + SMEM_BARS_COUNT * (int)sizeof(unsigned long long), SMEM_DQC_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_DQC_OFFSET % SMEM_DQC_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_BYTES = fa_align_up(SMEM_DQC_OFFSET + SMEM_DQC_COUNT * (int)sizeof(int), 16);
 constexpr int SMEM_ALIGN = 1024;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 181296, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 181328, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -488,6 +494,7 @@ struct Smem {
     float* lse;
     float* dlt;
     unsigned long long* bars;
+    int* dqc;
 };
 FA_DEVICE Smem smem_carve() {
     unsigned char* base = fa_smem();
@@ -501,6 +508,7 @@ FA_DEVICE Smem smem_carve() {
     s.lse = reinterpret_cast<float*>(base + SMEM_LSE_OFFSET);
     s.dlt = reinterpret_cast<float*>(base + SMEM_DLT_OFFSET);
     s.bars = reinterpret_cast<unsigned long long*>(base + SMEM_BARS_OFFSET);
+    s.dqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);
     return s;
 }
 // ---- the masking rule (fagen/masking.py states the same rule in Python) ----
@@ -887,8 +895,9 @@ FA_DEVICE double fa_sink_lse(double lse_s, double sink, double* o_scale) {
 //   fa_tma_load_{2,3,4}d(smem_dst, tmap, bar, c0, c1[, c2[, c3]])
 //       box at element coordinates (c0 innermost) -> smem, out-of-bounds
 //       elements zero; completes by complete_tx of the box's bytes on bar.
-//   fa_tma_store_{2,3,4}d(tmap, smem_src, c...), fa_tma_reduce_add_{2,3,4}d
-//       smem box -> global (store / add), in-bounds elements only; bulk_group.
+//   fa_tma_store_{2,3,4,5}d(tmap, smem_src, c...), fa_tma_reduce_add_{2,3,4,5}d
+//       smem box -> global (store / add), in-bounds elements only; bulk_group. The map's
+//       outer strides may come in any order (the dQ staging map steps rows before columns).
 //   fa_bulk_commit_group(), fa_bulk_wait_group<N>(), fa_bulk_wait_group_read<N>()
 //   fa_bulk_load(smem_dst, gmem_src, bytes, bar)   cp.async.bulk (non-tensor) global ->
 //       smem, complete_tx on bar; fa_bulk_store(gmem_dst, smem_src, bytes) and
@@ -1265,6 +1274,12 @@ FA_DEVICE void fa_tma_load_4d(void* dst, const FaTensorMap* tmap, unsigned long 
                          FA_TMA_MAP(tmap),                                                                     \
                      "r"(fa_shared_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)                               \
                      : "memory");                                                                              \
+    }                                                                                                          \
+    FA_DEVICE void NAME##_5d(const FaTensorMap* tmap, const void* src, int c0, int c1, int c2, int c3, int c4) { \
+        asm volatile(OP ".5d.global.shared::cta" FA_TMA_##NAME##_MODE " [%0, { %2, %3, %4, %5, %6 }], [%1];\n" :: \
+                         FA_TMA_MAP(tmap),                                                                     \
+                     "r"(fa_shared_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)                      \
+                     : "memory");                                                                              \
     }
 #define FA_TMA_fa_tma_store_MODE ".tile.bulk_group"
 #define FA_TMA_fa_tma_reduce_add_MODE ".add.tile.bulk_group"
@@ -1438,6 +1453,11 @@ FA_DEVICE void fa_tma_load_4d(void* dst, const FaTensorMap* tmap, unsigned long 
                              FAGEN_EMU_SITE) {                                                              \
         const int c[5] = {c0, c1, c2, c3, 0};                                                               \
         fagen_emu::hopper::tma(KIND, 4, const_cast<void*>(src), tmap, nullptr, c, FAGEN_EMU_SITE_ARGS);    \
+    }                                                                                                       \
+    FA_DEVICE void NAME##_5d(const FaTensorMap* tmap, const void* src, int c0, int c1, int c2, int c3,     \
+                             int c4, FAGEN_EMU_SITE) {                                                      \
+        const int c[5] = {c0, c1, c2, c3, c4};                                                              \
+        fagen_emu::hopper::tma(KIND, 5, const_cast<void*>(src), tmap, nullptr, c, FAGEN_EMU_SITE_ARGS);    \
     }
 FA_TMA_OUT(fa_tma_store, fagen_emu::hopper::kTmaStore)
 FA_TMA_OUT(fa_tma_reduce_add, fagen_emu::hopper::kTmaReduceAdd)
@@ -1526,19 +1546,24 @@ namespace fa {
 // Shared memory (fagen.families.wgmma.bwd.smem_layout, swizzled tiles 1024-byte aligned): a tile
 // of R rows x PAD_DIM is PANELS panels of R rows x 128 bytes, each a TMA box with the 128-byte
 // swizzle the wgmma descriptors read; dS^T is BLOCK_R / 64 panels of BLOCK_C key rows x 64 Q
-// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is dense fp32,
-// BLOCK_R x HEAD_DIM (the columns past HEAD_DIM that dK~, dV~ and dQ_i compute are zero, unused).
+// columns (the MN-major A operand of dQ_i = dS K_j); the dQ_i staging tile is fp32, HEAD_DIM / 8
+// groups of BLOCK_R rows x 8 columns (32 bytes): a warp's 8-byte stores of an accumulator fragment
+// (8 consecutive rows x 8 columns) fill 256 contiguous bytes, no bank conflict (a dense BLOCK_R x
+// HEAD_DIM tile put every row on the same banks: 8-way). The dq_accum tensor map steps rows before
+// column groups (fagen.families.wgmma.bwd.dq_staging_view), so one reduce-add takes the whole tile.
+// The columns past HEAD_DIM that dK~, dV~ and dQ_i compute are zero, unused.
 static_assert(sizeof(T) == 2, "wgmma backward: 16-bit operands");
 static_assert(BLOCK_C == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64 K/V rows per consumer warpgroup");
 static_assert(BLOCK_R % 64 == 0 && BLOCK_R <= 256 && PAD_DIM <= 256, "wgmma N extents, m64 tiles of dQ_i");
 static_assert(STAGES >= 2, "Q_i / dO_i pipeline depth (knob 'stages')");
+static_assert(HEAD_DIM % DQ_GROUP == 0, "dQ_i staging groups of DQ_GROUP columns");
 static_assert(DQ_COLS % 64 == 0 && DQ_MT * (BLOCK_R / 64 / DQ_MT) == BLOCK_R / 64 &&
               DQ_MT * DQ_COLS * CONSUMER_WGS == PAD_DIM * BLOCK_R / 64, "dQ_i split over the warpgroups");
 static_assert(SMEM_K_COUNT == BLOCK_C * PAD_DIM && SMEM_V_COUNT == BLOCK_C * PAD_DIM &&
               SMEM_Q_COUNT == STAGES * BLOCK_R * PAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * PAD_DIM &&
               SMEM_DS_COUNT == BLOCK_C * BLOCK_R && SMEM_DQ_COUNT == BLOCK_R * HEAD_DIM &&
               SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DLT_COUNT == STAGES * BLOCK_R &&
-              SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
+              SMEM_BARS_COUNT == 3 + 2 * STAGES && SMEM_DQC_COUNT == 2 * STAGES, "smem layout");
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
@@ -1546,6 +1571,7 @@ constexpr int KV_BYTES = 2 * BLOCK_C * PAD_DIM * 2;            // complete_tx of
 constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * PAD_DIM * 2;     // complete_tx of one Q_i + dO_i slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an "empty" barrier
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
+constexpr int DQ_GROUP_FLOATS = BLOCK_R * DQ_GROUP;            // one staging group: BLOCK_R rows x DQ_GROUP
 constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
 
 // A descriptor moved `elems` 16-bit elements on (a multiple of 8: the start address field, bits
@@ -1753,12 +1779,15 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     T* sdo = reinterpret_cast<T*>(base + SMEM_DOUT_OFFSET);
     T* sds = reinterpret_cast<T*>(base + SMEM_DS_OFFSET);
     float* sdq = reinterpret_cast<float*>(base + SMEM_DQ_OFFSET);
+    int* sdqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);      // [STAGES][2]: a step's (q head, row) until its reduce
     float* slse = reinterpret_cast<float*>(base + SMEM_LSE_OFFSET);  // [STAGES][BLOCK_R]: -lse log2 e (-inf: P = 0)
     float* sdlt = reinterpret_cast<float*>(base + SMEM_DLT_OFFSET);  // [STAGES][BLOCK_R]: scale D
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(base + SMEM_BARS_OFFSET);
     unsigned long long* kv_full = bars;                 // K_j, V_j landed (1 arrival + KV_BYTES)
     unsigned long long* full = bars + 1;                // [STAGES]: slot landed (32 arrivals + QDO_STAGE_BYTES)
     unsigned long long* empty = bars + 1 + STAGES;      // [STAGES]: slot read (CONSUMERS arrivals)
+    unsigned long long* dq_full = bars + 1 + 2 * STAGES;   // dQ_i staged (CONSUMERS arrivals), one phase per step
+    unsigned long long* dq_empty = bars + 2 + 2 * STAGES;  // the staging tile read by the reduce-adds (1 arrival)
 
     // Only the Q blocks whose tiles with this K/V block are not all masked.
     const MaskParams mp = make_mask_params(len_q, len_k, window_left, window_right);
@@ -1772,6 +1801,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             fa_mbarrier_init(&full[st], 32);
             fa_mbarrier_init(&empty[st], CONSUMERS);
         }
+        fa_mbarrier_init(dq_full, CONSUMERS);
+        fa_mbarrier_init(dq_empty, 1);
         fa_fence_barrier_init();
     }
     fa_sync();  // the barriers are initialised for every thread (the last CTA-wide barrier)
@@ -1791,6 +1822,19 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
             const float d_scale = scale;
             unsigned it = 0;  // Q blocks streamed: slot it % STAGES, round it / STAGES (unsigned: shifts and masks)
+            // The leader adds step k's staged dQ_i to dq_accum after issuing the loads of step k + STAGES - 1
+            // (the slot of step k + STAGES frees during step k anyway): one TMA reduce-add whose 5-D box
+            // (DQ_GROUP columns, BLOCK_R rows, HEAD_DIM / DQ_GROUP groups) is the staging tile as it lies,
+            // coordinates kept in shared memory (sdqc[slot of k]: q head, first row) from the step's loads
+            // to its reduce (24 registers hold nothing more).
+            auto dq_reduce = [&](unsigned k) {
+                const int rhq = sdqc[2 * (k % STAGES)], ri0 = sdqc[2 * (k % STAGES) + 1];
+                fa_mbarrier_wait_parity(dq_full, k & 1);  // every consumer staged step k
+                fa_tma_reduce_add_5d(&tma_dqa, sdq, 0, ri0, 0, rhq, b);  // rows past seqlen_q are clipped
+                fa_bulk_commit_group();
+                fa_bulk_wait_group_read<0>();  // the staging tile has been read ...
+                fa_mbarrier_arrive(dq_empty);  // ... so the consumers may stage step k + 1
+            };
 #pragma unroll 1
             for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
                 const long long x0 = fa_lse_index(si, b, hq, 0, stride_lse_b, stride_lse_h);
@@ -1828,8 +1872,15 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     } else {
                         fa_mbarrier_arrive(&full[st]);  // releases this lane's lse / D stores
                     }
+                    if (leader) {
+                        sdqc[2 * st] = hq;
+                        sdqc[2 * st + 1] = i0;
+                        if (it + 1 >= STAGES) dq_reduce(it + 1 - STAGES);
+                    }
                 }
             }
+            if (leader)  // the last steps' dQ_i; each reduce was waited for (read), so none is in flight at exit
+                for (unsigned k = it + 1 > STAGES ? it + 1 - STAGES : 0; k < it; ++k) dq_reduce(k);
         }
         return;
     }
@@ -1870,7 +1921,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const int gm0 = DQ_COLS == PAD_DIM ? wg * DQ_MT : 0, cb0 = DQ_COLS == PAD_DIM ? 0 : wg * DQ_COLS;
         const unsigned long long dds_w = wg_desc_at(dds_a, (unsigned)(gm0 * BLOCK_C * PANEL_ELEMS));
         const unsigned long long dkmn_w = wg_desc_at(dk_mn, (unsigned)((cb0 / 64) * BLOCK_C * PANEL_ELEMS));
-        float* dq_row = sdq + (64 * gm0 + 16 * warp + g) * HEAD_DIM + cb0 + 2 * t4;  // this thread's staging elements
+        // This thread's staging elements: group (cb0 + cb + 8n) / 8, row 64 (gm0 + gm) + 16 warp + g (+ 8), column 2 t4.
+        float* dq_row = sdq + (cb0 / DQ_GROUP) * DQ_GROUP_FLOATS + (64 * gm0 + 16 * warp + g) * DQ_GROUP + 2 * t4;
         unsigned it = 0;  // as the producer's
         for (int hq = hk * group; hq < (hk + 1) * group; ++hq)
             for (int i0 = i_begin; i0 < i_end; i0 += BLOCK_R, ++it) {
@@ -1947,9 +1999,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)
                     fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dk_acc, dsa[kc], wg_desc_at(q_mn, kc * 16 * PANEL_ELEMS), 1);
                 fa_wgmma_commit_group();
-                if (tid == 0) fa_bulk_wait_group_read<0>();  // the last dQ reduce has read the staging tile
                 fa_fence_proxy_async();                      // dS^T (generic proxy) -> the wgmma reads
-                fa_named_barrier_sync(BAR_DS, CONSUMERS);    // dS^T of every warpgroup stored, staging free
+                fa_named_barrier_sync(BAR_DS, CONSUMERS);    // dS^T of every warpgroup stored
 
                 // dQ_i = dS K_j: A = dS (MN-major, the dS^T panels), B = K_j (MN-major); this warpgroup's
                 // m64 tiles x DQ_COLS columns, 64 at a time, staged in fp32.
@@ -1977,23 +2028,21 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
                             for (int x = 0; x < 4; ++x) { fa_wgmma_fence_operand(pa[kc][x]); fa_wgmma_fence_operand(dsa[kc][x]); }
                         fa_mbarrier_arrive(&empty[st]);  // every wgmma reading slot st has retired
+                        fa_mbarrier_wait_parity(dq_empty, (it & 1) ^ 1);  // step it - 1's dQ_i read (round 0: free)
                     }
 #pragma unroll
                     for (int n = 0; n < 8; ++n)
 #pragma unroll
                         for (int h2 = 0; h2 < 2; ++h2)
                             if (PAD_DIM == HEAD_DIM || cb0 + cb + 8 * n < HEAD_DIM)  // d = 96: not the zero columns
-                                *reinterpret_cast<WgF2*>(dq_row + (64 * gm + 8 * h2) * HEAD_DIM + cb + 8 * n) =
+                                *reinterpret_cast<WgF2*>(dq_row + ((cb + 8 * n) / DQ_GROUP) * DQ_GROUP_FLOATS +
+                                                         (64 * gm + 8 * h2) * DQ_GROUP) =
                                     WgF2{dq_acc[4 * n + 2 * h2], dq_acc[4 * n + 2 * h2 + 1]};
                 }
                 fa_fence_proxy_async();                    // the staging tile (generic) -> the TMA reduce
-                fa_named_barrier_sync(BAR_DQ, CONSUMERS);  // staged by every warpgroup; dS^T read by all
-                if (tid == 0) {
-                    fa_tma_reduce_add_4d(&tma_dqa, sdq, 0, hq, i0, b);  // rows past seqlen_q are clipped
-                    fa_bulk_commit_group();
-                }
+                fa_mbarrier_arrive(dq_full);               // staged: the producer's leader adds it to dq_accum
+                fa_named_barrier_sync(BAR_DQ, CONSUMERS);  // dS^T read by every warpgroup's dQ_i wgmma
             }
-        if (tid == 0) fa_bulk_wait_group<0>();
     }
 
     // dK_j, dV_j rows of this thread (the softmax scale is already in dS; no dropout).

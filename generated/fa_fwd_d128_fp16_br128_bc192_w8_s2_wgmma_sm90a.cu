@@ -849,8 +849,9 @@ FA_DEVICE double fa_sink_lse(double lse_s, double sink, double* o_scale) {
 //   fa_tma_load_{2,3,4}d(smem_dst, tmap, bar, c0, c1[, c2[, c3]])
 //       box at element coordinates (c0 innermost) -> smem, out-of-bounds
 //       elements zero; completes by complete_tx of the box's bytes on bar.
-//   fa_tma_store_{2,3,4}d(tmap, smem_src, c...), fa_tma_reduce_add_{2,3,4}d
-//       smem box -> global (store / add), in-bounds elements only; bulk_group.
+//   fa_tma_store_{2,3,4,5}d(tmap, smem_src, c...), fa_tma_reduce_add_{2,3,4,5}d
+//       smem box -> global (store / add), in-bounds elements only; bulk_group. The map's
+//       outer strides may come in any order (the dQ staging map steps rows before columns).
 //   fa_bulk_commit_group(), fa_bulk_wait_group<N>(), fa_bulk_wait_group_read<N>()
 //   fa_bulk_load(smem_dst, gmem_src, bytes, bar)   cp.async.bulk (non-tensor) global ->
 //       smem, complete_tx on bar; fa_bulk_store(gmem_dst, smem_src, bytes) and
@@ -1227,6 +1228,12 @@ FA_DEVICE void fa_tma_load_4d(void* dst, const FaTensorMap* tmap, unsigned long 
                          FA_TMA_MAP(tmap),                                                                     \
                      "r"(fa_shared_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)                               \
                      : "memory");                                                                              \
+    }                                                                                                          \
+    FA_DEVICE void NAME##_5d(const FaTensorMap* tmap, const void* src, int c0, int c1, int c2, int c3, int c4) { \
+        asm volatile(OP ".5d.global.shared::cta" FA_TMA_##NAME##_MODE " [%0, { %2, %3, %4, %5, %6 }], [%1];\n" :: \
+                         FA_TMA_MAP(tmap),                                                                     \
+                     "r"(fa_shared_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)                      \
+                     : "memory");                                                                              \
     }
 #define FA_TMA_fa_tma_store_MODE ".tile.bulk_group"
 #define FA_TMA_fa_tma_reduce_add_MODE ".add.tile.bulk_group"
@@ -1400,6 +1407,11 @@ FA_DEVICE void fa_tma_load_4d(void* dst, const FaTensorMap* tmap, unsigned long 
                              FAGEN_EMU_SITE) {                                                              \
         const int c[5] = {c0, c1, c2, c3, 0};                                                               \
         fagen_emu::hopper::tma(KIND, 4, const_cast<void*>(src), tmap, nullptr, c, FAGEN_EMU_SITE_ARGS);    \
+    }                                                                                                       \
+    FA_DEVICE void NAME##_5d(const FaTensorMap* tmap, const void* src, int c0, int c1, int c2, int c3,     \
+                             int c4, FAGEN_EMU_SITE) {                                                      \
+        const int c[5] = {c0, c1, c2, c3, c4};                                                              \
+        fagen_emu::hopper::tma(KIND, 5, const_cast<void*>(src), tmap, nullptr, c, FAGEN_EMU_SITE_ARGS);    \
     }
 FA_TMA_OUT(fa_tma_store, fagen_emu::hopper::kTmaStore)
 FA_TMA_OUT(fa_tma_reduce_add, fagen_emu::hopper::kTmaReduceAdd)

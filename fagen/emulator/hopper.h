@@ -758,10 +758,10 @@ inline void reduce_add(unsigned char* gp, const unsigned char* sp, unsigned dtyp
 
 inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, unsigned long long* bar,
                 const int* c, const char* file, int line) {
-    static const char* const names[3][5] = {
-        {"", "", "fa_tma_load_2d", "fa_tma_load_3d", "fa_tma_load_4d"},
-        {"", "", "fa_tma_store_2d", "fa_tma_store_3d", "fa_tma_store_4d"},
-        {"", "", "fa_tma_reduce_add_2d", "fa_tma_reduce_add_3d", "fa_tma_reduce_add_4d"}};
+    static const char* const names[3][6] = {
+        {"", "", "fa_tma_load_2d", "fa_tma_load_3d", "fa_tma_load_4d", "fa_tma_load_5d"},
+        {"", "", "fa_tma_store_2d", "fa_tma_store_3d", "fa_tma_store_4d", "fa_tma_store_5d"},
+        {"", "", "fa_tma_reduce_add_2d", "fa_tma_reduce_add_3d", "fa_tma_reduce_add_4d", "fa_tma_reduce_add_5d"}};
     const char* what = names[kind][rank];
     Quiet quiet;
     Hopper& h = state();

@@ -25,8 +25,8 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
-           "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
+__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+           "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
@@ -35,9 +35,13 @@ BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
 #: The backward's tensor-map parameters: (parameter, tensor argument, rows of the box, smem swizzle).
 #: q, do: one panel (64 elements) x block_r rows; k, v: one panel x block_c rows; dq_accum (fp32):
-#: the whole head dim x block_r rows, no swizzle (the staging tile is dense).
+#: the staging tile, no swizzle, over :func:`dq_staging_view` (DQ_GROUP columns x block_r rows x
+#: head_dim / DQ_GROUP groups: one reduce-add per step).
 BWD_TMA = (("tma_q", "q", "block_r", 128), ("tma_k", "k", "block_c", 128), ("tma_v", "v", "block_c", 128),
            ("tma_do", "do", "block_r", 128), ("tma_dqa", "dq_accum", "block_r", 0))
+#: fp32 columns of one dQ_i staging group (32 bytes): a warp's 8-byte stores of an accumulator
+#: fragment (8 rows x 8 columns) fill 256 contiguous bytes, so they meet no bank conflict.
+DQ_GROUP = 8
 WG_BWD_MAIN = Role("main", BWD_MAIN.params + tuple((TENSORMAP, name) for name, *_ in BWD_TMA), "k", "block_c",
                    grid_heads="kv")
 
@@ -79,10 +83,11 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("q", "T", stages * br * d, e, 1024),
         ("dout", "T", stages * br * d, e, 1024),
         ("ds", "T", bc * br, e, 1024),
-        ("dq", "float", br * fs.head_dim, 4, 128),  # dense: the dq_accum box
+        ("dq", "float", br * fs.head_dim, 4, 128),  # head_dim / DQ_GROUP groups of block_r x DQ_GROUP
         ("lse", "float", stages * br, 4),
         ("dlt", "float", stages * br, 4),
-        ("bars", "unsigned long long", 1 + 2 * stages, 8),
+        ("bars", "unsigned long long", 3 + 2 * stages, 8),
+        ("dqc", "int", 2 * stages, 4),  # a step's (q head, first row) from its loads to its dQ_i reduce-add
     ])
 
 
@@ -111,14 +116,29 @@ def constants(fs: FamilySpec) -> tuple[Constant, ...]:
     return (
         Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
+        Constant("DQ_GROUP", "int", DQ_GROUP, "fp32 columns per dQ_i staging group (one TMA reduce-add box)"),
         Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
     )
 
 
-def bwd_tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, int, int, int]]:
-    """The TMA box of each tensor-map parameter, torch order ([B, N, H, d])."""
+def bwd_tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, ...]]:
+    """The TMA box of each tensor-map parameter, torch order ([B, N, H, d]; dq_accum's over
+    :func:`dq_staging_view`)."""
     rows = {"block_r": fs.block_r, "block_c": fs.block_c}
-    return {name: (1, rows[r], 1, 64 if swz else fs.head_dim) for name, _, r, swz in BWD_TMA}
+    out: dict[str, tuple[int, ...]] = {name: (1, rows[r], 1, 64) for name, _, r, swz in BWD_TMA if swz}
+    out["tma_dqa"] = (1, 1, fs.head_dim // DQ_GROUP, fs.block_r, DQ_GROUP)  # over dq_staging_view
+    return out
+
+
+def dq_staging_view(dq_accum: Any) -> Any:
+    """``dq_accum`` ([B, Nq, H, d] fp32, head dim contiguous) as the 5-D view its tensor map
+    takes: [B, H, d / DQ_GROUP, Nq, DQ_GROUP] (torch order), i.e. innermost first DQ_GROUP columns,
+    then rows, then column groups -- the order of the staging tile in shared memory, so one
+    reduce-add of box (DQ_GROUP, block_r, d / DQ_GROUP) takes the whole tile. Its outer strides
+    are not monotonic (rows before column groups), which tensor maps allow."""
+    b, n, h, d = dq_accum.shape
+    sb, sn, sh, _ = dq_accum.stride()
+    return dq_accum.as_strided((b, h, d // DQ_GROUP, n, DQ_GROUP), (sb, sh, DQ_GROUP, sn, 1))
 
 
 def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,7 +147,9 @@ def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[
     if role.name != "main":
         return {}
     boxes = bwd_tensor_map_boxes(fs)
-    return {name: tensor_map_for(tensors[arg], boxes[name], swizzle=swz) for name, arg, _, swz in BWD_TMA}
+    view = {"dq_accum": dq_staging_view}
+    return {name: tensor_map_for(view.get(arg, lambda x: x)(tensors[arg]), boxes[name], swizzle=swz)
+            for name, arg, _, swz in BWD_TMA}
 
 
 def tile_work(fs: FamilySpec) -> dict[str, float]:
