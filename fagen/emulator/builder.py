@@ -257,3 +257,16 @@ def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem:
         cache.atomic_write(root / f"{stem}.so.sha256", digest.encode())
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# ---- seams for the PTX level (fagen/emulator/ptx/build.py builds its translated C++ with these)
+#: The shipped runtime texts: (runtime.h + racecheck.h, shim.h, hopper.h).
+support_text = _support_text
+#: ``<settings.cache_dir>/emu``.
+default_cache_dir = _default_cache_dir
+#: Whether a cached ``.so`` is complete (its checksum file matches).
+is_valid = _is_valid
+#: The prelude as a precompiled header in the cache folder (None when g++ cannot make one).
+prelude_header = _prelude_header
+#: g++ compiles a translation unit into ``<root>/<stem>.so`` (with ``.cu`` / ``.cpp`` beside it).
+compile_unit = _compile

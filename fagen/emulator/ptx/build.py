@@ -19,14 +19,7 @@ from pathlib import Path
 
 from ... import cache
 from ...nvrtc import headers_digest
-from ..builder import (
-    _compile,
-    _default_cache_dir,
-    _is_valid,
-    _prelude_header,
-    _support_text,
-    compile_flags,
-)
+from ..builder import compile_flags, compile_unit, default_cache_dir, is_valid, prelude_header, support_text
 from ..errors import EmulatorBuildError, EmulatorKernelError
 from ..module import EmuModule
 from ..signature import KernelSig, SigLike, as_sig
@@ -50,7 +43,7 @@ def _ptx_runtime_text() -> str:
 
 
 def prelude() -> str:
-    runtime, shim, hopper = _support_text()
+    runtime, shim, hopper = support_text()
     return f"{runtime}\n{shim}\n{hopper}\n{_ptx_runtime_text()}\n"
 
 
@@ -117,27 +110,27 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     key = cache.digest("ptx", TRANSLATOR_VERSION, text, ptx, repr([(k.name, k.params) for k in sigs]), cxx_id,
                        "\0".join(flags), include, headers_digest(Path(include)))
     stem = key[:24]
-    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     memo_key = (str(root.absolute()), stem)
     with _memo_lock:
         hit = _memo.get(memo_key)
     if hit is not None:
         return hit
     so = root / f"{stem}.so"
-    if not _is_valid(so):
+    if not is_valid(so):
         tr = translate(ptx, f"{stem}.ptx")  # before the lock: an unsupported form fails fast
         wrappers = render_wrappers(sigs, tr.params)
         cache.make_dir(root)
         with cache.locked(so):
-            if not _is_valid(so):
+            if not is_valid(so):
                 _log.info("building %s (PTX level) for the CPU emulator with %s", sigs[0].name if sigs else "?",
                           Path(cxx).name)
                 full = flags + ["-I", include]
-                pch = _prelude_header(cxx, cxx_id, full, text, root)
+                pch = prelude_header(cxx, cxx_id, full, text, root)
                 head = f'#include "{pch}"\n' if pch else text
                 tu = f"{head}\n{tr.cpp}\n{wrappers}"
                 cache.atomic_write(root / f"{stem}.ptx", ptx.encode())
-                _compile(cxx, full, tu, tr.cpp, root, stem)
+                compile_unit(cxx, full, tu, tr.cpp, root, stem)
     module = PtxModule(so, sigs, ptx)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
