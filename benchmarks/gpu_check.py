@@ -252,7 +252,7 @@ def toolchain_decision() -> dict[str, Any]:
     try:
         from fagen.runtime import gpu
 
-        driver = gpu._driver_version()  # noqa: SLF001 - the same reading the runtime does
+        driver = gpu.driver_version()  # the same reading the runtime does
         versions = gpu.installed_versions(driver) if driver else None
         major = gpu.ensure_toolchain()
         return {"driver": driver, "versions": asdict(versions) if versions else None, "nvrtc_major": major}

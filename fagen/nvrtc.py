@@ -111,6 +111,11 @@ def select(major: int | None) -> None:
     clear_toolkit()
 
 
+def selected() -> int | None:
+    """The CUDA major :func:`select` pinned in this process (None: the default choice)."""
+    return _selected[0]
+
+
 def install_hint(major: int, minimum: tuple[int, int] | None = None) -> str:
     """The one command that installs fagen's CUDA ``major`` set (README, "CUDA"); with
     ``minimum``, the upgrade of that major's NVRTC wheels to at least that release."""

@@ -186,17 +186,17 @@ def test_a_pinned_nvrtc_the_driver_cannot_load_is_refused() -> None:
 @pytest.fixture
 def fresh_decision(monkeypatch: pytest.MonkeyPatch):
     """gpu.ensure_toolchain decides again; nvrtc's choice is restored afterwards."""
-    monkeypatch.setattr(gpu, "_decided", [])
-    before = nvrtc._selected[0]
+    gpu.reset_process_state()
+    before, select = nvrtc.selected(), nvrtc.select  # (a test may stand in for select)
     yield
-    nvrtc._selected[0] = before
-    nvrtc.clear_toolkit()
+    select(before)
+    gpu.reset_process_state()
     compiler.clear_memo()
 
 
 def test_first_use_selects_the_decided_nvrtc(monkeypatch: pytest.MonkeyPatch, fresh_decision) -> None:
     picked: list[int | None] = []
-    monkeypatch.setattr(gpu, "_driver_version", lambda: (12, 2))
+    monkeypatch.setattr(gpu, "driver_version", lambda: (12, 2))
     monkeypatch.setattr(gpu, "installed_versions", lambda driver: _v(driver=driver))
     sets = (nvrtc.Toolkit(13, Path("/x/libnvrtc.so.13"), Path("/x/inc"), "13.5.37"),
             nvrtc.Toolkit(12, Path("/y/libnvrtc.so.12"), Path("/y/inc"), "12.9.86"))
@@ -208,13 +208,13 @@ def test_first_use_selects_the_decided_nvrtc(monkeypatch: pytest.MonkeyPatch, fr
 
 
 def test_first_use_without_a_driver_decides_nothing(monkeypatch: pytest.MonkeyPatch, fresh_decision) -> None:
-    monkeypatch.setattr(gpu, "_driver_version", lambda: None)
+    monkeypatch.setattr(gpu, "driver_version", lambda: None)
     monkeypatch.setattr(nvrtc, "select", lambda m: pytest.fail("selected without a driver"))
     assert gpu.ensure_toolchain() is None
 
 
 def test_first_use_with_a_broken_setup_raises_the_fix(monkeypatch: pytest.MonkeyPatch, fresh_decision) -> None:
-    monkeypatch.setattr(gpu, "_driver_version", lambda: (12, 2))
+    monkeypatch.setattr(gpu, "driver_version", lambda: (12, 2))
     monkeypatch.setattr(gpu, "installed_versions", lambda driver: _v(driver=driver, cupy=(13, 0)))
     with pytest.raises(CudaSetupError, match="pip uninstall -y cupy-cuda13x"):
         gpu.ensure_toolchain()
@@ -254,14 +254,13 @@ def test_device_arch_refuses_below_sm80_and_takes_the_newest_above_the_table() -
 
 def test_module_loads_ptx_with_one_warning_when_nvrtc_lacks_the_arch(monkeypatch: pytest.MonkeyPatch,
                                                                       fresh_decision) -> None:
-    from test_gpu_launch import FakeCupy
+    from fake_cupy import FakeCupy
 
     fake = FakeCupy(optin=101376)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(gpu, "_decided", [None])
-    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
+    monkeypatch.setattr(gpu, "driver_version", lambda: None)  # the same on a GPU machine
     monkeypatch.setattr(nvrtc, "supported_archs", lambda: NVRTC_12_6)
-    monkeypatch.setattr(gpu, "_warned", set())
+    gpu.reset_process_state()
     spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_120")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -284,13 +283,12 @@ def test_a_device_newer_than_the_table_loads_ptx(monkeypatch: pytest.MonkeyPatch
     cubin would not run on another major), with one warning naming why."""
     import torch
 
-    from test_gpu_launch import FakeCupy
+    from fake_cupy import FakeCupy
 
     fake = FakeCupy(optin=101376)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(gpu, "_decided", [None])
-    monkeypatch.setattr(gpu, "_driver_version", lambda: None)  # the same on a GPU machine
-    monkeypatch.setattr(gpu, "_warned", set())
+    monkeypatch.setattr(gpu, "driver_version", lambda: None)  # the same on a GPU machine
+    gpu.reset_process_state()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (13, 0))
     assert gpu.device_arch(0) == "sm_121"
     mod = gpu.GpuModule(KernelSpec(direction="fwd", head_dim=32, dtype="float16", arch="sm_121"))
@@ -382,15 +380,14 @@ def nvrtc12():
 
     if not nvrtc._toolkits_in(NVRTC12):
         pytest.skip(f"no CUDA 12 NVRTC set at {NVRTC12} (.ci/run installs it; FAGEN_TEST_NVRTC12 points elsewhere)")
-    before = settings.get_settings()
     settings.configure(nvrtc=NVRTC12)
     nvrtc.select(12)
     compiler.clear_memo()
     try:
         yield
     finally:
-        nvrtc._selected[0] = None
-        settings._current = before  # noqa: SLF001
+        nvrtc.select(None)
+        settings.reset()
         nvrtc.clear_toolkit()
         compiler.clear_memo()
 

@@ -11,7 +11,6 @@ in each other's places, fails.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import struct
 import sys
@@ -27,6 +26,7 @@ from fagen.errors import InputError, SpecError
 from fagen.renderer import render
 from fagen.runtime import gpu
 from fagen.spec import KernelSpec
+from fake_cupy import FakeCupy, cupy_bytes
 
 #: C scalar type -> (struct format of its bytes in the kernel's parameter buffer, numpy type CuPy packs).
 _C_TYPES = {"int": ("<i", np.int32), "unsigned int": ("<I", np.uint32), "long long": ("<q", np.int64),
@@ -68,20 +68,6 @@ def _layout(ctype: str) -> tuple[str, type]:
 
 def _fmt(ctype: str) -> str:
     return _layout(ctype)[0]
-
-
-def _cupy_bytes(x: object) -> bytes:
-    """The bytes CuPy's kernel launcher hands the driver for one argument."""
-    if type(x) not in _CUPY_SCALARS:
-        if isinstance(x, bool):
-            x = np.bool_(x)
-        elif isinstance(x, int):
-            x = np.int64(x)
-        elif isinstance(x, float):
-            x = np.float64(x)
-        else:
-            raise TypeError(f"Unsupported type {type(x)}")
-    return x.tobytes()
 
 
 def _sample(ctype: str, name: str) -> int | float:
@@ -157,8 +143,8 @@ def test_every_parameter_has_its_c_width_and_bytes(spec: KernelSpec | str) -> No
             for value in (_sample(ctype, name), _distinct(sig)[name]):
                 arg = gpu.to_cuda_arg(ctype, value, name)
                 assert type(arg) is want, (kernel, name, ctype)
-                assert _cupy_bytes(arg) == struct.pack(fmt, value), (kernel, name)
-    assert _cupy_bytes(gpu.to_cuda_arg("float", 0.125, "scale")) == bytes.fromhex("0000003e")  # 0x3E000000
+                assert cupy_bytes(arg) == struct.pack(fmt, value), (kernel, name)
+    assert cupy_bytes(gpu.to_cuda_arg("float", 0.125, "scale")) == bytes.fromhex("0000003e")  # 0x3E000000
 
 
 @pytest.mark.parametrize("ctype,value,match", [
@@ -185,8 +171,8 @@ def test_values_that_do_not_fit_are_typed_errors(ctype: str, value: object, matc
 def test_limits_of_each_c_type_pass_exactly() -> None:
     for ctype, (lo, hi) in gpu._INT_RANGE.items():
         for v in (lo, hi):
-            assert _cupy_bytes(gpu.to_cuda_arg(ctype, v)) == struct.pack(_FORMAT[ctype], v)
-    assert _cupy_bytes(gpu.to_cuda_arg("float*", 2**64 - 1)) == b"\xff" * 8
+            assert cupy_bytes(gpu.to_cuda_arg(ctype, v)) == struct.pack(_FORMAT[ctype], v)
+    assert cupy_bytes(gpu.to_cuda_arg("float*", 2**64 - 1)) == b"\xff" * 8
     assert np.isinf(gpu.to_cuda_arg("float", float("inf"))) and np.isnan(gpu.to_cuda_arg("float", float("nan")))
     assert gpu.to_cuda_arg("unsigned long long", np.int64(5)) == 5
 
@@ -212,54 +198,6 @@ def test_grid_at_the_limits_is_plain_int_tuples() -> None:
     assert g == (2**31 - 1, 65535, 65535) and all(type(x) is int for x in g + b) and b == KERN.block
     with pytest.raises(gpu.LaunchError, match="block"):
         gpu.check_launch(replace(KERN, block=(2048, 1, 1)), (1, 1, 1))
-
-
-# --------------------------------------------------------------------------- recording CuPy
-class FakeCupy:
-    """Records loads, attribute sets and launches; packs arguments as CuPy does."""
-
-    def __init__(self, optin: int = 232448, device: int = 0) -> None:
-        self.log: list[tuple] = []
-        log = self.log
-
-        class Function:
-            def __init__(self, name: str) -> None:
-                object.__setattr__(self, "name", name)
-
-            def __setattr__(self, key: str, value: object) -> None:
-                log.append(("attr", self.name, key, value))
-                object.__setattr__(self, key, value)
-
-            def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
-                if type(grid) is not tuple or type(block) is not tuple or type(args) is not tuple:
-                    raise TypeError("grid, block and args must be tuples")  # CuPy's Cython signature
-                log.append(("launch", self.name, grid, block, [_cupy_bytes(a) for a in args],
-                            [type(a) for a in args], shared_mem))
-
-        class RawModule:
-            def __init__(self, *, path: str) -> None:
-                log.append(("load", path))
-
-            def get_function(self, name: str) -> Function:
-                return Function(name)
-
-        @contextlib.contextmanager
-        def dev(index: int):
-            log.append(("device", index))
-            yield
-
-        @contextlib.contextmanager
-        def from_external(s):
-            log.append(("stream", s.__cuda_stream__()[1]))
-            yield
-
-        runtime = types.SimpleNamespace(
-            pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=device),
-            deviceGetAttribute=lambda attr, d: log.append(("getattr", attr, d)) or optin,
-            cudaDevAttrMaxSharedMemoryPerBlockOptin=97)
-        self.RawModule = RawModule
-        self.cuda = types.SimpleNamespace(Device=dev, Stream=types.SimpleNamespace(from_external=from_external),
-                                          runtime=runtime)
 
 
 @pytest.fixture
@@ -356,7 +294,7 @@ def test_remembered_conversions_keep_every_check() -> None:
     args = _args(KERN)
     first = gpu.cuda_args(KERN, args)
     again = gpu.cuda_args(KERN, dict(args))
-    assert [_cupy_bytes(a) for a in again] == [_cupy_bytes(a) for a in first]
+    assert [cupy_bytes(a) for a in again] == [cupy_bytes(a) for a in first]
     assert [type(a) for a in again] == [np.uint64 if t.endswith("*") else _NUMPY[t] for t, _ in KERN.params]
     for bad in (float(args["heads"]), True, np.float64(args["heads"])):  # equal to a remembered int, wrong type
         with pytest.raises(gpu.LaunchError, match="heads: expected an integer"):
@@ -442,7 +380,7 @@ def _fake_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
         ctypes.memmove(addr, bytes((seed + 37 * i) & 0xFF for i in range(128)), 128)
         return 0
 
-    monkeypatch.setattr(gpu, "_driver_encode", lambda: encode)
+    monkeypatch.setattr(gpu, "tensor_map_encoder", lambda: encode)
 
 
 def test_tensor_map_argument_is_one_element_of_its_128_bytes() -> None:

@@ -29,7 +29,7 @@ def test_encode_hands_the_driver_the_fields(monkeypatch: pytest.MonkeyPatch) -> 
         ctypes.memmove(addr, bytes(range(128)), 128)
         return 0
 
-    monkeypatch.setattr(gpu, "_driver_encode", lambda: fake)
+    monkeypatch.setattr(gpu, "tensor_map_encoder", lambda: fake)
     x = np.zeros((3, 40, 64), np.float16)
     f = tma.tensor_map_for(x, (1, 16, 32), swizzle=64, oob_fill="nan")
     raw = gpu.encode_tensor_map(f)
@@ -40,7 +40,7 @@ def test_encode_hands_the_driver_the_fields(monkeypatch: pytest.MonkeyPatch) -> 
     arg = gpu.to_cuda_arg(abi.TENSORMAP, f, "tmap")
     assert arg.dtype.itemsize == 128 and arg.tobytes() == bytes(range(128))
 
-    monkeypatch.setattr(gpu, "_driver_encode", lambda: (lambda *a: 1))  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(gpu, "tensor_map_encoder", lambda: (lambda *a: 1))  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(gpu.LaunchError, match="CUresult 1"):
         gpu.encode_tensor_map(f)
 

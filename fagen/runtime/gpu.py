@@ -150,7 +150,7 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _driver_version() -> Version | None:
+def driver_version() -> Version | None:
     """The CUDA version the driver supports, from libcuda itself (None without a driver)."""
     import ctypes
 
@@ -211,6 +211,14 @@ def installed_versions(driver: Version) -> CudaVersions:
 _decided: list[int | None] = []
 
 
+def reset_process_state() -> None:
+    """Forget this process's NVRTC decision (:func:`ensure_toolchain`) and which PTX warnings were
+    given: the next launch decides and warns again (after a driver or wheel change in a long-lived
+    process, and in tests that stand in a fake driver)."""
+    _decided.clear()
+    _warned.clear()
+
+
 def ensure_toolchain() -> int | None:
     """Decide the NVRTC once per process on a machine with a CUDA driver (see
     :func:`decide_nvrtc`) and select it; None without a driver (nothing to decide)."""
@@ -218,7 +226,7 @@ def ensure_toolchain() -> int | None:
         return _decided[0]
     from .. import compiler, nvrtc
 
-    driver = _driver_version()
+    driver = driver_version()
     if driver is None:
         _decided.append(None)
         return None
@@ -429,7 +437,7 @@ class GpuModule:
         ensure_toolchain()
         target = ptx_target_for(spec.arch, nvrtc.supported_archs())
         if target is not None:
-            check_ptx_driver(_driver_version(), nvrtc.version())
+            check_ptx_driver(driver_version(), nvrtc.version())
             _warn_ptx(spec.arch, target)
         self.compiled = compile_spec(spec, ptx_target=target)
         self._path = _cubin_path(self.compiled.cubin, ".ptx" if target else ".cubin")
@@ -449,7 +457,7 @@ class GpuModule:
         if target == self.compiled.ptx_target:
             return self._path
         if target is not None:
-            check_ptx_driver(_driver_version(), nvrtc.version())
+            check_ptx_driver(driver_version(), nvrtc.version())
             _warn_ptx(self.spec.arch, target, cap)  # type: ignore[arg-type]
         mod = compile_spec(self.spec, ptx_target=target)
         return _cubin_path(mod.cubin, ".ptx" if target else ".cubin")
@@ -586,7 +594,9 @@ _CU_L2_PROMOTION_128B = 2  # CUtensorMapL2promotion: CU_TENSOR_MAP_L2_PROMOTION_
 
 
 @functools.lru_cache(maxsize=1)
-def _driver_encode():
+def tensor_map_encoder():
+    """The driver's ``cuTensorMapEncodeTiled`` with its ctypes signature (a :class:`NoGPUError` without
+    libcuda); :func:`encode_tensor_map` calls whatever this module attribute holds at the time."""
     import ctypes
 
     try:
@@ -616,7 +626,7 @@ def encode_tensor_map(fields: Any) -> bytes:
     strides = (ctypes.c_uint64 * max(1, rank - 1))(*(fields.strides or (0,)))
     box = (ctypes.c_uint32 * rank)(*fields.box)
     es = (ctypes.c_uint32 * rank)(*fields.element_strides)
-    status = _driver_encode()(addr, fields.data_type, rank, fields.global_address, dims, strides, box, es, 0,
+    status = tensor_map_encoder()(addr, fields.data_type, rank, fields.global_address, dims, strides, box, es, 0,
                               _CU_TENSOR_MAP_SWIZZLE[fields.swizzle], _CU_L2_PROMOTION_128B,
                               int(fields.oob_fill == "nan"))
     if status != 0:
