@@ -3,7 +3,7 @@ alignment, family-owned launch geometry, NVRTC options and partials."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -52,11 +52,11 @@ class Piped(SimtFamily):
 
 
 @pytest.fixture
-def piped(monkeypatch: pytest.MonkeyPatch) -> Family:
+def piped() -> Iterator[Family]:
     """The registry holds SIMT and the test family only (whatever else is registered)."""
     fam = Piped()
-    monkeypatch.setattr(families, "_REGISTRY", {"simt": get_family("simt"), fam.name: fam})
-    return fam
+    with families.registered_only(get_family("simt"), fam):
+        yield fam
 
 
 def test_simt_satisfies_the_protocol() -> None:
@@ -93,10 +93,12 @@ def test_impl_defaults_to_the_preferred_family_that_supports_the_spec(piped: Fam
     assert e.value.errors()[0]["loc"] == ("impl",)
 
 
-def test_with_simt_alone_the_default_is_simt(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(families, "_REGISTRY", {"simt": get_family("simt")})
-    assert KernelSpec(head_dim=64).impl == "simt" == default_family(FamilySpec("bwd", 64, "float16", "sm_90"))
-    assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
+def test_with_simt_alone_the_default_is_simt() -> None:
+    with families.registered_only(get_family("simt")):
+        assert KernelSpec(head_dim=64).impl == "simt" == default_family(FamilySpec("bwd", 64, "float16", "sm_90"))
+        assert KernelSpec(head_dim=64, dtype="float32").impl == "simt"
+    assert family_names() == tuple(sorted(family_names(), key=lambda n: (get_family(n).preference, n)))
+    assert {"simt", "mma", "wgmma"} <= set(family_names())  # the registry is back
 
 
 def test_knobs_enter_name_key_and_validation(piped: Family) -> None:

@@ -17,6 +17,9 @@ outside this package is added with :func:`register`.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from fagen.families.base import (DEFAULT_NUM_WARPS, FEATURES, MIN_REGS_PER_THREAD, NUM_WARPS_CHOICES, Constant, Family, FamilyBase,
                                  FamilySpec, Knob, Launch, PairCost, Reason, Tile, feature_reason, lds_wavefronts)
 from fagen.families.mma import MMA
@@ -25,7 +28,7 @@ from fagen.families.wgmma import WGMMA
 
 __all__ = ["DEFAULT_NUM_WARPS", "FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMILIES", "Constant", "Family",
            "FamilyBase", "FamilySpec", "Knob", "Launch", "PairCost", "Reason", "Tile", "default_family",
-           "family_names", "feature_reason", "get_family", "lds_wavefronts", "register", "unregister",
+           "family_names", "feature_reason", "get_family", "lds_wavefronts", "register", "registered_only", "unregister",
            "warp_choices"]
 
 #: The built-in families, one line each.
@@ -51,6 +54,23 @@ def unregister(name: str) -> None:
     if name not in _REGISTRY:
         raise KeyError(f"no kernel family {name!r}; registered: {family_names()}")
     del _REGISTRY[name]
+
+
+@contextlib.contextmanager
+def registered_only(*families: Family) -> Iterator[None]:
+    """Inside the block the registry holds exactly ``families`` (then the previous registry again):
+    which family ``impl=None`` resolves to with a given set, a family tried alone."""
+    for family in families:
+        if not isinstance(family, Family):
+            raise TypeError(f"registered_only() takes Family objects, got {type(family).__name__}")
+    saved = dict(_REGISTRY)
+    _REGISTRY.clear()
+    _REGISTRY.update({f.name: f for f in families})
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
 
 
 def get_family(name: str) -> Family:
