@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import fagen.settings
+from tiers import slow_items
 
 REPO = Path(__file__).resolve().parent.parent
 # The emulator's plain builds at -O1 here: about a fifth faster to build, and the suite's problems are
@@ -38,3 +39,9 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     yield tmp_path / "cache"
     fagen.settings.reset()
     clear_memo()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tier: tests marked ``slow`` and those tests/tiers.py lists (``-m "not slow"``: the fast tier)."""
+    for item in slow_items(items):
+        item.add_marker(pytest.mark.slow)

@@ -1,0 +1,36 @@
+"""The tier table (tests/tiers.py) names tests that exist, and the fast tier keeps a sample of each sweep."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import tiers
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_every_listed_test_exists() -> None:
+    for key in tiers.listed():
+        file, func = key.split("::")
+        text = (TESTS / file).read_text(encoding="utf-8")
+        assert re.search(rf"^def {re.escape(func)}\(", text, re.M), f"tests/tiers.py lists {key}, which does not exist"
+
+
+class _Spec:
+    def __init__(self, id_: str) -> None:
+        self.id = id_
+
+
+class _Item:
+    def __init__(self, file: str, func: str, id_: str | None) -> None:
+        self.path, self.originalname = Path(file), func
+        if id_ is not None:
+            self.callspec = _Spec(id_)
+
+
+def test_a_sweep_keeps_the_first_case_of_each_family() -> None:
+    sweep = "test_features.py", "test_feature_numerics"
+    items = [_Item(*sweep, i) for i in ("a-wgmma", "a-mma", "a-simt", "b-wgmma", "b-mma", "b-simt")]
+    items += [_Item("test_x.py", "test_y", "p1"), _Item("test_racecheck.py", "test_removing_a_barrier_is_a_race_naming_it", "s")]
+    slow = tiers.slow_items(items)
+    assert [i.callspec.id for i in slow] == ["b-wgmma", "b-mma", "b-simt", "s"]

@@ -1,0 +1,98 @@
+"""The two tiers of the suite, stated in one place.
+
+* The **full suite** (README's test command, what CI runs): every test.
+* The **fast tier** (``python -m pytest -m "not slow" -n 2 -q``): every test module, with the long
+  sweeps cut to a covering sample, for the edit-test loop.
+
+A test is in the slow tier when it carries ``@pytest.mark.slow`` itself, or when this table puts it
+there (tests/conftest.py applies it at collection):
+
+* :data:`SLOW` -- whole tests (``file::function``) that take long and repeat what a sampled
+  test of the fast tier already shows (a sanitizer or race-check sweep, a demonstration run
+  twice, a compile of a whole matrix);
+* :data:`SAMPLED` -- parametrized sweeps of which the fast tier keeps a covering sample: for each
+  kernel family named in the parameter id (``simt``, ``mma``, ``wgmma``; or none), the first
+  parametrization collected; the rest are slow.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import pytest
+
+SLOW: frozenset[str] = frozenset({
+    "test_racecheck.py::test_removing_a_barrier_is_a_race_naming_it",
+    "test_racecheck_hopper.py::test_demonstration_gemm_runs_clean_and_identical_under_racecheck",
+    "test_masking.py::test_cxx_and_python_agree",
+    "test_autotune.py::test_gpu_check_rows_with_fake_timer",
+    "test_autotune.py::test_tuned_not_slower_than_default",
+    "test_gpu_check.py::test_gpu_path_end_to_end_with_fake_device",
+    "test_gpu_check.py::test_outputs_are_at_most_eight_files_in_one_folder",
+    "test_host_path.py::test_the_host_cost_benchmark_runs",
+    "test_emulator.py::test_ucontext_fallback",
+    "test_cuda_env.py::test_cuda12_nvrtc_compiles_the_register_heavy_features_without_spills",
+})
+
+SAMPLED: frozenset[str] = frozenset({
+    "test_mma_sass.py::test_tensor_cores_no_spills_no_local_memory",
+    "test_mma_sass.py::test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics",
+    "test_cuda_env.py::test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills",
+    "test_cuda_env.py::test_new_archs_compile_to_their_own_cubin",
+    "test_bounds.py::test_every_kernel_is_clean_under_asan",
+    "test_racecheck.py::test_sample_runs_clean_and_bit_identical_under_racecheck",
+    "test_racecheck.py::test_wgmma_forward_runs_clean_and_bit_identical_under_racecheck",
+    "test_features.py::test_feature_numerics",
+    "test_features.py::test_every_flag_compiles_without_spills",
+    "test_mma_family.py::test_features_through_the_mma_kernels",
+    "test_mma_family.py::test_deterministic_backward_through_the_mma_kernels",
+    "test_mma_family.py::test_forward_widest_step",
+    "test_mma_family.py::test_two_dimensional_backward_layout",
+    "test_mma_family.py::test_pinned_backward_lane_offsets",
+    "test_mma_family.py::test_forward_softmax_scale_of_any_sign_and_32_row_warps",
+    "test_mma_family.py::test_smem_rows_are_ldmatrix_conflict_free",
+    "test_mma_grad_accuracy.py::test_backward_meets_torch_criterion",
+    "test_mma_grad_accuracy.py::test_mem_efficient_cases_meet_torch_criterion",
+    "test_api_features.py::test_outputs_and_gradients_match_the_float64_oracle",
+    "test_hopper_primitives.py::test_wgmma_selects_every_element",
+    "test_hopper_primitives.py::test_wgmma_every_swizzle_pair_exact",
+    "test_hopper_primitives.py::test_tma_load_box_placement_and_oob_fill",
+    "test_hopper_primitives.py::test_demonstration_gemm_equals_torch_matmul",
+    "test_transformers.py::test_greedy_generate_matches_sdpa",
+    "test_autotune.py::test_timing_inputs_carry_every_feature",
+    "test_wgmma_bwd.py::test_backward_matches_float64",
+    "test_wgmma_bwd.py::test_removing_a_synchronisation_is_reported",
+    "test_wgmma_bwd.py::test_sass_hgmma_in_the_tile_loop_no_ldmatrix_no_spills",
+    "test_transformers.py::test_logits_match_sdpa_padded",
+    "test_transformers.py::test_training_steps_match_sdpa",
+    "test_transformers.py::test_torch_compile_fullgraph",
+    "test_transformers.py::test_packed_sequences_match_sdpa",
+})
+
+_FAMILY = re.compile(r"(?<![a-z])(simt|mma|wgmma)(?![a-z])")
+
+
+def _key(item: pytest.Item) -> str:
+    return f"{item.path.name}::{item.originalname}"
+
+
+def slow_items(items: Iterable[pytest.Item]) -> list[pytest.Item]:
+    """The items the table puts in the slow tier (in collection order)."""
+    out, kept = [], set()
+    for item in items:
+        key = _key(item)
+        if key in SLOW:
+            out.append(item)
+        elif key in SAMPLED:
+            callspec = getattr(item, "callspec", None)
+            family = _FAMILY.search(callspec.id) if callspec is not None else None
+            sample = (key, family.group(1) if family else None)
+            if sample in kept:
+                out.append(item)
+            else:
+                kept.add(sample)
+    return out
+
+
+def listed() -> frozenset[str]:
+    return SLOW | SAMPLED
