@@ -43,7 +43,7 @@ FIELD_ARGUMENT = {
     "causal": "causal", "key_padding": "key_padding_mask", "dropout": "dropout_p", "window": "window_size",
     "softcap": "softcap", "alibi": "alibi_slopes", "attn_mask": "attn_mask", "bias": "attn_bias",
     "bias_grad": "attn_bias", "varlen": "cu_seqlens_q", "deterministic": "deterministic",
-    "causal_align": "causal_align", "sinks": "sinks",
+    "causal_align": "causal_align", "sinks": "sinks", "head_dim_v": "v",
 }
 
 
@@ -145,6 +145,8 @@ def _check_spec(spec: KernelSpec, direction: str, p: Problem, flags: dict[str, A
         raise InputError("spec", f"a {direction} spec", spec.direction)
     if spec.head_dim != p.head_dim or spec.dtype != p.dtype:
         raise InputError("spec", f"head_dim={p.head_dim}, dtype={p.dtype} (from the tensors)", f"{spec.head_dim}, {spec.dtype}")
+    if (spec.head_dim_v or spec.head_dim) != p.head_dim_v:
+        raise InputError("spec", f"head_dim_v={p.head_dim_v} (v's head dim, from the tensors)", spec.head_dim_v)
     if flags["key_padding"] != spec.key_padding:
         raise InputError("key_padding_mask", "a mask exactly when spec.key_padding is set", flags["key_padding"])
     if flags["dropout"] and not spec.dropout:
@@ -218,20 +220,29 @@ def _check_gqa(spec: KernelSpec, p: Problem) -> None:
                          "support yet", p.heads_kv)
 
 
-def _pad(t: torch.Tensor, p: Problem) -> torch.Tensor:
-    """Zeros appended to the head dim up to the kernels' multiple of 8 (a copy only when padding)."""
-    return torch.nn.functional.pad(t, (0, p.head_dim - p.true_head_dim)) if p.padded else t
+def _dims(p: Problem, v: bool) -> tuple[int, int]:
+    """(the kernels' head dim, the caller's) of q/k (``v=False``) or of v, o, do (``v=True``)."""
+    return (p.head_dim_v, p.true_head_dim_v) if v else (p.head_dim, p.true_head_dim)
 
 
-def _padded_meta(t: torch.Tensor, p: Problem) -> torch.Tensor:
+def _pad(t: torch.Tensor, p: Problem, v: bool = False) -> torch.Tensor:
+    """Zeros appended to the head dim up to the kernels' multiple of 8 (a copy only when padding).
+    ``v``: a tensor of v's head dim (v, o, do)."""
+    dim, true = _dims(p, v)
+    return torch.nn.functional.pad(t, (0, dim - true)) if dim != true else t
+
+
+def _padded_meta(t: torch.Tensor, p: Problem, v: bool = False) -> torch.Tensor:
     """What :func:`_pad` makes of ``t``, as a meta tensor (its strides key the launch plan)."""
-    if not p.padded:
+    dim, true = _dims(p, v)
+    if dim == true:
         return t
-    return _pad(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), p)
+    return _pad(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), p, v)
 
 
-def _unpad(t: torch.Tensor, p: Problem) -> torch.Tensor:
-    return t[..., :p.true_head_dim].contiguous() if p.padded else t
+def _unpad(t: torch.Tensor, p: Problem, v: bool = False) -> torch.Tensor:
+    dim, true = _dims(p, v)
+    return t[..., :true].contiguous() if dim != true else t
 
 
 # --------------------------------------------------------------------------- problem + options
@@ -402,9 +413,9 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
                   sinks_copy=f.sinks is not None and f.sinks is not t.sinks)
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
-    shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
-    meta = {"q": _padded_meta(q, p), "k": _padded_meta(k, p), "v": _padded_meta(v, p),
-            "o": torch.empty(shape_q, device="meta")}
+    shape_o = tuple(q.shape[:-1]) + (p.head_dim_v,)
+    meta = {"q": _padded_meta(q, p), "k": _padded_meta(k, p), "v": _padded_meta(v, p, True),
+            "o": torch.empty(shape_o, device="meta")}
     tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v)
     meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
@@ -432,10 +443,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
         _cu_check(plan.p, t)
     p = plan.p
     if p.padded:
-        q, k, v = _pad(q, p), _pad(k, p), _pad(v, p)
+        q, k, v = _pad(q, p), _pad(k, p), _pad(v, p, True)
     if plan.tma:
         q, k, v = _tma_ready(plan, q=q, k=k, v=v)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
     if not plan.launches:
         if p.no_keys and not p.empty and p.device.type != "meta":
@@ -443,7 +454,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
             lse.fill_(-math.inf)
             if t.sinks is not None:  # no key: the row's softmax is the sink's alone
                 lse.copy_(_sink_rows(t.sinks, p).expand(p.lse_shape))
-        return _unpad(o, p), lse
+        return _unpad(o, p, True), lse
     kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
     slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
     sinks = t.sinks.contiguous() if plan.sinks_copy else t.sinks
@@ -454,7 +465,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
-    return _unpad(o, p), lse
+    return _unpad(o, p, True), lse
 
 
 def _sink_rows(sinks: torch.Tensor, p: Problem) -> torch.Tensor:
@@ -593,8 +604,9 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
                    max_seqlen_q: Any, max_seqlen_k: Any, bias_grad: Any, spec: KernelSpec | None,
                    offsets: tuple[int, int], dlse: Any = None) -> _Plan:
     p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
-    check_like("o", o, q)
-    check_like("do", do, q)
+    shape_o = None if not p.split_dims else tuple(q.shape[:-1]) + (p.true_head_dim_v,)
+    check_like("o", o, q, shape_o)
+    check_like("do", do, q, shape_o)
     dlse_ready = _check_dlse(dlse, p)
     bias_grad = validate_flag("bias_requires_grad", bias_grad)
     if bias_grad and f.attn_bias is None:
@@ -612,11 +624,12 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
     shape_k = tuple(k.shape[:-1]) + (p.head_dim,)
-    meta = {n: _padded_meta(x, p) for n, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do))}
+    meta = {n: _padded_meta(x, p, n in ("v", "o", "do")) for n, x in (("q", q), ("k", k), ("v", v), ("o", o),
+                                                                     ("do", do))}
     tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v, do=do)
     meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     meta.update(dq=torch.empty(shape_q, device="meta"), dk=torch.empty(shape_k, device="meta"),
-                dv=torch.empty(shape_k, device="meta"))
+                dv=torch.empty(tuple(k.shape[:-1]) + (p.head_dim_v,), device="meta"))
     dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
@@ -647,7 +660,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     p = plan.p
     bias_grad = bool(bias_requires_grad)
     if p.padded:
-        do, q, k, v, o = _pad(do, p), _pad(q, p), _pad(k, p), _pad(v, p), _pad(o, p)
+        do, q, k, v, o = _pad(do, p, True), _pad(q, p), _pad(k, p), _pad(v, p, True), _pad(o, p, True)
     if plan.tma:
         do, q, k, v = _tma_ready(plan, do=do, q=q, k=k, v=v)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -681,7 +694,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v, do=do, dq_accum=dq_accum)})
-    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p))
+    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True))
     if bias_grad:
         bias = t.attn_bias
         out = out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)

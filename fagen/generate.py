@@ -66,6 +66,7 @@ FEATURE_VARIANTS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("bwd",), {"causal": True, "deterministic": True}),
     (("bwd", "fwd"), {"dtype": "float64"}),
     (("fwd",), {"causal": True, "sinks": True}),
+    (("bwd", "fwd"), {"causal": True, "head_dim_v": 32}),
 )
 FEATURE_HEAD_DIM = 64
 

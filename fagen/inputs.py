@@ -52,12 +52,18 @@ class Problem:
     true_head_dim: int = 0  # 0: head_dim
     total_q: int | None = None
     total_k: int | None = None
+    head_dim_v: int = 0  # v's (and o's, do's) head dim the kernels run with; 0: head_dim
+    true_head_dim_v: int = 0  # the caller's; 0: true_head_dim
 
     def __post_init__(self) -> None:
         if not self.heads_kv:
             object.__setattr__(self, "heads_kv", self.heads)
         if not self.true_head_dim:
             object.__setattr__(self, "true_head_dim", self.head_dim)
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if not self.true_head_dim_v:
+            object.__setattr__(self, "true_head_dim_v", self.true_head_dim)
 
     @property
     def varlen(self) -> bool:
@@ -65,7 +71,12 @@ class Problem:
 
     @property
     def padded(self) -> bool:
-        return self.true_head_dim != self.head_dim
+        return self.true_head_dim != self.head_dim or self.true_head_dim_v != self.head_dim_v
+
+    @property
+    def split_dims(self) -> bool:
+        """v (o, do) has a head dim of its own (``head_dim_v``, MLA: d_qk 192, d_v 128)."""
+        return self.true_head_dim_v != self.true_head_dim
 
     @property
     def empty(self) -> bool:
@@ -165,11 +176,14 @@ def _check_heads_and_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layo
     if Hkv == 0 and H != 0 or Hkv and H % Hkv:
         raise InputError("k", f"a number of heads that divides q's {H} (grouped-query attention: "
                          f"H_q a multiple of H_kv; {layout_k})", f"{Hkv} heads")
-    if tuple(v.shape) != tuple(k.shape):
-        raise InputError("v", f"the shape of k {tuple(k.shape)}", f"{tuple(v.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise InputError("v", f"the shape of k {tuple(k.shape)} but for its head dim", f"{tuple(v.shape)}")
     if not 1 <= d <= HEAD_DIM_MAX:
         raise InputError("q", f"head_dim in 1..{HEAD_DIM_MAX} (padded internally to a multiple of "
                          f"{HEAD_DIM_MULTIPLE})", d)
+    if not 1 <= v.shape[-1] <= HEAD_DIM_MAX:
+        raise InputError("v", f"head_dim in 1..{HEAD_DIM_MAX} (padded internally to a multiple of "
+                         f"{HEAD_DIM_MULTIPLE})", v.shape[-1])
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() and t.shape[-1] != 1 and t.stride(-1) != 1:  # a size-1 dim: any stride
             raise InputError(name, "a contiguous last dimension (stride 1)", f"stride {t.stride(-1)}")
@@ -195,7 +209,7 @@ def validate_qkv(q: Any, k: Any, v: Any) -> Problem:
     for name, n in (("q", Nq), ("k", k.shape[1])):
         _check_seqlen(name, n)
     return Problem(B, H, Nq, k.shape[1], padded_head_dim(d), DTYPES[q.dtype], q.device, heads_kv=Hkv,
-                   true_head_dim=d)
+                   true_head_dim=d, head_dim_v=padded_head_dim(v.shape[-1]), true_head_dim_v=v.shape[-1])
 
 
 def check_cu_values(p: Problem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
@@ -247,16 +261,20 @@ def validate_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
         _check_seqlen(name, int(m))
         maxes.append(int(m))
     p = Problem(batch, H, maxes[0], maxes[1], padded_head_dim(d), DTYPES[q.dtype], q.device, heads_kv=Hkv,
-                true_head_dim=d, total_q=q.shape[0], total_k=k.shape[0])
+                true_head_dim=d, total_q=q.shape[0], total_k=k.shape[0], head_dim_v=padded_head_dim(v.shape[-1]),
+                true_head_dim_v=v.shape[-1])
     if check_values:
         check_cu_values(p, cu_seqlens_q, cu_seqlens_k)
     return p
 
 
-def check_like(name: str, t: Any, ref: torch.Tensor) -> torch.Tensor:
+def check_like(name: str, t: Any, ref: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``t`` has ref's dtype and device, a contiguous last dim and ref's shape (or ``shape``)."""
     check_tensor(name, t)
-    if tuple(t.shape) != tuple(ref.shape):
-        raise InputError(name, f"shape {tuple(ref.shape)} (like q)", f"{tuple(t.shape)}")
+    want = tuple(ref.shape) if shape is None else tuple(shape)
+    if tuple(t.shape) != want:
+        raise InputError(name, f"shape {want} (like q{'' if shape is None else ', with v head dim'})",
+                         f"{tuple(t.shape)}")
     if t.dtype != ref.dtype:
         raise InputTypeError(name, f"dtype {ref.dtype} (like q)", t.dtype)
     if t.device != ref.device:
@@ -525,6 +543,8 @@ class Features:
             "window": self.uses_window, "softcap": self.softcap > 0, "alibi": self.alibi_slopes is not None,
             "attn_mask": self.attn_mask is not None, "bias": self.attn_bias is not None, "varlen": p.varlen,
         }
+        if p.split_dims:
+            flags["head_dim_v"] = p.head_dim_v
         if direction == "bwd":
             extra.update(deterministic=self.deterministic, bias_grad=bias_grad)
         else:  # the backward reads the sink through lse: no flag

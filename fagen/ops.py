@@ -108,8 +108,10 @@ def _schema_args(names: tuple[str, ...], decl: dict[str, tuple[str, str]]) -> st
 _DECL = _declarations()
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_schema_args(OP_ORDER, _DECL)}) -> (Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, {_schema_args(OP_ORDER[:_PREFIX], _DECL)}, "
-              f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:], _DECL)}, bool bias_requires_grad=False, "
-              "Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+              f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:-1], _DECL)}, bool bias_requires_grad=False, "
+              "Tensor? sinks=None, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+# fagen::bwd takes sinks (the last of OP_ORDER) after bias_requires_grad, so its older positional form holds.
+assert OP_ORDER[-1] == "sinks"
 _TENSOR_POS = tuple(OP_ORDER.index(n) for n in Tensors._fields)
 _OPTION_POS = tuple(OP_ORDER.index(n) for n in AttentionOptions.op_names())
 _MAX_POS = (OP_ORDER.index("max_seqlen_q"), OP_ORDER.index("max_seqlen_k"))
@@ -188,7 +190,7 @@ _FWD = torch.ops.fagen.fwd.default
 def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
     tensors, max_q, max_k, opts = _unpack(rest)
     p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
-    o = q.new_empty(q.shape)
+    o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = q.new_empty(p.lse_shape, dtype=_lse_dtype(q))
     rng_state = q.new_empty((2,), dtype=torch.int64, device="cpu")
     return o, lse, rng_state
@@ -196,12 +198,16 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tens
 
 # --------------------------------------------------------------------------- fagen::bwd
 def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Optional[Tensor]]:
-    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse)."""
-    n = len(OP_ORDER)
+    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse);
+    fagen::bwd has sinks (OP_ORDER's last) after bias_requires_grad."""
+    m = len(OP_ORDER) - 1
     full = rest[:_PREFIX] + rest[_PREFIX + 1:]
-    bias_grad = full[n] if len(full) > n else False
-    dlse = full[n + 1] if len(full) > n + 1 else None
-    return rest[_PREFIX], full[:n], bias_grad, dlse
+    args = tuple(full[:m]) + _DEFAULTS[min(len(full), m):m]  # the dispatcher drops trailing defaults
+    tail = full[m:]
+    bias_grad = tail[0] if len(tail) > 0 else False
+    sinks = tail[1] if len(tail) > 1 else None
+    dlse = tail[2] if len(tail) > 2 else None
+    return rest[_PREFIX], args + (sinks,), bias_grad, dlse
 
 
 def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, rng_state: Tensor,
@@ -268,8 +274,8 @@ def _backward_of(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], bias_in
                                              ctx.scalars[_MAXK], ctx.options, bias_grad, dlse)
     else:
         rest = _merge(tuple(data), ctx.scalars)
-        dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:], bias_grad,
-                                         dlse)
+        dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad,
+                                         rest[-1], dlse)
     sinks_grad = data[_SINKS_DATA] is not None and bool(ctx.needs_input_grad[sinks_index])
     return dq, dk, dv, (dbias if bias_grad else None), (dsinks if sinks_grad else None)
 
@@ -667,8 +673,9 @@ def _sdpa_check(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> 
         hint = "" if enable_gqa or Hk == Hq else " (enable_gqa=True for grouped-query attention)"
         raise InputError("key", f"shape {_layout(lead, 'Nk')} = [{want}] matching query ({heads}){hint}",
                          tuple(key.shape))
-    if tuple(value.shape) != tuple(key.shape):
-        raise InputError("value", f"the shape of key {tuple(key.shape)} ({_layout(lead, 'Nk')})", tuple(value.shape))
+    if tuple(value.shape[:-1]) != tuple(key.shape[:-1]):
+        raise InputError("value", f"the shape of key {tuple(key.shape)} but for its head dim ({_layout(lead, 'Nk')})",
+                         tuple(value.shape))
 
 
 def _sdpa_mask(attn_mask: Tensor, query: Tensor, full: tuple[int, ...]) -> tuple[Optional[Tensor], ...]:
@@ -751,7 +758,7 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
     B = math.prod(lead)  # explicit: -1 cannot be inferred for empty tensors
     q4 = query.reshape((B, H, Nq, d))
     k4 = key.reshape((B, Hk, Nk, d))
-    v4 = value.reshape((B, Hk, Nk, d))
+    v4 = value.reshape((B, Hk, Nk, value.shape[-1]))
     kpm = mask = bias = None
     if attn_mask is not None:
         kpm, mask, bias = _sdpa_mask(attn_mask, query, lead + (H, Nq, Nk))
@@ -762,4 +769,4 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
                                Tensors(kpm, None, mask, bias, sinks=sinks))
     except (InputError, InputTypeError) as err:
         raise _renamed(err) from None
-    return o.transpose(1, 2).reshape(query.shape)
+    return o.transpose(1, 2).reshape(tuple(query.shape[:-1]) + (value.shape[-1],))

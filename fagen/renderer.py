@@ -124,7 +124,7 @@ def spec_constants(spec: KernelSpec) -> dict[str, Any]:
     t = spec.tile
     return {
         "family": spec.impl,
-        "HEAD_DIM": spec.head_dim, "BLOCK_R": t.block_r, "BLOCK_C": t.block_c, "NUM_WARPS": spec.num_warps,
+        "HEAD_DIM": spec.head_dim, "HEAD_DIM_V": spec.head_dim_v or spec.head_dim, "BLOCK_R": t.block_r, "BLOCK_C": t.block_c, "NUM_WARPS": spec.num_warps,
         "MIN_BLOCKS_PER_SM": spec.min_blocks_per_sm,
         "IS_CAUSAL": spec.causal, "HAS_KEY_PADDING": spec.key_padding, "HAS_DROPOUT": spec.dropout,
         "IS_TOP_LEFT": spec.causal_align == "top_left", "HAS_WINDOW": spec.window, "HAS_SOFTCAP": spec.softcap,

@@ -76,6 +76,8 @@ class KernelSpec(BaseModel):
 
     direction: Direction = Field("bwd", description="bwd: Algorithm 4 backward; fwd: forward with online softmax")
     head_dim: int = Field(..., description="d: multiple of 8 in 8..256")
+    head_dim_v: int | None = Field(None, description="the head dim of v, o, dO and dV when it differs from d's "
+                                   "(a multiple of 8 in 8..256; None: d)")
     dtype: DType = "float16"
     causal: bool = False
     key_padding: bool = False
@@ -108,6 +110,15 @@ class KernelSpec(BaseModel):
         if not (HEAD_DIM_MIN <= v <= HEAD_DIM_MAX) or v % HEAD_DIM_MULTIPLE:
             raise ValueError(f"head_dim must be a multiple of {HEAD_DIM_MULTIPLE} in {HEAD_DIM_MIN}..{HEAD_DIM_MAX}, got {v}")
         return v
+
+    @field_validator("head_dim_v")
+    @classmethod
+    def _check_head_dim_v(cls, v: int | None, info: Any) -> int | None:
+        if v is None:
+            return v
+        if not (HEAD_DIM_MIN <= v <= HEAD_DIM_MAX) or v % HEAD_DIM_MULTIPLE:
+            raise ValueError(f"head_dim_v must be a multiple of {HEAD_DIM_MULTIPLE} in {HEAD_DIM_MIN}..{HEAD_DIM_MAX}, got {v}")
+        return None if v == info.data.get("head_dim") else v  # the same as d: no separate dim
 
     @field_validator("sram_bytes", mode="before")
     @classmethod
@@ -268,7 +279,7 @@ class KernelSpec(BaseModel):
         if self.causal_align == "top_left":
             flags.add("top_left")
         return FamilySpec(self.direction, self.head_dim, self.dtype, self.arch, frozenset(flags), tile, self.num_warps,
-                          tuple(self.knobs or ()))
+                          tuple(self.knobs or ()), head_dim_v=self.head_dim_v or 0)
 
     @property
     def itemsize(self) -> int:
@@ -340,7 +351,8 @@ class KernelSpec(BaseModel):
         values = self.knob_values
         knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in get_family(self.impl).knobs)
         return (
-            f"fa_{self.direction}_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}{flag_part}"
+            f"fa_{self.direction}_d{self.head_dim}{f'_dv{self.head_dim_v}' if self.head_dim_v else ''}"
+            f"_{DTYPE_SHORT[self.dtype]}{flag_part}"
             f"_br{t.block_r}_bc{t.block_c}_w{self.num_warps}{knob_part}_{self.impl}_{self.arch.replace('_', '')}{m}"
         )
 

@@ -274,8 +274,8 @@ def test_signature_is_flash_attn_positional_order() -> None:
     params = list(inspect.signature(flash_attn_func).parameters.values())
     assert [p.name for p in params] == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size",
                                         "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
-                                        "key_padding_mask"]
-    assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+                                        "key_padding_mask", "sinks", "return_lse"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[-3:])
     q = torch.zeros(1, 2, 1, 8)
     with pytest.raises(TypeError):
         flash_attn_func(q, q, q, 0.0, None, False, (-1, -1), 0.0, None, False, False, None)

@@ -879,6 +879,10 @@ def _feature_case(impl: str, flag: str) -> tuple[KernelSpec, Workload]:
         fields.update(bias=True, bias_grad=True)
     elif flag == "float64":
         fields["dtype"] = "float64"
+    elif flag == "head_dim_v":
+        fields["head_dim_v"] = 16
+    elif flag == "sinks":
+        pass  # a forward flag (the backward reads the sink through lse): the forward test below
     elif flag in {"causal", "key_padding", "dropout", "window", "softcap", "alibi", "attn_mask", "bias", "varlen",
                   "deterministic"}:
         fields[flag] = True
@@ -973,9 +977,10 @@ def test_timing_inputs_of_a_forward_with_every_flag(impl: str) -> None:
     from fagen.autotune.timing import _Inputs
 
     spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", impl=impl, causal=True, key_padding=True,
-                      window=True, softcap=True, alibi=True, attn_mask=True, bias=True)
+                      window=True, softcap=True, alibi=True, attn_mask=True, bias=True, sinks=True)
     p = Workload(2, 2, 24, 40)
     inputs = _Inputs(spec, p, device="cpu")
+    assert inputs.kw["sinks"].dtype == torch.float32 and inputs.kw["sinks"].shape == (2,)
     assert not hasattr(inputs, "o")  # a forward needs no forward of its own
     o, lse = inputs.call(spec)()
     assert o.shape == inputs.q.shape and lse.shape == (2, 2, 24) and torch.isfinite(o).all()

@@ -157,7 +157,8 @@ def test_op_schemas_take_every_option_with_defaults() -> None:
                  "SymInt? max_seqlen_q=None", "bool deterministic=False"):
         assert part in fwd and part in bwd, part
     assert fwd.endswith("-> (Tensor, Tensor, Tensor)")
-    assert "bool bias_requires_grad=False, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)" in bwd
+    assert ("bool bias_requires_grad=False, Tensor? sinks=None, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, "
+            "Tensor)") in bwd
 
 
 # --------------------------------------------------------------------------- SDPA layout

@@ -129,10 +129,14 @@ def test_torch_compile_fullgraph_with_a_float_mask() -> None:
         assert torch.equal(a, b)
 
 
-def test_value_head_dim_must_match() -> None:
+def test_value_may_have_its_own_head_dim() -> None:
+    """As torch's: value [..., Nk, Ev] -> out [..., Nq, Ev] (fagen: the SIMT family); other dims must match."""
     q, k, v, _ = qkv(B)
+    out = sdpa(q, k, v[..., :8], is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v[..., :8], is_causal=True)
+    assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
     with pytest.raises(InputError) as err:
-        sdpa(q, k, v[..., :8])
+        sdpa(q, k, v[..., :-1, :])
     assert err.value.argument == "value"
 
 

@@ -70,7 +70,8 @@ class _Inputs:
     Feature arguments: key padding (every key takes part), dropout_p 0.1, a sliding window
     (Nk/8 keys to the left, none to the right), softcap 30, ALiBi slopes [H] fp32, a bool
     attn_mask [B, 1, Nq, Nk] (about 90 % True, a stride-0 broadcast over heads), an additive bias
-    [1, H, Nq, Nk] of the spec's dtype (its gradient too when ``spec.bias_grad``); the causal
+    [1, H, Nq, Nk] of the spec's dtype (its gradient too when ``spec.bias_grad``), attention sinks
+    fp32 [H] in [-1, 1] (a forward with ``spec.sinks``); v and dO of ``spec.head_dim_v``; the causal
     alignment and the deterministic mode come from the spec. The backward's o and lse come from
     the forward of the same flags (family's default tile)."""
 
@@ -82,21 +83,22 @@ class _Inputs:
         dt = getattr(torch, spec.dtype)
         g = torch.Generator(device=device).manual_seed(0)
         b, h, hkv, nq, nk, d = p.batch, p.heads, p.heads_kv or p.heads, p.seqlen_q, p.seqlen_k, spec.head_dim
+        dv = spec.head_dim_v or d  # v, o, dO (MLA: their own head dim)
 
         def randn(*shape: int) -> "torch.Tensor":
             return torch.randn(shape, generator=g, device=device, dtype=dt)
 
         self.kw: dict[str, Any] = {}
         if spec.varlen:  # B sequences of Nq queries and Nk keys, packed
-            self.q, self.do = randn(b * nq, h, d), randn(b * nq, h, d)
-            self.k, self.v = randn(b * nk, hkv, d), randn(b * nk, hkv, d)
+            self.q, self.do = randn(b * nq, h, d), randn(b * nq, h, dv)
+            self.k, self.v = randn(b * nk, hkv, d), randn(b * nk, hkv, dv)
             self.kw.update(
                 cu_seqlens_q=torch.arange(0, b + 1, device=device, dtype=torch.int32) * nq,
                 cu_seqlens_k=torch.arange(0, b + 1, device=device, dtype=torch.int32) * nk,
                 max_seqlen_q=nq, max_seqlen_k=nk)
         else:
-            self.q, self.do = randn(b, nq, h, d), randn(b, nq, h, d)
-            self.k, self.v = randn(b, nk, hkv, d), randn(b, nk, hkv, d)
+            self.q, self.do = randn(b, nq, h, d), randn(b, nq, h, dv)
+            self.k, self.v = randn(b, nk, hkv, d), randn(b, nk, hkv, dv)
         if spec.key_padding:
             self.kw["key_padding_mask"] = torch.ones((b, nk), dtype=torch.bool, device=device)
         if spec.dropout:
@@ -111,6 +113,8 @@ class _Inputs:
             self.kw["attn_mask"] = torch.rand((b, 1, nq, nk), generator=g, device=device) < 0.9
         if spec.bias:
             self.kw["attn_bias"] = randn(1, h, nq, nk)
+        if getattr(spec, "sinks", False):
+            self.kw["sinks"] = torch.linspace(-1.0, 1.0, h, device=device)
         if spec.direction == "bwd":
             fwd = spec.replace(direction="fwd", deterministic=False, bias_grad=False, block_r=None, block_c=None,
                                num_warps=4, impl=None)

@@ -23,7 +23,7 @@ DEFAULT_NUM_WARPS = 4
 #: Spec features a family must list in ``features`` to take a spec that uses them
 #: (FamilySpec.features): each names a flag (or "top_left" for causal_align, "float64" for the dtype).
 FEATURES = ("top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad", "varlen", "deterministic",
-            "float64", "sinks")
+            "float64", "sinks", "head_dim_v")
 #: Registers per thread the launch bounds leave by default (KernelSpec.min_blocks_per_sm).
 MIN_REGS_PER_THREAD = 128
 
@@ -51,6 +51,12 @@ class FamilySpec:
     tile: Tile | None = None
     num_warps: int = 4
     knobs: tuple[tuple[str, int], ...] = ()
+    head_dim_v: int = 0  # the head dim of v, o, do, dv; 0: head_dim (the feature "head_dim_v" when it differs)
+
+    @property
+    def dv(self) -> int:
+        """The head dim of v (and o, dO, dV): ``head_dim_v``, else ``head_dim``."""
+        return self.head_dim_v or self.head_dim
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
@@ -60,6 +66,8 @@ class FamilySpec:
         """The optional features (FEATURES) the spec compiles in: a family takes the spec only if
         its ``features`` holds them all."""
         out = self.flags & frozenset(FEATURES)
+        if self.dv != self.head_dim:
+            out = out | {"head_dim_v"}
         return out | {"float64"} if self.dtype == "float64" else out
 
     @property

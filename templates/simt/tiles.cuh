@@ -19,15 +19,16 @@ FA_DEVICE long long lse_base(int b, int h, long long q_tok0, long long stride_ls
     return (long long)b * stride_lse_b + (long long)h * stride_lse_h + (IS_VARLEN ? q_tok0 : 0);
 }
 
-// Copy rows [row0, row0 + ROWS) of a [*, N, *, d] tensor slice (batch b, head h)
-// into a ROWS x HEAD_DIM smem tile with row stride LD; rows beyond n are zero.
-template <int ROWS>
+// Copy rows [row0, row0 + ROWS) of a [*, N, *, W] tensor slice (batch b, head h)
+// into a ROWS x W smem tile with row stride LDW; rows beyond n are zero. W, LDW: HEAD_DIM, LD
+// (q, k), or HEAD_DIM_V, LD_V (v, dO).
+template <int ROWS, int W = HEAD_DIM, int LDW = LD>
 FA_DEVICE void load_tile(T* __restrict__ dst, const T* __restrict__ src, int row0, int n,
                          long long stride_s) {
-    for (int e = threadIdx.x; e < ROWS * HEAD_DIM; e += NUM_THREADS) {
-        const int r = e / HEAD_DIM, x = e - r * HEAD_DIM;
+    for (int e = threadIdx.x; e < ROWS * W; e += NUM_THREADS) {
+        const int r = e / W, x = e - r * W;
         const int gr = row0 + r;
-        dst[r * LD + x] = gr < n ? src[(long long)gr * stride_s + x] : fa_from_float<T>(0.f);
+        dst[r * LDW + x] = gr < n ? src[(long long)gr * stride_s + x] : fa_from_float<T>(0.f);
     }
 }
 

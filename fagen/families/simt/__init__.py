@@ -22,16 +22,16 @@ class SimtFamily(FamilyBase):
     max_block_r: int = 128
     max_block_c: int = 128
     features: frozenset[str] = frozenset({"top_left", "window", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
-                                          "varlen", "deterministic", "float64", "sinks"})
+                                          "varlen", "deterministic", "float64", "sinks", "head_dim_v"})
 
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
-        return {"strides": smem_strides(fs.head_dim, fs.itemsize, fs.block_c), "acc": acc_type(fs.itemsize)[0]}
+        return {"strides": smem_strides(fs.head_dim, fs.itemsize, fs.block_c, fs.dv), "acc": acc_type(fs.itemsize)[0]}
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         direction, itemsize = fs.direction, fs.itemsize
-        d, br, bc = fs.head_dim, fs.block_r, fs.block_c
-        st = smem_strides(d, itemsize, bc)
-        ld, p_ld = st["LD"], st["P_LD"]
+        d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
+        st = smem_strides(d, itemsize, bc, dv)
+        ld, ld_v, p_ld = st["LD"], st["LD_V"], st["P_LD"]
         acc, asz = acc_type(itemsize)
         if direction == "bwd":
             # Algorithm 4: K_j, V_j and the dK~_j, dV~_j accumulators stay on chip
@@ -39,23 +39,23 @@ class SimtFamily(FamilyBase):
             # dK~, dV~ come last: the deterministic dq kernel uses the layout up to them.
             return place([
                 ("k", "T", bc * ld, itemsize),
-                ("v", "T", bc * ld, itemsize),
+                ("v", "T", bc * ld_v, itemsize),
                 ("q", "T", br * ld, itemsize),
-                ("do_", "T", br * ld, itemsize),
+                ("do_", "T", br * ld_v, itemsize),
                 ("p", acc, br * p_ld, asz),
                 ("lse", acc, br, asz),
                 ("delta", acc, br, asz),
                 ("dk", acc, bc * d, asz),
-                ("dv", acc, bc * d, asz),
+                ("dv", acc, bc * dv, asz),
             ])
         if direction == "fwd":
             # Forward (online softmax): Q_i and the O_i accumulator stay on chip,
             # K_j, V_j and S_ij/P_ij per step, row stats m_i, l_i and the rescale factor.
             return place([
                 ("q", "T", br * ld, itemsize),
-                ("o", acc, br * d, asz),
+                ("o", acc, br * dv, asz),
                 ("k", "T", bc * ld, itemsize),
-                ("v", "T", bc * ld, itemsize),
+                ("v", "T", bc * ld_v, itemsize),
                 ("s", acc, br * p_ld, asz),
                 ("m", acc, br, asz),
                 ("l", acc, br, asz),
