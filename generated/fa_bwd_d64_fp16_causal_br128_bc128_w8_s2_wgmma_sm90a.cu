@@ -2044,20 +2044,40 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
     }
 
-    // dK_j, dV_j rows of this thread (the softmax scale is already in dS; no dropout).
+    // dK_j, dV_j (the softmax scale is already in dS; no dropout) through shared memory: K_j's and
+    // V_j's tiles are free (every warpgroup's last wgmma reading them retired before named barrier 2
+    // of the last step; with no step they were never loaded). Each warp stores its 16 rows with
+    // stmatrix (the accumulator's 16-column blocks are its four 8x8 matrices, as dS^T's), in the
+    // tiles' 128-byte swizzle, reads them back as 16-byte chunks and writes whole rows with 16-byte
+    // stores (a row's chunks on consecutive lanes: full 32-byte sectors).
+    // dS^T's stmatrix rows (lane = 4 g + t4; the warp's first row kr0 - g), from what the loop keeps live.
+    const int e_m = g >> 1, e_row0 = kr0 - g, e_kr = e_row0 + 8 * (e_m & 1) + 4 * (g & 1) + t4;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = col0 + kr0 + 8 * r;
+    for (int kc = 0; kc < PAD_DIM / 16; ++kc) {
+        const int n = 2 * kc + (e_m >> 1);
+        const int at = (n / 8) * BLOCK_C * PANEL_ELEMS + e_kr * PANEL_ELEMS + (((n % 8) ^ (e_kr % 8)) * 8);
+        unsigned fk[4], fv[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            fk[x] = wg_pack(dk_acc[8 * kc + 2 * x], dk_acc[8 * kc + 2 * x + 1]);
+            fv[x] = wg_pack(dv_acc[8 * kc + 2 * x], dv_acc[8 * kc + 2 * x + 1]);
+        }
+        fa_stmatrix_x4(sk + at, fk);
+        fa_stmatrix_x4(sv + at, fv);
+    }
+    __syncwarp();  // the warp reads back only the rows it stored
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row
+#pragma unroll
+    for (int q = 4 * g + t4; q < 16 * CHUNKS; q += 32) {  // 16 rows x CHUNKS chunks over the warp's lanes
+        const int rr = q / CHUNKS, c = q % CHUNKS, row = e_row0 + rr, key = col0 + row;
         if (key >= len_k) continue;
-        T* dk_row = dk + fa_row_offset(si.k_tok0, b, key, hk, stride_dk_b, stride_dk_s, stride_dk_h);
-        T* dv_row = dv + fa_row_offset(si.k_tok0, b, key, hk, stride_dv_b, stride_dv_s, stride_dv_h);
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                dk_row[8 * n + 2 * t4 + e] = fa_from_float<T>(dk_acc[4 * n + 2 * r + e]);
-                dv_row[8 * n + 2 * t4 + e] = fa_from_float<T>(dv_acc[4 * n + 2 * r + e]);
-            }
+        const int at = (c / 8) * BLOCK_C * PANEL_ELEMS + row * PANEL_ELEMS + (((c % 8) ^ (row % 8)) * 8);
+        const uint4 vk = *reinterpret_cast<const uint4*>(sk + at);
+        const uint4 vv = *reinterpret_cast<const uint4*>(sv + at);
+        *reinterpret_cast<uint4*>(dk + fa_row_offset(si.k_tok0, b, key, hk, stride_dk_b, stride_dk_s, stride_dk_h) +
+                                  8 * c) = vk;
+        *reinterpret_cast<uint4*>(dv + fa_row_offset(si.k_tok0, b, key, hk, stride_dv_b, stride_dv_s, stride_dv_h) +
+                                  8 * c) = vv;
     }
 }
 

@@ -203,7 +203,8 @@ def test_racecheck_clean(kw) -> None:
 
 
 SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<\d>\(\);|fa_sync\(\);|"
-                  r"fa_named_barrier_sync\([^;]*\);|fa_fence_proxy_async\(\);|fa_bulk_wait_group(_read)?<0>\(\);")
+                  r"fa_named_barrier_sync\([^;]*\);|fa_fence_proxy_async\(\);|fa_bulk_wait_group(_read)?<0>\(\);|"
+                  r"__syncwarp\(\);")
 
 
 def _sync_sites() -> list[tuple[int, str]]:
@@ -218,7 +219,7 @@ def _sync_sites() -> list[tuple[int, str]]:
 
 def test_the_template_synchronises_at_these_sites() -> None:
     kinds = [s for _, s in _sync_sites()]
-    assert len(kinds) == 15, kinds
+    assert len(kinds) == 16, kinds  # + the epilogue's __syncwarp (dK / dV through shared memory)
     assert sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 5, kinds  # + dq_full, dq_empty
     assert sum(k.startswith("fa_wgmma_wait_group") for k in kinds) == 4, kinds
     assert get_family("wgmma").template_context(_spec(**RACE_SPEC).family_spec)["constants"][-1].value is False
