@@ -11,6 +11,7 @@ from fractions import Fraction
 import numpy as np
 
 M32 = 0xFFFFFFFF
+M64 = 0xFFFFFFFFFFFFFFFF
 CANONICAL_NAN = 0x7FFFFFFF
 
 
@@ -205,6 +206,44 @@ def setp_f32(cmp: str, a_bits: int, b_bits: int) -> bool:
 def s32(x: int) -> int:
     x &= M32
     return x - (1 << 32) if x >> 31 else x
+
+
+def div_f32(a_bits: int, b_bits: int) -> int:
+    """div.rn.f32: the exact quotient rounded to nearest even; IEEE special cases (x / 0 = +-inf,
+    0 / 0 and inf / inf NaN) through numpy."""
+    a, b = f32(a_bits), f32(b_bits)
+    if math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b) or b == 0:
+        with np.errstate(all="ignore"):
+            r = float(np.float32(a) / np.float32(b))
+        return CANONICAL_NAN if math.isnan(r) else bits32(r)
+    if a == 0:
+        return (a_bits ^ b_bits) & 0x80000000
+    return round_f32(Fraction(a) / Fraction(b), "rn")
+
+
+def s64(x: int) -> int:
+    x &= M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def shl64(a: int, n: int) -> int:
+    return 0 if n >= 64 else (a << n) & M64
+
+
+def shr64(a: int, n: int, signed: bool) -> int:
+    if signed:
+        return (s64(a) >> min(n, 63)) & M64
+    return 0 if n >= 64 else a >> n
+
+
+def bfi64(a: int, b: int, pos: int, ln: int) -> int:
+    """bfi.b64 (ISA pseudo-code with msb 63)."""
+    f = b
+    for i in range(ln):
+        if pos + i > 63:
+            break
+        f = (f & ~(1 << (pos + i))) | (((a >> i) & 1) << (pos + i))
+    return f & M64
 
 
 def shl(a: int, n: int) -> int:

@@ -57,6 +57,7 @@ F_BIN = {  # entry -> (instruction, model)
     "mul_rn": ("mul.rn.f32", lambda a, b, c: M.arith_f32("mul", "rn", a, b)),
     "mul_rz": ("mul.rz.f32", lambda a, b, c: M.arith_f32("mul", "rz", a, b)),
     "copysign": ("copysign.f32", lambda a, b, c: M.copysign(a, b)),
+    "div_rn": ("div.rn.f32", lambda a, b, c: M.div_f32(a, b)),
     "max": ("max.f32", lambda a, b, c: M.max_f32(a, b)),
     "min": ("min.f32", lambda a, b, c: M.max_f32(a, b, is_max=False)),
     "max_nan": ("max.NaN.f32", lambda a, b, c: M.max_f32(a, b, nan=True)),
@@ -101,6 +102,20 @@ INT = {  # entry -> (body, model on unsigned 32-bit a, b, c)
     "mul_wide_s32": ("mul.wide.s32 %rd6, %r4, %r5;\n    shr.s64 %rd7, %rd6, 32;\n    cvt.u32.u64 %r7, %rd7;",
                      lambda a, b, c: ((M.s32(a) * M.s32(b)) >> 32) & M.M32),
 }
+INT64 = {  # entry -> (body on %rd6 = {b:a}, %rd7 = {a:c}, result in %rd8; model on Python ints)
+    "shl_b64": ("and.b32 %r9, %r6, 127;\n    shl.b64 %rd8, %rd6, %r9;", lambda x, y, c: M.shl64(x, c & 127)),
+    "shr_s64": ("and.b32 %r9, %r6, 127;\n    shr.s64 %rd8, %rd6, %r9;", lambda x, y, c: M.shr64(x, c & 127, True)),
+    "mul_lo_s64": ("mul.lo.s64 %rd8, %rd6, %rd7;", lambda x, y, c: (x * y) & M.M64),
+    "min_s64": ("min.s64 %rd8, %rd6, %rd7;", lambda x, y, c: min(M.s64(x), M.s64(y)) & M.M64),
+    "max_u64": ("max.u64 %rd8, %rd6, %rd7;", lambda x, y, c: max(x, y)),
+    "mad_wide_u32": ("mad.wide.u32 %rd8, %r4, %r5, %rd7;", lambda x, y, c: ((x & M.M32) * (x >> 32) + y) & M.M64),
+    "mul_wide_u16": ("cvt.u16.u32 %h1, %r4;\n    cvt.u16.u32 %h2, %r5;\n    mul.wide.u16 %r10, %h1, %h2;\n"
+                     "    cvt.u64.u32 %rd8, %r10;", lambda x, y, c: ((x & 0xFFFF) * ((x >> 32) & 0xFFFF))),
+    "bfi_b64": ("and.b32 %r9, %r6, 255;\n    shr.u32 %r10, %r6, 8;\n    and.b32 %r10, %r10, 255;\n"
+                "    bfi.b64 %rd8, %rd6, %rd7, %r9, %r10;", lambda x, y, c: M.bfi64(x, y, c & 255, (c >> 8) & 255)),
+    "neg_s64": ("neg.s64 %rd8, %rd6;", lambda x, y, c: (-x) & M.M64),
+    "setp_ge_s64": ("setp.ge.s64 %p1, %rd6, %rd7;\n    selp.u64 %rd8, 1, 0, %p1;", lambda x, y, c: int(M.s64(x) >= M.s64(y))),
+}
 UNARY_F = {  # entry -> (body from %f1 / %r4 into %r7, model of a's bits)
     "cvt_f16": ("cvt.rn.f16.f32 %h1, %f1;\n    cvt.u32.u16 %r7, %h1;", M.f32_to_f16),
     "cvt_bf16": ("cvt.rn.bf16.f32 %h1, %f1;\n    cvt.u32.u16 %r7, %h1;", M.f32_to_bf16),
@@ -137,6 +152,10 @@ def _entries() -> dict[str, str]:
         out[f"setp_{cmp}"] = f"    setp.{cmp}.f32 %p1, %f1, %f2;\n    selp.u32 %r7, 1, 0, %p1;"
     for name, (body, _) in {**INT, **UNARY_F}.items():
         out[name] = "    " + body
+    for name, (body, _) in INT64.items():
+        pre = "    mov.b64 %rd6, {%r4, %r5};\n    mov.b64 %rd7, {%r6, %r4};\n    " + body
+        out[name + "_lo"] = pre + "\n    cvt.u32.u64 %r7, %rd8;"
+        out[name + "_hi"] = pre + "\n    shr.u64 %rd9, %rd8, 32;\n    cvt.u32.u64 %r7, %rd9;"
     out["ex2"] = "    ex2.approx.ftz.f32 %f4, %f1;\n    mov.b32 %r7, %f4;"
     for mode in ("up", "down", "bfly", "idx"):
         out[f"shfl_{mode}"] = f"    shfl.sync.{mode}.b32 %r7|%p1, %r4, %r5, %r6, -1;"
@@ -327,3 +346,22 @@ def test_vector_loads_stores_and_atomics() -> None:
 
     with pytest.raises(EmulatorKernelError, match=r"red\.add\.v2\.f32 at .*\.ptx:\d+: address .* is not 8-byte aligned"):
         mod.launch("mem", 1, 64, 0, [a, o, acc[1:], old])
+
+
+@pytest.mark.parametrize("name", list(INT64))
+def test_64_bit_integer_instructions(mod, name: str) -> None:
+    a, b, c = _ints(16), _ints(17), _ints(18)
+    if name == "bfi_b64":
+        c = (c % 80) | ((_ints(19) % 80) << 8)
+    lo, hi = _run(mod, name + "_lo", a, b, c), _run(mod, name + "_hi", a, b, c)
+    for i in range(N):
+        x = int(a[i]) | int(b[i]) << 32          # {%r4, %r5}: low word first
+        y = int(c[i]) | int(a[i]) << 32          # {%r6, %r4}
+        if name == "mad_wide_u32":
+            want = (int(a[i]) * int(b[i]) + y) & M.M64
+        elif name == "mul_wide_u16":
+            want = (int(a[i]) & 0xFFFF) * (int(b[i]) & 0xFFFF)
+        else:
+            want = INT64[name][1](x, y, int(c[i])) & M.M64
+        got = int(lo[i]) | int(hi[i]) << 32
+        assert got == want, f"{name}({x:#x}, {y:#x}, {int(c[i]):#x}) = {got:#x}, model {want:#x}"
