@@ -101,8 +101,8 @@ def test_sdpa_shape_errors_quote_the_callers_layout() -> None:
         scaled_dot_product_attention(q, torch.zeros(2, 3, 47, 64), k)
     assert err.value.argument == "key"
     assert "[B, H, Nk, d] = [2, 2, Nk, 64]" in str(err.value) and "got (2, 3, 47, 64)" in str(err.value)
-    with pytest.raises(InputError) as err:
-        scaled_dot_product_attention(q, k, torch.zeros(2, 2, 47, 32))
+    with pytest.raises(InputError) as err:  # value may have a head dim of its own, not another length
+        scaled_dot_product_attention(q, k, torch.zeros(2, 2, 46, 64))
     assert err.value.argument == "value" and "(2, 2, 47, 64)" in str(err.value)
     with pytest.raises(InputError) as err:
         scaled_dot_product_attention(q, torch.zeros(2, 2, 47, 32), torch.zeros(2, 2, 47, 32))
