@@ -41,7 +41,7 @@ LEVELS = ("source", "ptx")
 
 def build(source: str, kernels: Sequence[KernelSig | SigLike], *, level: str = "source", arch: str | None = None,
           sanitize: bool = False, debug: bool = False, racecheck: bool = False, extra_flags: Sequence[str] = (),
-          cache_dir: Path | str | None = None) -> EmuModule:
+          cache_dir: Path | str | None = None, counters: bool = False) -> EmuModule:
     """Compiles ``source`` for the emulator (or fetches it from the cache).
 
     ``level="source"`` (default): the CUDA source itself, with ``FAGEN_EMULATOR`` defined, on the
@@ -50,9 +50,12 @@ def build(source: str, kernels: Sequence[KernelSig | SigLike], *, level: str = "
     target (``sm_90a`` -> ``compute_90a``; default ``sm_90a``) and the PTX is translated and built
     (:func:`fagen.emulator.ptx.build_ptx`); its launches raise
     :class:`~fagen.emulator.ptx.PtxHazardError` on PTX-level hazards. Sanitizer and racecheck
-    builds are source-level only.
+    builds are source-level only. ``counters=True`` (PTX level only): a build that counts
+    shared-memory wavefronts and global sectors per memory instruction (``module.counters()``).
     """
     if level == "source":
+        if counters:
+            raise ValueError("build: counters are counted at level='ptx'")
         if arch is not None:
             raise ValueError("build: arch is for level='ptx' (the source level runs no target's code)")
         return _build_source(source, kernels, sanitize=sanitize, debug=debug, racecheck=racecheck,
@@ -62,7 +65,7 @@ def build(source: str, kernels: Sequence[KernelSig | SigLike], *, level: str = "
             raise EmulatorBuildError("build: sanitize and racecheck instrument the source level; level='ptx' "
                                      "takes neither")
         return build_source_ptx(source, kernels, arch=arch or "sm_90a", debug=debug, extra_flags=extra_flags,
-                                cache_dir=cache_dir)
+                                cache_dir=cache_dir, counters=counters)
     raise ValueError(f"build: level must be one of {LEVELS}, got {level!r}")
 
 

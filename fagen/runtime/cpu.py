@@ -91,6 +91,10 @@ class PtxLaunches:
 
     #: (spec name, kernel role, kernel name) per launch, in launch order.
     launches: list[tuple[str, str, str]] = field(default_factory=list)
+    #: ``ptx(counters=True)``: the memory counters per kernel name, summed over its launches
+    #: (:class:`fagen.emulator.ptx.counters.KernelCounters`; docs/emulator.md, "Memory counters").
+    counters: dict[str, Any] = field(default_factory=dict)
+    counting: bool = False
 
     @property
     def roles(self) -> set[str]:
@@ -101,7 +105,7 @@ _PTX: ContextVar[PtxLaunches | None] = ContextVar("fagen_cpu_ptx", default=None)
 
 
 @contextlib.contextmanager
-def ptx() -> Iterator[PtxLaunches]:
+def ptx(*, counters: bool = False) -> Iterator[PtxLaunches]:
     """Every CPU kernel launch inside the block runs the spec's PTX build.
 
     The spec's kernels are compiled by NVRTC to PTX for the spec's real target (``compute_80``,
@@ -113,8 +117,10 @@ def ptx() -> Iterator[PtxLaunches]:
     :class:`fagen.emulator.ptx.PtxHazardError`. Yields a :class:`PtxLaunches` record. Inside
     :func:`sanitized` or :func:`racecheck` as well, those win (they instrument the source build).
     ``FAGEN_EMU_LEVEL=ptx`` (the ``emu_level`` setting) does the same for a whole process.
+    ``counters=True``: the launches run a build with memory counters (shared-memory wavefronts,
+    global sectors per PTX instruction), gathered in ``record.counters`` per kernel.
     """
-    record = PtxLaunches()
+    record = PtxLaunches(counting=counters)
     token = _PTX.set(record)
     try:
         yield record
@@ -161,30 +167,43 @@ class CpuModule:
         self._flags = SCHEDULE_FLAGS[schedule]
         self._builds: dict[tuple[bool, bool], Any] = {}
         self._ptx_build: Any = None
+        self._ptx_counting_build: Any = None
         self._variant = rendered is not None
 
-    def ptx_build(self) -> Any:
+    def ptx_build(self, counters: bool = False) -> Any:
         """The spec's PTX-level build (:func:`fagen.emulator.ptx.build_ptx` of NVRTC's PTX for the
-        spec's target), made on first use."""
+        spec's target), made on first use; ``counters``: the build with memory counters."""
+        if counters:
+            if self._ptx_counting_build is None:
+                from ..emulator.ptx import build_ptx
+
+                self._ptx_counting_build = build_ptx(self.ptx_text(), self.rendered.kernels, extra_flags=self._flags,
+                                                     counters=True)
+            return self._ptx_counting_build
         if self._ptx_build is None:
-            from ..compiler import compile as nvrtc_compile
-            from ..compiler import options_for
             from ..emulator.ptx import build_ptx
 
-            target = self.spec.arch.replace("sm_", "compute_")
-            if self._variant:  # a variant of the spec's source: its own PTX (not the spec's, cached)
-                from ..errors import CompileError
-                from ..nvrtc import compile_cubin
-
-                res = compile_cubin(self.rendered.source, f"{self.spec.name}.cu", options_for(self.spec, target),
-                                    ptx=True)
-                if not res.ok:
-                    raise CompileError(self.spec.name, res.log)
-                text = res.cubin
-            else:
-                text = nvrtc_compile(self.spec, ptx_target=target).cubin
-            self._ptx_build = build_ptx(text, self.rendered.kernels, extra_flags=self._flags)
+            self._ptx_build = build_ptx(self.ptx_text(), self.rendered.kernels, extra_flags=self._flags)
         return self._ptx_build
+
+    def ptx_text(self) -> bytes:
+        """NVRTC's PTX of the spec (or of the variant) for the spec's target."""
+        from ..compiler import compile as nvrtc_compile
+        from ..compiler import options_for
+
+        target = self.spec.arch.replace("sm_", "compute_")
+        if self._variant:  # a variant of the spec's source: its own PTX (not the spec's, cached)
+            from ..errors import CompileError
+            from ..nvrtc import compile_cubin
+
+            res = compile_cubin(self.rendered.source, f"{self.spec.name}.cu", options_for(self.spec, target),
+                                ptx=True)
+            if not res.ok:
+                raise CompileError(self.spec.name, res.log)
+            text = res.cubin
+        else:
+            text = nvrtc_compile(self.spec, ptx_target=target).cubin
+        return text
 
     def _build(self, *, sanitize: bool, racecheck: bool = False) -> Any:
         """The plain (or AddressSanitizer, or racecheck) emulator build, made on first use."""
@@ -217,7 +236,20 @@ class CpuModule:
             return
         level = _ptx_level()
         if level is not None:
-            self.ptx_build().launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
+            if level.counting:
+                emu = self.ptx_build(counters=True)
+                emu.reset_counters()
+                emu.launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
+                got = emu.counters().get(kernel.name)
+                if got is not None:
+                    mine = level.counters.get(kernel.name)
+                    if mine is None:
+                        from ..emulator.ptx.counters import KernelCounters
+
+                        mine = level.counters[kernel.name] = KernelCounters(kernel.name)
+                    mine.add(got)
+            else:
+                self.ptx_build().launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)
             level.launches.append((self.spec.name, kernel.role.name, kernel.name))
             return
         self._build(sanitize=False).launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values)

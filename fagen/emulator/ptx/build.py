@@ -10,7 +10,10 @@ Next to ``<stem>.so``: ``<stem>.ptx`` (the PTX the lines refer to) and ``<stem>.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
+import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -24,6 +27,7 @@ from ..errors import EmulatorBuildError, EmulatorKernelError
 from ..module import EmuModule
 from ..signature import KernelSig, SigLike, as_sig
 from ..toolchain import compiler, cuda_include_dir
+from . import counters as _counters
 from .errors import PtxHazardError, PtxUnsupportedError
 from .translate import TRANSLATOR_VERSION, translate
 
@@ -47,9 +51,33 @@ class PtxModule(EmuModule):
     """An emulator module built from PTX (:func:`build_ptx`): launches like any
     :class:`~fagen.emulator.EmuModule`; a PTX-level hazard raises :class:`PtxHazardError`."""
 
-    def __init__(self, path: Path, kernels: Sequence[KernelSig], ptx: str) -> None:
+    def __init__(self, path: Path, kernels: Sequence[KernelSig], ptx: str, sites: list | None = None) -> None:
         super().__init__(path, kernels, sanitized=False)
         self.ptx = ptx
+        #: built with memory counters (``build_ptx(..., counters=True)``): the memory instruction sites
+        self.sites: list[_counters.Site] | None = sites
+
+    def _counting_lib(self):
+        if self.sites is None:
+            raise EmulatorBuildError("this PTX module was built without memory counters (build it with counters=True)")
+        lib = self._load()
+        lib.fagen_pxc_read.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint]
+        lib.fagen_pxc_read.restype = None
+        lib.fagen_pxc_reset.argtypes, lib.fagen_pxc_reset.restype = [], None
+        return lib
+
+    def reset_counters(self) -> None:
+        """Zeroes the memory counters (they add up over launches)."""
+        lib = self._counting_lib()
+        with self._launch_lock:
+            lib.fagen_pxc_reset()
+
+    def counters(self) -> dict[str, _counters.KernelCounters]:
+        """The memory counters since the module was loaded or :meth:`reset_counters`, per kernel
+        (docs/emulator.md, "Memory counters")."""
+        lib = self._counting_lib()
+        with self._launch_lock:
+            return _counters.read(lib, self.sites or [])
 
     @property
     def ptx_path(self) -> Path:
@@ -89,11 +117,14 @@ def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int]) -> st
 
 
 def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug: bool = False,
-              extra_flags: Sequence[str] = (), cache_dir: Path | str | None = None) -> PtxModule:
+              extra_flags: Sequence[str] = (), cache_dir: Path | str | None = None,
+              counters: bool = False) -> PtxModule:
     """Translates ``ptx`` (every ``.entry``) to C++ and compiles it for the emulator (or fetches
     it from the cache). ``kernels`` lists the entries to expose with their C parameter types
     (the launch packs arguments by them). Raises :class:`PtxUnsupportedError` for a PTX form
-    the translator does not implement, :class:`EmulatorBuildError` when g++ fails."""
+    the translator does not implement, :class:`EmulatorBuildError` when g++ fails. ``counters``:
+    a build that counts shared-memory wavefronts and global sectors per memory instruction
+    (:meth:`PtxModule.counters`; its own cache entry)."""
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
     sigs = tuple(as_sig(k) for k in kernels)
@@ -104,7 +135,8 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     flags = compile_flags(sanitize=False, debug=debug) + [str(f) for f in extra_flags]
     text = prelude()
     key = cache.digest("ptx", TRANSLATOR_VERSION, text, ptx, repr([(k.name, k.params) for k in sigs]), cxx_id,
-                       "\0".join(flags), include, headers_digest(Path(include)))
+                       "\0".join(flags), include, headers_digest(Path(include)),
+                       *(("counters", _counters.header_text()) if counters else ()))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     memo_key = (str(root.absolute()), stem)
@@ -113,8 +145,13 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     if hit is not None:
         return hit
     so = root / f"{stem}.so"
-    if not is_valid(so):
-        tr = translate(ptx, f"{stem}.ptx")  # before the lock: an unsupported form fails fast
+    sites_json = root / f"{stem}.sites.json"
+    sites = None
+    if counters and is_valid(so) and sites_json.exists():
+        sites = [_counters.Site(**d) for d in json.loads(sites_json.read_text())]
+    if not is_valid(so) or (counters and sites is None):
+        tr = translate(ptx, f"{stem}.ptx", counters=counters)  # before the lock: an unsupported form fails fast
+        sites = tr.sites if counters else None
         wrappers = render_wrappers(sigs, tr.params)
         cache.make_dir(root)
         with cache.locked(so):
@@ -124,10 +161,12 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
                 full = flags + ["-I", include]
                 pch = prelude_header(cxx, cxx_id, full, text, root)
                 head = f'#include "{pch}"\n' if pch else text
-                tu = f"{head}\n{tr.cpp}\n{wrappers}"
+                tu = f"{head}\n{_counters.header_text() if counters else ''}\n{tr.cpp}\n{wrappers}"
                 cache.atomic_write(root / f"{stem}.ptx", ptx.encode())
+                if counters:
+                    cache.atomic_write(sites_json, json.dumps([dataclasses.asdict(x) for x in tr.sites]).encode())
                 compile_unit(cxx, full, tu, tr.cpp, root, stem)
-    module = PtxModule(so, sigs, ptx)
+    module = PtxModule(so, sigs, ptx, sites)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
 
@@ -146,10 +185,10 @@ def ptx_of_source(source: str, arch: str = "sm_90a", options: Sequence[str] = ()
 
 def build_source_ptx(source: str, kernels: Sequence[KernelSig | SigLike], *, arch: str = "sm_90a",
                      options: Sequence[str] = (), debug: bool = False, extra_flags: Sequence[str] = (),
-                     cache_dir: Path | str | None = None) -> PtxModule:
+                     cache_dir: Path | str | None = None, counters: bool = False) -> PtxModule:
     """NVRTC compiles ``source`` to PTX for ``arch``; the PTX is built with :func:`build_ptx`."""
     return build_ptx(ptx_of_source(source, arch, options), kernels, debug=debug, extra_flags=extra_flags,
-                     cache_dir=cache_dir)
+                     cache_dir=cache_dir, counters=counters)
 
 
 def clear_memo() -> None:

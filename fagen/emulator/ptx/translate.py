@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import counters as _counters
 from .errors import PtxUnsupportedError
 from .parser import Entry, Inst, Module, Stmt, parse_inst, parse_module, type_size
 
@@ -1443,7 +1444,8 @@ def _hazard_checks(fn: _Fn, inst: Inst) -> str:
 
 
 def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str, str],
-                    shared: dict[str, int]) -> str:
+                    shared: dict[str, int], sites: list | None = None) -> str:
+    """``sites``: with memory counters (counters.py), the module's site list, appended to."""
     fn = _Fn(mod, entry, ptx_file, globals_, shared)
     _collect_decls(fn, entry.body)
     insts: list[Inst] = []
@@ -1451,6 +1453,8 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
         if st.kind == "inst":
             insts.append(parse_inst(st))
     _collect_tuples(fn, insts)
+    loops = _counters.tile_loop_ranges(fn, insts) if sites is not None else []
+    site0 = len(sites) if sites is not None else 0
     body: list[str] = []
     it = iter(insts)
     for st in entry.body:
@@ -1470,7 +1474,16 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
             raise fn.unsupported("opcode not implemented by the translator")
         code = handler(fn, inst)
         code = _hazard_checks(fn, inst) + code
-        if inst.guard:
+        where = _counters.site_of(fn, inst) if sites is not None else None
+        if where is not None:  # memory counters: every lane notes its issue, active or predicated off
+            kind, size, num, a0, a1 = where
+            i = len(sites)
+            sites.append(_counters.Site(i, entry.name, inst.line, inst.opcode, _counters.KIND_NAMES[kind], size,
+                                        any(lo <= inst.line <= hi for lo, hi in loops)))
+            pg = fn.src(inst.guard, "pred") if inst.guard else "true"
+            code = (f"{{ const bool pg_ = {pg}; fagen_emu::pxc::note({i}u, {kind}, {size}, {num}, "
+                    f"pxc_k[{i - site0}]++, pg_, {a0}, {a1}); if (pg_) {{ {code} }} }}")
+        elif inst.guard:
             code = f"if ({fn.src(inst.guard, 'pred')}) {{ {code} }}"
         body.append(f"/* {inst.line} */ {code}")
     ntup = max(len(fn.tuples), 1)
@@ -1484,6 +1497,8 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
             f"    for (int i_ = 0; i_ < {ntup}; ++i_) wgt.group[i_] = -1, wgt.line[i_] = 0, wgt.touched_line[i_] = 0;",
             "    wgt.commits = 0; wgt.inflight = 0; (void)wgt;"]
     head += ["    " + d for d in fn.decls + stage]
+    if sites is not None and len(sites) > site0:
+        head.append(f"    uint32_t pxc_k[{len(sites) - site0}] = {{}};  // per-site execution counts (counters.h)")
     return "\n".join(head + ["    " + b for b in body] + ["}"])
 
 
@@ -1492,6 +1507,7 @@ class Translation:
     cpp: str
     entries: list[str]
     params: dict[str, int] = field(default_factory=dict)   # entry -> parameter count
+    sites: list = field(default_factory=list)   # memory counters: the counters.Site of each memory instruction
 
 
 def _globals(mod: Module) -> tuple[list[str], dict[str, str], dict[str, int]]:
@@ -1527,8 +1543,10 @@ def _globals(mod: Module) -> tuple[list[str], dict[str, str], dict[str, int]]:
     return decls, addrs, shared
 
 
-def translate(ptx: str, ptx_file: str = "kernel.ptx") -> Translation:
-    """C++ for every ``.entry`` of ``ptx`` (functions ``ptx_entry_<name>(void** args)``)."""
+def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False) -> Translation:
+    """C++ for every ``.entry`` of ``ptx`` (functions ``ptx_entry_<name>(void** args)``); with
+    ``counters``, every memory instruction also notes its access for counters.h (the
+    translation's ``sites``)."""
     mod = parse_module(ptx)
     if mod.address_size != 64:
         raise PtxUnsupportedError(".address_size", "only 64-bit addressing", 0)
@@ -1537,7 +1555,8 @@ def translate(ptx: str, ptx_file: str = "kernel.ptx") -> Translation:
            f'static const char* const fagen_ptx_file = "{ptx_file}";',
            "[[maybe_unused]] static const int fagen_ptx_file_set = (fagen_emu::px::fagen_ptx_file_name = fagen_ptx_file, 0);",
            *decls]
+    sites: list | None = [] if counters else None
     for e in mod.entries:
-        out.append(translate_entry(mod, e, ptx_file, addrs, shared))
+        out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites))
     return Translation("\n".join(out) + "\n", [e.name for e in mod.entries],
-                       {e.name: len(e.params) for e in mod.entries})
+                       {e.name: len(e.params) for e in mod.entries}, sites or [])
