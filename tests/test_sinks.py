@@ -217,7 +217,7 @@ def test_sinks_errors_name_the_argument(sinks, error, monkeypatch: pytest.Monkey
     assert err.value.argument == "sinks"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_wgmma_forward_with_sinks(dtype) -> None:
     """The Hopper forward (sm_90a, one consumer warpgroup, in the emulator) with sinks, GQA, causal
     with rows that see no key, lengths off the tiles; the backward from its lse; and the forward clean
@@ -246,7 +246,7 @@ def test_wgmma_forward_with_sinks(dtype) -> None:
 
 
 # --------------------------------------------------------------------------- racecheck and sanitizer
-@pytest.mark.parametrize("impl", ["simt", "mma"])
+@pytest.mark.parametrize("impl", [pytest.param("simt", marks=pytest.mark.slow), "mma"])
 def test_sinks_and_dlse_kernels_run_clean_under_racecheck_and_asan(impl) -> None:
     """The forward with sinks and every backward role with dlse (GQA, causal with rows that see no
     key, key padding, lengths inside a tile): no shared-memory race, no access past a tensor, and
