@@ -1813,6 +1813,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // O_i = diag(l_i)^-1 O_i; lse_i = m_i + log l_i. A row with no allowed key is zero with
     // lse = -inf; a row with allowed keys whose running max stayed -inf is NaN (torch's softmax).
     const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
+    float inv_r[2];
+    bool empty_r[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = l_r[r];
@@ -1830,14 +1832,35 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             lse_r = fa_sink_lse(lse_r, sinks[h], &o_scale);
             if (!empty) inv *= o_scale;
         }
+        inv_r[r] = empty ? 0.f : inv;
+        empty_r[r] = empty;
         const int row = row0 + 8 * r;
+        if (row < seqlen_q && t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = lse_r;
+    }
+    // O_i through shared memory: this warpgroup's rows of Q_i's tile are free (its last wgmma reading
+    // them retired above). Each warp stores its 16 rows with stmatrix (the accumulator's 16-column
+    // blocks are its four 8x8 matrices), in the tile's 128-byte swizzle, reads them back as 16-byte
+    // chunks and writes whole rows with 16-byte stores (a row's chunks on consecutive lanes).
+    const int e_m = g >> 1, e_row0 = 64 * wg + 16 * (t / 32), e_row = e_row0 + 8 * (e_m & 1) + 4 * (g & 1) + t4;
+#pragma unroll
+    for (int kc = 0; kc < PAD_DIM / 16; ++kc) {
+        const int n = 2 * kc + (e_m >> 1);
+        unsigned fo[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // fragment x: row row0 + 8 (x & 1)
+            const int i = 8 * kc + 2 * x;
+            fo[x] = empty_r[x & 1] ? 0u : wg_pack(o_acc[i] * inv_r[x & 1], o_acc[i + 1] * inv_r[x & 1]);
+        }
+        fa_stmatrix_x4(sq + (n / 8) * BLOCK_R * PANEL_ELEMS + e_row * PANEL_ELEMS + (((n % 8) ^ (e_row % 8)) * 8), fo);
+    }
+    __syncwarp();  // the warp reads back only the rows it stored
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row
+#pragma unroll
+    for (int q = 4 * g + t4; q < 16 * CHUNKS; q += 32) {  // 16 rows x CHUNKS chunks over the warp's lanes
+        const int trow = e_row0 + q / CHUNKS, c = q % CHUNKS, row = i0 + trow;
         if (row >= seqlen_q) continue;
-        T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e)
-                o_row[8 * n + 2 * t4 + (e & 1)] = fa_from_float<T>(empty ? 0.f : o_acc[4 * n + e] * inv);
-        if (t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = lse_r;
+        const uint4 v = *reinterpret_cast<const uint4*>(sq + (c / 8) * BLOCK_R * PANEL_ELEMS + trow * PANEL_ELEMS +
+                                                        (((c % 8) ^ (trow % 8)) * 8));
+        *reinterpret_cast<uint4*>(o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h) + 8 * c) = v;
     }
 }
