@@ -78,7 +78,7 @@ def _warp_store_wavefronts(address) -> int:
     """Shared-memory wavefronts of one warp's 8-byte stores (address(g, t4) in bytes): a 64-bit access
     is served per half-warp; a half takes as many wavefronts as the most distinct 4-byte words on one bank."""
     total = 0
-    for half in (range(0, 16), range(16, 32)):
+    for half in (range(16), range(16, 32)):
         words: dict[int, set[int]] = {}
         for lane in half:
             a = address(lane // 4, lane % 4)
@@ -94,9 +94,9 @@ def test_staging_stores_meet_no_bank_conflict(d: int) -> None:
     dense tile's: 2 wavefronts per store instead of 8."""
     block_r = 64
     for n in range(8):
-        staged = _warp_store_wavefronts(lambda g, t4: 4 * ((8 * n // DQ_GROUP) * block_r * DQ_GROUP + g * DQ_GROUP
-                                                           + 2 * t4))
-        dense = _warp_store_wavefronts(lambda g, t4: 4 * (g * d + 8 * n + 2 * t4))
+        staged = _warp_store_wavefronts(lambda g, t4, n=n: 4 * ((8 * n // DQ_GROUP) * block_r * DQ_GROUP
+                                                                + g * DQ_GROUP + 2 * t4))
+        dense = _warp_store_wavefronts(lambda g, t4, n=n: 4 * (g * d + 8 * n + 2 * t4))
         assert staged == 2 and dense == 8, (n, staged, dense)
 
 
@@ -113,7 +113,7 @@ def test_reduce_add_5d_over_the_view_on_the_gpu() -> None:
     acc_d, tile_d = torch.from_numpy(acc).cuda(), torch.from_numpy(tile).cuda()
     res = nvrtc.compile_cubin(_source(), "reduce5.cu", ["-arch=sm_90a", "-std=c++17"], "sm_90a")
     assert res.ok, res.log
-    fn = cupy.RawModule(path=str(gpu._cubin_path(res.cubin))).get_function("reduce5")  # noqa: SLF001
+    fn = cupy.RawModule(path=str(gpu._cubin_path(res.cubin))).get_function("reduce5")
     fn.max_dynamic_shared_size_bytes = 65536
     tmap = gpu.to_cuda_arg("const __grid_constant__ FaTensorMap",
                            tma.tensor_map_for(dq_staging_view(acc_d), (1, 1, 4, 16, 8)), "tmap")
