@@ -4,8 +4,8 @@
 * The counters against an independent model of the documented rules, on random address patterns:
   shared-memory wavefronts of 4-, 8- and 16-byte ``ld.shared`` (one phase of 32 lanes, two of 16,
   four of 8; the max over banks of the distinct 4-byte words, a word read twice a broadcast) with
-  random active masks, of ``ldmatrix`` .x1 / .x2 / .x4 (one phase per matrix, its 8 row addresses
-  of 16 bytes), and global sectors (distinct 32-byte segments of the active lanes).
+  random active masks, of ``ldmatrix`` .x1 / .x2 / .x4 and ``stmatrix`` .x4 (one phase per matrix,
+  its 8 row addresses of 16 bytes), and global sectors (distinct 32-byte segments of the active lanes).
 * Hand-written kernels with known answers: a conflict-free row read (1 wavefront per request), the
   32-way column read of a 32 x 32 float tile (32), the padded tile (1); a coalesced float load (4
   sectors per request) against a stride-32 float load (32).
@@ -205,6 +205,35 @@ def test_ldmatrix_wavefronts_match_the_model(mod, num):
         mod.launch("ldm", grid=1, block=32, smem_bytes=_SMEM, args=[np.array(rows, np.uint32), num, out])
         s = _site(mod.counters(), "ldm", f"ldmatrix.sync.aligned.m8n8.x{num}")
         assert (s.shared_requests, s.wavefronts, s.ideal_wavefronts) == (1, model_ldmatrix(rows, num), num), rows
+
+
+_STMATRIX = r"""
+extern "C" __global__ void stm(const unsigned* offs, unsigned* out) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    const unsigned lane = threadIdx.x;
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(sm + offs[lane]));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(a), "r"(lane), "r"(lane + 1u), "r"(lane + 2u), "r"(lane + 3u) : "memory");
+    __syncwarp();
+    out[lane] = *reinterpret_cast<const unsigned*>(sm + 4 * lane);
+}
+"""
+
+
+def test_stmatrix_wavefronts_match_the_model(mod):
+    stm = build(_STMATRIX, [KernelSig("stm", (("const unsigned*", "offs"), ("unsigned*", "out")))], level="ptx",
+                arch="sm_90", counters=True, cache_dir=mod.path.parent)
+    rng = random.Random(7)
+    out = np.zeros(32, np.uint32)
+    for _ in range(15):
+        perm = list(range(32))
+        rng.shuffle(perm)  # distinct rows (a store's rows must not overlap): conflicts by their banks
+        stride = rng.choice([16, 32, 64, 80, 128, 144])
+        rows = [p * stride for p in perm]
+        stm.reset_counters()
+        stm.launch("stm", grid=1, block=32, smem_bytes=_SMEM, args=[np.array(rows, np.uint32), out])
+        s = _site(stm.counters(), "stm", "stmatrix")
+        assert (s.shared_requests, s.wavefronts, s.ideal_wavefronts) == (1, model_ldmatrix(rows, 4), 4), rows
 
 
 @pytest.mark.parametrize("width", [4, 8, 16])
