@@ -19,9 +19,11 @@ from fagen import KernelSpec
 from fagen import reference as R
 from fagen.runtime import cpu
 
-#: The heavy sweep (every family and arch, the mutations): ``FAGEN_TEST_SLOW=1``.
-SLOW = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"),
-                                             reason="heavy PTX-level sweep: set FAGEN_TEST_SLOW=1")]
+#: Out of the fast tier, in the full suite (CI): the mma kernels on both archs and the mutations.
+SLOW = [pytest.mark.slow]
+#: The rest of the sweep (more dtypes per family): only with ``FAGEN_TEST_SLOW=1``.
+HEAVY = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"),
+                                              reason="heavy PTX-level sweep: set FAGEN_TEST_SLOW=1")]
 
 ATOL = {"float16": 2e-4, "bfloat16": 2e-3}
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -70,9 +72,9 @@ CASES = [
     pytest.param("mma", "sm_80", "float16", True, {"deterministic": True}, id="mma-sm80-fp16-causal-det",
                  marks=SLOW),
     pytest.param("mma", "sm_90", "bfloat16", False, {}, id="mma-sm90-bf16", marks=SLOW),
-    pytest.param("mma", "sm_80", "bfloat16", True, {}, id="mma-sm80-bf16-causal", marks=SLOW),
-    pytest.param("wgmma", "sm_90a", "bfloat16", False, {}, id="wgmma-sm90a-bf16", marks=SLOW),
-    pytest.param("simt", "sm_90", "bfloat16", False, {}, id="simt-sm90-bf16", marks=SLOW),
+    pytest.param("mma", "sm_80", "bfloat16", True, {}, id="mma-sm80-bf16-causal", marks=HEAVY),
+    pytest.param("wgmma", "sm_90a", "bfloat16", False, {}, id="wgmma-sm90a-bf16", marks=HEAVY),
+    pytest.param("simt", "sm_90", "bfloat16", False, {}, id="simt-sm90-bf16", marks=HEAVY),
 ]
 
 
@@ -149,8 +151,7 @@ def _forward_error(spec: KernelSpec, mutant) -> bool:
     return not torch.allclose(o.double(), o64, atol=2e-2, rtol=0)
 
 
-@SLOW[0]
-@SLOW[1]
+@pytest.mark.slow
 def test_mutation_swapped_mma_operands_is_caught_only_at_the_ptx_level() -> None:
     spec, _ = _specs("mma", "sm_80", "float16", False)
     mutant = _mutated_forward(spec, "{ %4, %5, %6, %7 }", "{ %5, %4, %6, %7 }")
@@ -162,8 +163,7 @@ def test_mutation_swapped_mma_operands_is_caught_only_at_the_ptx_level() -> None
     assert torch.allclose(o.double(), o64, atol=2e-2, rtol=0)
 
 
-@SLOW[0]
-@SLOW[1]
+@pytest.mark.slow
 def test_mutation_wrong_wgmma_transpose_immediate_is_caught() -> None:
     spec, _ = _specs("wgmma", "sm_90a", "float16", False)
     # the descriptor form's imm-trans-b forced to 1 (MN-major B) whatever the template asks
@@ -171,8 +171,7 @@ def test_mutation_wrong_wgmma_transpose_immediate_is_caught() -> None:
     assert _forward_error(spec, mutant)
 
 
-@SLOW[0]
-@SLOW[1]
+@pytest.mark.slow
 def test_the_backwards_old_register_a_order_is_a_ptx_hazard() -> None:
     """templates/wgmma/bwd.cu.j2 once issued dK~ += dS^T Q_i (register A: dsa[kc]) and stored dS^T
     from those registers with stmatrix before any wgmma.wait_group; rendered in that order and run at
