@@ -34,3 +34,11 @@ def test_a_sweep_keeps_the_first_case_of_each_family() -> None:
     items += [_Item("test_x.py", "test_y", "p1"), _Item("test_racecheck.py", "test_removing_a_barrier_is_a_race_naming_it", "s")]
     slow = tiers.slow_items(items)
     assert [i.callspec.id for i in slow] == ["b-wgmma", "b-mma", "b-simt", "s"]
+
+
+def test_readme_names_the_command_ci_runs() -> None:
+    """.ci/run runs README's test command, word for word."""
+    repo = TESTS.parent
+    ci = [ln.strip() for ln in (repo / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m pytest")]
+    assert len(ci) == 1, ci
+    assert f"the test command itself is `{ci[0]}`" in " ".join((repo / "README.md").read_text().split())
