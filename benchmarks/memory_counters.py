@@ -1,6 +1,6 @@
 """Memory counters of the default kernels at the emulator's PTX level (docs/emulator.md,
 "Memory counters"): shared-memory wavefronts per request and global sectors per request, in the
-tile loop and outside it (prologue, epilogue), for the default spec of every family and arch
+tile loop and outside it (prologue, epilogue), and the TMA / bulk copies with their bytes, for the default spec of every family and arch
 (simt sm_80, mma sm_80 / sm_90, wgmma sm_90a), forward and backward, d = 64 and 128, fp16.
 
     python benchmarks/memory_counters.py [--json] [--seqlen 256] [--dims 64,128] [--sites]
@@ -38,6 +38,8 @@ def count(impl: str, arch: str, head_dim: int, seqlen: int) -> dict:
 
 
 def _fmt(t: dict, what: str) -> str:
+    if what == "bulk":
+        return f"{t['bulk_copies']} ({t['bulk_bytes'] / 1024:g} KiB)" if t["bulk_copies"] else "-"
     if what == "shared":
         if not t["shared_requests"]:
             return "-"
@@ -50,13 +52,14 @@ def _fmt(t: dict, what: str) -> str:
 def table(results: list[dict]) -> str:
     lines = ["| kernel (d, role) | family / arch | smem wavefronts / request (requests): tile loop | other | "
              "excess wavefronts: loop / other | global sectors / ideal sectors per request (requests): tile loop | "
-             "other |",
-             "|---|---|---|---|---|---|---|"]
+             "other | TMA / bulk copies (bytes): tile loop | other |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         loop, other = r["tile_loop"], r["other"]
         lines.append(f"| d{r['head_dim']} {r['spec'].split('_')[1]} {r['role']} | {r['impl']} {r['arch']} | {_fmt(loop, 'shared')} | "
                      f"{_fmt(other, 'shared')} | {loop['excess_wavefronts']} / {other['excess_wavefronts']} | "
-                     f"{_fmt(loop, 'global')} | {_fmt(other, 'global')} |")
+                     f"{_fmt(loop, 'global')} | {_fmt(other, 'global')} | {_fmt(loop, 'bulk')} | "
+                     f"{_fmt(other, 'bulk')} |")
     return "\n".join(lines)
 
 
@@ -85,7 +88,8 @@ def main() -> None:
             for s in r["sites"]:
                 print(f"  {s['line']:6d} {'loop ' if s['tile_loop'] else 'other'} {s['opcode']:48s} "
                       f"smem {s['shared_requests']:6d} req {s['wavefronts']:7d} wf (ideal {s['ideal_wavefronts']:6d})  "
-                      f"global {s['global_requests']:6d} req {s['sectors']:7d} sectors")
+                      f"global {s['global_requests']:6d} req {s['sectors']:7d} sectors  "
+                      f"bulk {s['bulk_copies']:5d} ({s['bulk_bytes']} B)")
 
 
 if __name__ == "__main__":

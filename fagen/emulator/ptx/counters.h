@@ -16,7 +16,10 @@
 //   max over banks of the distinct 4-byte words it touches in that bank
 //   wavefronts (the same word twice is a broadcast); ideal: ceil(distinct words / 32);
 //   global memory: sectors = distinct 32-byte segments touched by the active lanes;
-//   ideal sectors: ceil(distinct bytes / 32).
+//   ideal sectors: ceil(distinct bytes / 32);
+//   TMA and bulk copies (cp.async.bulk[.tensor], cp.reduce.async.bulk[.tensor]): one copy per
+//   active lane, its bytes (the box of the tensor map, or the size operand); no wavefront or
+//   sector model (they do not go through the LSU).
 // ---------------------------------------------------------------------------
 #include <algorithm>
 #include <unordered_map>
@@ -25,13 +28,23 @@
 namespace fagen_emu {
 namespace pxc {
 
-enum Kind { kShared = 0, kGlobal = 1, kGeneric = 2, kMatrix = 3, kCpAsync = 4 };
+enum Kind { kShared = 0, kGlobal = 1, kGeneric = 2, kMatrix = 3, kCpAsync = 4, kBulk = 5 };
 
 // Per site: shared requests, wavefronts, ideal wavefronts, shared bytes; global requests,
-// sectors, ideal sectors, global bytes.
+// sectors, ideal sectors, global bytes; TMA / bulk copies and their bytes.
 struct Stat {
-    uint64_t sreq, wav, iwav, sbytes, greq, sec, isec, gbytes;
+    uint64_t sreq, wav, iwav, sbytes, greq, sec, isec, gbytes, breq, bbytes;
 };
+
+// The bytes a tensor copy moves: the box of its tensor map (traversal strides applied).
+inline uint64_t tma_bytes(const void* map) {
+    const FaTensorMap* m = static_cast<const FaTensorMap*>(map);
+    if (!m || m->rank < 1 || m->rank > 5) return 0;
+    uint64_t n = m->elem_bytes;
+    for (unsigned i = 0; i < m->rank; ++i)
+        n *= (m->box[i] + (m->elem_strides[i] ? m->elem_strides[i] : 1u) - 1u) / (m->elem_strides[i] ? m->elem_strides[i] : 1u);
+    return n;
+}
 
 struct Group {
     uint64_t a0[32], a1[32];
@@ -118,6 +131,10 @@ inline void close(const Group& gr) {
                 phase(gr.a0, m, 16, s.wav, s.iwav);
             }
             break;
+        case kBulk:  // one copy per active lane, a0 its bytes
+            for (unsigned l = 0; l < 32; ++l)
+                if (gr.active >> l & 1u) s.breq += 1, s.bbytes += gr.a0[l];
+            break;
         default:  // kCpAsync: a0 the shared destination, a1 the global source, `size` bytes each
             shared_request(s, gr.a0, gr.active, gr.size);
             global_request(s, gr.a1, gr.active, gr.size);
@@ -172,12 +189,12 @@ extern "C" __attribute__((visibility("default"))) void fagen_pxc_reset() {
     fagen_emu::pxc::pending.clear();
     fagen_emu::pxc::stats.assign(fagen_emu::pxc::stats.size(), fagen_emu::pxc::Stat{});
 }
-// Closes the pending groups, then copies 8 counters per site for sites [0, n) into out.
+// Closes the pending groups, then copies 10 counters per site for sites [0, n) into out.
 extern "C" __attribute__((visibility("default"))) void fagen_pxc_read(uint64_t* out, unsigned n) {
     fagen_emu::pxc::flush();
     for (unsigned i = 0; i < n; ++i) {
         const fagen_emu::pxc::Stat s = i < fagen_emu::pxc::stats.size() ? fagen_emu::pxc::stats[i] : fagen_emu::pxc::Stat{};
-        const uint64_t v[8] = {s.sreq, s.wav, s.iwav, s.sbytes, s.greq, s.sec, s.isec, s.gbytes};
-        for (int j = 0; j < 8; ++j) out[8 * i + j] = v[j];
+        const uint64_t v[10] = {s.sreq, s.wav, s.iwav, s.sbytes, s.greq, s.sec, s.isec, s.gbytes, s.breq, s.bbytes};
+        for (int j = 0; j < 10; ++j) out[10 * i + j] = v[j];
     }
 }

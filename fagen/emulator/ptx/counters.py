@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     from .translate import _Fn
 
 # counters.h's Kind
-SHARED, GLOBAL, GENERIC, MATRIX, CP_ASYNC = range(5)
-KIND_NAMES = {SHARED: "shared", GLOBAL: "global", GENERIC: "generic", MATRIX: "matrix", CP_ASYNC: "cp.async"}
+SHARED, GLOBAL, GENERIC, MATRIX, CP_ASYNC, BULK = range(6)
+KIND_NAMES = {SHARED: "shared", GLOBAL: "global", GENERIC: "generic", MATRIX: "matrix", CP_ASYNC: "cp.async",
+              BULK: "bulk"}
+_NVALUES = 10  # counters.h's Stat
 
 # The instructions that mark a backward branch's range as the kernel's tile loop.
 _LOOP_MARKERS = ("mma.sync", "wgmma.mma_async", "bar.sync", "barrier.sync", "cp.async", "ldmatrix")
@@ -42,7 +44,8 @@ class Site:
     entry: str          # the .entry (kernel) it is in
     line: int           # PTX line
     opcode: str
-    kind: str           # "shared", "global", "generic" (resolved per lane at run time), "matrix", "cp.async"
+    kind: str           # "shared", "global", "generic" (resolved per lane at run time), "matrix", "cp.async",
+                        # "bulk" (TMA / bulk copies: copies and bytes only)
     size: int           # bytes per lane (ldmatrix / stmatrix: 16 per row address)
     in_loop: bool       # inside the kernel's tile loop (see :func:`tile_loop_ranges`)
 
@@ -70,6 +73,15 @@ def site_of(fn: _Fn, inst: Inst) -> tuple[int, int, int, str, str] | None:
         num = next((int(m[1]) for m in mods if m in ("x1", "x2", "x4")), 1)
         addr_op = inst.operands[1] if op == "ldmatrix" else inst.operands[0]
         return MATRIX, 16, num, fn.address(addr_op), "0"
+    if op == "cp" and "bulk" in inst.parts and "commit_group" not in inst.parts and "wait_group" not in inst.parts:
+        from .translate import _tmap_operand
+
+        if "tensor" in inst.parts:
+            rank = next((int(m[0]) for m in inst.parts if len(m) == 2 and m[1] == "d" and m[0].isdigit()), 0)
+            loads = "shared::cluster" in inst.parts and inst.parts.index("shared::cluster") < inst.parts.index("global")
+            base, _ = _tmap_operand(fn, inst.operands[1] if loads else inst.operands[0], rank)
+            return BULK, 0, 0, f"fagen_emu::pxc::tma_bytes(fagen_emu::px::hp({base}))", "0"
+        return BULK, 0, 0, f"uint64_t({fn.src(inst.operands[2], 'u32')})", "0"
     if op == "cp" and inst.parts[1:2] == ["async"] and len(inst.parts) > 2 and inst.parts[2] in (
             "ca", "cg", "shared", "shared::cta") and len(inst.operands) >= 3:
         try:
@@ -128,6 +140,8 @@ class SiteCounters:
     sectors: int = 0
     ideal_sectors: int = 0
     global_bytes: int = 0
+    bulk_copies: int = 0
+    bulk_bytes: int = 0
 
     @property
     def excess_wavefronts(self) -> int:
@@ -139,11 +153,12 @@ class SiteCounters:
                 "shared_requests": self.shared_requests, "wavefronts": self.wavefronts,
                 "ideal_wavefronts": self.ideal_wavefronts, "shared_bytes": self.shared_bytes,
                 "global_requests": self.global_requests, "sectors": self.sectors,
-                "ideal_sectors": self.ideal_sectors, "global_bytes": self.global_bytes}
+                "ideal_sectors": self.ideal_sectors, "global_bytes": self.global_bytes,
+                "bulk_copies": self.bulk_copies, "bulk_bytes": self.bulk_bytes}
 
 
 _FIELDS = ("shared_requests", "wavefronts", "ideal_wavefronts", "shared_bytes", "global_requests", "sectors",
-           "ideal_sectors", "global_bytes")
+           "ideal_sectors", "global_bytes", "bulk_copies", "bulk_bytes")
 
 
 @dataclass
@@ -157,6 +172,8 @@ class Totals:
     sectors: int = 0
     ideal_sectors: int = 0
     global_bytes: int = 0
+    bulk_copies: int = 0
+    bulk_bytes: int = 0
 
     @property
     def excess_wavefronts(self) -> int:
@@ -230,17 +247,17 @@ class KernelCounters:
     def as_dict(self) -> dict[str, Any]:
         return {"kernel": self.kernel, "total": self.total.as_dict(), "tile_loop": self.tile_loop.as_dict(),
                 "other": self.other.as_dict(), "sites": [s.as_dict() for s in self.sites if
-                                                         s.shared_requests or s.global_requests]}
+                                                         s.shared_requests or s.global_requests or s.bulk_copies]}
 
 
 def read(lib: ctypes.CDLL, sites: list[Site]) -> dict[str, KernelCounters]:
     """The counts accumulated in ``lib`` since its last reset, per kernel (closes pending groups)."""
     n = len(sites)
-    buf = (ctypes.c_uint64 * (8 * max(n, 1)))()
+    buf = (ctypes.c_uint64 * (_NVALUES * max(n, 1)))()
     lib.fagen_pxc_read(buf, ctypes.c_uint(n))
     out: dict[str, KernelCounters] = {}
     for s in sites:
-        vals = buf[8 * s.index: 8 * s.index + 8]
+        vals = buf[_NVALUES * s.index: _NVALUES * (s.index + 1)]
         kc = out.setdefault(s.entry, KernelCounters(s.entry))
         kc.sites.append(SiteCounters(s, *vals))
     return out
