@@ -236,6 +236,37 @@ def test_stmatrix_wavefronts_match_the_model(mod):
         assert (s.shared_requests, s.wavefronts, s.ideal_wavefronts) == (1, model_ldmatrix(rows, 4), 4), rows
 
 
+_BULK = r"""
+extern "C" __global__ void bulk(const float* x, float* out, int nbytes) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(sm));
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(sm + 128));
+    if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(nbytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(dst), "l"(x), "r"(nbytes), "r"(bar) : "memory");
+    }
+    asm volatile("{\n .reg .pred p;\n W:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n @!p bra W;\n}"
+                 :: "r"(bar) : "memory");
+    out[threadIdx.x] = reinterpret_cast<const float*>(sm + 128)[threadIdx.x];
+}
+"""
+
+
+def test_bulk_copies_count_copies_and_bytes(mod):
+    m = build(_BULK, [KernelSig("bulk", (("const float*", "x"), ("float*", "out"), ("int", "nbytes")))],
+              level="ptx", arch="sm_90", counters=True, cache_dir=mod.path.parent)
+    x, out = aligned(128, np.float32), aligned(128, np.float32)
+    x[:] = np.arange(128)
+    m.launch("bulk", grid=3, block=128, smem_bytes=1024, args=[x, out, 512])
+    assert np.array_equal(out, x)
+    s = _site(m.counters(), "bulk", "cp.async.bulk")
+    assert s.site.kind == "bulk" and (s.bulk_copies, s.bulk_bytes) == (3, 3 * 512)
+    assert (s.shared_requests, s.global_requests) == (0, 0)
+
+
 @pytest.mark.parametrize("width", [4, 8, 16])
 def test_global_sectors_match_the_model(mod, width):
     rng = random.Random(width)
