@@ -5,7 +5,8 @@
   shared-memory wavefronts of 4-, 8- and 16-byte ``ld.shared`` (one phase of 32 lanes, two of 16,
   four of 8; the max over banks of the distinct 4-byte words, a word read twice a broadcast) with
   random active masks, of ``ldmatrix`` .x1 / .x2 / .x4 and ``stmatrix`` .x4 (one phase per matrix,
-  its 8 row addresses of 16 bytes), and global sectors (distinct 32-byte segments of the active lanes).
+  its 8 row addresses of 16 bytes), and global sectors (distinct 32-byte segments of the active lanes);
+  a bulk copy (one copy per issuing lane, its bytes).
 * Hand-written kernels with known answers: a conflict-free row read (1 wavefront per request), the
   32-way column read of a 32 x 32 float tile (32), the padded tile (1); a coalesced float load (4
   sectors per request) against a stride-32 float load (32).
