@@ -136,7 +136,7 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     text = prelude()
     key = cache.digest("ptx", TRANSLATOR_VERSION, text, ptx, repr([(k.name, k.params) for k in sigs]), cxx_id,
                        "\0".join(flags), include, headers_digest(Path(include)),
-                       *(("counters", _counters.header_text()) if counters else ()))
+                       *(("counters", _counters.COUNTERS_VERSION, _counters.header_text()) if counters else ()))
     stem = key[:24]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     memo_key = (str(root.absolute()), stem)

@@ -22,6 +22,9 @@ from .parser import Inst, type_size
 if TYPE_CHECKING:
     from .translate import _Fn
 
+#: Bumped whenever the counting code the translator emits changes (part of a counting build's cache key).
+COUNTERS_VERSION = "1"
+
 # counters.h's Kind
 SHARED, GLOBAL, GENERIC, MATRIX, CP_ASYNC, BULK = range(6)
 KIND_NAMES = {SHARED: "shared", GLOBAL: "global", GENERIC: "generic", MATRIX: "matrix", CP_ASYNC: "cp.async",
