@@ -25,7 +25,7 @@ def count(impl: str, arch: str, head_dim: int, seqlen: int) -> dict:
     from fagen import KernelSpec
     from fagen.runtime import cpu
 
-    common = dict(head_dim=head_dim, dtype="float16", impl=impl, arch=arch)
+    common = {"head_dim": head_dim, "dtype": "float16", "impl": impl, "arch": arch}
     fwd, bwd = KernelSpec(direction="fwd", **common), KernelSpec(direction="bwd", **common)
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, seqlen, 1, head_dim, generator=g).half() for _ in range(4))
@@ -50,9 +50,9 @@ def _fmt(t: dict, what: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| kernel (d, role) | family / arch | smem wavefronts / request (requests): tile loop | other | "
-             "excess wavefronts: loop / other | global sectors / ideal sectors per request (requests): tile loop | "
-             "other | TMA / bulk copies (bytes): tile loop | other |",
+    lines = [("| kernel (d, role) | family / arch | smem wavefronts / request (requests): tile loop | other | "
+              "excess wavefronts: loop / other | global sectors / ideal sectors per request (requests): tile loop | "
+              "other | TMA / bulk copies (bytes): tile loop | other |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         loop, other = r["tile_loop"], r["other"]

@@ -110,10 +110,9 @@ def tile_loop_ranges(fn: _Fn, insts: list[Inst]) -> list[tuple[int, int]]:
         if inst.parts[0] != "bra":
             continue
         fn.cur = inst
-        try:
-            target = label_line.get(fn.label(inst.operands[0]))
-        except Exception:  # noqa: BLE001 -- an unknown label is the translator's error to report
-            continue
+        if len(inst.operands) != 1:
+            continue  # malformed: the translator reports it
+        target = label_line.get(fn.label(inst.operands[0]))
         if target is not None and target < inst.line:
             loops.append((target, inst.line))
     loops.sort()
