@@ -3,7 +3,7 @@
 
 With ``counters=True`` the translator (translate.py) numbers every memory instruction of the PTX
 (a *site*: ``ld`` / ``st`` / ``ldu`` / ``atom`` / ``red`` of the shared, global or generic space,
-``ldmatrix``, ``stmatrix``, ``cp.async``) and calls ``counters.h``'s ``note()`` before it with the
+``ldmatrix``, ``stmatrix``, ``cp.async``; ``translate.counter_site``) and calls ``counters.h``'s ``note()`` before it with the
 lane's address(es) and its dynamic execution count of the site; ``counters.h`` groups the lanes of
 a warp into warp-level requests and counts shared-memory wavefronts (bank conflicts) and global
 32-byte sectors per site. This module enumerates the sites, finds each kernel's tile loop in the
@@ -15,12 +15,9 @@ import ctypes
 import functools
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .parser import Inst, type_size
-
-if TYPE_CHECKING:
-    from .translate import _Fn
+from .parser import Inst
 
 #: Bumped whenever the counting code the translator emits changes (part of a counting build's cache key).
 COUNTERS_VERSION = "1"
@@ -53,49 +50,7 @@ class Site:
     in_loop: bool       # inside the kernel's tile loop (see :func:`tile_loop_ranges`)
 
 
-def site_of(fn: _Fn, inst: Inst) -> tuple[int, int, int, str, str] | None:
-    """(kind, size, num, address expression, second address expression) of a memory instruction,
-    None for any other (and for local / param / const accesses)."""
-    from .translate import _CT, _space
-
-    op = inst.parts[0]
-    mods = inst.parts[1:]
-    if op in ("ld", "ldu", "st", "atom", "red"):
-        sp = _space(mods)
-        kind = {"shared": SHARED, "global": GLOBAL, "generic": GENERIC}.get(sp)
-        if kind is None:
-            return None
-        types = [m for m in mods if m in _CT]
-        if len(types) != 1 or types[0] == "pred":
-            return None
-        vn = next((int(m[1:]) for m in mods if m in ("v2", "v4", "v8")), 1)
-        size = type_size(types[0]) * vn
-        addr_op = inst.operands[0] if op in ("st", "red") else inst.operands[1]
-        return kind, size, 1, fn.address(addr_op), "0"
-    if op in ("ldmatrix", "stmatrix"):
-        num = next((int(m[1]) for m in mods if m in ("x1", "x2", "x4")), 1)
-        addr_op = inst.operands[1] if op == "ldmatrix" else inst.operands[0]
-        return MATRIX, 16, num, fn.address(addr_op), "0"
-    if op == "cp" and "bulk" in inst.parts and "commit_group" not in inst.parts and "wait_group" not in inst.parts:
-        from .translate import _tmap_operand
-
-        if "tensor" in inst.parts:
-            rank = next((int(m[0]) for m in inst.parts if len(m) == 2 and m[1] == "d" and m[0].isdigit()), 0)
-            loads = "shared::cluster" in inst.parts and inst.parts.index("shared::cluster") < inst.parts.index("global")
-            base, _ = _tmap_operand(fn, inst.operands[1] if loads else inst.operands[0], rank)
-            return BULK, 0, 0, f"fagen_emu::pxc::tma_bytes(fagen_emu::px::hp({base}))", "0"
-        return BULK, 0, 0, f"uint64_t({fn.src(inst.operands[2], 'u32')})", "0"
-    if op == "cp" and inst.parts[1:2] == ["async"] and len(inst.parts) > 2 and inst.parts[2] in (
-            "ca", "cg", "shared", "shared::cta") and len(inst.operands) >= 3:
-        try:
-            size = int(inst.operands[2].strip(), 0)
-        except ValueError:
-            return None
-        return CP_ASYNC, size, 1, fn.address(inst.operands[0]), fn.address(inst.operands[1])
-    return None
-
-
-def tile_loop_ranges(fn: _Fn, insts: list[Inst]) -> list[tuple[int, int]]:
+def tile_loop_ranges(fn: Any, insts: list[Inst]) -> list[tuple[int, int]]:
     """The PTX line ranges of the kernel's tile loop: every backward ``bra`` (its target label at
     an earlier line) spans a loop [label line, branch line]; loops nested in or overlapping another
     merge into the outermost range; the ranges that contain an ``mma.sync``, a

@@ -1474,7 +1474,7 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
             raise fn.unsupported("opcode not implemented by the translator")
         code = handler(fn, inst)
         code = _hazard_checks(fn, inst) + code
-        where = _counters.site_of(fn, inst) if sites is not None else None
+        where = counter_site(fn, inst) if sites is not None else None
         if where is not None:  # memory counters: every lane notes its issue, active or predicated off
             kind, size, num, a0, a1 = where
             i = len(sites)
@@ -1560,3 +1560,41 @@ def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False) ->
         out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites))
     return Translation("\n".join(out) + "\n", [e.name for e in mod.entries],
                        {e.name: len(e.params) for e in mod.entries}, sites or [])
+
+
+def counter_site(fn: _Fn, inst: Inst) -> tuple[int, int, int, str, str] | None:
+    """(kind, size, num, address expression, second address expression) of a memory instruction,
+    None for any other (and for local / param / const accesses)."""
+    op = inst.parts[0]
+    mods = inst.parts[1:]
+    if op in ("ld", "ldu", "st", "atom", "red"):
+        sp = _space(mods)
+        kind = {"shared": _counters.SHARED, "global": _counters.GLOBAL, "generic": _counters.GENERIC}.get(sp)
+        if kind is None:
+            return None
+        types = [m for m in mods if m in _CT]
+        if len(types) != 1 or types[0] == "pred":
+            return None
+        vn = next((int(m[1:]) for m in mods if m in ("v2", "v4", "v8")), 1)
+        size = type_size(types[0]) * vn
+        addr_op = inst.operands[0] if op in ("st", "red") else inst.operands[1]
+        return kind, size, 1, fn.address(addr_op), "0"
+    if op in ("ldmatrix", "stmatrix"):
+        num = next((int(m[1]) for m in mods if m in ("x1", "x2", "x4")), 1)
+        addr_op = inst.operands[1] if op == "ldmatrix" else inst.operands[0]
+        return _counters.MATRIX, 16, num, fn.address(addr_op), "0"
+    if op == "cp" and "bulk" in inst.parts and "commit_group" not in inst.parts and "wait_group" not in inst.parts:
+        if "tensor" in inst.parts:
+            rank = next((int(m[0]) for m in inst.parts if len(m) == 2 and m[1] == "d" and m[0].isdigit()), 0)
+            loads = "shared::cluster" in inst.parts and inst.parts.index("shared::cluster") < inst.parts.index("global")
+            base, _ = _tmap_operand(fn, inst.operands[1] if loads else inst.operands[0], rank)
+            return _counters.BULK, 0, 0, f"fagen_emu::pxc::tma_bytes(fagen_emu::px::hp({base}))", "0"
+        return _counters.BULK, 0, 0, f"uint64_t({fn.src(inst.operands[2], 'u32')})", "0"
+    if op == "cp" and inst.parts[1:2] == ["async"] and len(inst.parts) > 2 and inst.parts[2] in (
+            "ca", "cg", "shared", "shared::cta") and len(inst.operands) >= 3:
+        try:
+            size = int(inst.operands[2].strip(), 0)
+        except ValueError:
+            return None
+        return _counters.CP_ASYNC, size, 1, fn.address(inst.operands[0]), fn.address(inst.operands[1])
+    return None
