@@ -1,5 +1,5 @@
 """An independent numpy model of Hopper's documented data layouts, written from the PTX ISA text
-(not from fagen/emulator/hopper.h), for tests/test_hopper_primitives.py.
+(not from fagen/emulator/hopper.h), for tests/test_wgmma_primitives.py.
 
 Sections (PTX ISA 8.x): 9.7.15.5.1 "Matrix Descriptor Format" and "Shared Memory Matrix Layout"
 (canonical K-major / MN-major layouts, 32B / 64B / 128B swizzling modes), 9.7.15.5 "Register

@@ -16,7 +16,7 @@
   checked on a hand-written kernel.
 * No false positives: a covering sample of specs (the SIMT and mma families, every kernel role;
   the Hopper forward) runs clean under ``fagen.runtime.cpu.racecheck()`` with the same results
-  as a plain launch. (The Hopper primitives themselves: tests/test_racecheck_hopper.py.)
+  as a plain launch. (The Hopper primitives themselves: tests/test_racecheck_wgmma.py.)
 """
 from __future__ import annotations
 
