@@ -232,7 +232,7 @@ def source_digest(templates: Path | None = None, package: Path | None = None) ->
 _source_digests: dict[str, str] = {}
 
 
-def _source_digest() -> str:
+def installed_source_digest() -> str:
     """:func:`source_digest` of the installed package, once per process (see :func:`clear_memo`)."""
     found = _source_digests.get("")
     if found is None:
@@ -244,7 +244,7 @@ def fast_key(spec: KernelSpec, options: list[str]) -> str:
     """Key of the index entry: everything except what the entry itself records and re-checks."""
     s = get_settings()
     env = "\0".join(os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH"))
-    return cache.digest(spec.model_dump_json(), __version__, "\0".join(options), _source_digest(),
+    return cache.digest(spec.model_dump_json(), __version__, "\0".join(options), installed_source_digest(),
                         str(s.cuda_include or ""), sys.prefix, env, nvrtc.selection_id())
 
 
@@ -333,13 +333,16 @@ def compile(spec: KernelSpec, *, ptx_target: str | None = None) -> CompiledModul
     mod = _from_index(spec, root, options) if get_family(spec.impl).template_dir is None else None
     if mod is None:
         check_target(spec, ptx_target)
-        mod = _compile_full(spec, root, options, ptx_target)
+        mod = compile_full(spec, root, options, ptx_target)
     with _memo_lock:
         _memo.setdefault(cache_dir, {})[memo_key] = replace(mod, cached=True)  # a repeat in this process ran no NVRTC
     return mod
 
 
-def _compile_full(spec: KernelSpec, root: Path, options: list[str], ptx_target: str | None = None) -> CompiledModule:
+def compile_full(spec: KernelSpec, root: Path, options: list[str], ptx_target: str | None = None) -> CompiledModule:
+    """The full path of :func:`compile` (no index, or the index could not vouch): render, then the
+    full-key cache entry or NVRTC, and write the index. :func:`compile` calls it through this module's
+    attribute."""
     from .arch import arch_info
 
     rendered = render(spec)

@@ -934,10 +934,10 @@ def test_timing_inputs_carry_every_feature(impl: str, flag: str) -> None:
     spec's real gradients."""
     import torch
 
-    from fagen.autotune.timing import _Inputs, alibi_slopes
+    from fagen.autotune.timing import TimingInputs, alibi_slopes
 
     spec, p = _feature_case(impl, flag)
-    inputs = _Inputs(spec, p, device="cpu")
+    inputs = TimingInputs(spec, p, device="cpu")
     kw = inputs.kw
     hkv = p.heads_kv or p.heads
     if spec.varlen:
@@ -974,12 +974,12 @@ def test_timing_inputs_carry_every_feature(impl: str, flag: str) -> None:
 def test_timing_inputs_of_a_forward_with_every_flag(impl: str) -> None:
     import torch
 
-    from fagen.autotune.timing import _Inputs
+    from fagen.autotune.timing import TimingInputs
 
     spec = KernelSpec(direction="fwd", head_dim=32, dtype="float16", impl=impl, causal=True, key_padding=True,
                       window=True, softcap=True, alibi=True, attn_mask=True, bias=True, sinks=True)
     p = Workload(2, 2, 24, 40)
-    inputs = _Inputs(spec, p, device="cpu")
+    inputs = TimingInputs(spec, p, device="cpu")
     assert inputs.kw["sinks"].dtype == torch.float32 and inputs.kw["sinks"].shape == (2,)
     assert not hasattr(inputs, "o")  # a forward needs no forward of its own
     o, lse = inputs.call(spec)()

@@ -470,8 +470,8 @@ def test_cache_memo_disk_and_corruption(tmp_path: Path, monkeypatch: pytest.Monk
     import fagen.emulator.builder as emu_build
 
     compiles = []
-    real = emu_build._compile
-    monkeypatch.setattr(emu_build, "_compile", lambda *a: (compiles.append(1), real(*a)))
+    real = emu_build.compile_unit
+    monkeypatch.setattr(emu_build, "compile_unit", lambda *a: (compiles.append(1), real(*a)))
     m1 = build(CACHE_SOURCE, CACHE_SIGS, cache_dir=tmp_path)
     assert build(CACHE_SOURCE, CACHE_SIGS, cache_dir=tmp_path) is m1  # memo
     clear_memo()
@@ -527,7 +527,7 @@ def test_the_prelude_is_precompiled_once_and_shared(tmp_path: Path, monkeypatch:
         m.launch(name, 1, 32, 0, [y, 1.5])
         assert (y == want).all(), name
     # a prelude that does not precompile: the prelude is pasted into the unit
-    monkeypatch.setattr(emu_build, "_prelude_header", lambda *a, **k: None)
+    monkeypatch.setattr(emu_build, "prelude_header", lambda *a, **k: None)
     fourth = CACHE_SOURCE.replace("void fill(", "void fill4(")
     m4 = build(fourth, [KernelSig("fill4", CACHE_SIGS[0].params)], cache_dir=tmp_path)
     assert "fagen CPU emulator runtime" in m4.path.with_suffix(".cpp").read_text()[:400]

@@ -321,7 +321,7 @@ def test_autotune_candidates_after_the_budget_are_not_run(monkeypatch: pytest.Mo
         return 1.0
 
     monkeypatch.setattr(timing, "measure", fake_measure)
-    monkeypatch.setattr(timing, "_Inputs", lambda spec, p: type("I", (), {"call": lambda self, s: None})())
+    monkeypatch.setattr(timing, "TimingInputs", lambda spec, p: type("I", (), {"call": lambda self, s: None})())
     from fagen.autotune.model import Workload
     from fagen.spec import KernelSpec
 

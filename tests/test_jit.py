@@ -129,7 +129,7 @@ def test_template_edit_is_a_miss(fresh_cache: Path, monkeypatch: pytest.MonkeyPa
     good = render(SPEC)
     edited = type(good)(good.spec, good.source + "\n// edited template\n", good.kernels)
     clear_memo()
-    monkeypatch.setattr(compiler, "_source_digest", lambda: "templates-after-the-edit")
+    monkeypatch.setattr(compiler, "installed_source_digest", lambda: "templates-after-the-edit")
     monkeypatch.setattr(compiler, "render", lambda spec: edited)
     again = compile_spec(SPEC)
     assert again.cached is False and again.key != first.key
@@ -174,10 +174,10 @@ def test_a_stale_or_broken_index_falls_back_to_the_full_path(fresh_cache: Path, 
         cache.atomic_write(entry, cache.encode(meta, payload[:-1]))
     clear_memo()
     calls = []
-    real = compiler._compile_full
+    real = compiler.compile_full
     compiler_full = lambda *a: calls.append(a) or real(*a)  # noqa: E731
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(compiler, "_compile_full", compiler_full)
+        m.setattr(compiler, "compile_full", compiler_full)
         again = compile_spec(SPEC)
     assert calls and again.cubin == first.cubin and again.key == first.key
     assert again.cached is (damage in ("library", "garbage", "bad key"))
@@ -208,7 +208,7 @@ from fagen.spec import KernelSpec
 mod = fagen.compile(KernelSpec(direction="fwd", head_dim=16, dtype="float32", arch="sm_80"))
 print(json.dumps({"cached": mod.cached, "key": mod.key, "renders": fagen.renderer.render.cache_info().misses,
                   "loaded": sorted(m for m in ("cupy", "cuda.pathfinder", "cupy_backends") if m in sys.modules),
-                  "sources": fagen.compiler._source_digest()}))
+                  "sources": fagen.compiler.installed_source_digest()}))
 """
 
 

@@ -11,7 +11,7 @@ preprocess kernel (which computes D and zeroes the fp32 dQ accumulator), the
 main kernel (and the deterministic backward's dq kernel) and the postprocess
 kernel, so every timed backward starts from a zeroed accumulator and repeated
 calls measure the same work. The inputs carry every runtime argument the spec's
-feature flags compile in (``_Inputs``). A candidate that fails to compile or
+feature flags compile in (``TimingInputs``). A candidate that fails to compile or
 launch times as ``inf``; the search goes on.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def alibi_slopes(heads: int) -> list[float]:
     return [2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)]
 
 
-class _Inputs:
+class TimingInputs:
     """Random inputs for one (spec without tiles, problem), built once and reused across candidates:
     q, k, v, dO and every runtime argument the spec's flags compile in, with realistic values, so
     each candidate is timed doing its real work.
@@ -183,7 +183,7 @@ class CudaTimer:
         self.stop_at = stop_at
         self.skipped = 0
         self._clock = clock or time.monotonic
-        self._inputs: dict[tuple[str, Workload], _Inputs] = {}
+        self._inputs: dict[tuple[str, Workload], TimingInputs] = {}
 
     def __call__(self, spec: KernelSpec, p: Workload) -> float:
         import json
@@ -195,7 +195,7 @@ class CudaTimer:
         try:
             if key not in self._inputs:
                 self._inputs.clear()  # one problem's tensors at a time
-                self._inputs[key] = _Inputs(spec, p)
+                self._inputs[key] = TimingInputs(spec, p)
             return measure(self._inputs[key].call(spec), warmup=self.warmup, reps=self.reps)
         except Exception as e:  # noqa: BLE001 - a failing candidate scores inf, the search goes on
             warnings.warn(f"autotune: timing {spec.name} failed: {type(e).__name__}: {e}", stacklevel=2)

@@ -122,7 +122,7 @@ def translation_unit(source: str, wrappers: str, stem: str, prelude_header: str 
     )
 
 
-def _prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Path) -> str | None:
+def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Path) -> str | None:
     """The prelude as a header in ``root`` with its precompiled header beside it, built once per
     (prelude, compiler, flags) and shared by every module built with them: g++ then skips parsing
     the runtime, the shim and the CUDA headers (about a quarter of a module's build). None when
@@ -198,8 +198,8 @@ def build(
                 _log.info("building %s%s for the CPU emulator with %s", names[0],
                           f" (+{len(names) - 1} more)" if len(names) > 1 else "", Path(cxx).name)
                 full = flags + ["-I", include]
-                pch = _prelude_header(cxx, cxx_id, full, prelude(source), root)
-                _compile(cxx, full, translation_unit(source, wrappers, stem, pch), source, root, stem)
+                pch = prelude_header(cxx, cxx_id, full, prelude(source), root)
+                compile_unit(cxx, full, translation_unit(source, wrappers, stem, pch), source, root, stem)
     module = EmuModule(so, sigs, sanitized=sanitize, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
@@ -227,7 +227,9 @@ def _is_valid(so: Path) -> bool:
         return False
 
 
-def _compile(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
+def compile_unit(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
+    """g++ compiles a translation unit into ``<root>/<stem>.so`` (with ``.cu`` / ``.cpp`` beside it);
+    :func:`build` calls it (and :func:`prelude_header`) through this module's attributes."""
     cache.remove_stale_temps(root)  # e.g. the .so of a build that was killed
     cache.atomic_write(root / f"{stem}.cu", source.encode())
     cache.atomic_write(root / f"{stem}.cpp", tu.encode())
@@ -266,7 +268,3 @@ support_text = _support_text
 default_cache_dir = _default_cache_dir
 #: Whether a cached ``.so`` is complete (its checksum file matches).
 is_valid = _is_valid
-#: The prelude as a precompiled header in the cache folder (None when g++ cannot make one).
-prelude_header = _prelude_header
-#: g++ compiles a translation unit into ``<root>/<stem>.so`` (with ``.cu`` / ``.cpp`` beside it).
-compile_unit = _compile
