@@ -589,14 +589,7 @@ def _check_dlse(dlse: Any, p: Problem) -> bool:
     True when it needs no contiguous float32 copy."""
     if dlse is None:
         return True
-    check_tensor("dlse", dlse)
-    if dlse.dtype != torch.float32 and not (dlse.dtype == torch.float64 and p.dtype == "float64"):
-        raise InputTypeError("dlse", "dtype float32 (float32 or float64 for float64 inputs), like lse", dlse.dtype)
-    if tuple(dlse.shape) != p.lse_shape:
-        layout = "[H, total_q]" if p.varlen else "[B, H, Nq]"
-        raise InputError("dlse", f"lse's shape {layout} = {list(p.lse_shape)}", f"{list(dlse.shape)}")
-    if dlse.device != p.device:
-        raise InputError("dlse", f"the same device as q ({p.device})", dlse.device)
+    check_lse(dlse, p, name="dlse")
     return dlse.dtype == torch.float32 and dlse.is_contiguous()
 
 

@@ -284,16 +284,18 @@ def check_like(name: str, t: Any, ref: torch.Tensor, shape: tuple[int, ...] | No
     return t
 
 
-def check_lse(lse: Any, p: Problem) -> torch.Tensor:
-    check_tensor("lse", lse)
+def check_lse(lse: Any, p: Problem, name: str = "lse") -> None:
+    """``lse`` (or, with ``name``, a tensor shaped like it: ``dlse``): float32 (float64 for float64
+    inputs), lse's shape, q's device. The caller decides whether it needs a contiguous copy."""
+    check_tensor(name, lse)
+    like, shape = ("", "shape") if name == "lse" else (", like lse", "lse's shape")
     if lse.dtype != torch.float32 and not (lse.dtype == torch.float64 and p.dtype == "float64"):
-        raise InputTypeError("lse", "dtype float32 (float32 or float64 for float64 inputs)", lse.dtype)
+        raise InputTypeError(name, f"dtype float32 (float32 or float64 for float64 inputs){like}", lse.dtype)
     if tuple(lse.shape) != p.lse_shape:
         layout = "[H, total_q]" if p.varlen else "[B, H, Nq]"
-        raise InputError("lse", f"shape {layout} = {list(p.lse_shape)}", f"{list(lse.shape)}")
+        raise InputError(name, f"{shape} {layout} = {list(p.lse_shape)}", f"{list(lse.shape)}")
     if lse.device != p.device:
-        raise InputError("lse", f"the same device as q ({p.device})", lse.device)
-    return lse.contiguous()
+        raise InputError(name, f"the same device as q ({p.device})", lse.device)
 
 
 # --------------------------------------------------------------------------- optional inputs
