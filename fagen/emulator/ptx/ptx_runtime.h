@@ -392,6 +392,10 @@ void ldmatrix_aligned_complete(void* const* payloads, unsigned arrived) {
 template <int NUM, bool TRANS>
 inline void ldmatrix(uint32_t* r, const void* row, const char* file, int line) {
     Aligned<LdmatrixLane> lane{LdmatrixLane{r, row}, line};
+#if defined(FAGEN_EMU_RACECHECK)
+    g_racecheck_warp_base = g.cur->index & ~31u;  // read by the completing lane (same warp)
+    g_racecheck_site = race::site(file, line, "ldmatrix.sync.aligned");
+#endif
     warp_exchange(0xffffffffu, &lane, &ldmatrix_aligned_complete<NUM, TRANS>, "ldmatrix.sync.aligned", file, line);
 }
 template <int NUM, bool TRANS>
@@ -436,6 +440,218 @@ inline void wg_aligned(unsigned kind, const char* name, const char* file, int li
 // The per-thread wgmma register tracking (the commit group each register tuple of a wgmma is in
 // flight in, the line of that wgmma, the line of the last access since wgmma.fence) is a local
 // struct of each translated entry, sized by the translator (translate.py, _wgmma).
+
+// ------------------------------------------- cp.async destinations (PTX level)
+// Every shared-memory access of a translated entry that issues cp.async is checked against the
+// cp.async destinations (translate.py emits the calls only in such entries). Per 16 bytes of the
+// window: the issuing thread, the cp.async's PTX line, whether the issuer's cp.async.wait_group /
+// wait_all has landed it, and the issuer's barrier counts at the landing. A read (or write) of a
+// destination still in flight, or a read by another thread before a barrier that follows the
+// landing publishes it (bar.sync 0 for every thread; bar.warp.sync for the issuer's warp), is a
+// PTX hazard naming both PTX lines. The source level's poison (NaN) shows the same defects as
+// wrong values only; its racecheck build reports them as races.
+struct CpRec {
+    uint16_t issuer1;      // issuing thread + 1 (0: nothing tracked)
+    uint8_t landed;        // the issuer's wait has landed it
+    int line, wait_line;   // the cp.async's PTX line; the wait that landed it
+    uint32_t bars, warps;  // the issuer's block-barrier / bar.warp.sync counts at the landing
+};
+struct CpTrack {
+    uint64_t block = ~uint64_t(0);
+    std::vector<CpRec> rec;             // per 16 bytes of the window
+    std::vector<uint32_t> bars, warps;  // per thread: block barriers / bar.warp.sync passed
+};
+inline CpTrack cpt;
+inline CpTrack& cp_track() {
+    if (cpt.block != g.block_serial) {
+        cpt.rec.assign((g.smem_bytes + 15) / 16, CpRec{});
+        cpt.bars.assign(g.nthreads, 0u);
+        cpt.warps.assign(g.nthreads, 0u);
+        cpt.block = g.block_serial;
+    }
+    return cpt;
+}
+inline void cp_passed_block_barrier() { ++cp_track().bars[g.cur->index]; }
+inline void cp_passed_syncwarp() { ++cp_track().warps[g.cur->index]; }
+
+// MODE: 0 a read by this thread, 1 a write, 2 a read whose data goes to the other lanes of the
+// warp (ldmatrix: the row address's lane is not the only reader).
+inline void cp_check(const void* p, size_t bytes, int mode, const char* what, const char* file, int line) {
+    const uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(g.smem);
+    if (off >= g.smem_bytes || bytes == 0) return;
+    CpTrack& t = cp_track();
+    const unsigned self = g.cur->index;
+    const size_t last = std::min<size_t>((off + bytes - 1) / 16, t.rec.size() - 1);
+    for (size_t c = off / 16; c <= last; ++c) {
+        CpRec& r = t.rec[c];
+        if (!r.issuer1) continue;
+        const unsigned issuer = r.issuer1 - 1u;
+        if (!r.landed)
+            hazard(file, line, "%s %s shared offset 0x%zx, the destination of the cp.async at PTX line %d (thread %u) "
+                   "still in flight: no cp.async.wait_group / wait_all of its thread has completed its group",
+                   what, mode == 1 ? "writes" : "reads", size_t(c * 16), r.line, issuer);
+        if (mode == 1) continue;
+        if (t.bars[self] > r.bars) {  // a block barrier after the landing: published to every thread
+            r.issuer1 = 0;
+            continue;
+        }
+        if (issuer == self && mode == 0) continue;
+        if ((issuer >> 5) == (self >> 5) && t.warps[self] > r.warps) continue;
+        hazard(file, line, "%s reads shared offset 0x%zx, the destination of the cp.async at PTX line %d (thread %u), "
+               "landed by that thread's wait at PTX line %d but not yet published to %s: no barrier (bar.sync) "
+               "since that wait",
+               what, size_t(c * 16), r.line, issuer, r.wait_line,
+               mode == 2 ? "the lanes this ldmatrix delivers it to" : "this thread");
+    }
+}
+
+// Generic-proxy writes of shared memory (entries with async-proxy reads: wgmma operands, TMA / bulk
+// store and reduce sources). Per 2 bytes: the writer, its fence.proxy.async count at the write and
+// the PTX line; the async proxy reading a cell whose writer has not passed fence.proxy.async since
+// is a PTX hazard.
+struct GwCell {
+    uint64_t block;  // g.block_serial of the write (older: no write in this block)
+    uint32_t epoch;  // the writer's fence.proxy.async count at the write
+    uint32_t writer;
+    int line;
+};
+struct GwTrack {
+    uint64_t block = ~uint64_t(0);
+    std::vector<GwCell> cells;       // per 2 bytes of the window (grown, never cleared)
+    std::vector<uint32_t> fences;    // per thread: fence.proxy.async passed
+};
+inline GwTrack gwt;
+inline GwTrack& gw_track() {
+    if (gwt.block != g.block_serial) {
+        if (gwt.cells.size() < (g.smem_bytes + 1) / 2) gwt.cells.resize((g.smem_bytes + 1) / 2, GwCell{~uint64_t(0), 0, 0, 0});
+        gwt.fences.assign(g.nthreads, 0u);
+        gwt.block = g.block_serial;
+    }
+    return gwt;
+}
+inline void gw_fence() { ++gw_track().fences[g.cur->index]; }
+inline void gw_note_thread(unsigned t, const void* p, size_t bytes, int line) {
+    const uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(g.smem);
+    if (off >= g.smem_bytes || bytes == 0) return;
+    GwTrack& w = gw_track();
+    const size_t last = std::min<size_t>((off + bytes - 1) / 2, (g.smem_bytes + 1) / 2 - 1);
+    for (size_t i = off / 2; i <= last; ++i) w.cells[i] = GwCell{g.block_serial, w.fences[t], t, line};
+}
+inline void gw_note(const void* p, size_t bytes, int line) { gw_note_thread(g.cur->index, p, bytes, line); }
+inline void gw_check_off(size_t off, size_t bytes, const char* what, const char* file, int line) {
+    if (off >= g.smem_bytes || bytes == 0) return;
+    GwTrack& w = gw_track();
+    const size_t last = std::min<size_t>((off + bytes - 1) / 2, (g.smem_bytes + 1) / 2 - 1);
+    for (size_t i = off / 2; i <= last; ++i) {
+        const GwCell& c = w.cells[i];
+        if (c.block == g.block_serial && w.fences[c.writer] == c.epoch)
+            hazard(file, line, "%s reads shared offset 0x%zx through the async proxy, written through the generic "
+                   "proxy by thread %u at PTX line %d with no fence.proxy.async by that thread since (PTX ISA: "
+                   "the async proxy sees generic-proxy writes only after fence.proxy.async)",
+                   what, 2 * i, c.writer, c.line);
+    }
+}
+// The shared operands of a wgmma (descriptor A when `da_desc`, descriptor B): every element's cell.
+inline void gw_check_wgmma(bool a_desc, unsigned long long da, unsigned long long db, int n, int ta, int tb,
+                           const char* file, int line) {
+    const char* what = "wgmma.mma_async";
+    for (int op = a_desc ? 0 : 1; op < 2; ++op) {
+        const hopper::Desc d = hopper::decode_desc(op == 0 ? da : db, what, file, line);
+        const unsigned rows = op == 0 ? 64u : unsigned(n);
+        for (unsigned mn = 0; mn < rows; ++mn)
+            for (unsigned k = 0; k < 16; ++k)
+                gw_check_off(hopper::operand_addr(d, (op == 0 ? ta : tb) != 0, mn, k), 2, what, file, line);
+    }
+}
+// A TMA store / reduce: its source is the tensor map's box (elements x element bytes).
+inline size_t tma_box_bytes(const FaTensorMap* m) {
+    size_t n = m->elem_bytes;
+    for (unsigned i = 0; i < m->rank && i < 5; ++i) {
+        const unsigned s = m->elem_strides[i] ? m->elem_strides[i] : 1u;
+        n *= (m->box[i] + s - 1) / s;
+    }
+    return n;
+}
+inline void gw_check_src(const void* p, size_t bytes, const char* what, const char* file, int line) {
+    gw_check_off(reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(g.smem), bytes, what, file, line);
+}
+
+// cp.async through the tracker: issue (a destination still in flight is a hazard), waits (mark the
+// copies they land; with GW the landing is also a generic-proxy write of the issuer).
+inline void cp_async(void* dst, const void* src, bool valid, const char* file, int line) {
+    cp_check(dst, 16, 1, "cp.async", file, line);
+    cp_async_16(dst, src, valid, file, line);
+    const uintptr_t off = reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(g.smem);
+    if (off < g.smem_bytes) cp_track().rec[off / 16] = CpRec{uint16_t(g.cur->index + 1u), 0, line, 0, 0, 0};
+}
+template <bool GW>
+inline void cp_mark_landing(unsigned done, int line) {  // the copies of groups [0, done) land
+    CpTrack& t = cp_track();
+    const unsigned self = g.cur->index;
+    AsyncQueue& q = async_queue();
+    for (unsigned k = 0; k < q.n; ++k) {
+        const AsyncCopy& c = q.items[k];
+        if (c.group >= done) continue;
+        const uintptr_t off = reinterpret_cast<uintptr_t>(c.dst) - reinterpret_cast<uintptr_t>(g.smem);
+        if (off >= g.smem_bytes) continue;
+        CpRec& r = t.rec[off / 16];
+        if (r.issuer1 == self + 1u) r.landed = 1, r.wait_line = line, r.bars = t.bars[self], r.warps = t.warps[self];
+        if (GW) gw_note(c.dst, 16, r.line);
+    }
+}
+template <bool GW>
+inline void cp_wait(unsigned pending, const char* file, int line) {
+    AsyncQueue& q = async_queue();
+    if (q.commits > pending) cp_mark_landing<GW>(q.commits - pending, line);
+    cp_async_wait(pending, file, line);
+}
+template <bool GW>
+inline void cp_wait_all(const char* file, int line) {
+    cp_mark_landing<GW>(~0u, line);  // commit + wait 0: every queued copy
+    cp_async_wait_all(file, line);
+}
+
+// ------------------------------------------------------ racecheck (PTX level)
+// build_ptx(..., racecheck=True) compiles with -DFAGEN_EMU_RACECHECK (no -fsanitize=thread: the
+// translator knows every memory instruction) and translate(racecheck=True) reports each load, store
+// and atomic of the translated code to racecheck.h with its PTX line as the site (`w` caches the
+// site index per instruction). The collectives, cp.async, barriers, mbarrier, TMA and wgmma report
+// through the runtime's own events, as at the source level.
+#if defined(FAGEN_EMU_RACECHECK)
+inline void rc_access(const void* p, size_t bytes, race::Op op, uint32_t& w, const char* file, int line,
+                      const char* what) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (!race::T.active) return;
+    if (a - reinterpret_cast<uintptr_t>(race::T.smem) < race::T.smem_bytes) {
+        if (!w) w = race::site(file, line, what);
+        race::thread_access(p, bytes, op, w);
+        return;
+    }
+    if (op != race::kWrite) return;  // global memory: plain stores of two blocks to the same bytes
+    if ((a >= race::T.stacks_lo && a < race::T.stacks_hi) || (a >= race::T.image_lo && a < race::T.image_hi)) return;
+    if (!w) w = race::site(file, line, what);
+    race::global_store(a, unsigned(bytes), w);
+}
+#endif
+
+// ------------------------------------------------------ bulk groups at exit
+// A thread that exits with cp.async.bulk stores / reduces not waited for (its bulk groups not
+// drained by cp.async.bulk.wait_group): the CTA's shared memory may be reused before the copy has
+// read its source.
+inline void bulk_exit(const char* file, int line) {
+    hopper::Hopper& h = hopper::state();
+    const hopper::ThreadState& ts = h.threads[g.cur->index];
+    if (ts.bulk.empty()) return;
+    const hopper::BulkOp& b = ts.bulk.front();
+    if (b.group < ts.bulk_commits)
+        hazard(file, line, "the thread exits with %zu bulk store / reduce(s) not waited for: the one at PTX line %d "
+               "is in committed bulk group %u, which no cp.async.bulk.wait_group drained (the CTA's shared memory "
+               "may be reused before the copy reads it)",
+               ts.bulk.size(), b.line, b.group);
+    hazard(file, line, "the thread exits with %zu bulk store / reduce(s) not waited for: the one at PTX line %d was "
+           "never committed (cp.async.bulk.commit_group) nor waited for",
+           ts.bulk.size(), b.line);
+}
 
 }  // namespace px
 }  // namespace fagen_emu

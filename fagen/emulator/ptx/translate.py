@@ -26,7 +26,7 @@ from .errors import PtxUnsupportedError
 from .parser import Entry, Inst, Module, Stmt, parse_inst, parse_module, type_size
 
 #: Bumped whenever the generated C++ for the same PTX changes (part of the build cache key).
-TRANSLATOR_VERSION = "3"
+TRANSLATOR_VERSION = "4"
 
 # PTX register / instruction type -> C++ storage type of a register of that type.
 _STORE = {"pred": "bool", "b8": "uint16_t", "u8": "uint16_t", "s8": "uint16_t",
@@ -136,6 +136,10 @@ class _Fn:
         self.tuples: dict[tuple[str, ...], _Tuple] = {}
         self.reg_tuples: dict[str, list[int]] = {}
         self.cur: Inst | None = None
+        # the checks an entry needs (set by translate_entry from its instructions): cp.async
+        # destinations (``cp``), generic-proxy writes read by the async proxy (``gw``), bulk stores
+        # drained at exit (``bulk``); racecheck events of every memory instruction (``racecheck``)
+        self.cp = self.gw = self.bulk = self.racecheck = False
 
     # ---- errors
     def unsupported(self, reason: str, inst: Inst | None = None) -> PtxUnsupportedError:
@@ -945,37 +949,55 @@ def _bra(fn: _Fn, inst: Inst) -> str:
     _check(fn, inst, set())
     if op == "trap":
         return f"fagen_emu::fail(\"trap at %s:%d\", ptx_file, {inst.line});"
+    if fn.bulk:  # bulk stores / reduces must be drained before the thread exits
+        return f"fagen_emu::px::bulk_exit({fn.site()}); return;"
     return "return;"
 
 
 @_handler("bar / barrier", "`bar.sync a[, b]`, `bar.arrive a, b`, `barrier.sync[.aligned] a[, b]`, "
-          "`bar.warp.sync mask`",
+          "`bar.warp.sync mask`, `bar.red.or.pred p, 0, q`",
           "barrier 0 without a count (or with the block's thread count): the runtime's `__syncthreads` "
           "with the PTX line as its call site (threads at different `bar.sync` lines: a divergence "
-          "error); other ids: hopper.h's named barriers; `bar.warp.sync`: `__syncwarp(mask)`", "bar", "barrier")
+          "error); other ids: hopper.h's named barriers; `bar.warp.sync`: `__syncwarp(mask)`; `bar.red.or`: "
+          "`__syncthreads_or`'s barrier (every thread gets the OR of the predicates)", "bar", "barrier")
 def _bar(fn: _Fn, inst: Inst) -> str:
-    mods = _check(fn, inst, {"sync", "arrive", "aligned", "warp"})
+    mods = _check(fn, inst, {"sync", "arrive", "aligned", "warp", "red", "or", "pred", "cta"})
+    if "red" in mods:  # bar.red.or.pred p, 0, q (__syncthreads_or): block barrier 0 with the OR of q
+        if "or" not in mods or "pred" not in mods:
+            raise fn.unsupported("only bar.red.or.pred")
+        _nops(fn, inst, 3)
+        if inst.operands[1].strip() != "0":
+            raise fn.unsupported("bar.red only on barrier 0 of the whole block")
+        tail = " fagen_emu::px::cp_passed_block_barrier();" if fn.cp else ""
+        red = f"fagen_emu::block_barrier_or({fn.src(inst.operands[2], 'pred')} ? 1 : 0, {fn.site()}) != 0"
+        return f"{{ {fn.dst(inst.operands[0], 'pred', red)}{tail} }}"
     if mods and mods[0] == "warp":
         _nops(fn, inst, 1)
-        return f"__syncwarp({fn.src(inst.operands[0], 'b32')}, {fn.site()});"
+        tail = " fagen_emu::px::cp_passed_syncwarp();" if fn.cp else ""
+        return f"__syncwarp({fn.src(inst.operands[0], 'b32')}, {fn.site()});{tail}"
     if not mods or mods[0] not in ("sync", "arrive"):
         raise fn.unsupported("only bar.sync / bar.arrive / bar.warp.sync")
     wait = mods[0] == "sync"
     _nops(fn, inst, (1, 2) if wait else 2)
     a = fn.src(inst.operands[0], "u32")
+    # cp.async destinations: a block barrier publishes what the threads' waits landed before it
+    block = f"{{ fagen_emu::block_barrier({fn.site()});{' fagen_emu::px::cp_passed_block_barrier();' if fn.cp else ''} }}"
     if len(inst.operands) == 1:
-        return (f"{{ const uint32_t id_ = {a}; if (id_ == 0) fagen_emu::block_barrier({fn.site()}); else "
+        return (f"{{ const uint32_t id_ = {a}; if (id_ == 0) {block} else "
                 f"fagen_emu::hopper::named_barrier(id_, fagen_emu_state.nthreads, true, {fn.site()}); }}")
     b = fn.src(inst.operands[1], "u32")
     return (f"{{ const uint32_t id_ = {a}, n_ = {b}; if (id_ == 0 && n_ == fagen_emu_state.nthreads && "
-            f"{'true' if wait else 'false'}) fagen_emu::block_barrier({fn.site()}); else "
+            f"{'true' if wait else 'false'}) {block} else "
             f"fagen_emu::hopper::named_barrier(id_, n_, {'true' if wait else 'false'}, {fn.site()}); }}")
 
 
 @_handler("membar / fence", "`membar.{cta,gl,sys}`, `fence.{sc,acq_rel}.{cta,gpu,sys,cluster}`, "
           "`fence.proxy.async[.shared::cta .global .shared::cluster]`, `fence.mbarrier_init.release.cluster`",
           "memory fences order nothing here (one fiber at a time); `fence.proxy.async` is hopper.h's "
-          "(racecheck: the async proxy sees the thread's writes up to it)", "membar", "fence")
+          "(racecheck: the async proxy sees the thread's writes up to it), and in entries whose async proxy "
+          "reads shared memory the generic-proxy writes (`st`, `atom`, `red`, `stmatrix`, landed cp.async) "
+          "are tracked: one the async proxy reads (wgmma operand, bulk / TMA store or reduce source) before "
+          "its writer's `fence.proxy.async` is a PtxHazardError", "membar", "fence")
 def _fence(fn: _Fn, inst: Inst) -> str:
     mods = _check(fn, inst, {"cta", "gl", "sys", "gpu", "cluster", "sc", "acq_rel", "proxy", "async",
                              "shared::cta", "shared::cluster", "global", "mbarrier_init", "release"})
@@ -983,7 +1005,7 @@ def _fence(fn: _Fn, inst: Inst) -> str:
     if "proxy" in mods:
         if "async" not in mods:
             raise fn.unsupported("only fence.proxy.async")
-        return f"fagen_emu::hopper::fence_proxy_async({fn.site()});"
+        return f"fagen_emu::hopper::fence_proxy_async({fn.site()});{' fagen_emu::px::gw_fence();' if fn.gw else ''}"
     return ";"
 
 
@@ -1108,7 +1130,9 @@ def _setmaxnreg(fn: _Fn, inst: Inst) -> str:
 @_handler("cp.async", "`.ca .cg` `.shared[::cta].global [d], [s], 16[, src-size]`; `.commit_group`; "
           "`.wait_group N`; `.wait_all`",
           "shim.h's adversarial cp.async queue (destination poisoned until the issuing thread's wait); "
-          "src-size 0 (zero fill) or 16", "cp")
+          "src-size 0 (zero fill) or 16; every shared-memory access of the entry is checked: a destination "
+          "accessed before its thread's wait, or read by another thread before a `bar.sync` after that wait "
+          "(its warp: `bar.warp.sync`), is a PtxHazardError naming both PTX lines", "cp")
 def _cp(fn: _Fn, inst: Inst) -> str:
     p = inst.parts
     if p[:2] != ["cp", "async"] and p[:2] != ["cp", "reduce"]:
@@ -1118,11 +1142,12 @@ def _cp(fn: _Fn, inst: Inst) -> str:
     rest = p[2:]
     if rest == ["commit_group"]:
         return "fagen_emu::cp_async_commit();"
+    gw = "true" if fn.gw else "false"
     if rest == ["wait_group"]:
         _nops(fn, inst, 1)
-        return f"fagen_emu::cp_async_wait(unsigned({fn.src(inst.operands[0], 'u32')}), {fn.site()});"
+        return f"fagen_emu::px::cp_wait<{gw}>(unsigned({fn.src(inst.operands[0], 'u32')}), {fn.site()});"
     if rest == ["wait_all"]:
-        return f"fagen_emu::cp_async_wait_all({fn.site()});"
+        return f"fagen_emu::px::cp_wait_all<{gw}>({fn.site()});"
     for m in rest:
         if m not in ("ca", "cg", "shared", "shared::cta", "global", "L2::128B", "L2::64B", "L2::256B"):
             raise fn.unsupported(f"modifier .{m} of cp.async")
@@ -1136,7 +1161,7 @@ def _cp(fn: _Fn, inst: Inst) -> str:
         src_size = fn.src(inst.operands[3], "u32")
         valid = (f"([&] {{ const uint32_t n_ = {src_size}; if (n_ != 0u && n_ != 16u) fagen_emu::fail(\"cp.async at "
                  f"%s:%d: src-size %u (the emulator takes 0 or 16)\", ptx_file, {inst.line}, n_); return n_ != 0u; }}())")
-    return (f"fagen_emu::cp_async_16({fn.host(d, 'shared')}, {fn.host(s, 'global')}, {valid}, {fn.site()});")
+    return (f"fagen_emu::px::cp_async({fn.host(d, 'shared')}, {fn.host(s, 'global')}, {valid}, {fn.site()});")
 
 
 def _bulk(fn: _Fn, inst: Inst) -> str:
@@ -1180,9 +1205,11 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
         tm, src = inst.operands
         base, coords = _tmap_operand(fn, tm, rank)
         kind = "kTmaReduceAdd" if reduce else "kTmaStore"
-        return (f"{{ const int c_[{rank}] = {{{coords}}}; fagen_emu::hopper::tma(fagen_emu::hopper::{kind}, {rank}, "
-                f"{fn.host(src, 'shared')}, reinterpret_cast<const FaTensorMap*>(fagen_emu::px::hp({base})), nullptr, c_, "
-                f"{fn.site()}); }}")
+        tmap = f"reinterpret_cast<const FaTensorMap*>(fagen_emu::px::hp({base}))"
+        check = (f"fagen_emu::px::gw_check_src({fn.host(src, 'shared')}, fagen_emu::px::tma_box_bytes({tmap}), "
+                 f"\"{inst.opcode}\", {fn.site()}); " if fn.gw else "")
+        return (f"{{ const int c_[{rank}] = {{{coords}}}; {check}fagen_emu::hopper::tma(fagen_emu::hopper::{kind}, "
+                f"{rank}, {fn.host(src, 'shared')}, {tmap}, nullptr, c_, {fn.site()}); }}")
     # non-tensor bulk copies
     if "mbarrier::complete_tx::bytes" in mods:
         extra = mods - {"cp", "async", "bulk", "shared::cluster", "shared::cta", "global",
@@ -1201,8 +1228,10 @@ def _bulk(fn: _Fn, inst: Inst) -> str:
     dst, src, size = inst.operands
     kind = "kTmaReduceAdd" if reduce else "kTmaStore"
     name = "cp.reduce.async.bulk.add.f32" if reduce else "cp.async.bulk"
-    return (f"fagen_emu::hopper::bulk(fagen_emu::hopper::{kind}, {fn.host(src, 'shared')}, {fn.host(dst, 'global')}, "
-            f"unsigned({fn.src(size, 'u32')}), nullptr, \"{name}\", {fn.site()});")
+    check = (f"fagen_emu::px::gw_check_src({fn.host(src, 'shared')}, {fn.src(size, 'u32')}, \"{inst.opcode}\", "
+             f"{fn.site()}); " if fn.gw else "")
+    return (f"{{ {check}fagen_emu::hopper::bulk(fagen_emu::hopper::{kind}, {fn.host(src, 'shared')}, "
+            f"{fn.host(dst, 'global')}, unsigned({fn.src(size, 'u32')}), nullptr, \"{name}\", {fn.site()}); }}")
 
 
 FORMS.append(Form("cp.async.bulk[.tensor] / cp.reduce.async.bulk[.tensor]",
@@ -1211,7 +1240,9 @@ FORMS.append(Form("cp.async.bulk[.tensor] / cp.reduce.async.bulk[.tensor]",
                   "`.shared::cluster.global.mbarrier::complete_tx::bytes`, store `.global.shared::cta.bulk_group`, "
                   "reduce `.add.f32`; `.commit_group`, `.wait_group[.read] N`",
                   "hopper.h's TMA / bulk emulation (box read within the tensor, swizzled image, complete_tx on "
-                  "the mbarrier, data poison until the phase completes; stores checked at the bulk wait)"))
+                  "the mbarrier, data poison until the phase completes; stores checked at the bulk wait); a "
+                  "`ret` / `exit` with bulk stores or reduces not drained by `cp.async.bulk.wait_group` is a "
+                  "PtxHazardError naming the copy's line"))
 
 
 def _tmap_operand(fn: _Fn, op: str, rank: int) -> tuple[str, str]:
@@ -1332,6 +1363,10 @@ def _wgmma(fn: _Fn, inst: Inst) -> str:
     out.append(f"if (wgt.group[{d_tuple.tid}] < 0) {{ " + " ".join(
         f"wgst_{d_tuple.tid}[{i}] = {fn.src(r, 'f32')};" for i, r in enumerate(dregs)) + " }")
     out.append(f"fagen_emu::px::wg_aligned(4, \"wgmma.mma_async.sync.aligned\", {fn.site()});")
+    if fn.gw:  # the warpgroup has arrived: its shared operands must be visible to the async proxy
+        out.append(f"if ((fagen_emu_state.cur->index & 127u) == 0u) fagen_emu::px::gw_check_wgmma("
+                   f"{'false' if reg_a else 'true'}, {da if not reg_a else '0ull'}, {fn.src(ops[2], 'b64')}, {n}, "
+                   f"{ta}, {tb}, {fn.site()});")
     out.append(f"fagen_emu::hopper::wgmma({bf16}, {n}, {ta}, {tb}, wgst_{d_tuple.tid}, {a_ptr}, {da}, "
                f"{fn.src(ops[2], 'b64')}, {sd} ? 1 : 0, {fn.site()});")
     for tup in touched:
@@ -1443,9 +1478,69 @@ def _hazard_checks(fn: _Fn, inst: Inst) -> str:
     return f"if (wgt.inflight) {{ {checks} }} {marks} "
 
 
+def _is_bulk_store(inst: Inst) -> bool:
+    """cp.async.bulk[.tensor] stores and cp.reduce.async.bulk[.tensor]: the async proxy reads shared memory."""
+    p = inst.parts
+    return (p[:2] == ["cp", "reduce"] or p[:3] == ["cp", "async", "bulk"]) and "bulk_group" in p
+
+
+def _entry_checks(fn: _Fn, insts: list[Inst], racecheck: bool) -> None:
+    """Which of the PTX level's memory checks the entry needs (see _Fn)."""
+    fn.cp = any(i.parts[:2] == ["cp", "async"] and "bulk" not in i.parts for i in insts)
+    fn.bulk = any(_is_bulk_store(i) for i in insts)
+    fn.gw = fn.bulk or any(i.opcode.startswith("wgmma.mma_async") for i in insts)
+    fn.racecheck = racecheck
+
+
+def _memory_hooks(fn: _Fn, inst: Inst) -> str:
+    """Statements before a memory instruction: the cp.async destination check (entries with
+    cp.async), the note of a generic-proxy write (entries whose async proxy reads shared memory),
+    the racecheck event (racecheck translations)."""
+    if not (fn.cp or fn.gw or fn.racecheck):
+        return ""
+    op, mods = inst.parts[0], inst.parts[1:]
+    what = f'"{inst.opcode}"'
+    out: list[str] = []
+    if op in ("ld", "ldu", "st", "atom", "red"):
+        sp = _space(mods)
+        types = [m for m in mods if m in _CT]
+        if sp not in ("shared", "generic", "global") or len(types) != 1 or types[0] == "pred":
+            return ""
+        vn = next((int(m[1:]) for m in mods if m in ("v2", "v4", "v8")), 1)
+        size = type_size(types[0]) * vn
+        addr_op = inst.operands[0] if op in ("st", "red") else inst.operands[1]
+        ptr = fn.host(addr_op, sp)
+        write = op == "st"
+        if sp != "global":
+            if fn.cp:
+                out.append(f"fagen_emu::px::cp_check({ptr}, {size}, {1 if write else 0}, {what}, {fn.site()});")
+            if fn.gw and op in ("st", "atom", "red"):
+                out.append(f"fagen_emu::px::gw_note({ptr}, {size}, {inst.line});")
+        if fn.racecheck and (sp != "global" or write):
+            rop = "kWrite" if write else ("kRead" if op in ("ld", "ldu") else "kAtomic")
+            out.append(f"{{ static uint32_t rw_; fagen_emu::px::rc_access({ptr}, {size}, fagen_emu::race::{rop}, rw_, "
+                       f"{fn.site()}, {what}); }}")
+    elif op in ("ldmatrix", "stmatrix") and (fn.cp or fn.gw):
+        num = next((int(m[1]) for m in mods if m in ("x1", "x2", "x4")), 1)
+        ptr = fn.host(inst.operands[1] if op == "ldmatrix" else inst.operands[0], "shared")
+        # lanes 8i .. 8i + 7 give the 16-byte rows of matrix i
+        row = []
+        if fn.cp:
+            row.append(f"fagen_emu::px::cp_check({ptr}, 16, {2 if op == 'ldmatrix' else 1}, {what}, {fn.site()});")
+        if fn.gw and op == "stmatrix":
+            row.append(f"fagen_emu::px::gw_note({ptr}, 16, {inst.line});")
+        if row:
+            out.append(f"if (fagen_emu::px::laneid() < {8 * num}u) {{ {' '.join(row)} }}")
+    if not out:
+        return ""
+    return " ".join(out) + " "
+
+
 def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str, str],
-                    shared: dict[str, int], sites: list | None = None) -> str:
-    """``sites``: with memory counters (counters.py), the module's site list, appended to."""
+                    shared: dict[str, int], sites: list | None = None, racecheck: bool = False) -> str:
+    """``sites``: with memory counters (counters.py), the module's site list, appended to.
+    ``racecheck``: every load, store and atomic also reports to racecheck.h (a build with
+    -DFAGEN_EMU_RACECHECK)."""
     fn = _Fn(mod, entry, ptx_file, globals_, shared)
     _collect_decls(fn, entry.body)
     insts: list[Inst] = []
@@ -1453,6 +1548,7 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
         if st.kind == "inst":
             insts.append(parse_inst(st))
     _collect_tuples(fn, insts)
+    _entry_checks(fn, insts, racecheck)
     loops = _counters.tile_loop_ranges(fn, insts) if sites is not None else []
     site0 = len(sites) if sites is not None else 0
     body: list[str] = []
@@ -1473,7 +1569,7 @@ def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str
         if handler is None:
             raise fn.unsupported("opcode not implemented by the translator")
         code = handler(fn, inst)
-        code = _hazard_checks(fn, inst) + code
+        code = _hazard_checks(fn, inst) + _memory_hooks(fn, inst) + code
         where = counter_site(fn, inst) if sites is not None else None
         if where is not None:  # memory counters: every lane notes its issue, active or predicated off
             kind, size, num, a0, a1 = where
@@ -1543,10 +1639,12 @@ def _globals(mod: Module) -> tuple[list[str], dict[str, str], dict[str, int]]:
     return decls, addrs, shared
 
 
-def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False) -> Translation:
+def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False, racecheck: bool = False) -> Translation:
     """C++ for every ``.entry`` of ``ptx`` (functions ``ptx_entry_<name>(void** args)``); with
     ``counters``, every memory instruction also notes its access for counters.h (the
-    translation's ``sites``)."""
+    translation's ``sites``); with ``racecheck``, every load, store and atomic reports to
+    racecheck.h (compile with -DFAGEN_EMU_RACECHECK: :func:`fagen.emulator.ptx.build_ptx`'s
+    ``racecheck=True``)."""
     mod = parse_module(ptx)
     if mod.address_size != 64:
         raise PtxUnsupportedError(".address_size", "only 64-bit addressing", 0)
@@ -1557,7 +1655,7 @@ def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False) ->
            *decls]
     sites: list | None = [] if counters else None
     for e in mod.entries:
-        out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites))
+        out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites, racecheck))
     return Translation("\n".join(out) + "\n", [e.name for e in mod.entries],
                        {e.name: len(e.params) for e in mod.entries}, sites or [])
 
