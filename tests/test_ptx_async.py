@@ -156,3 +156,122 @@ def test_mutation_removing_a_cp_async_wait_from_the_mma_forward_is_caught(monkey
     assert ptx.splitlines()[cp_line - 1].strip().startswith("cp.async.cg.shared.global")
     read = ptx.splitlines()[info.value.ptx_line - 1].strip()
     assert read.startswith(("ld.shared", "ldmatrix")), read
+
+
+# --------------------------------------------------------------------------- the async proxy
+# Thread t writes float(t) to smem[4 t] (st.shared: the generic proxy); thread 0 bulk-stores the 256
+# bytes to out. Mode 0: every thread fences (fence.proxy.async) before the barrier, thread 0 waits
+# for its bulk group -> clean, out = 0..63. Mode 1: no fence. Mode 2: no bulk wait before ret.
+# Mode 3: the store is never committed (nor waited for).
+BULK_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+.extern .shared .align 1024 .b8 smem[];
+.visible .entry bst(.param .u64 po, .param .u32 pm)
+{
+    .reg .pred %p<6>;
+    .reg .b32 %r<8>;
+    .reg .f32 %f<2>;
+    .reg .b64 %rd<2>;
+    ld.param.u64 %rd1, [po];
+    ld.param.u32 %r1, [pm];
+    mov.u32 %r2, %tid.x;
+    mov.u32 %r3, smem;
+    shl.b32 %r4, %r2, 2;
+    add.s32 %r5, %r3, %r4;
+    cvt.rn.f32.u32 %f1, %r2;
+    st.shared.f32 [%r5], %f1;                                       // the generic-proxy write
+    setp.ne.s32 %p1, %r1, 1;
+    @%p1 fence.proxy.async.shared::cta;                              // mode 1 skips it
+    bar.sync 0;
+    setp.ne.s32 %p2, %r2, 0;
+    @%p2 bra $DONE;
+    cp.async.bulk.global.shared::cta.bulk_group [%rd1], [%r3], 256;  // the async proxy reads smem
+    setp.eq.s32 %p4, %r1, 3;
+    @%p4 bra $DONE;                                                  // mode 3: never committed
+    cp.async.bulk.commit_group;
+    setp.eq.s32 %p3, %r1, 2;
+    @%p3 bra $DONE;                                                  // mode 2: not drained
+    cp.async.bulk.wait_group.read 0;
+$DONE:
+    ret;
+}
+"""
+BULK_SIG = KernelSig("bst", (("float*", "o"), ("int", "mode")))
+
+
+def _bulk_launch(mode: int) -> np.ndarray:
+    out = np.zeros(64, np.float32)
+    build_ptx(BULK_PTX, [BULK_SIG]).launch("bst", 1, 64, 1024, [out, mode])
+    return out
+
+
+def test_fenced_bulk_store_drained_before_exit_runs_clean() -> None:
+    np.testing.assert_array_equal(_bulk_launch(0), np.arange(64, dtype=np.float32))
+
+
+def test_generic_write_read_by_the_async_proxy_without_fence_is_a_hazard() -> None:
+    with pytest.raises(PtxHazardError) as info:
+        _bulk_launch(1)
+    e = info.value
+    assert e.ptx_line == _line(BULK_PTX, "cp.async.bulk.global") and "thread (0,0,0)" in str(e)
+    assert (f"reads shared offset 0x0 through the async proxy, written through the generic proxy by thread 0 at PTX "
+            f"line {_line(BULK_PTX, 'st.shared.f32')} with no fence.proxy.async by that thread since") in str(e)
+
+
+def test_exit_with_a_bulk_group_not_drained_is_a_hazard() -> None:
+    store, ret = _line(BULK_PTX, "cp.async.bulk.global"), _line(BULK_PTX, "ret;")
+    with pytest.raises(PtxHazardError) as info:
+        _bulk_launch(2)
+    assert info.value.ptx_line == ret
+    assert (f"exits with 1 bulk store / reduce(s) not waited for: the one at PTX line {store} is in committed bulk "
+            f"group 0, which no cp.async.bulk.wait_group drained") in str(info.value)
+    with pytest.raises(PtxHazardError, match=rf"the one at PTX line {store} was never committed") as info:
+        _bulk_launch(3)
+    assert info.value.ptx_line == ret
+
+
+def _wgmma_backward(mutant: _PtxMutant, spec: KernelSpec, monkeypatch) -> None:
+    """The backward of ``spec`` through ``mutant`` at the PTX level (o and lse from the float64
+    reference: no forward build)."""
+    from fagen import reference as R
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 128, 1, 64, generator=g).half() for _ in range(4))
+    o, lse = R.attention_forward_ref(q, k, v, causal=spec.causal)
+    monkeypatch.setattr(cpu, "cpu_module", _installed(spec, mutant))
+    with cpu.ptx():
+        F.run_backward(spec, do, q, k, v, o.half(), lse.float())
+
+
+WGMMA_BWD = KernelSpec(direction="bwd", head_dim=64, dtype="float16", causal=False, impl="wgmma", arch="sm_90a")
+
+
+@pytest.mark.slow
+def test_mutation_removing_fence_proxy_async_from_the_wgmma_backward_is_caught(monkeypatch) -> None:
+    """The wgmma backward stores dS^T with stmatrix, fences, and a named barrier later the dQ~ gemm
+    reads it through its descriptor; with the first ``fence.proxy.async`` deleted from the PTX the
+    wgmma reads generic-proxy writes the async proxy need not see."""
+    mutant = _PtxMutant(WGMMA_BWD, "\tfence.proxy.async.shared::cta;\n", "\n", nth=0)
+    lines = mutant.mutant_ptx.splitlines()
+    with pytest.raises(PtxHazardError, match=r"written through the generic proxy by thread \d+ at PTX line (\d+) with "
+                                             r"no fence.proxy.async by that thread since") as info:
+        _wgmma_backward(mutant, WGMMA_BWD, monkeypatch)
+    assert lines[info.value.ptx_line - 1].lstrip().startswith("wgmma.mma_async"), str(info.value)
+    writer = int(str(info.value).split("at PTX line ")[-1].split()[0])
+    assert lines[writer - 1].lstrip().startswith("stmatrix"), str(info.value)
+
+
+@pytest.mark.slow
+def test_mutation_removing_the_bulk_waits_from_the_wgmma_backward_is_caught(monkeypatch) -> None:
+    """The wgmma backward's dQ~ reduce-adds (cp.reduce.async.bulk.tensor) with every
+    ``cp.async.bulk.wait_group.read`` deleted from the PTX: the producer thread exits with bulk
+    groups not drained."""
+    mutant = _PtxMutant(WGMMA_BWD, "\tcp.async.bulk.wait_group.read 0;\n", "\n")
+    lines = mutant.mutant_ptx.splitlines()
+    with pytest.raises(PtxHazardError, match=r"exits with \d+ bulk store / reduce\(s\) not waited for: the one at PTX "
+                                             r"line (\d+) is in committed bulk group") as info:
+        _wgmma_backward(mutant, WGMMA_BWD, monkeypatch)
+    assert lines[info.value.ptx_line - 1].strip() == "ret;"
+    store = int(str(info.value).split("the one at PTX line ")[1].split()[0])
+    assert lines[store - 1].lstrip().startswith("cp.reduce.async.bulk.tensor"), str(info.value)

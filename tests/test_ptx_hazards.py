@@ -10,11 +10,16 @@ A hand-written register-A wgmma kernel, compiled by NVRTC for compute_90a and ru
   (a wgmma issued without a fence after its registers were accessed);
 * MODE 4: warp 0 waits at one ``wgmma.wait_group`` and the other warps at another: the
   ``.sync.aligned`` instruction is not executed together by the warpgroup -> a divergence error
-  naming both PTX lines.
+  naming both PTX lines;
+* MODE 5: B written to shared memory with plain stores and no ``fence.proxy.async`` before the
+  barrier and the wgmma that reads it through its descriptor (the async proxy) -> PtxHazardError
+  at the wgmma naming the store's PTX line.
 Plus: a divergent ``bar.sync`` (two PTX lines) is a divergence error naming the PTX lines, and an
 unknown instruction is a PtxUnsupportedError naming the opcode and line.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -39,7 +44,9 @@ extern "C" __global__ void hz(const unsigned* ain, const __half* b, float* out, 
         const int n = t / 16, k = t % 16;  // B[k][n] at core matrix (n, k % 8), K halves 128 bytes apart
         sb[n * 8 + (k % 8) + (k / 8) * 64] = b[k * 8 + n];
     }
-    fa_fence_proxy_async();
+#if MODE != 5
+    fa_fence_proxy_async();                                   // B's generic writes -> the async proxy
+#endif
     fa_sync();
     const unsigned long long db = fa_wgmma_desc(sb, 128, 256, FA_SWIZZLE_NONE);
     unsigned a[4];
@@ -166,6 +173,19 @@ def test_wait_group_not_executed_together_by_the_warpgroup_names_both_ptx_lines(
     with pytest.raises(EmulatorDeadlockError, match=r"divergent warpgroup collective") as info:
         _launch(4)
     assert all(f".ptx:{n}" in str(info.value) for n in lines)
+
+
+def test_wgmma_operand_written_without_fence_proxy_async_is_a_hazard() -> None:
+    ptx, _ = _module(5)
+    lines = ptx.splitlines()
+    with pytest.raises(PtxHazardError) as info:
+        _launch(5)
+    e = info.value
+    assert "wgmma.mma_async" in lines[e.ptx_line - 1]
+    m = re.search(r"written through the generic proxy by thread (\d+) at PTX line (\d+) with no fence.proxy.async "
+                  r"by that thread since", str(e))
+    assert m and lines[int(m.group(2)) - 1].strip().startswith("st.shared"), str(e)
+    assert "fence.proxy.async" not in ptx and "fence.proxy.async" in _module(0)[0]
 
 
 def test_hazard_error_is_an_emulator_error() -> None:
