@@ -24,7 +24,11 @@ are added to the row and column of the dropout keep-mask (Philox counter) only, 
 running a block of a longer sequence (a ring attention step) drops exactly what the whole
 sequence's kernel drops there; ``sinks`` fp32 [H] (attention sinks, forward: one logit per q
 head in every row's softmax denominator). ``dlse`` (the pre kernel, nullable: null = none) fp32
-in lse's layout: the gradient of lse, subtracted from D. fagen/masking.py and
+in lse's layout: the gradient of lse, subtracted from D. ``lse_lo`` (nullable: null = none) fp32 in
+lse's layout: what the fp32 lse cannot hold of a row whose scores are huge (|lse log2 e| >= 2^10),
+written by the forward, read by the backward: the row's exact lse log2 e minus the backward's
+fp32 value of it (templates/partials/common.cuh, ``fa_bwd_lse2`` / ``fa_lse_lo``); 0 for every
+other row. Without it the backward bounds such rows' P by 1 (finite, not exact). fagen/masking.py and
 templates/partials/{masking,score_mod}.cuh state the semantics.
 
 Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
@@ -73,7 +77,7 @@ FEATURE_PARAMS: tuple[tuple[str, str], ...] = tuple(
     + [("const T*", "bias")] + _bhqk("bias")
     + [("long long", "stride_lse_b"), ("long long", "stride_lse_h")]
     + [("int", "row_offset"), ("int", "col_offset")]
-    + [("const float*", "sinks")])
+    + [("const float*", "sinks"), ("float*", "lse_lo")])
 #: Appended after FEATURE_PARAMS to the backward main and dq kernels.
 DBIAS_PARAMS: tuple[tuple[str, str], ...] = tuple([("float*", "dbias")] + _bhqk("dbias"))
 

@@ -429,9 +429,11 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
             tensors: Tensors | None = None, *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
             seed: int = 0, offset: int = 0, spec: KernelSpec | None = None,
-            dropout_row_offset: int = 0, dropout_col_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_row_offset: int = 0, dropout_col_offset: int = 0,
+            lse_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_forward` with its options as one validated :class:`AttentionOptions`
-    and the optional tensors as one :class:`Tensors`: (o, lse)."""
+    and the optional tensors as one :class:`Tensors`: (o, lse). ``lse_lo``: see
+    :func:`attention_forward`."""
     offsets = (dropout_row_offset, dropout_col_offset)
     plan, t = _planned(
         lambda t: ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
@@ -448,6 +450,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
         q, k, v = _tma_ready(plan, q=q, k=k, v=v)
     o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
+    if lse_lo is not None:
+        _check_lse_lo(lse_lo, p, out=True)
+        if not plan.launches and p.device.type != "meta":
+            lse_lo.zero_()
     if not plan.launches:
         if p.no_keys and not p.empty and p.device.type != "meta":
             o.zero_()
@@ -461,7 +467,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
             "lse": lse.data_ptr(), "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask),
             "bias": _ptr(t.attn_bias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-            "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks)}
+            "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks), "lse_lo": _ptr(lse_lo)}
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
@@ -534,10 +540,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                       spec: KernelSpec | None = None, dropout_row_offset: int = 0,
-                      dropout_col_offset: int = 0, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dropout_col_offset: int = 0, sinks: torch.Tensor | None = None,
+                      lse_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward: (o like q, lse float32 [B, H, Nq] or [H, total_q] when packed).
     ``sinks``: fp32 [H] attention-sink logits (each row's softmax also runs over its head's sink,
     which has no value; lse includes it).
+
+    ``lse_lo``: an optional output, a contiguous float32 tensor of lse's shape the forward fills
+    with what the fp32 lse cannot hold of rows whose scores are huge (|lse| of about 700 and up:
+    the row's exact lse in log2 units minus the backward's fp32 value of it; 0 for every other
+    row). Pass it to :func:`attention_backward` with lse: such rows then get exact gradients;
+    without it their P is bounded by 1 (finite, as precise as the fp32 lse).
 
     ``spec``: an explicit KernelSpec (tiles, family) that must match the inputs and options.
     ``dropout_row_offset``/``dropout_col_offset``: q row i and key j draw the keep-mask bit of
@@ -547,11 +560,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     return forward(q, k, v, opts, Tensors(key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q,
                                           cu_seqlens_k, sinks), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    seed=seed, offset=offset, spec=spec, dropout_row_offset=dropout_row_offset,
-                   dropout_col_offset=dropout_col_offset)
+                   dropout_col_offset=dropout_col_offset, lse_lo=lse_lo)
 
 
 _TENSOR_NAMES = frozenset(Tensors._fields) | {"max_seqlen_q", "max_seqlen_k", "seed", "offset",
-                                              "dropout_row_offset", "dropout_col_offset", "dlse"}
+                                              "dropout_row_offset", "dropout_col_offset", "dlse", "lse_lo"}
 _OPTION_NAMES = frozenset(f for f in AttentionOptions.__dataclass_fields__ if f != "deterministic")
 
 
@@ -581,6 +594,19 @@ def run_forward(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ``causal`` defaults to the spec's; the other options as :func:`attention_forward`'s."""
     opts, kw = _explicit("run_forward", spec, causal, options)
     return forward(q, k, v, opts, spec=spec, **kw)
+
+
+def _check_lse_lo(lse_lo: Any, p: Problem, *, out: bool) -> bool:
+    """None, or lse_lo (:func:`attention_forward`): float32, lse's shape, q's device; as the
+    forward's output buffer contiguous too. True when it needs no contiguous float32 copy."""
+    if lse_lo is None:
+        return True
+    check_lse(lse_lo, p, name="lse_lo")
+    if lse_lo.dtype != torch.float32:
+        raise InputTypeError("lse_lo", "dtype float32", lse_lo.dtype)
+    if out and not lse_lo.is_contiguous():
+        raise InputError("lse_lo", "a contiguous tensor (the forward writes it)", "a strided view")
+    return lse_lo.is_contiguous()
 
 
 # --------------------------------------------------------------------------- backward
@@ -637,7 +663,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              lse: torch.Tensor, options: AttentionOptions, tensors: Tensors | None = None, *,
              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seed: int = 0, offset: int = 0,
              bias_requires_grad: bool = False, spec: KernelSpec | None = None, dropout_row_offset: int = 0,
-             dropout_col_offset: int = 0, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             dropout_col_offset: int = 0, dlse: torch.Tensor | None = None,
+             lse_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`attention_backward` with its options as one :class:`AttentionOptions` (its
     ``deterministic`` chooses the backward) and the optional tensors as one :class:`Tensors`."""
     offsets = (dropout_row_offset, dropout_col_offset)
@@ -674,6 +701,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             dq.zero_()
     else:
         lse_t = lse if plan.lse_ready else lse.contiguous().to(plan.lse_dtype)
+        lo_t = lse_lo if _check_lse_lo(lse_lo, p, out=False) else lse_lo.contiguous()
         delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
         dq_accum = torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device)  # zeroed by the preprocess kernel
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
@@ -683,7 +711,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
                 "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
                 "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0}
+                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t)}
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v, do=do, dq_accum=dq_accum)})
@@ -713,11 +741,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        deterministic: bool = False, bias_requires_grad: bool = False,
                        spec: KernelSpec | None = None, dropout_row_offset: int = 0,
                        dropout_col_offset: int = 0, sinks: torch.Tensor | None = None,
-                       dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                       dlse: torch.Tensor | None = None, lse_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward (Algorithm 4): (dq, dk, dv) in the input dtype and shapes, plus dbias
     (summed to attn_bias's shape, in its dtype) when ``bias_requires_grad``, plus dsinks (fp32 [H])
     when ``sinks`` are given. Pass the forward's o and lse and the same options. ``dlse``: the
-    gradient of lse (its shape), which enters D_i = rowsum(dO o O) - dlse_i. ``deterministic``: no order-dependent atomics (a separate
+    gradient of lse (its shape), which enters D_i = rowsum(dO o O) - dlse_i. ``lse_lo``: the
+    forward's (:func:`attention_forward`), for exact gradients of rows with huge scores. ``deterministic``: no order-dependent atomics (a separate
     dQ kernel), bitwise-reproducible dq on a GPU. ``dropout_row_offset``/``dropout_col_offset``: as
     :func:`attention_forward`'s."""
     opts = _options_of(causal, dropout_p, softmax_scale, window_size, softcap, causal_align, deterministic)
@@ -725,7 +754,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                                                        cu_seqlens_q, cu_seqlens_k, sinks),
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seed=seed, offset=offset,
                     bias_requires_grad=bias_requires_grad, spec=spec, dropout_row_offset=dropout_row_offset,
-                    dropout_col_offset=dropout_col_offset, dlse=dlse)
+                    dropout_col_offset=dropout_col_offset, dlse=dlse, lse_lo=lse_lo)
 
 
 def run_backward(spec: KernelSpec, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -202,14 +202,25 @@ def _softmax(
     ``-inf``, or that has a ``+inf`` score, has no softmax (NaN). Only a row with no allowed
     key (``lse = -inf``) is "fully masked": P = 0.
     """
+    # The row's own softmax, stable at any magnitude: P = exp(s - m) / l with m the row's maximum
+    # and lse = m + log l (exp(s - lse) alone is not: past |s| ~ 2^53 float64 rounds log l away).
+    sm = s.masked_fill(~allowed, -math.inf)
+    m = sm.amax(dim=-1) if sm.shape[-1] else torch.full(sm.shape[:-1], -math.inf, dtype=s.dtype, device=s.device)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(sm - m_safe[..., None])
+    l_ = e.sum(dim=-1)
+    own = m_safe + torch.log(l_)  # -inf on empty rows; NaN / inf rows below
+    has_key = allowed.any(dim=-1).expand_as(own)
+    undefined = (has_key & torch.isneginf(own)) | torch.isposinf(own) | torch.isnan(m)
+    own = torch.where(undefined, torch.full_like(own, math.nan), own)
     if lse is None:
-        lse = torch.logsumexp(s.masked_fill(~allowed, -math.inf), dim=-1)  # -inf on empty rows
-        has_key = allowed.any(dim=-1).expand_as(lse)
-        undefined = (has_key & torch.isneginf(lse)) | torch.isposinf(lse)  # softmax of all -inf / of +inf
-        lse = torch.where(undefined, torch.full_like(lse, math.nan), lse)
+        lse = own
     dead = torch.isneginf(lse)  # fully masked rows
     lse_safe = torch.where(dead, torch.zeros_like(lse), lse)
     p = torch.exp(s - lse_safe[..., None])
+    # a given lse that is the row's own up to float64 rounding: P from the scores (exact at any size)
+    same = torch.isfinite(lse) & ((lse - own).abs() <= 4 * torch.finfo(torch.float64).eps * own.abs())
+    p = torch.where(same[..., None], e / l_[..., None], p)
     p = torch.where(allowed & ~dead[..., None], p, torch.zeros_like(p))
     return lse, p
 

@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -819,6 +822,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
     }
 }
 
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
+
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
 // log-sum-exp of the row's scores lse_s (-inf: no allowed key), returns the row's lse with the
@@ -1136,7 +1179,7 @@ FA_DEVICE void mma_bwd_full_range(int col0, const MaskParams& mp, long long* lo,
 }
 
 // lse in the exp2 domain; a row with no allowed key (lse = -inf) gets +inf so P = 0.
-FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : l * LOG2E; }
+FA_DEVICE float mma_lse2(float l) { return l == fa_neg_inf() ? -fa_neg_inf() : fa_bwd_lse2(l); }
 
 // mma_bwd_full_range as ints (i0 is one, >= 0): the range clamped to [0, INT_MAX], an empty one staying empty.
 FA_DEVICE void mma_bwd_full_tiles(int col0, const MaskParams& mp, int* lo, int* hi) {
@@ -1147,14 +1190,18 @@ FA_DEVICE void mma_bwd_full_tiles(int col0, const MaskParams& mp, int* lo, int* 
 }
 
 // lse_i (exp2 domain, mma_lse2) and d_stage x D_i of Q rows [row0, row0 + BLOCK_R) into one stage (rows past
-// the sequence: +inf and 0), by the whole block.
-FA_DEVICE void mma_bwd_stage_lse(float* slse, float* sdelta, const float* lse_bh, const float* delta_bh, int row0,
+// the sequence: +inf and 0), by the whole block. Returns whether a row this thread staged is huge
+// (fa_exact_row: the step takes the exact exponent; fa_sync_or publishes it with the stage).
+FA_DEVICE bool mma_bwd_stage_lse(float* slse, float* sdelta, const float* lse_bh, const float* delta_bh, int row0,
                                  int len_q, float d_stage) {
+    bool exact = false;
     for (int r = threadIdx.x; r < BLOCK_R; r += NUM_THREADS) {
         const int row = row0 + r;
         slse[r] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
         sdelta[r] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+        exact |= fa_exact_row(slse[r]);
     }
+    return exact;
 }
 
 // The main kernel's Q_i / dO_i copies with the per-thread set-up done once per head: when the threads
@@ -1221,12 +1268,15 @@ FA_DEVICE void mma_step_copy(T* stage, MmaStepCopy& cp, int row0, int n) {
 struct MmaPds {
     float p, ds;
 };
+// EXACT (a step with a huge row, common.cuh): P = exp2(s log2 e - lse2 - lo), lo the row's lse_lo.
+template <bool EXACT = false>
 FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, float dlt, float scale_log2,
                          float ds_scale, float rp_keep, int row, int col, const ScoreParams& sp,
-                         float* dbias_out = nullptr) {
+                         float* dbias_out = nullptr, float lo = 0.f) {
     if constexpr (HAS_DROPOUT) dp = keep ? dp * rp_keep : 0.f;
     if constexpr (HAS_SCORE_MOD) {
-        const float p = ok ? mma_exp2(fmaf(score_fwd<float>(qk, row, col, sp), LOG2E, -lse2)) : 0.f;
+        const float sc = score_fwd<float>(qk, row, col, sp);
+        const float p = ok ? mma_exp2(EXACT ? fa_exact_arg(sc, LOG2E, lse2, lo) : fmaf(sc, LOG2E, -lse2)) : 0.f;
         float ds = ok ? p * (dp - dlt) : 0.f;
         if (dbias_out != nullptr) *dbias_out = ds;
         if constexpr (HAS_SOFTCAP) {
@@ -1234,7 +1284,7 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
         }
         return {HAS_DROPOUT && !keep ? 0.f : p, ds * ds_scale};
     } else {
-        const float p = mma_exp2(fmaf(qk, scale_log2, -lse2));  // NaN score/lse: NaN
+        const float p = mma_exp2(EXACT ? fa_exact_arg(qk, scale_log2, lse2, lo) : fmaf(qk, scale_log2, -lse2));  // NaN: NaN
         return {HAS_DROPOUT && !keep ? 0.f : p, p * fmaf(dp, ds_scale, -dlt)};
     }
 }
@@ -1435,6 +1485,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     int row_offset,
     int col_offset,
     const float* sinks,
+    float* lse_lo,
     float* dbias,
     long long stride_dbias_b,
     long long stride_dbias_h,
@@ -1504,14 +1555,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* const lse_h = fa_hold(lse_bh);  // the next step's loads: held over the loop
         const float* const delta_h = fa_hold(delta_bh);
+        const float* lse_lo_bh = lse_lo == nullptr ? nullptr : lse_lo + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the buffers
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
+        bool staged_exact = false;  // a huge row among those this thread staged for the next step
         if (STAGES > 1 && i_begin < i_end) {
             mma2d_step_copy<2>({s.q, s.do_}, {&q_cp, &do_cp}, pair_vec, i_begin, len_q);
-            mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i_begin, len_q, scale);
+            staged_exact = mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i_begin, len_q, scale);
         }
         fa_cp_async_commit();
 
@@ -1521,10 +1574,12 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 fa_sync();
                 mma2d_step_copy<2>({s.q, s.do_}, {&q_cp, &do_cp}, pair_vec, i0, len_q);
                 fa_cp_async_commit();
-                mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i0, len_q, scale);
+                staged_exact = mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i0, len_q, scale);
             }
             fa_cp_async_wait_all();
-            fa_sync();  // Q_i, dO_i landed for every thread; step i-1 is done with P, dS and stage nxt
+            // Q_i, dO_i landed for every thread; step i-1 is done with P, dS and stage nxt. exact: a row
+            // of step i is huge (the block's OR, with the barrier): its P takes lse_lo (common.cuh).
+            const bool exact = fa_sync_or(staged_exact);
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
@@ -1577,6 +1632,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 if (x == 0 && has_next && tid < BLOCK_R) {  // the next step's lse_i / D_i, their load behind S
                     s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
                     s.delta[nxt * BLOCK_R + tid] = next_delta;
+                    staged_exact = fa_exact_row(s.lse[nxt * BLOCK_R + tid]);
                 }
             }
             // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
@@ -1592,17 +1648,34 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     l2[m][r] = slse[row_l + 16 * m + 8 * r];
                     dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
                 }
+            // a step with a huge row (exact): P from lse2 and the row's lse_lo (common.cuh), in code of its own
+            auto pds = [&](auto ex_t) {
+                constexpr bool EX = decltype(ex_t)::value;
+                float lo[2][2] = {};
+                if constexpr (EX) {
 #pragma unroll
-            for (int m = 0; m < 2; ++m)
+                    for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int n = 0; n < 4; ++n)
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = i0 + row_l + 16 * m + 8 * r;
+                            lo[m][r] = lse_lo_bh != nullptr && row < len_q ? lse_lo_bh[row] : 0.f;
+                        }
+                }
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const MmaPds pd = mma_pds(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][e >> 1], dl[m][e >> 1],
-                                                  scale_log2, scale, 1.f, 0, 0, sp);
-                        sacc[m][n][e] = pd.p;
-                        dpacc[m][n][e] = pd.ds;
-                    }
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int n = 0; n < 4; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const MmaPds pd = mma_pds<EX>(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][e >> 1],
+                                                          dl[m][e >> 1], scale_log2, scale, 1.f, 0, 0, sp, nullptr,
+                                                          lo[m][e >> 1]);
+                            sacc[m][n][e] = pd.p;
+                            dpacc[m][n][e] = pd.ds;
+                        }
+            };
+            if (exact) pds(FaBool<true>{});
+            else pds(FaBool<false>{});
             if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
                 const Mma2dBand bd = mma2d_band(i0 + row_l, col0 + col_l, mp);
 #pragma unroll

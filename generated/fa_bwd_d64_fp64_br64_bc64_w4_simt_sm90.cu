@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -458,19 +461,24 @@ constexpr int SMEM_DELTA_COUNT = 64;
 constexpr int SMEM_DELTA_ALIGN = 16;
 static_assert(SMEM_DELTA_OFFSET == fa_align_up(SMEM_LSE_OFFSET + SMEM_LSE_COUNT * (int)sizeof(double), SMEM_DELTA_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DELTA_OFFSET % SMEM_DELTA_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DK_OFFSET = 165376;
+constexpr int SMEM_LSE_LO_OFFSET = 165376;
+constexpr int SMEM_LSE_LO_COUNT = 64;
+constexpr int SMEM_LSE_LO_ALIGN = 16;
+static_assert(SMEM_LSE_LO_OFFSET == fa_align_up(SMEM_DELTA_OFFSET + SMEM_DELTA_COUNT * (int)sizeof(double), SMEM_LSE_LO_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_LSE_LO_OFFSET % SMEM_LSE_LO_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_DK_OFFSET = 165888;
 constexpr int SMEM_DK_COUNT = 4096;
 constexpr int SMEM_DK_ALIGN = 16;
-static_assert(SMEM_DK_OFFSET == fa_align_up(SMEM_DELTA_OFFSET + SMEM_DELTA_COUNT * (int)sizeof(double), SMEM_DK_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_DK_OFFSET == fa_align_up(SMEM_LSE_LO_OFFSET + SMEM_LSE_LO_COUNT * (int)sizeof(double), SMEM_DK_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DK_OFFSET % SMEM_DK_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_DV_OFFSET = 198144;
+constexpr int SMEM_DV_OFFSET = 198656;
 constexpr int SMEM_DV_COUNT = 4096;
 constexpr int SMEM_DV_ALIGN = 16;
 static_assert(SMEM_DV_OFFSET == fa_align_up(SMEM_DK_OFFSET + SMEM_DK_COUNT * (int)sizeof(double), SMEM_DV_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DV_OFFSET % SMEM_DV_ALIGN == 0, "smem buffer misaligned");
 constexpr int SMEM_BYTES = fa_align_up(SMEM_DV_OFFSET + SMEM_DV_COUNT * (int)sizeof(double), 16);
 constexpr int SMEM_ALIGN = 16;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 230912, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 231424, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -481,6 +489,7 @@ struct Smem {
     double* p;
     double* lse;
     double* delta;
+    double* lse_lo;
     double* dk;
     double* dv;
 };
@@ -494,6 +503,7 @@ FA_DEVICE Smem smem_carve() {
     s.p = reinterpret_cast<double*>(base + SMEM_P_OFFSET);
     s.lse = reinterpret_cast<double*>(base + SMEM_LSE_OFFSET);
     s.delta = reinterpret_cast<double*>(base + SMEM_DELTA_OFFSET);
+    s.lse_lo = reinterpret_cast<double*>(base + SMEM_LSE_LO_OFFSET);
     s.dk = reinterpret_cast<double*>(base + SMEM_DK_OFFSET);
     s.dv = reinterpret_cast<double*>(base + SMEM_DV_OFFSET);
     return s;
@@ -813,6 +823,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
     }
 }
 
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
+
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
 // log-sum-exp of the row's scores lse_s (-inf: no allowed key), returns the row's lse with the
@@ -840,7 +890,8 @@ namespace fa {
 static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD_V, "K_j/V_j tiles");
 static_assert(SMEM_DK_COUNT == BLOCK_C * HEAD_DIM && SMEM_DV_COUNT == BLOCK_C * HEAD_DIM_V, "dK~/dV~ tiles");
 static_assert(SMEM_Q_COUNT == BLOCK_R * LD && SMEM_DO__COUNT == BLOCK_R * LD_V, "Q_i/dO_i tiles");
-static_assert(SMEM_P_COUNT == BLOCK_R * P_LD && SMEM_LSE_COUNT == BLOCK_R && SMEM_DELTA_COUNT == BLOCK_R, "P_ij, lse_i, D_i");
+static_assert(SMEM_P_COUNT == BLOCK_R * P_LD && SMEM_LSE_COUNT == BLOCK_R && SMEM_DELTA_COUNT == BLOCK_R &&
+              SMEM_LSE_LO_COUNT == BLOCK_R, "P_ij, lse_i, D_i, lse_lo_i");
 // ---- SIMT tile movement and block-wide FP32 GEMM (included by templates/simt/*) ----
 // Acc: the type every on-chip accumulator, score and row statistic has -- double for a float64
 // spec (so float64 keeps double precision end to end), float otherwise.
@@ -968,6 +1019,18 @@ FA_DEVICE void zero_padded_keys(const Smem& s, const unsigned char* kpm, int b, 
     }
 }
 
+// The natural-log correction of row x's fp32 lse for a row with huge scores (fa_exact_row of its
+// fa_bwd_lse2; 0 for every other row, and for float64's exact lse): the row's exact lse minus lse,
+// (fa_bwd_lse2(lse) + lse_lo) ln 2 - lse by one FMA (exact product), from the forward's lse_lo (abi).
+// Without lse_lo (null) the rounded-up fa_bwd_lse2 alone: P stays below the row's true P (finite).
+template <typename L>
+FA_DEVICE Acc simt_lse_corr(const L* lse, const float* lse_lo, long long x) {
+    if (sizeof(L) != 4) return Acc(0);
+    const float l = (float)lse[x], b = fa_bwd_lse2(l);
+    if (!fa_exact_row(b)) return Acc(0);
+    return (Acc)((fmaf(-l, 1.4426950408889634f, b) + (lse_lo != nullptr ? lse_lo[x] : 0.f)) * 0.6931471805599453f);
+}
+
 // The tile pair (Q block at i0, K/V block at col0) of Algorithm 4 lines 11-20 for q head h, shared by
 // the main kernel (MAIN: also dV~_j += P~^T dO_i and, with HAS_BIAS_GRAD, dBias = dS) and the dq
 // kernel. Expects Q_i, dO_i, lse_i, D_i and K_j, V_j in smem; leaves in s.p, after its last barrier,
@@ -995,7 +1058,11 @@ FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind k
             const Acc lse_r = s.lse[r];
             Acc p = NEG_INF;
             if (lse_r != NEG_INF && (kind == TILE_FULL || allowed(b, h, row, col, mp, dm))) {
-                p = fa_exp(score_fwd<Acc>(acc, row, col, sp) - lse_r);  // NaN when the score or lse is NaN
+                // NaN when the score or lse is NaN; s.lse_lo: 0 but for huge rows (simt_lse_corr). P <= 1:
+                // a score past an lse that rounding (of lse, or of a huge score) put below it gives 1, not inf
+                Acc x = (score_fwd<Acc>(acc, row, col, sp) - lse_r) - s.lse_lo[r];
+                x = x > Acc(0) ? Acc(0) : x;
+                p = fa_exp(x);
                 if (dropout_scale(seed, offset, bh, row_offset + row, col_offset + col, drop_threshold, rp_keep) == 0.f)
                     p = -p;  // Z_ij at the global (row, col): the offsets of a ring step
             }
@@ -1034,7 +1101,7 @@ FA_DEVICE void pair_ds(const Smem& s, int b, int h, int i0, int col0, TileKind k
             if constexpr (HAS_SOFTCAP) {
                 if (!masked && p_abs > Acc(0)) {  // masked or p = 0 (underflow): ds is 0 or NaN already
                     const int row = i0 + r, col = col0 + c;
-                    const Acc t = (fa_log(p_abs) + s.lse[r] - score_additive<Acc>(row, col, sp)) / (Acc)sp.softcap;
+                    const Acc t = (fa_log(p_abs) + s.lse[r] + s.lse_lo[r] - score_additive<Acc>(row, col, sp)) / (Acc)sp.softcap;
                     ds *= Acc(1) - t * t;
                 }
             }
@@ -1114,6 +1181,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     int row_offset,
     int col_offset,
     const float* sinks,
+    float* lse_lo,
     float* dbias,
     long long stride_dbias_b,
     long long stride_dbias_h,
@@ -1169,6 +1237,7 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 const int row = i0 + r;
                 s.lse[r] = row < si.len_q ? (Acc)lse[lse_bh + row] : NEG_INF;
                 s.delta[r] = row < si.len_q ? (Acc)delta[lse_bh + row] : Acc(0);
+                s.lse_lo[r] = row < si.len_q ? simt_lse_corr(lse, lse_lo, lse_bh + row) : Acc(0);
             }
             fa_sync();
 

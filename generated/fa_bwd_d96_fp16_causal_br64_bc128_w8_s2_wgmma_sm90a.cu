@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -480,9 +483,14 @@ constexpr int SMEM_DQC_COUNT = 4;
 constexpr int SMEM_DQC_ALIGN = 16;
 static_assert(SMEM_DQC_OFFSET == fa_align_up(SMEM_BARS_OFFSET + SMEM_BARS_COUNT * (int)sizeof(unsigned long long), SMEM_DQC_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_DQC_OFFSET % SMEM_DQC_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_BYTES = fa_align_up(SMEM_DQC_OFFSET + SMEM_DQC_COUNT * (int)sizeof(int), 16);
+constexpr int SMEM_EXACT_OFFSET = 173136;
+constexpr int SMEM_EXACT_COUNT = 2;
+constexpr int SMEM_EXACT_ALIGN = 16;
+static_assert(SMEM_EXACT_OFFSET == fa_align_up(SMEM_DQC_OFFSET + SMEM_DQC_COUNT * (int)sizeof(int), SMEM_EXACT_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_EXACT_OFFSET % SMEM_EXACT_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_BYTES = fa_align_up(SMEM_EXACT_OFFSET + SMEM_EXACT_COUNT * (int)sizeof(int), 16);
 constexpr int SMEM_ALIGN = 1024;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 173136, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 173152, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -496,6 +504,7 @@ struct Smem {
     float* dlt;
     unsigned long long* bars;
     int* dqc;
+    int* exact;
 };
 FA_DEVICE Smem smem_carve() {
     unsigned char* base = fa_smem();
@@ -510,6 +519,7 @@ FA_DEVICE Smem smem_carve() {
     s.dlt = reinterpret_cast<float*>(base + SMEM_DLT_OFFSET);
     s.bars = reinterpret_cast<unsigned long long*>(base + SMEM_BARS_OFFSET);
     s.dqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);
+    s.exact = reinterpret_cast<int*>(base + SMEM_EXACT_OFFSET);
     return s;
 }
 // ---- the masking rule (fagen/masking.py states the same rule in Python) ----
@@ -826,6 +836,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
         return 1.f;
     }
 }
+
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
 
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
@@ -1564,7 +1614,8 @@ static_assert(SMEM_K_COUNT == BLOCK_C * PAD_DIM && SMEM_V_COUNT == BLOCK_C * PAD
               SMEM_Q_COUNT == STAGES * BLOCK_R * PAD_DIM && SMEM_DOUT_COUNT == STAGES * BLOCK_R * PAD_DIM &&
               SMEM_DS_COUNT == BLOCK_C * BLOCK_R && SMEM_DQ_COUNT == BLOCK_R * HEAD_DIM &&
               SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DLT_COUNT == STAGES * BLOCK_R &&
-              SMEM_BARS_COUNT == 3 + 2 * STAGES && SMEM_DQC_COUNT == 2 * STAGES, "smem layout");
+              SMEM_BARS_COUNT == 3 + 2 * STAGES && SMEM_DQC_COUNT == 2 * STAGES &&
+              SMEM_EXACT_COUNT == STAGES, "smem layout");
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
@@ -1612,9 +1663,11 @@ FA_DEVICE bool wg_tile_masked(int i0, int col0, bool cols_full, const MaskParams
 // P^T = exp2(S^T scale log2 e - lse log2 e) on the thread's accumulator elements (element x: Q
 // row i0 + c(x), key key0 + 8 ((x >> 1) & 1)); nlse holds -lse log2 e (-inf: P = 0). MASKED: the
 // mask math of a partial tile.
-template <bool MASKED>
+// EXACT (a step with a huge row, common.cuh): 2^(S^T scale log2 e - lse log2 e - lo), lo the rows'
+// lse_lo (lo_h: of the step's q head; rows past the sequence read none).
+template <bool MASKED, bool EXACT = false>
 FA_DEVICE void wg_p(float (&s)[BLOCK_R / 2], const float* nlse, float scale_log2, int i0, int key0, int t4,
-                    const bool (&kp)[2], const MaskParams& mp) {
+                    const bool (&kp)[2], const MaskParams& mp, const float* lo_h = nullptr) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // per key, the allowed columns relative to Q row i0 + 2 t4
     if constexpr (MASKED) {
         const MaskBand band = mask_band(mp);
@@ -1624,7 +1677,9 @@ FA_DEVICE void wg_p(float (&s)[BLOCK_R / 2], const float* nlse, float scale_log2
 #pragma unroll
     for (int x = 0; x < BLOCK_R / 2; ++x) {
         const int c = 8 * (x >> 2) + 2 * t4 + (x & 1);
-        float p = wg_exp2(fmaf(s[x], scale_log2, nlse[c]));
+        float arg = fmaf(s[x], scale_log2, nlse[c]);
+        if constexpr (EXACT) arg -= lo_h != nullptr && i0 + c < mp.seqlen_q ? lo_h[i0 + c] : 0.f;
+        float p = wg_exp2(arg);
         if constexpr (MASKED) {
             const int cc = c - 2 * t4, r = (x >> 1) & 1;  // a compile-time column offset
             if (cc < lo[r] || cc > hi[r]) p = 0.f;
@@ -1754,6 +1809,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     int row_offset,
     int col_offset,
     const float* sinks,
+    float* lse_lo,
     float* dbias,
     long long stride_dbias_b,
     long long stride_dbias_h,
@@ -1780,6 +1836,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     T* sdo = reinterpret_cast<T*>(base + SMEM_DOUT_OFFSET);
     T* sds = reinterpret_cast<T*>(base + SMEM_DS_OFFSET);
     float* sdq = reinterpret_cast<float*>(base + SMEM_DQ_OFFSET);
+    int* sexact = reinterpret_cast<int*>(base + SMEM_EXACT_OFFSET);  // [STAGES]: the step has a huge row
     int* sdqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);      // [STAGES][2]: a step's (q head, row) until its reduce
     float* slse = reinterpret_cast<float*>(base + SMEM_LSE_OFFSET);  // [STAGES][BLOCK_R]: -lse log2 e (-inf: P = 0)
     float* sdlt = reinterpret_cast<float*>(base + SMEM_DLT_OFFSET);  // [STAGES][BLOCK_R]: scale D
@@ -1848,18 +1905,23 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     fa_mbarrier_wait_parity(&empty[st], ((it / STAGES) & 1) ^ 1);
                     const float* lse_r = lse_h + (i0 + lane);  // this lane's rows: lane + 32 rr
                     const float* dlt_r = dlt_h + (i0 + lane);
+                    bool ex = false;
 #pragma unroll
                     for (int rr = 0; rr < BLOCK_R / 32; ++rr) {  // BLOCK_R / 32 rows per lane
                         const int r = lane + 32 * rr;
                         float l2 = fa_neg_inf(), dd = 0.f;  // rows past the sequence: P = 0, dS = 0
                         if (i0 + r < len_q) {
                             const float l = lse_r[32 * rr];
-                            l2 = l == fa_neg_inf() ? fa_neg_inf() : -l * LOG2E;  // no allowed key: P = 0
+                            l2 = l == fa_neg_inf() ? fa_neg_inf() : -fa_bwd_lse2(l);  // no allowed key: P = 0
                             dd = dlt_r[32 * rr] * d_scale;
                         }
                         slse[st * BLOCK_R + r] = l2;
                         sdlt[st * BLOCK_R + r] = dd;
+                        ex |= fa_exact_row(-l2);
                     }
+                    // the step's flag (a huge row: its P takes lse_lo), before the arrivals that publish it
+                    const bool step_exact = fa_warp_any(ex);
+                    if (leader) sexact[st] = step_exact ? 1 : 0;
                     if (leader) {
                         fa_mbarrier_arrive_expect_tx(&full[st], QDO_STAGE_BYTES);
                         T* qst = sq + st * BLOCK_R * PAD_DIM;
@@ -1962,10 +2024,15 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
 
                 // P^T: the mask math only on tiles not fully visible; padded keys P = 0.
-                if (!wg_tile_masked(i0, col0, cols_full, mp))
+                // A step with a huge row (sexact, the producer's): P takes the rows' lse_lo, in code of its own.
+                if (sexact[st] != 0) {
+                    const float* lo_h = lse_lo == nullptr ? nullptr : lse_lo + fa_lse_index(si, b, hq, 0, stride_lse_b, stride_lse_h);
+                    wg_p<true, true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp, lo_h);
+                } else if (!wg_tile_masked(i0, col0, cols_full, mp)) {
                     wg_p<false>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
-                else
+                } else {
                     wg_p<true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
+                }
                 unsigned pa[BLOCK_R / 16][4], dsa[BLOCK_R / 16][4];
                 wg_frags(s_acc, pa);
 

@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -776,6 +779,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
     }
 }
 
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
+
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
 // log-sum-exp of the row's scores lse_s (-inf: no allowed key), returns the row's lse with the
@@ -1275,7 +1318,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     long long stride_lse_h,
     int row_offset,
     int col_offset,
-    const float* sinks)
+    const float* sinks,
+    float* lse_lo)
 
 {
     using namespace fa;
@@ -1297,10 +1341,12 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // |scale| log2 e into its exp2 (one FFMA per score: 2^(|scale| log2 e (s - m)), subnormal factors
     // included: the FFMA keeps them); a negative scale negates Q_i in smem once instead (exact). A
     // scale of 0 folds the smallest subnormal, 2^-149: every finite score of 16-bit inputs then
-    // gives P~ = 2^(tiny) = 1, the uniform softmax of the all-zero scores, and a masked one 0.
+    // gives P~ = 2^(tiny) = 1, the uniform softmax of the all-zero scores, and a masked one 0. With a
+    // score modification (which applies the scale) the scores are final and sl2 = log2 e, the same
+    // FFMA the backward's P takes.
     const float scale_log2 = scale * LOG2E;
     const bool fold = !HAS_SCORE_MOD;
-    const float sl2 = !fold ? 1.f : (scale_log2 == 0.f ? 1.40129846e-45f : fabsf(scale_log2));
+    const float sl2 = !fold ? LOG2E : (scale_log2 == 0.f ? 1.40129846e-45f : fabsf(scale_log2));
 
     const T* q_bh = q + fa_row_offset(si.q_tok0, b, 0, h, stride_q_b, stride_q_s, stride_q_h);
     const int hk = h / (heads / heads_kv);  // the K/V head of q head h (GQA; h without)
@@ -1476,7 +1522,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             for (int mt = 0; mt < MT; ++mt) {
                 const int row0 = i0 + wrow + 16 * mt;
                 if constexpr (HAS_SCORE_MOD) {
-                    // The final score s = score_fwd(q.k) on the fp32 accumulator, then into the log2 domain;
+                    // The final score s = score_fwd(q.k) on the fp32 accumulator (sl2 = log2 e takes it to log2);
                     // elements outside the sequences (masked below) read no bias.
 #pragma unroll
                     for (int n = 0; n < NT_C; ++n)
@@ -1484,7 +1530,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                         for (int e = 0; e < 4; ++e) {
                             const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
                             if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
-                                sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp) * LOG2E;
+                                sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp);
                         }
                 }
                 if (HAS_DATA_MASK && !full) {
@@ -1540,6 +1586,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             // through P~ = NaN. P~ Z (dropped entries 0) is packed at once into the A fragments of
             // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
             unsigned pa[MT][NC / 16][4];
+            float m_new[MT][2];
+            bool exact = false;  // a row of this warp with |m sl2| >= 2^10: the exact exponent (common.cuh)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1551,33 +1599,48 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                     for (int n = 1; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
                     mx = fmaxf(mx, mma_shfl_xor(mx, 1));
                     mx = fmaxf(mx, mma_shfl_xor(mx, 2));
-                    const float m_new = fmaxf(m_r[mt][r], mx);
-                    const float base = m_new == NEG_INF ? 0.f : m_new * sl2;  // no allowed key yet: P = 0, not NaN
-                    const float alpha = mma_exp2(fmaf(m_r[mt][r], sl2, -base));
-                    m_r[mt][r] = m_new;
-                    float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
-#pragma unroll
-                    for (int n = 0; n < NT_C; ++n) {
-                        float pz[2];
-#pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const int e = 2 * r + x;
-                            const float p = mma_exp2(fmaf(sacc[mt][n][e], sl2, -base));
-                            sum = n == 0 && x == 0 ? p : sum + p;
-                            pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
-                        }
-                        pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
-                    }
-                    l_r[mt][r] = alpha * l_r[mt][r] + sum;
-                    // l_acc: only column 0 of the ones product is read (every column holds the same sum);
-                    // the other columns accumulate unscaled and stay unread.
-                    if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
-#pragma unroll
-                    for (int n = 0; n < NT_D; ++n) {
-                        o_acc[mt][n][2 * r] *= alpha;
-                        o_acc[mt][n][2 * r + 1] *= alpha;
-                    }
+                    m_new[mt][r] = fmaxf(m_r[mt][r], mx);
+                    exact |= fa_exact_row(m_new[mt][r] * sl2);
                 }
+            // EXACT: P~ = 2^(fmaf(S, sl2, -hi) - lo) with m sl2 = hi + lo exactly; else one FFMA per score.
+            auto softmax = [&](auto exact_t) {
+                constexpr bool EXACT = decltype(exact_t)::value;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const float mn = m_new[mt][r];
+                        const float base = mn == NEG_INF ? 0.f : mn * sl2;  // no allowed key yet: P = 0, not NaN
+                        const float lo = EXACT && mn != NEG_INF ? fa_exp_lo(mn, sl2, base) : 0.f;
+                        const float alpha = mma_exp2(EXACT ? fmaf(m_r[mt][r], sl2, -base) - lo : fmaf(m_r[mt][r], sl2, -base));
+                        m_r[mt][r] = mn;
+                        float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
+#pragma unroll
+                        for (int n = 0; n < NT_C; ++n) {
+                            float pz[2];
+#pragma unroll
+                            for (int x = 0; x < 2; ++x) {
+                                const int e = 2 * r + x;
+                                const float p = mma_exp2(EXACT ? fmaf(sacc[mt][n][e], sl2, -base) - lo
+                                                               : fmaf(sacc[mt][n][e], sl2, -base));
+                                sum = n == 0 && x == 0 ? p : sum + p;
+                                pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
+                            }
+                            pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
+                        }
+                        l_r[mt][r] = alpha * l_r[mt][r] + sum;
+                        // l_acc: only column 0 of the ones product is read (every column holds the same sum);
+                        // the other columns accumulate unscaled and stay unread.
+                        if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
+#pragma unroll
+                        for (int n = 0; n < NT_D; ++n) {
+                            o_acc[mt][n][2 * r] *= alpha;
+                            o_acc[mt][n][2 * r + 1] *= alpha;
+                        }
+                    }
+            };
+            if (fa_warp_any(exact)) softmax(FaBool<true>{});
+            else softmax(FaBool<false>{});
 
             // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans (each V fragment feeds the
             // warp's MT m16 tiles).
@@ -1610,10 +1673,11 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     }
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
-    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = sl2 m_i / log2 e + log l_i. A row with no allowed key
+    // O_i = diag(l_i)^-1 O_i / (1 - p); lse_i = sl2 m_i / log2 e + log l_i (one rounding: huge m too). A row with no allowed key
     // is zero with lse = -inf. A row with allowed keys whose running max stayed -inf (every allowed
     // score -inf or NaN) is NaN, as torch's softmax; any NaN score made l NaN.
     const float rp = HAS_DROPOUT ? rp_keep : 1.f;
+    const float sc = fold ? fabsf(scale) : 1.f;  // sl2 / log2 e: m's natural-log units
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1636,7 +1700,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             const float m = m_r[mt][r];
             const bool empty = any == 0u, dead = !empty && m == NEG_INF;
             float inv = empty ? 0.f : (dead ? nan : rp / lo);
-            float lse_r = empty ? NEG_INF : (dead ? nan : (m * sl2 + log2f(l)) * LN2);
+            float log2l = log2f(l);
+            float lse_r = empty ? NEG_INF : (dead ? nan : fmaf(m, sc, log2l * LN2));  // m sc exact in the FMA
             if constexpr (HAS_SINKS) {
                 // Attention sinks: the softmax also runs over sinks[h] (no value): lse_i =
                 // logaddexp(lse of the scores, sink), O_i scaled by exp(lse of the scores - lse_i)
@@ -1644,6 +1709,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                 float o_scale;
                 lse_r = fa_sink_lse(lse_r, sinks[h], &o_scale);
                 if (!empty) inv *= o_scale;
+                log2l -= log2f(o_scale);
             }
             if (!active || row >= len_q) continue;
             T* o_row = o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h);
@@ -1654,6 +1720,10 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
                     const int x = n * 8 + MmaAccLayout::col(lane, e);
                     if (x < HEAD_DIM) o_row[x] = fa_from_float<T>(empty ? 0.f : o_acc[mt][n][e] * inv);  // dead: NaN
                 }
-            if (t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = lse_r;
+            if (t4 == 0) {
+                const long long x = fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h);
+                lse[x] = lse_r;
+                if (lse_lo != nullptr) lse_lo[x] = empty || dead ? 0.f : fa_lse_lo(lse_r, m, sl2, log2l);
+            }
         }
 }

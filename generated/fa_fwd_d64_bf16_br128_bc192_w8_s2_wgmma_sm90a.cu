@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -780,6 +783,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
         return 1.f;
     }
 }
+
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
 
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
@@ -1581,6 +1624,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     int row_offset,
     int col_offset,
     const float* sinks,
+    float* lse_lo,
     const __grid_constant__ FaTensorMap tma_q,
     const __grid_constant__ FaTensorMap tma_k,
     const __grid_constant__ FaTensorMap tma_v)
@@ -1653,13 +1697,13 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const float MASKED = neg ? -NEG_INF : NEG_INF;  // a masked raw score: -inf once scaled
     const unsigned char* kpm_b = HAS_KEY_PADDING ? kpm + (long long)b * seqlen_k : nullptr;
 
-    // O_i = 0; m_i = -inf (scaled, log2 domain), l_i = 0 (l is this thread's fp32 partial sum over
+    // O_i = 0; m_i = MASKED (raw: -inf once scaled), l_i = 0 (l is this thread's fp32 partial sum over
     // its columns). Accumulator element 4n + e: row row0 + 8 (e >> 1), column 8n + 2 t4 + (e & 1);
     // PAD_DIM columns, those past HEAD_DIM zero.
     float o_acc[PAD_DIM / 2];
 #pragma unroll
     for (int x = 0; x < PAD_DIM / 2; ++x) o_acc[x] = 0.f;
-    float m_r[2] = {NEG_INF, NEG_INF}, l_r[2] = {0.f, 0.f};
+    float m_r[2] = {MASKED, MASKED}, l_r[2] = {0.f, 0.f};
     unsigned seen[2] = {0u, 0u};  // has the row an allowed key (in this thread's columns)?
 
     // Descriptors (fa_wgmma_desc): built once, moved by adding a byte offset / 16 to the start
@@ -1735,6 +1779,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         } else {
             seen[0] = seen[1] = 1u;
         }
+        // m_r is the raw row extreme (MASKED: no allowed key yet); its scaled value m sl2 = hi + lo
+        // exactly (common.cuh: a warp with a row of |hi| >= 2^10 takes the exact exponent).
+        float mn[2];
+        bool exact = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = MASKED;
@@ -1746,21 +1794,33 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             mx = neg ? fminf(mx, o1) : fmaxf(mx, o1);
             const float o2 = wg_shfl_xor(mx, 2);
             mx = neg ? fminf(mx, o2) : fmaxf(mx, o2);
-            const float m_new = fmaxf(m_r[r], mx * sl2);
-            const float base_r = m_new == NEG_INF ? 0.f : m_new;  // no allowed key yet: P = 0, not NaN
-            alpha[r] = wg_exp2(m_r[r] - base_r);
-            m_r[r] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < BLOCK_C / 8; ++n)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float pv = wg_exp2(fmaf(s_acc[4 * n + e], sl2, -base_r));
-                    sum += pv;
-                    s_acc[4 * n + e] = pv;
-                }
-            l_r[r] = alpha[r] * l_r[r] + sum;
+            mn[r] = neg ? fminf(m_r[r], mx) : fmaxf(m_r[r], mx);
+            exact |= fa_exact_row(mn[r] * sl2);
         }
+        auto rows = [&](auto exact_t) {
+            constexpr bool EXACT = decltype(exact_t)::value;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float hi = mn[r] * sl2;
+                const float base_r = hi == NEG_INF ? 0.f : hi;  // no allowed key yet: P = 0, not NaN
+                const float lo = EXACT && hi != NEG_INF ? fa_exp_lo(mn[r], sl2, base_r) : 0.f;
+                alpha[r] = wg_exp2(EXACT ? fmaf(m_r[r], sl2, -base_r) - lo : fmaf(m_r[r], sl2, -base_r));
+                m_r[r] = mn[r];
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < BLOCK_C / 8; ++n)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const float pv = wg_exp2(EXACT ? fmaf(s_acc[4 * n + e], sl2, -base_r) - lo
+                                                       : fmaf(s_acc[4 * n + e], sl2, -base_r));
+                        sum += pv;
+                        s_acc[4 * n + e] = pv;
+                    }
+                l_r[r] = alpha[r] * l_r[r] + sum;
+            }
+        };
+        if (fa_warp_any(exact)) rows(FaBool<true>{});
+        else rows(FaBool<false>{});
     };
     auto pack_p = [&]() {
 #pragma unroll
@@ -1810,7 +1870,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         fa_mbarrier_arrive(&kv_empty[last]);
     }
 
-    // O_i = diag(l_i)^-1 O_i; lse_i = m_i + log l_i. A row with no allowed key is zero with
+    // O_i = diag(l_i)^-1 O_i; lse_i = m_i scale + log l_i. A row with no allowed key is zero with
     // lse = -inf; a row with allowed keys whose running max stayed -inf is NaN (torch's softmax).
     const SeqInfo si = fa_seq(b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k);
     float inv_r[2];
@@ -1824,18 +1884,25 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         any |= wg_shfl_xor_u(any, 1);
         any |= wg_shfl_xor_u(any, 2);
         const float nan = NEG_INF * 0.f;
-        const bool empty = any == 0u, dead = !empty && m_r[r] == NEG_INF;
+        const bool empty = any == 0u, dead = !empty && m_r[r] * sl2 == NEG_INF;
         float inv = empty ? 0.f : (dead ? nan : 1.f / l);
-        float lse_r = empty ? NEG_INF : (dead ? nan : (m_r[r] + log2f(l)) * LN2);
+        // lse = m scale + log l, m scale exact in the FMA (huge rows too)
+        float log2l = log2f(l);
+        float lse_r = empty ? NEG_INF : (dead ? nan : fmaf(m_r[r], scale, log2l * LN2));
         if constexpr (HAS_SINKS) {  // attention sinks: as the mma family's epilogue (partials/common.cuh)
             float o_scale;
             lse_r = fa_sink_lse(lse_r, sinks[h], &o_scale);
             if (!empty) inv *= o_scale;
+            log2l -= log2f(o_scale);
         }
         inv_r[r] = empty ? 0.f : inv;
         empty_r[r] = empty;
         const int row = row0 + 8 * r;
-        if (row < seqlen_q && t4 == 0) lse[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] = lse_r;
+        if (row < seqlen_q && t4 == 0) {
+            const long long x = fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h);
+            lse[x] = lse_r;
+            if (lse_lo != nullptr) lse_lo[x] = empty || dead ? 0.f : fa_lse_lo(lse_r, m_r[r], sl2, log2l);
+        }
     }
     // O_i through shared memory: this warpgroup's rows of Q_i's tile are free (its last wgmma reading
     // them retired above). Each warp stores its 16 rows with stmatrix (the accumulator's 16-column

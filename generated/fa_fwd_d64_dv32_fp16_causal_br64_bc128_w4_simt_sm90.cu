@@ -22,6 +22,8 @@ FA_DEVICE unsigned char* fa_smem() {
     return fa_dynamic_smem;
 }
 FA_DEVICE void fa_sync() { __syncthreads(); }
+// A block barrier that also returns whether any thread's p is true (bar.red.or.pred)
+FA_DEVICE bool fa_sync_or(bool p) { return __syncthreads_or(p ? 1 : 0) != 0; }
 FA_DEVICE float fa_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -63,6 +65,7 @@ FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
 // FAGEN_EMU_SITE: the caller's file/line, so emulator deadlock reports name
 // the kernel line that reached the barrier (shim.h).
 FA_DEVICE void fa_sync(FAGEN_EMU_SITE) { __syncthreads(FAGEN_EMU_SITE_ARGS); }
+FA_DEVICE bool fa_sync_or(bool p, FAGEN_EMU_SITE) { return __syncthreads_or(p ? 1 : 0, FAGEN_EMU_SITE_ARGS) != 0; }
 FA_DEVICE float fa_warp_sum(float x, FAGEN_EMU_SITE) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o, 32, FAGEN_EMU_SITE_ARGS);
     return x;
@@ -806,6 +809,46 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
     }
 }
 
+// ---- huge scores: the exact softmax exponent (tensor-core forwards and backwards) ----
+// The online softmax computes P~ = 2^(s sl2 - m sl2) as one FFMA, fmaf(s, sl2, -hi) with
+// hi = fp32(m sl2). That is exact up to hi's rounding, lo = m sl2 - hi (|lo| <= ulp(hi) / 2), a
+// factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
+// overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
+// (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
+constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
+FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
+    const float a = fabsf(hi);
+    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+}
+// m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
+FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
+template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
+// Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
+FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
+// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
+// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
+// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
+// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+FA_DEVICE float fa_bwd_lse2(float l) {
+    constexpr float LOG2E_F = 1.4426950408889634f;
+    const float INF = -fa_neg_inf();
+    const float x = l * LOG2E_F;
+    if (!fa_exact_row(x)) return x;
+    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+}
+// lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
+// log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
+// fa_bwd_lse2(lse), by one FMA (exact product); 0 for a row the backward takes as it is.
+FA_DEVICE float fa_lse_lo(float lse, float m, float sl2, float log2l) {
+    const float b = fa_bwd_lse2(lse);
+    return fa_exact_row(b) ? fmaf(m, sl2, -b) + log2l : 0.f;
+}
+// The backward's exact exponent of a score: 2^(s sl2 - lse2 - lo) (lo: the row's lse_lo)
+FA_DEVICE float fa_exact_arg(float s, float sl2, float lse2, float lo) { return fmaf(s, sl2, -lse2) - lo; }
+
 // ---- attention sinks (HAS_SINKS, forward epilogues) ----
 // Row i's softmax runs over its scores and the sink logit s_h (which has no value). Given the
 // log-sum-exp of the row's scores lse_s (-inf: no allowed key), returns the row's lse with the
@@ -964,7 +1007,8 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     long long stride_lse_h,
     int row_offset,
     int col_offset,
-    const float* sinks)
+    const float* sinks,
+    float* lse_lo)
 
 {
     using namespace fa;
@@ -1100,8 +1144,13 @@ extern "C" __global__ void __launch_bounds__(128, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         const Acc state = s.alpha[r];
         if constexpr (HAS_SINKS) {
             lse_bh[row] = (float)s.m[r];  // with the sink (above)
+            if (lse_lo != nullptr) lse_lo[(lse_bh - lse) + row] = 0.f;
         } else {
             lse_bh[row] = (float)(state == Acc(1) ? s.m[r] + fa_log(s.l[r]) : (state == Acc(0) ? NEG_INF : state));
+            // lse_lo (abi): the part of a huge row's lse the fp32 lse cannot hold, for a tensor-core backward
+            if (lse_lo != nullptr)
+                lse_lo[(lse_bh - lse) + row] = state == Acc(1) && sizeof(Acc) == 4
+                    ? fa_lse_lo((float)lse_bh[row], (float)s.m[r], 1.4426950408889634f, log2f((float)s.l[r])) : 0.f;
         }
     }
 }

@@ -239,6 +239,7 @@ struct State {
     unsigned* queue;               // ring buffer of runnable fiber indices
     unsigned q_head, q_size;
     unsigned bar_arrived;          // threads waiting at __syncthreads
+    unsigned bar_or;               // __syncthreads_or: the OR of the predicates of the threads waiting
     const char* bar_file;
     int bar_line;
 
@@ -398,11 +399,14 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void schedule(bool exiting) {
 }
 
 // ----------------------------------------------------------------- barriers
-FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier(const char* file, int line) {
+// __syncthreads (and __syncthreads_or: the OR of every thread's predicate, returned to each)
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) int block_barrier_or(int pred, const char* file,
+                                                                                    int line) {
     Fiber* self = g.cur;
     if (g.bar_arrived == 0) {
         g.bar_file = file;
         g.bar_line = line;
+        g.bar_or = 0;
     } else if (line != g.bar_line || (file != g.bar_file && strcmp(file, g.bar_file) != 0)) {
         begin_message("divergent __syncthreads");
         append_thread(self);
@@ -412,16 +416,22 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void block_barrier
         abort_block(FAGEN_EMU_DEADLOCK);
     }
     self->wait = kAtBlockBarrier;
+    g.bar_or |= pred != 0 ? 1u : 0u;
     if (++g.bar_arrived == g.nthreads) {
         g.bar_arrived = 0;
         race::on_block_barrier(file, line);
         for (unsigned k = 0; k < g.nthreads; ++k) {
             const unsigned i = FAGEN_EMU_ORDER(k, g.nthreads);
             g.fibers[i].wait = kRunnable;
+            g.fibers[i].result = g.bar_or;  // read back by each thread when it resumes
             push(i);
         }
     }
     schedule(false);
+    return int(self->result);
+}
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void block_barrier(const char* file, int line) {
+    block_barrier_or(0, file, line);
 }
 
 // Source lane of `lane` for a shuffle, following the PTX shfl.sync definition

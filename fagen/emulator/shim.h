@@ -61,6 +61,9 @@ static inline unsigned char* fagen_emu_dynamic_smem() { return fagen_emu_state.s
 
 // ------------------------------------------------------------- barriers
 static inline void __syncthreads(FAGEN_EMU_SITE) { fagen_emu::block_barrier(FAGEN_EMU_SITE_ARGS); }
+static inline int __syncthreads_or(int pred, FAGEN_EMU_SITE) {
+    return fagen_emu::block_barrier_or(pred, FAGEN_EMU_SITE_ARGS);
+}
 static inline void __syncwarp(unsigned mask = 0xffffffffu, FAGEN_EMU_SITE) {
     fagen_emu::warp_collective(fagen_emu::kSyncwarp, mask, 0, 0, 32, FAGEN_EMU_SITE_ARGS);
 }

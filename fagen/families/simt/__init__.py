@@ -45,6 +45,7 @@ class SimtFamily(FamilyBase):
                 ("p", acc, br * p_ld, asz),
                 ("lse", acc, br, asz),
                 ("delta", acc, br, asz),
+                ("lse_lo", acc, br, asz),  # a huge row's lse correction (natural log; abi: lse_lo)
                 ("dk", acc, bc * d, asz),
                 ("dv", acc, bc * dv, asz),
             ])

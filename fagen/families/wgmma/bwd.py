@@ -88,6 +88,7 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("dlt", "float", stages * br, 4),
         ("bars", "unsigned long long", 3 + 2 * stages, 8),
         ("dqc", "int", 2 * stages, 4),  # a step's (q head, first row) from its loads to its dQ_i reduce-add
+        ("exact", "int", stages, 4),  # a step has a huge row: its P takes lse_lo (partials/common.cuh)
     ])
 
 
