@@ -49,9 +49,10 @@ def build(source: str, kernels: Sequence[KernelSig | SigLike], *, level: str = "
     ``extra_flags``). ``level="ptx"``: NVRTC compiles the source to PTX for ``arch``'s virtual
     target (``sm_90a`` -> ``compute_90a``; default ``sm_90a``) and the PTX is translated and built
     (:func:`fagen.emulator.ptx.build_ptx`); its launches raise
-    :class:`~fagen.emulator.ptx.PtxHazardError` on PTX-level hazards. Sanitizer and racecheck
-    builds are source-level only. ``counters=True`` (PTX level only): a build that counts
-    shared-memory wavefronts and global sectors per memory instruction (``module.counters()``).
+    :class:`~fagen.emulator.ptx.PtxHazardError` on PTX-level hazards; ``racecheck=True`` tracks the
+    translated PTX's shared-memory accesses (reports name PTX lines). Sanitizer builds are
+    source-level only. ``counters=True`` (PTX level only): a build that counts shared-memory
+    wavefronts and global sectors per memory instruction (``module.counters()``).
     """
     if level == "source":
         if counters:
@@ -61,11 +62,10 @@ def build(source: str, kernels: Sequence[KernelSig | SigLike], *, level: str = "
         return _build_source(source, kernels, sanitize=sanitize, debug=debug, racecheck=racecheck,
                              extra_flags=extra_flags, cache_dir=cache_dir)
     if level == "ptx":
-        if sanitize or racecheck:
-            raise EmulatorBuildError("build: sanitize and racecheck instrument the source level; level='ptx' "
-                                     "takes neither")
+        if sanitize:
+            raise EmulatorBuildError("build: sanitize instruments the source level; level='ptx' does not take it")
         return build_source_ptx(source, kernels, arch=arch or "sm_90a", debug=debug, extra_flags=extra_flags,
-                                cache_dir=cache_dir, counters=counters)
+                                cache_dir=cache_dir, counters=counters, racecheck=racecheck)
     raise ValueError(f"build: level must be one of {LEVELS}, got {level!r}")
 
 

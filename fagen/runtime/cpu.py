@@ -75,7 +75,9 @@ def racecheck() -> Iterator[RacecheckedLaunches]:
     :class:`fagen.emulator.EmulatorRaceError` naming the kernel, the kind, the shared-memory
     buffer of the spec's layout and the offset, both threads and both source lines. Results
     are the same as without it. Yields a :class:`RacecheckedLaunches` record. Inside
-    :func:`sanitized` as well, the sanitizer wins (one instrumentation per build).
+    :func:`sanitized` as well, the sanitizer wins (one instrumentation per build). Inside
+    :func:`ptx` (or with ``FAGEN_EMU_LEVEL=ptx``) the launches run the spec's PTX-level racecheck
+    build instead: the same model over the translated PTX, reports naming PTX lines.
     """
     record = RacecheckedLaunches()
     token = _RACECHECK.set(record)
@@ -115,7 +117,8 @@ def ptx(*, counters: bool = False) -> Iterator[PtxLaunches]:
     optimisations are what runs. A register of an in-flight ``wgmma`` accessed before its
     ``wgmma.wait_group`` (and the other PTX-level hazards) raises
     :class:`fagen.emulator.ptx.PtxHazardError`. Yields a :class:`PtxLaunches` record. Inside
-    :func:`sanitized` or :func:`racecheck` as well, those win (they instrument the source build).
+    :func:`sanitized` as well, the sanitizer wins (it instruments the source build); inside
+    :func:`racecheck` as well, the launches run the PTX level's racecheck build.
     ``FAGEN_EMU_LEVEL=ptx`` (the ``emu_level`` setting) does the same for a whole process.
     ``counters=True``: the launches run a build with memory counters (shared-memory wavefronts,
     global sectors per PTX instruction), gathered in ``record.counters`` per kernel.
@@ -168,11 +171,20 @@ class CpuModule:
         self._builds: dict[tuple[bool, bool], Any] = {}
         self._ptx_build: Any = None
         self._ptx_counting_build: Any = None
+        self._ptx_racecheck_build: Any = None
         self._variant = rendered is not None
 
-    def ptx_build(self, counters: bool = False) -> Any:
+    def ptx_build(self, counters: bool = False, racecheck: bool = False) -> Any:
         """The spec's PTX-level build (:func:`fagen.emulator.ptx.build_ptx` of NVRTC's PTX for the
-        spec's target), made on first use; ``counters``: the build with memory counters."""
+        spec's target), made on first use; ``counters``: the build with memory counters;
+        ``racecheck``: the build with hazard tracking."""
+        if racecheck:
+            if self._ptx_racecheck_build is None:
+                from ..emulator.ptx import build_ptx
+
+                self._ptx_racecheck_build = build_ptx(self.ptx_text(), self.rendered.kernels,
+                                                      extra_flags=self._flags, racecheck=True)
+            return self._ptx_racecheck_build
         if counters:
             if self._ptx_counting_build is None:
                 from ..emulator.ptx import build_ptx
@@ -228,9 +240,12 @@ class CpuModule:
         values = [v for _, v in pack(kernel, args)]
         races = _RACECHECK.get()
         if races is not None:
-            emu = self._build(sanitize=False, racecheck=True)
+            level = _ptx_level()  # racecheck inside ptx() (or FAGEN_EMU_LEVEL=ptx): the PTX level's racecheck build
+            emu = self.ptx_build(racecheck=True) if level is not None else self._build(sanitize=False, racecheck=True)
             emu.launch(kernel.name, grid, kernel.block, kernel.smem_bytes, values, smem_buffers=self.smem_buffers())
             races.launches.append((self.spec.name, kernel.role.name, kernel.name))
+            if level is not None:
+                level.launches.append((self.spec.name, kernel.role.name, kernel.name))
             races.markers += emu.race_markers()
             races.marker_lines |= {(self.spec.name, line) for line in emu.race_marker_lines()}
             return

@@ -51,8 +51,9 @@ class PtxModule(EmuModule):
     """An emulator module built from PTX (:func:`build_ptx`): launches like any
     :class:`~fagen.emulator.EmuModule`; a PTX-level hazard raises :class:`PtxHazardError`."""
 
-    def __init__(self, path: Path, kernels: Sequence[KernelSig], ptx: str, sites: list | None = None) -> None:
-        super().__init__(path, kernels, sanitized=False)
+    def __init__(self, path: Path, kernels: Sequence[KernelSig], ptx: str, sites: list | None = None,
+                 racecheck: bool = False) -> None:
+        super().__init__(path, kernels, sanitized=False, racecheck=racecheck)
         self.ptx = ptx
         #: built with memory counters (``build_ptx(..., counters=True)``): the memory instruction sites
         self.sites: list[_counters.Site] | None = sites
@@ -96,7 +97,9 @@ class PtxModule(EmuModule):
             raise
 
 
-def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int]) -> str:
+def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int], static_smem: int = 0) -> str:
+    """One ``fagen_launch_<name>`` per kernel; ``static_smem``: the bytes of the module's static
+    ``.shared`` variables, which the window holds before the launch's dynamic shared memory."""
     out = ["// ---- generated launch wrappers (PTX level)"]
     for k in kernels:
         if k.name not in entries:
@@ -110,7 +113,8 @@ def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int]) -> st
             f'extern "C" __attribute__((visibility("default"))) int fagen_launch_{k.name}(\n'
             f"        unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,\n"
             f"        size_t smem, void** args, char* errbuf, size_t errlen) {{\n"
-            f'    return fagen_emu::launch("{k.name}", gx, gy, gz, bx, by, bz, smem, &fagen_body_{k.name},\n'
+            f'    return fagen_emu::launch("{k.name}", gx, gy, gz, bx, by, bz, smem{f" + {static_smem}" if static_smem else ""}, '
+            f'&fagen_body_{k.name},\n'
             f"                             args, errbuf, errlen);\n"
             f"}}")
     return "\n".join(out) + "\n"
@@ -118,13 +122,17 @@ def render_wrappers(kernels: Sequence[KernelSig], entries: dict[str, int]) -> st
 
 def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug: bool = False,
               extra_flags: Sequence[str] = (), cache_dir: Path | str | None = None,
-              counters: bool = False) -> PtxModule:
+              counters: bool = False, racecheck: bool = False) -> PtxModule:
     """Translates ``ptx`` (every ``.entry``) to C++ and compiles it for the emulator (or fetches
     it from the cache). ``kernels`` lists the entries to expose with their C parameter types
     (the launch packs arguments by them). Raises :class:`PtxUnsupportedError` for a PTX form
     the translator does not implement, :class:`EmulatorBuildError` when g++ fails. ``counters``:
     a build that counts shared-memory wavefronts and global sectors per memory instruction
-    (:meth:`PtxModule.counters`; its own cache entry)."""
+    (:meth:`PtxModule.counters`; its own cache entry). ``racecheck``: a build whose launches track
+    the happens-before order of the block's threads like the source level's racecheck build (every
+    load, store and atomic of the translated PTX reports to racecheck.h with its PTX line; a hazard
+    raises :class:`~fagen.emulator.EmulatorRaceError`; docs/emulator.md, "Racecheck at the PTX
+    level")."""
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
     sigs = tuple(as_sig(k) for k in kernels)
@@ -132,7 +140,10 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     include = cuda_include_dir()
     # the plain builds' flags: FAGEN_EMU_OPT sets the level (measured on the mma sm_80 forward, -O1
     # and -O2 build in about the same time and run alike: NVVM already optimised the code)
-    flags = compile_flags(sanitize=False, debug=debug) + [str(f) for f in extra_flags]
+    if counters and racecheck:
+        raise EmulatorBuildError("build_ptx: counters and racecheck are separate builds; ask for one of them")
+    flags = compile_flags(sanitize=False, debug=debug) + (["-DFAGEN_EMU_RACECHECK"] if racecheck else []) + \
+        [str(f) for f in extra_flags]
     text = prelude()
     key = cache.digest("ptx", TRANSLATOR_VERSION, text, ptx, repr([(k.name, k.params) for k in sigs]), cxx_id,
                        "\0".join(flags), include, headers_digest(Path(include)),
@@ -150,9 +161,9 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
     if counters and is_valid(so) and sites_json.exists():
         sites = [_counters.Site(**d) for d in json.loads(sites_json.read_text())]
     if not is_valid(so) or (counters and sites is None):
-        tr = translate(ptx, f"{stem}.ptx", counters=counters)  # before the lock: an unsupported form fails fast
+        tr = translate(ptx, f"{stem}.ptx", counters=counters, racecheck=racecheck)  # before the lock: an unsupported form fails fast
         sites = tr.sites if counters else None
-        wrappers = render_wrappers(sigs, tr.params)
+        wrappers = render_wrappers(sigs, tr.params, tr.static_smem)
         cache.make_dir(root)
         with cache.locked(so):
             if not is_valid(so):
@@ -166,7 +177,7 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
                 if counters:
                     cache.atomic_write(sites_json, json.dumps([dataclasses.asdict(x) for x in tr.sites]).encode())
                 compile_unit(cxx, full, tu, tr.cpp, root, stem)
-    module = PtxModule(so, sigs, ptx, sites)
+    module = PtxModule(so, sigs, ptx, sites, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
 
@@ -185,10 +196,11 @@ def ptx_of_source(source: str, arch: str = "sm_90a", options: Sequence[str] = ()
 
 def build_source_ptx(source: str, kernels: Sequence[KernelSig | SigLike], *, arch: str = "sm_90a",
                      options: Sequence[str] = (), debug: bool = False, extra_flags: Sequence[str] = (),
-                     cache_dir: Path | str | None = None, counters: bool = False) -> PtxModule:
+                     cache_dir: Path | str | None = None, counters: bool = False,
+                     racecheck: bool = False) -> PtxModule:
     """NVRTC compiles ``source`` to PTX for ``arch``; the PTX is built with :func:`build_ptx`."""
     return build_ptx(ptx_of_source(source, arch, options), kernels, debug=debug, extra_flags=extra_flags,
-                     cache_dir=cache_dir, counters=counters)
+                     cache_dir=cache_dir, counters=counters, racecheck=racecheck)
 
 
 def clear_memo() -> None:

@@ -19,8 +19,13 @@ class PtxHazardError(EmulatorKernelError):
     """A hazard only the PTX level sees (raised by a PTX-level launch): a register of an in-flight
     ``wgmma.mma_async`` (its accumulator or its A fragment) accessed before the
     ``wgmma.wait_group`` that retires it, or a wgmma issued without ``wgmma.fence`` after its
-    registers were accessed. The message names the kernel, the CTA, the PTX line, the warp and the
-    thread; ``ptx_line`` is the PTX line of the offending access."""
+    registers were accessed; a cp.async destination accessed before its thread's wait (or read by
+    another thread before the barrier that publishes it); shared memory the async proxy reads
+    (wgmma operand, bulk / TMA store source) written through the generic proxy with no
+    ``fence.proxy.async`` by its writer since; a thread exiting with bulk stores not drained by
+    ``cp.async.bulk.wait_group``. The message names the kernel, the CTA, the PTX line, the warp and
+    the thread (and the PTX line of the other instruction involved); ``ptx_line`` is the PTX line
+    of the offending instruction."""
 
     def __init__(self, message: str, kernel: str = "", block: tuple[int, int, int] | None = None,
                  ptx_line: int = 0) -> None:

@@ -303,6 +303,11 @@ def parse_module(ptx: str) -> Module:
                 maxntid = tuple(int(x) for x in dm.group(1).replace(" ", "").split(",") if x)
             cb = _match_brace(text, ob)
             body = split_body(text[ob + 1:cb], _line_of(text, ob + 1))
+            # a function-scope static __shared__ variable (NVVM declares it in the body): a per-CTA
+            # variable like a module-level one, laid out with them (names are function-mangled)
+            for st in [st for st in body if st.kind == "decl" and re.match(r"\.shared\b", st.text)]:
+                globals_.append(_parse_var(st.text, st.line))
+                body.remove(st)
             entries.append(Entry(name, params, body, _line_of(text, i), maxntid))
             i = cb + 1
             continue

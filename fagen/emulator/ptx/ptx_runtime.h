@@ -410,6 +410,18 @@ inline void stmatrix(void* row, const uint32_t* r, const char* name, const char*
     warp_exchange(0xffffffffu, &lane, &stmatrix_aligned_complete<NUM, TRANS>, name, file, line);
 }
 
+// ------------------------------------------------------------ elect.sync
+// elect.sync d|p, membermask (PTX ISA 9.7.13.x): one lane of the mask is elected (the ISA leaves which;
+// the emulator, as hopper.h's fa_elect_one, the highest, so no kernel may assume lane 0); d = its
+// lane id in every participating lane, p = true in it alone. A ballot collective over the mask.
+inline bool elect(uint32_t mask, uint32_t* leader, const char* file, int line) {
+    hopper::Quiet quiet;
+    const unsigned ballot = __ballot_sync(mask, 1, file, line);
+    const unsigned l = 31u - unsigned(__builtin_clz(ballot));
+    *leader = l;
+    return (g.cur->index & 31u) == l;
+}
+
 // ---------------------------------------------------- PTX-level hazards
 // A hazard only the PTX level can see (the message starts "PTX hazard": fagen.emulator.ptx
 // raises it as PtxHazardError).

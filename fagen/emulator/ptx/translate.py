@@ -140,6 +140,7 @@ class _Fn:
         # destinations (``cp``), generic-proxy writes read by the async proxy (``gw``), bulk stores
         # drained at exit (``bulk``); racecheck events of every memory instruction (``racecheck``)
         self.cp = self.gw = self.bulk = self.racecheck = False
+        self.static_smem = 0  # static .shared bytes before the dynamic window
 
     # ---- errors
     def unsupported(self, reason: str, inst: Inst | None = None) -> PtxUnsupportedError:
@@ -187,6 +188,8 @@ class _Fn:
             return f"(!{e})" if neg else e
         if neg:
             raise self.unsupported(f"negated operand {op!r} is not a predicate register")
+        if op == "%dynamic_smem_size" and self.static_smem:
+            return f"{ct}({_SPECIAL[op]} - {self.static_smem}u)"
         if op in _SPECIAL:
             return f"{ct}({_SPECIAL[op]})"
         m = re.fullmatch(r"0[fF]([0-9a-fA-F]{8})", op)
@@ -1102,17 +1105,24 @@ def _ldmatrix(fn: _Fn, inst: Inst) -> str:
             f"fagen_emu::px::stmatrix<{num}, {trans}>({fn.host(a, 'shared')}, r_, \"{name}\", {fn.site()}); }}")
 
 
-@_handler("elect.sync", "`_|p, membermask` (d unused)",
-          "hopper.h's election (the highest lane: 31), a ballot collective at the PTX line", "elect")
+@_handler("elect.sync", "`d|p, membermask` (`d` or `p` may be `_`)",
+          "a ballot collective over the member mask at the PTX line (every lane in it must arrive); the "
+          "highest lane of the mask is elected, as hopper.h's election: `d` = its lane id in every lane, `p` "
+          "true in it alone", "elect")
 def _elect(fn: _Fn, inst: Inst) -> str:
     _check(fn, inst, {"sync"})
     _nops(fn, inst, 2)
     d, m = inst.operands
-    pieces = d.split("|")
-    if len(pieces) != 2 or pieces[0].strip() != "_":
-        raise fn.unsupported("elect.sync with a lane destination (only `_|p`)")
-    return (f"{{ if ({fn.src(m, 'b32')} != 0xffffffffu) fagen_emu::fail(\"elect.sync at %s:%d: only the full "
-            f"mask\", ptx_file, {inst.line}); {fn.dst(pieces[1], 'pred', f'fagen_emu::hopper::elect_one({fn.site()})')} }}")
+    pieces = [x.strip() for x in d.split("|")]
+    if len(pieces) != 2:
+        raise fn.unsupported("elect.sync needs the destinations d|p (either may be `_`)")
+    out = [f"{{ uint32_t l_ = 0; const bool e_ = fagen_emu::px::elect({fn.src(m, 'b32')}, &l_, {fn.site()});"]
+    if pieces[0] != "_":
+        out.append(fn.dst(pieces[0], "b32", "l_"))
+    if pieces[1] != "_":
+        out.append(fn.dst(pieces[1], "pred", "e_"))
+    out.append("(void)e_; }")
+    return " ".join(out)
 
 
 @_handler("setmaxnreg", "`.inc .dec` `.sync.aligned.u32 N`",
@@ -1537,11 +1547,13 @@ def _memory_hooks(fn: _Fn, inst: Inst) -> str:
 
 
 def translate_entry(mod: Module, entry: Entry, ptx_file: str, globals_: dict[str, str],
-                    shared: dict[str, int], sites: list | None = None, racecheck: bool = False) -> str:
+                    shared: dict[str, int], sites: list | None = None, racecheck: bool = False,
+                    static_smem: int = 0) -> str:
     """``sites``: with memory counters (counters.py), the module's site list, appended to.
     ``racecheck``: every load, store and atomic also reports to racecheck.h (a build with
-    -DFAGEN_EMU_RACECHECK)."""
+    -DFAGEN_EMU_RACECHECK). ``static_smem``: the static shared bytes before the dynamic window."""
     fn = _Fn(mod, entry, ptx_file, globals_, shared)
+    fn.static_smem = static_smem
     _collect_decls(fn, entry.body)
     insts: list[Inst] = []
     for st in entry.body:
@@ -1604,19 +1616,42 @@ class Translation:
     entries: list[str]
     params: dict[str, int] = field(default_factory=dict)   # entry -> parameter count
     sites: list = field(default_factory=list)   # memory counters: the counters.Site of each memory instruction
+    #: bytes of static ``.shared`` variables at the start of the window (the launch adds them to the
+    #: dynamic shared memory; the dynamic window starts after them)
+    static_smem: int = 0
+
+
+def _static_shared(mod: Module) -> tuple[dict[str, int], int]:
+    """Offsets of the module's shared variables in the block's window: the static ones first, in
+    declaration order at their alignment, then the dynamic (``extern``) ones at the static bytes
+    rounded up to 1024 (the window stays 1024-byte aligned for the swizzles); and that size."""
+    shared: dict[str, int] = {}
+    off = 0
+    for gv in mod.globals:
+        if gv.space != "shared" or gv.extern:
+            continue
+        if gv.count == 0:
+            raise PtxUnsupportedError(".shared", "an unsized static shared array", gv.line, "", gv.name)
+        if gv.init:
+            raise PtxUnsupportedError(".shared", "an initialised shared variable", gv.line, "", gv.name)
+        align = max(gv.align, 1)
+        off = (off + align - 1) // align * align
+        shared[gv.name] = off
+        off += type_size(gv.vtype) * (gv.count or 1)
+    static = (off + 1023) // 1024 * 1024
+    for gv in mod.globals:
+        if gv.space == "shared" and gv.extern:
+            shared[gv.name] = static
+    return shared, static
 
 
 def _globals(mod: Module) -> tuple[list[str], dict[str, str], dict[str, int]]:
     decls: list[str] = []
     addrs: dict[str, str] = {}
-    shared: dict[str, int] = {}
+    shared, _ = _static_shared(mod)
     for gv in mod.globals:
         if gv.space == "shared":
-            if gv.extern:
-                shared[gv.name] = 0
-                continue
-            raise PtxUnsupportedError(".shared", "static shared variables (the emulator's window is the dynamic "
-                                      "shared memory; use extern __shared__)", gv.line, "", gv.name)
+            continue
         size = type_size(gv.vtype)
         count = gv.count if gv.count else 1
         nbytes = size * count
@@ -1649,15 +1684,16 @@ def translate(ptx: str, ptx_file: str = "kernel.ptx", counters: bool = False, ra
     if mod.address_size != 64:
         raise PtxUnsupportedError(".address_size", "only 64-bit addressing", 0)
     decls, addrs, shared = _globals(mod)
+    _, static_smem = _static_shared(mod)
     out = [f"// translated from PTX by fagen.emulator.ptx (translator {TRANSLATOR_VERSION}; {mod.target})",
            f'static const char* const fagen_ptx_file = "{ptx_file}";',
            "[[maybe_unused]] static const int fagen_ptx_file_set = (fagen_emu::px::fagen_ptx_file_name = fagen_ptx_file, 0);",
            *decls]
     sites: list | None = [] if counters else None
     for e in mod.entries:
-        out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites, racecheck))
+        out.append(translate_entry(mod, e, ptx_file, addrs, shared, sites, racecheck, static_smem))
     return Translation("\n".join(out) + "\n", [e.name for e in mod.entries],
-                       {e.name: len(e.params) for e in mod.entries}, sites or [])
+                       {e.name: len(e.params) for e in mod.entries}, sites=sites or [], static_smem=static_smem)
 
 
 def counter_site(fn: _Fn, inst: Inst) -> tuple[int, int, int, str, str] | None:
