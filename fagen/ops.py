@@ -22,9 +22,13 @@ rng_state and the optional inputs -- never an N x N tensor -- and the backward r
 same mask. The draw happens inside ``fagen::fwd`` (tagged ``nondeterministic_seeded``), so a
 compiled graph draws a fresh state on every call instead of baking one in as a constant.
 
-The public functions validate their options once (:class:`~fagen.AttentionOptions`) and run
-the ops through one ``torch.autograd.Function`` (:func:`attention`), as flash-attn binds its
-kernels; the ops also carry the same autograd formula for callers of ``torch.ops.fagen.fwd``.
+The public functions validate their options once (:class:`~fagen.AttentionOptions`) and call
+fagen::fwd; the ops' Autograd kernels are the one autograd mechanism, for them and for direct
+callers of ``torch.ops.fagen.fwd`` alike, in eager mode, under ``torch.compile`` and under
+``torch.func``: ``vmap`` runs the ops' batching rules (the mapped dim folds into the batch: one
+launch), ``grad`` / ``vjp`` / ``jacrev`` and per-sample gradients (``vmap(grad)``) the autograd
+formula; forward-mode AD (``jvp``, ``jacfwd``) and double backward raise ``NotImplementedError``
+(:data:`NO_FORWARD_AD`, :data:`NO_DOUBLE_BACKWARD`).
 Nothing on the launch path reads a tensor value on the host or synchronises a device.
 """
 import math
@@ -39,7 +43,8 @@ from .masking import band
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention", "attention",
-           "draw_rng_state", "attn_probs", "custom_op_tags", "op_arguments", "OP_ORDER", "FWD_SCHEMA", "BWD_SCHEMA"]
+           "draw_rng_state", "attn_probs", "custom_op_tags", "op_arguments", "OP_ORDER", "FWD_SCHEMA", "BWD_SCHEMA",
+           "FWD_NAMES", "BWD_NAMES", "NO_FORWARD_AD", "NO_DOUBLE_BACKWARD"]
 
 Tensor = torch.Tensor
 
@@ -120,9 +125,6 @@ _BIAS_INDEX = 3 + OP_ORDER.index("attn_bias")  # of attn_bias among fagen::fwd's
 _BIAS_DATA = Tensors._fields.index("attn_bias")
 _SINKS_INDEX = 3 + OP_ORDER.index("sinks")  # of sinks among fagen::fwd's inputs
 _SINKS_DATA = Tensors._fields.index("sinks")
-_SCALAR_NAMES = tuple(OP_ORDER[i] for i in _SCALAR_POS)
-_OPTION_IN_SCALARS = tuple(_SCALAR_NAMES.index(n) for n in AttentionOptions.op_names())
-_MAXQ, _MAXK = _SCALAR_NAMES.index("max_seqlen_q"), _SCALAR_NAMES.index("max_seqlen_k")
 
 
 def _get_tensors(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -181,12 +183,6 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tens
     return _run_fwd(q, k, v, *_unpack(rest))
 
 
-_fwd = torch.library.custom_op("fagen::fwd", _fwd_impl, mutates_args=(), schema=FWD_SCHEMA,
-                               **custom_op_tags(torch.Tag.nondeterministic_seeded))
-_FWD = torch.ops.fagen.fwd.default
-
-
-@_fwd.register_fake
 def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
     tensors, max_q, max_k, opts = _unpack(rest)
     p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
@@ -231,11 +227,6 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad, dlse)
 
 
-_bwd = torch.library.custom_op("fagen::bwd", _bwd_impl, mutates_args=(), schema=BWD_SCHEMA)
-_BWD = torch.ops.fagen.bwd.default
-
-
-@_bwd.register_fake
 def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
               *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _rng, args, bias_grad, _dlse = _bwd_split(rest)
@@ -248,7 +239,54 @@ def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
+#: fagen::fwd's and fagen::bwd's argument names, in schema order.
+FWD_NAMES = ("q", "k", "v") + OP_ORDER
+BWD_NAMES = (("do", "q", "k", "v", "o", "lse") + OP_ORDER[:_PREFIX] + ("rng_state",) + OP_ORDER[_PREFIX:-1]
+             + ("bias_requires_grad", "sinks", "dlse"))
+_BWD_DEFAULTS = tuple(a.default_value for a in torch._C.parse_schema("fagen::x" + BWD_SCHEMA).arguments)
+
+
+def _full(args: tuple[Any, ...], names: tuple[str, ...]) -> tuple[Any, ...]:
+    """An op's arguments with the trailing defaults the dispatcher drops put back."""
+    if len(args) >= len(names):
+        return args
+    return args + (_DEFAULTS[len(args) - 3:] if names is FWD_NAMES else _BWD_DEFAULTS[len(args):])
+
+
+# --------------------------------------------------------------------------- registration
+# The ops are defined with torch.library's Library API: the implementation (every backend),
+# the fake kernel (meta, FakeTensor, torch.compile), the Autograd kernel (below) and the vmap
+# rules (torch.func). torch.library.custom_op would generate the Autograd kernel itself, one that
+# calls Python's autograd.Function.apply, which torch.func refuses there (torch 2.13: "must
+# override the setup_context staticmethod", pytorch/pytorch#168393, #170834, #179652); the
+# kernels registered here apply the formula as ATen's autograd kernels do (see below).
+_LIB = torch.library.Library("fagen", "FRAGMENT")
+_LIB.define("fwd" + FWD_SCHEMA, tags=(torch.Tag.nondeterministic_seeded, torch.Tag.pt2_compliant_tag))
+_LIB.define("bwd" + BWD_SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("fwd", _fwd_impl, "CompositeExplicitAutograd")
+_LIB.impl("bwd", _bwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("fagen::fwd", _fwd_fake, lib=_LIB)
+torch.library.register_fake("fagen::bwd", _bwd_fake, lib=_LIB)
+_FWD = torch.ops.fagen.fwd.default
+_BWD = torch.ops.fagen.bwd.default
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# Where the dispatch key set below autograd is a backend's alone (no dispatch mode, tracing,
+# functionalization, fake or subclass tensor, functorch level), redispatching would only reach
+# the ops' CompositeExplicitAutograd implementation: the Autograd kernels call it themselves
+# then, saving a second conversion of every argument.
+_BACKENDS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA))
+_IMPLS = {_FWD: _fwd_impl, _BWD: _bwd_impl}
+
+
 # --------------------------------------------------------------------------- autograd
+#: The error of forward-mode AD (torch.func.jvp / jacfwd / hessian, torch.autograd.forward_ad).
+NO_FORWARD_AD = ("fagen attention has no forward-mode AD (jvp/jacfwd) yet: fagen::fwd and fagen::bwd have "
+                 "no jvp formula; use reverse mode (backward, torch.func.grad / vjp / jacrev)")
+#: The error of differentiating a gradient (double backward, grad of grad, jacrev of grad).
+NO_DOUBLE_BACKWARD = ("fagen attention has no double backward: fagen::bwd has no autograd formula (its "
+                      "gradients are not differentiable)")
+
+
 def _merge(data: tuple[Any, ...], scalars: tuple[Any, ...]) -> list[Any]:
     """The OP_ORDER arguments from the tensors (Tensors order) and the scalars (_SCALAR_POS order)."""
     rest: list[Any] = [None] * len(OP_ORDER)
@@ -259,93 +297,307 @@ def _merge(data: tuple[Any, ...], scalars: tuple[Any, ...]) -> list[Any]:
     return rest
 
 
-def _backward_of(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], bias_index: int,
-                 sinks_index: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """dq, dk, dv, (where attn_bias, input ``bias_index``, requires grad) dbias and (where sinks,
-    input ``sinks_index``, are given) dsinks, from what :func:`_save` kept: fagen::bwd, or its
-    implementation directly (see :func:`_direct`). ``do`` / ``dlse`` None: that output's
-    gradient is zero (the ctx does not materialise them; a None dlse is no term at all)."""
-    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[bias_index])
-    if _direct((do, q, k, v, o, lse, dlse, *data)):
-        dq, dk, dv, dbias, dsinks = _run_bwd(do, q, k, v, o, lse, rng_state, Tensors._make(data), ctx.scalars[_MAXQ],
-                                             ctx.scalars[_MAXK], ctx.options, bias_grad, dlse)
-    else:
-        rest = _merge(tuple(data), ctx.scalars)
-        dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad,
-                                         rest[-1], dlse)
-    sinks_grad = data[_SINKS_DATA] is not None and bool(ctx.needs_input_grad[sinks_index])
-    return dq, dk, dv, (dbias if bias_grad else None), (dsinks if sinks_grad else None)
-
-
-def _options_in(scalars: tuple[Any, ...]) -> AttentionOptions:
-    return AttentionOptions.from_op_args(*[scalars[i] for i in _OPTION_IN_SCALARS])
-
-
-def _save(ctx: Any, q: Tensor, k: Tensor, v: Tensor, data: tuple[Any, ...], scalars: tuple[Any, ...],
-          opts: AttentionOptions, output: tuple[Tensor, Tensor, Tensor]) -> None:
+def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     """What the backward needs (no N x N tensor): q, k, v, o, lse, rng_state and the optional
-    tensors as given; the scalars and the options."""
+    tensors as given; the scalar arguments."""
+    rest = inputs[3:]
     o, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, o, lse, rng_state, *data)
-    ctx.scalars = scalars
-    ctx.options = opts
+    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *_get_tensors(rest))
+    ctx.scalars = _get_scalars(rest)
     ctx.mark_non_differentiable(rng_state)  # lse is differentiable: its gradient enters D (no extra pass)
     ctx.set_materialize_grads(False)  # an unused o or lse hands the backward None, not zeros
 
 
-def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    rest = inputs[3:]
-    scalars = _get_scalars(rest)
-    _save(ctx, *inputs[:3], _get_tensors(rest), scalars, _options_in(scalars), output)
-
-
 def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: Any) -> tuple[Optional[Tensor], ...]:
-    dq, dk, dv, dbias, dsinks = _backward_of(ctx, do, dlse, _BIAS_INDEX, _SINKS_INDEX)
+    """fagen::bwd on what :func:`_op_setup` kept: dq, dk, dv, and dbias / dsinks where attn_bias
+    requires grad / sinks are given. ``do`` / ``dlse`` None: that output's gradient is zero."""
+    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[_BIAS_INDEX])
+    rest = _merge(tuple(data), ctx.scalars)
+    dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad,
+                                     rest[-1], dlse)
     grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
-    grads[_BIAS_INDEX] = dbias
-    grads[_SINKS_INDEX] = dsinks
+    if bias_grad:
+        grads[_BIAS_INDEX] = dbias
+    if data[_SINKS_DATA] is not None and ctx.needs_input_grad[_SINKS_INDEX]:
+        grads[_SINKS_INDEX] = dsinks
     return tuple(grads)
 
 
-_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+def _below_autograd(op: Any, args: tuple[Any, ...]) -> Any:
+    """``op`` redispatched below autograd, as an ATen autograd kernel does: ``args`` are the op's
+    arguments and (the kernel's dispatch key set, the caller's grad mode). Where functorch levels
+    lie below, the grad mode is the caller's again (the Function's forward runs without it), so
+    that they (the outer ``grad`` of ``grad(grad(f))``) record the op too."""
+    keyset, grad_mode = args[-1]
+    below = keyset & _AFTER_AUTOGRAD
+    if below.highestPriorityTypeId() in _BACKENDS:  # the redispatch would reach the implementation
+        return _IMPLS[op](*args[:-1])
+    with torch._C._AutoDispatchBelowAutograd():
+        if not grad_mode or not below.has(torch._C.DispatchKey.FuncTorchDynamicLayerBackMode):
+            return op.redispatch(below, *args[:-1])
+        with torch.enable_grad():
+            return op.redispatch(below, *args[:-1])
 
 
-class _Attention(torch.autograd.Function):
-    """fagen::fwd / fagen::bwd as flash-attn binds its kernels: the op runs under the Function
-    (no autograd dispatch of its own), the backward runs fagen::bwd. Inputs: q, k, v, the
-    :class:`Tensors` fields, and one tuple of the other OP_ORDER arguments (_SCALAR_POS order)."""
+class _FwdFunction(torch.autograd.Function):
+    """fagen::fwd's autograd formula (:func:`_op_setup`, :func:`_op_backward`), applied by the
+    op's Autograd kernel; the forward redispatches the op below autograd. Inputs: the op's
+    arguments and (the kernel's dispatch key set, grad mode)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],  # type: ignore[override]
-                alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], attn_bias: Optional[Tensor],
-                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], sinks: Optional[Tensor],
-                scalars: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
-        # ctx-style forward, not setup_context: Function.apply binds a setup_context forward's
-        # arguments with inspect.signature on every call (tens of microseconds)
-        data = (key_padding_mask, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, sinks)
-        opts = _options_in(scalars)
-        if _direct((q, k, v, *data)):
-            output = _run_fwd(q, k, v, Tensors._make(data), scalars[_MAXQ], scalars[_MAXK], opts)
-        else:
-            output = _FWD(q, k, v, *_merge(data, scalars))
-        _save(ctx, q, k, v, data, scalars, opts, output)
+    def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        output = _below_autograd(_FWD, args)
+        _op_setup(ctx, args[:-1], output)
         return output
 
     @staticmethod
     def backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor],  # type: ignore[override]
                  _drng: Any) -> tuple[Optional[Tensor], ...]:
-        dq, dk, dv, dbias, dsinks = _backward_of(ctx, do, dlse, 3 + _BIAS_DATA, 3 + _SINKS_DATA)
-        return dq, dk, dv, None, None, None, dbias, None, None, dsinks, None
+        return _op_backward(ctx, do, dlse, _drng) + (None,)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(NO_FORWARD_AD)
+
+
+class _BwdFunction(torch.autograd.Function):
+    """fagen::bwd where its inputs take a gradient (``create_graph=True``; torch.func's grad
+    levels always ask for one): the gradients are computed as usual, and differentiating them
+    raises :data:`NO_DOUBLE_BACKWARD` instead of treating them as constants."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return _below_autograd(_BWD, args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise NotImplementedError(NO_DOUBLE_BACKWARD)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(NO_FORWARD_AD)
+
+
+# The Autograd kernels apply the Functions with torch's C++ Function.apply, as an autograd kernel
+# of ATen records its node: inside the dispatcher, at the Autograd key of the current functorch
+# level (grad, vjp, jvp), on that level's tensors. (Python's Function.apply is for calls above the
+# dispatcher: under torch.func it reroutes through functorch's custom_function_call, which needs
+# the Function to run before the dispatcher -- the cause of the error torch's generated kernel
+# gives.) vmap levels never reach these kernels with mapped tensors: the batching rules below
+# run first (FuncTorchBatched precedes Autograd) and call the ops on the folded tensors.
+_functorch = torch._C._functorch
+_FWD_APPLY = super(torch.autograd.Function, _FwdFunction).apply  # type: ignore[misc]
+_BWD_APPLY = super(torch.autograd.Function, _BwdFunction).apply  # type: ignore[misc]
+
+
+def _differentiated(args: tuple[Any, ...]) -> bool:
+    """Whether a call needs the autograd formula: an input that takes a gradient, or a
+    forward-mode AD level (torch.func.jvp's included), whose tangents meet the jvp error."""
+    return ((torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+            or (torch.autograd.forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()))
+
+
+def _apply_here(apply: Any, args: tuple[Any, ...]) -> Any:
+    """``apply(*args)``, under a functorch level too (torch's C++ apply asserts that functorch
+    allowed it: the flag functorch's own single-level Functions set)."""
+    if not torch._C._are_functorch_transforms_active():
+        return apply(*args)
+    allowed = _functorch.get_single_level_autograd_function_allowed()
+    _functorch.set_single_level_autograd_function_allowed(True)
+    try:
+        return apply(*args)
+    finally:
+        _functorch.set_single_level_autograd_function_allowed(allowed)
+
+
+def _autograd_kernel(op: Any, names: tuple[str, ...], apply: Any) -> Any:
+    """An op's Autograd kernel: its Function where the call is differentiated, else the op
+    below autograd."""
+
+    def kernel(keyset: Any, *args: Any) -> Any:
+        args = _full(args, names) + ((keyset, torch.is_grad_enabled()),)
+        if _differentiated(args):
+            return _apply_here(apply, args)
+        return _below_autograd(op, args)
+
+    return kernel
+
+
+_LIB.impl("fwd", _autograd_kernel(_FWD, FWD_NAMES, _FWD_APPLY), "Autograd", with_keyset=True)
+_LIB.impl("bwd", _autograd_kernel(_BWD, BWD_NAMES, _BWD_APPLY), "Autograd", with_keyset=True)
+
+
+# --------------------------------------------------------------------------- vmap
+def _mapped(x: Tensor, d: Optional[int], n: int) -> Tensor:
+    """``x`` with its mapped dim first (an unmapped ``x`` broadcast to ``n`` copies, no copy)."""
+    return x.movedim(d, 0) if d is not None else x.expand((n,) + tuple(x.shape))
+
+
+def _fold(x: Tensor) -> Tensor:
+    """[n, B, ...] -> [n * B, ...] (a view where the strides allow, else a copy)."""
+    return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
+
+
+def _shape(x: Tensor, d: Optional[int]) -> tuple[int, ...]:
+    """The shape one mapped call sees."""
+    s = tuple(x.shape)
+    return s if d is None else s[:d] + s[d + 1:]
+
+
+def _fold_cu(cu: Tensor, d: Optional[int], n: int, total: int) -> Tensor:
+    """cu_seqlens [B + 1] of each of ``n`` problems -> one [n * B + 1] over their concatenated
+    tokens (problem i's tokens offset by ``i * total``), computed on cu's device."""
+    c = _mapped(cu, d, n)
+    shift = torch.arange(n, device=cu.device, dtype=cu.dtype)[:, None] * total
+    return torch.cat([(c[:, :-1] + shift).reshape(-1), c[-1, -1:] + (n - 1) * total])
+
+
+def _fold_mask(x: Optional[Tensor], d: Optional[int], n: int, B: int, own: bool = False) -> Optional[Tensor]:
+    """An attn_mask / attn_bias (broadcastable to [B, H, Nq, Nk]) of ``n`` problems -> one of
+    [n * B, h, nq, nk]. An unmapped one without a batch dim stays as it is (it broadcasts) unless
+    ``own`` (each problem gets its own copy: its gradient is per problem)."""
+    if x is None:
+        return None
+    s = _shape(x, d)
+    if d is None and not own and (len(s) < 4 or s[0] == 1):
+        return x
+    m = _mapped(x, d, n)
+    m = m.reshape((n,) + (1,) * (4 - len(s)) + s)
+    return _fold(m.expand((n, B) + tuple(m.shape[2:])))
+
+
+def _fold_tensors(t: Tensors, dims: dict[str, Optional[int]], n: int, B: int, totals: tuple[int, int],
+                  own_bias: bool = False) -> Tensors:
+    """The optional tensors of ``n`` problems folded into one problem's batch."""
+    slopes = t.alibi_slopes
+    if slopes is not None and (dims["alibi_slopes"] is not None or len(_shape(slopes, dims["alibi_slopes"])) == 2):
+        m = _mapped(slopes, dims["alibi_slopes"], n)
+        slopes = _fold((m if m.dim() == 3 else m[:, None]).expand((n, B, m.shape[-1])))
+    kpm = None if t.key_padding_mask is None else _fold(_mapped(t.key_padding_mask, dims["key_padding_mask"], n))
+    cu_q = cu_k = None
+    if t.cu_seqlens_q is not None:
+        cu_q = _fold_cu(t.cu_seqlens_q, dims["cu_seqlens_q"], n, totals[0])
+        cu_k = _fold_cu(t.cu_seqlens_k, dims["cu_seqlens_k"], n, totals[1])
+    return Tensors(kpm, slopes, _fold_mask(t.attn_mask, dims["attn_mask"], n, B),
+                   _fold_mask(t.attn_bias, dims["attn_bias"], n, B, own_bias), cu_q, cu_k, None)
+
+
+def _dims(names: tuple[str, ...], in_dims: tuple[Optional[int], ...]) -> dict[str, Optional[int]]:
+    return dict(zip(names, tuple(in_dims) + (None,) * (len(names) - len(in_dims))))
+
+
+def _check_random(info: Any, opts: AttentionOptions) -> None:
+    if opts.dropout_p > 0 and info.randomness == "error":
+        raise RuntimeError("vmap: called random operation while in randomness error mode. Please either use the "
+                           "'same' or 'different' randomness flags on vmap or perform the randomness operation out "
+                           "of vmap (fagen attention with dropout_p > 0)")
+    if opts.dropout_p > 0 and info.randomness == "same":
+        raise NotImplementedError("fagen attention under vmap(randomness='same') with dropout_p > 0: each mapped "
+                                  "problem draws its own keep-mask (use randomness='different')")
+
+
+def _sink_rows(sinks: Tensor, packed: bool) -> Tensor:
+    """Mapped sinks [n, H] against lse of n problems ([n, B, H, Nq], or [H, n, total_q] packed)."""
+    return sinks.t()[:, :, None] if packed else sinks[:, None, :, None]
+
+
+def _fwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """fagen::fwd's batching rule: the mapped dim of ``n`` problems folds into the batch
+    ([n * B, ...]; packed: n * total tokens, cu_seqlens shifted) and fagen::fwd runs once.
+    Unmapped inputs are broadcast (q, k, v copied ``n`` times; masks without a batch dim not).
+    Mapped sinks: the problems run without them and each gets its own in torch (the sink only
+    rescales o and adds to lse)."""
+    args = _full(args, FWD_NAMES)
+    dims = _dims(FWD_NAMES, in_dims)
+    n = info.batch_size
+    q, k, v = args[:3]
+    tensors, max_q, max_k, opts = _unpack(args[3:])
+    _check_random(info, opts)
+    packed = tensors.cu_seqlens_q is not None
+    total_q, total_k = _shape(q, dims["q"])[0], _shape(k, dims["k"])[0]
+    B = _shape(tensors.cu_seqlens_q, dims["cu_seqlens_q"])[0] - 1 if packed else total_q
+    folded = _fold_tensors(tensors, dims, n, B, (total_q, total_k))
+    sinks, mapped_sinks = tensors.sinks, dims["sinks"] is not None
+    if sinks is not None and not mapped_sinks:
+        folded = folded._replace(sinks=sinks)
+    fq, fk, fv = (_fold(_mapped(x, dims[name], n)) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    o, lse, rng_state = _FWD(fq, fk, fv, *op_arguments(opts, folded, max_q, max_k))
+    o = o.reshape((n, total_q) + tuple(o.shape[1:]))
+    lse = lse.reshape((lse.shape[0], n, total_q)) if packed else lse.reshape((n, B) + tuple(lse.shape[1:]))
+    if sinks is not None and mapped_sinks:
+        with_sink = torch.logaddexp(lse, _sink_rows(_mapped(sinks, dims["sinks"], n), packed).to(lse.dtype))
+        scale = torch.exp(lse - with_sink)  # Z / (Z + e^sink); 0 for a row that sees no key
+        scale = scale.permute(1, 2, 0) if packed else scale.transpose(-1, -2)
+        o, lse = (o * scale[..., None]).to(o.dtype), with_sink
+    return (o, lse, rng_state), (0, 1 if packed else 0, None)
+
+
+def _bwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """fagen::bwd's batching rule: the fold of :func:`_fwd_vmap` (the same batch order, so a
+    dropout mask replays), fagen::bwd once; dbias summed back to each problem's attn_bias shape,
+    dsinks per problem (-sum P_sink D' in float64, as the kernels' backward computes it)."""
+    args = _full(args, BWD_NAMES)
+    dims = _dims(BWD_NAMES, in_dims)
+    n = info.batch_size
+    a = dict(zip(BWD_NAMES, args))
+    rest = tuple(a[name] for name in OP_ORDER)
+    tensors, max_q, max_k, opts = _unpack(rest)
+    if dims["rng_state"] is not None:
+        raise NotImplementedError("vmap over fagen::bwd's rng_state: one dropout key serves every mapped problem")
+    if opts.dropout_p > 0 and (dims["lse"] is None or dims["o"] is None):
+        raise NotImplementedError("vmap over the backward of a dropout forward that was not vmapped: the folded "
+                                  "problems would not replay its keep-mask (dropout_p > 0)")
+    packed = tensors.cu_seqlens_q is not None
+    q, k = a["q"], a["k"]
+    total_q, total_k = _shape(q, dims["q"])[0], _shape(k, dims["k"])[0]
+    B = _shape(tensors.cu_seqlens_q, dims["cu_seqlens_q"])[0] - 1 if packed else total_q
+    bias_grad = bool(a["bias_requires_grad"]) and tensors.attn_bias is not None
+    folded = _fold_tensors(tensors, dims, n, B, (total_q, total_k), own_bias=bias_grad)
+    do, q, k, v, o = (_fold(_mapped(a[name], dims[name], n)) for name in ("do", "q", "k", "v", "o"))
+    lse, dlse = a["lse"], a["dlse"]
+    lse_n = _mapped(lse, dims["lse"], n)  # [n, B, H, Nq] or packed [n, H, total_q]
+    dlse_n = None if dlse is None else _mapped(dlse, dims["dlse"], n)
+
+    def fold_lse(x: Optional[Tensor]) -> Optional[Tensor]:
+        if x is None:
+            return None
+        return x.transpose(0, 1).reshape((x.shape[1], -1)) if packed else _fold(x)
+
+    fa = op_arguments(opts, folded, max_q, max_k)
+    dq, dk, dv, dbias, _ = _BWD(do, q, k, v, o, fold_lse(lse_n), *fa[:_PREFIX], a["rng_state"], *fa[_PREFIX:-1],
+                                bias_grad, None, fold_lse(dlse_n))
+    out = [dq.reshape((n, total_q) + tuple(dq.shape[1:])), dk.reshape((n, total_k) + tuple(dk.shape[1:])),
+           dv.reshape((n, total_k) + tuple(dv.shape[1:])), dbias, q.new_empty((0,))]
+    out_dims: list[Optional[int]] = [0, 0, 0, None, None]
+    if bias_grad:
+        s = _shape(tensors.attn_bias, dims["attn_bias"])
+        db = dbias.reshape((n, B) + tuple(dbias.shape[1:]))
+        if len(s) < 4 or s[0] == 1:
+            db = db.sum(1, keepdim=True)
+        out[3], out_dims[3] = db.reshape((n,) + s), 0
+    if tensors.sinks is not None:
+        # D' = rowsum(dO o O) - dlse, per problem; dsinks_h = -sum_{b, i} exp(sink_h - lse) D'
+        prod = (do.double() * o.double()).sum(-1)  # [n * B, Nq, H] or [n * total_q, H]
+        delta = prod.reshape((n, total_q) + tuple(prod.shape[1:]))
+        delta = delta.permute(0, 2, 1) if packed else delta.transpose(-1, -2)
+        if dlse_n is not None:
+            delta = delta - dlse_n.double()
+        sinks = _mapped(tensors.sinks, dims["sinks"], n).double()
+        rows = torch.exp((sinks[:, :, None] if packed else sinks[:, None, :, None]) - lse_n.double()) * delta
+        out[4], out_dims[4] = (-rows.sum(dim=(2,) if packed else (1, 3))).to(tensors.sinks.dtype), 0
+    return tuple(out), tuple(out_dims)
+
+
+torch.library.register_vmap("fagen::fwd", _fwd_vmap, lib=_LIB)
+torch.library.register_vmap("fagen::bwd", _bwd_vmap, lib=_LIB)
 
 
 def _apply(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensors: Tensors,
            max_seqlen_q: Any = None, max_seqlen_k: Any = None) -> tuple[Tensor, Tensor, Tensor]:
-    rest = op_arguments(options, tensors, max_seqlen_q, max_seqlen_k)
-    return _Attention.apply(q, k, v, *tensors, _get_scalars(rest))
-
+    return _FWD(q, k, v, *op_arguments(options, tensors, max_seqlen_q, max_seqlen_k))
 
 # --------------------------------------------------------------------------- validation
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
@@ -364,22 +616,6 @@ def _check_tensors(**tensors: Any) -> None:
         if getattr(type(t).__torch_function__, "__func__", type(t).__torch_function__) not in _PLAIN_TORCH_FUNCTION:
             raise InputTypeError(name, "a plain torch.Tensor (a tensor subclass with its own __torch_function__ "
                                  "is not read as data)", type(t).__name__)
-
-
-def _direct(tensors: tuple[Any, ...]) -> bool:
-    """True when calling fagen::fwd / fagen::bwd through the dispatcher would only reach their
-    implementation: eager mode (not compiling or tracing), no torch function or dispatch mode,
-    no functorch transform, and plain tensors (or Parameters). Then the Function calls the
-    implementation itself, saving the dispatcher's per-argument work; anything else runs the ops."""
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-        return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
-        return False
-    for t in tensors:
-        if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            return False
-    return True
 
 
 def _check_max_seqlen(max_seqlen_q: Any, max_seqlen_k: Any) -> None:

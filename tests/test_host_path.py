@@ -379,9 +379,10 @@ def test_the_host_cost_benchmark_runs() -> None:
     assert result["ratio"] == pytest.approx(result["fagen"] / result["bare"]) and result["bare"] > 0
 
 
-def test_modes_and_tracing_see_the_custom_ops(recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain eager calls run the ops' implementation directly; under a dispatch mode (what
-    tracing, fake tensors and recorders use) the calls go through fagen::fwd / fagen::bwd."""
+def test_modes_and_tracing_see_the_custom_ops(recorder: Recorder) -> None:
+    """Every call runs fagen::fwd and fagen::bwd (the ops' Autograd kernels are the one autograd
+    mechanism): a dispatch mode (what tracing, fake tensors and recorders use) sees each op once,
+    and a plain eager call makes the same launches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: list[str] = []
@@ -391,16 +392,11 @@ def test_modes_and_tracing_see_the_custom_ops(recorder: Recorder, monkeypatch: p
             seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    through: list[str] = []
-    for name in ("_FWD", "_BWD"):
-        real = getattr(O, name)
-        monkeypatch.setattr(O, name, lambda *a, _real=real, _name=name: through.append(_name) or _real(*a))
     q, k, v, do = _inputs(N=16)
     leaves = _leaves(q, k, v)
     with Seen():
         flash_attn_func(*leaves, causal=True).backward(do)
-    assert "fagen.fwd.default" in seen and "fagen.bwd.default" in seen and through == ["_FWD", "_BWD"]
-    through.clear()
+    assert seen.count("fagen.fwd.default") == 1 and seen.count("fagen.bwd.default") == 1
     first = len(recorder.launches)
     flash_attn_func(*_leaves(q, k, v), causal=True).backward(do)
-    assert not through and len(recorder.launches) == 2 * first  # the same launches, without the dispatcher
+    assert len(recorder.launches) == 2 * first  # the same launches outside the mode
