@@ -530,12 +530,14 @@ struct GwCell {
 struct GwTrack {
     uint64_t block = ~uint64_t(0);
     std::vector<GwCell> cells;       // per 2 bytes of the window (grown, never cleared)
+    std::vector<uint64_t> chunks;    // per 16 bytes: g.block_serial of its last generic write (a fast skip)
     std::vector<uint32_t> fences;    // per thread: fence.proxy.async passed
 };
 inline GwTrack gwt;
 inline GwTrack& gw_track() {
     if (gwt.block != g.block_serial) {
         if (gwt.cells.size() < (g.smem_bytes + 1) / 2) gwt.cells.resize((g.smem_bytes + 1) / 2, GwCell{~uint64_t(0), 0, 0, 0});
+        if (gwt.chunks.size() < (g.smem_bytes + 15) / 16) gwt.chunks.resize((g.smem_bytes + 15) / 16, ~uint64_t(0));
         gwt.fences.assign(g.nthreads, 0u);
         gwt.block = g.block_serial;
     }
@@ -548,6 +550,7 @@ inline void gw_note_thread(unsigned t, const void* p, size_t bytes, int line) {
     GwTrack& w = gw_track();
     const size_t last = std::min<size_t>((off + bytes - 1) / 2, (g.smem_bytes + 1) / 2 - 1);
     for (size_t i = off / 2; i <= last; ++i) w.cells[i] = GwCell{g.block_serial, w.fences[t], t, line};
+    for (size_t c = off / 16; c <= last / 8; ++c) w.chunks[c] = g.block_serial;
 }
 inline void gw_note(const void* p, size_t bytes, int line) { gw_note_thread(g.cur->index, p, bytes, line); }
 inline void gw_check_off(size_t off, size_t bytes, const char* what, const char* file, int line) {
@@ -555,6 +558,10 @@ inline void gw_check_off(size_t off, size_t bytes, const char* what, const char*
     GwTrack& w = gw_track();
     const size_t last = std::min<size_t>((off + bytes - 1) / 2, (g.smem_bytes + 1) / 2 - 1);
     for (size_t i = off / 2; i <= last; ++i) {
+        if (w.chunks[i / 8] != g.block_serial) {  // no generic write in this 16-byte chunk in this block
+            i |= 7u;
+            continue;
+        }
         const GwCell& c = w.cells[i];
         if (c.block == g.block_serial && w.fences[c.writer] == c.epoch)
             hazard(file, line, "%s reads shared offset 0x%zx through the async proxy, written through the generic "
@@ -563,16 +570,23 @@ inline void gw_check_off(size_t off, size_t bytes, const char* what, const char*
                    what, 2 * i, c.writer, c.line);
     }
 }
-// The shared operands of a wgmma (descriptor A when `da_desc`, descriptor B): every element's cell.
+// The shared operands of a wgmma (descriptor A when `a_desc`, descriptor B), 16 bytes at a time: in
+// every canonical layout 8 consecutive K (K-major) or MN (MN-major) elements are one 16-byte aligned
+// run, which the swizzle moves as a whole (hopper.h's operand_addr).
 inline void gw_check_wgmma(bool a_desc, unsigned long long da, unsigned long long db, int n, int ta, int tb,
                            const char* file, int line) {
     const char* what = "wgmma.mma_async";
     for (int op = a_desc ? 0 : 1; op < 2; ++op) {
         const hopper::Desc d = hopper::decode_desc(op == 0 ? da : db, what, file, line);
         const unsigned rows = op == 0 ? 64u : unsigned(n);
-        for (unsigned mn = 0; mn < rows; ++mn)
-            for (unsigned k = 0; k < 16; ++k)
-                gw_check_off(hopper::operand_addr(d, (op == 0 ? ta : tb) != 0, mn, k), 2, what, file, line);
+        const bool mn_major = (op == 0 ? ta : tb) != 0;
+        if (mn_major) {
+            for (unsigned mn = 0; mn < rows; mn += 8)
+                for (unsigned k = 0; k < 16; ++k) gw_check_off(hopper::operand_addr(d, true, mn, k), 16, what, file, line);
+        } else {
+            for (unsigned mn = 0; mn < rows; ++mn)
+                for (unsigned k = 0; k < 16; k += 8) gw_check_off(hopper::operand_addr(d, false, mn, k), 16, what, file, line);
+        }
     }
 }
 // A TMA store / reduce: its source is the tensor map's box (elements x element bytes).
