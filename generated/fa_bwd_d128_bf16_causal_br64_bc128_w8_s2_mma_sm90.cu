@@ -840,17 +840,22 @@ FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -h
 template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
 // Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
 FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
-// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
-// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
-// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
-// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
-// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e, rounded to
+// nearest. Past |l log2 e| = 2^24 (ulp >= 2) that rounding, and the stored lse's own, could put a
+// score above lse by enough to overflow P (2^(ulp / 2): inf in a 16-bit P beyond 2^28, in fp32 beyond
+// 2^32) into NaN gradients: such a row rounds up instead -- from l's next float (the stored lse is
+// within half an ulp of the true one), the product and log2 e's own rounding one more ulp each -- so
+// 2^(s sl2 - lse2) <= 1 for every score of the row. Exact gradients of rows from |lse2| >= 2^10 on
+// take the forward's lse_lo (fa_lse_lo), relative to this very value.
+FA_DEVICE float fa_next_up(float x) {  // the next float above a finite x (integer steps: no libm call)
+    const int i = __float_as_int(x);
+    return __int_as_float(x == 0.f ? 1 : (x > 0.f ? i + 1 : i - 1));
+}
 FA_DEVICE float fa_bwd_lse2(float l) {
     constexpr float LOG2E_F = 1.4426950408889634f;
-    const float INF = -fa_neg_inf();
     const float x = l * LOG2E_F;
-    if (!fa_exact_row(x)) return x;
-    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+    if (!(fabsf(x) >= 16777216.f && fabsf(x) <= 3.402823466e38f)) return x;  // 2^24; inf / NaN as they are
+    return fa_next_up(fa_next_up(fa_next_up(l) * LOG2E_F));
 }
 // lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
 // log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
@@ -1191,7 +1196,7 @@ FA_DEVICE void mma_bwd_full_tiles(int col0, const MaskParams& mp, int* lo, int* 
 
 // lse_i (exp2 domain, mma_lse2) and d_stage x D_i of Q rows [row0, row0 + BLOCK_R) into one stage (rows past
 // the sequence: +inf and 0), by the whole block. Returns whether a row this thread staged is huge
-// (fa_exact_row: the step takes the exact exponent; fa_sync_or publishes it with the stage).
+// (fa_exact_row: the bwd_2d step takes the exact exponent; fa_sync_or publishes it with the stage).
 FA_DEVICE bool mma_bwd_stage_lse(float* slse, float* sdelta, const float* lse_bh, const float* delta_bh, int row0,
                                  int len_q, float d_stage) {
     bool exact = false;
@@ -1555,7 +1560,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* const lse_h = fa_hold(lse_bh);  // the next step's loads: held over the loop
         const float* const delta_h = fa_hold(delta_bh);
-        const float* lse_lo_bh = lse_lo == nullptr ? nullptr : lse_lo + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
@@ -1658,7 +1662,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
                         for (int r = 0; r < 2; ++r) {
                             const int row = i0 + row_l + 16 * m + 8 * r;
-                            lo[m][r] = lse_lo_bh != nullptr && row < len_q ? lse_lo_bh[row] : 0.f;
+                            lo[m][r] = lse_lo != nullptr && row < len_q
+                                ? lse_lo[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] : 0.f;
                         }
                 }
 #pragma unroll

@@ -833,17 +833,22 @@ FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -h
 template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
 // Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
 FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
-// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
-// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
-// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
-// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
-// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e, rounded to
+// nearest. Past |l log2 e| = 2^24 (ulp >= 2) that rounding, and the stored lse's own, could put a
+// score above lse by enough to overflow P (2^(ulp / 2): inf in a 16-bit P beyond 2^28, in fp32 beyond
+// 2^32) into NaN gradients: such a row rounds up instead -- from l's next float (the stored lse is
+// within half an ulp of the true one), the product and log2 e's own rounding one more ulp each -- so
+// 2^(s sl2 - lse2) <= 1 for every score of the row. Exact gradients of rows from |lse2| >= 2^10 on
+// take the forward's lse_lo (fa_lse_lo), relative to this very value.
+FA_DEVICE float fa_next_up(float x) {  // the next float above a finite x (integer steps: no libm call)
+    const int i = __float_as_int(x);
+    return __int_as_float(x == 0.f ? 1 : (x > 0.f ? i + 1 : i - 1));
+}
 FA_DEVICE float fa_bwd_lse2(float l) {
     constexpr float LOG2E_F = 1.4426950408889634f;
-    const float INF = -fa_neg_inf();
     const float x = l * LOG2E_F;
-    if (!fa_exact_row(x)) return x;
-    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+    if (!(fabsf(x) >= 16777216.f && fabsf(x) <= 3.402823466e38f)) return x;  // 2^24; inf / NaN as they are
+    return fa_next_up(fa_next_up(fa_next_up(l) * LOG2E_F));
 }
 // lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
 // log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
@@ -1189,7 +1194,7 @@ FA_DEVICE void mma_bwd_full_tiles(int col0, const MaskParams& mp, int* lo, int* 
 
 // lse_i (exp2 domain, mma_lse2) and d_stage x D_i of Q rows [row0, row0 + BLOCK_R) into one stage (rows past
 // the sequence: +inf and 0), by the whole block. Returns whether a row this thread staged is huge
-// (fa_exact_row: the step takes the exact exponent; fa_sync_or publishes it with the stage).
+// (fa_exact_row: the bwd_2d step takes the exact exponent; fa_sync_or publishes it with the stage).
 FA_DEVICE bool mma_bwd_stage_lse(float* slse, float* sdelta, const float* lse_bh, const float* delta_bh, int row0,
                                  int len_q, float d_stage) {
     bool exact = false;
@@ -1471,18 +1476,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s, i_begin), do_cp = mma_step_copy_plan(do_bh, stride_do_s, i_begin);
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
-        const float* lse_lo_bh = lse_lo == nullptr ? nullptr : lse_lo + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the stages
         // Algorithm 4 line 10: load Q_i, dO_i, lse_i (= m_i + log l_i), D_i to SRAM -- first stage; with two stages the loop prefetches step i+1 while computing step i.
-        bool staged_exact = false;  // a huge row among those this thread staged for the next step
         if (STAGES > 1 && i_begin < i_end) {
             mma_step_copy(s.q, q_cp, i_begin, len_q);
             mma_step_copy(s.do_, do_cp, i_begin, len_q);
-            staged_exact = mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i_begin, len_q, d_stage);
+            mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i_begin, len_q, d_stage);
         }
         fa_cp_async_commit();
 
@@ -1493,12 +1496,10 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 mma_step_copy(s.q, q_cp, i0, len_q);
                 mma_step_copy(s.do_, do_cp, i0, len_q);
                 fa_cp_async_commit();
-                staged_exact = mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i0, len_q, d_stage);
+                mma_bwd_stage_lse(s.lse, s.delta, lse_bh, delta_bh, i0, len_q, d_stage);
             }
             fa_cp_async_wait_all();
-            // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T. exact: a
-            // row of step i is huge (the block's OR, with the barrier): its P takes lse_lo (common.cuh).
-            const bool exact = fa_sync_or(staged_exact);
+            fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
             if (has_next) {
@@ -1508,7 +1509,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
                     if (tid < BLOCK_R) {
                         s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                        staged_exact = fa_exact_row(s.lse[nxt * BLOCK_R + tid]);
                         s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
                     }
                 } else if (tid < BLOCK_R && row < len_q) {
@@ -1607,58 +1607,40 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dlt[n][0] = d2.x;
                     dlt[n][1] = d2.y;
                 }
-                // A step with a huge row (exact): P from lse2 and the row's lse_lo (common.cuh); its
-                // code apart, so the common step keeps one FFMA per score.
-                float lo2[2 * CS][2] = {};
-                auto pds = [&](auto ex_t) {
-                    constexpr bool EX = decltype(ex_t)::value;
-                    if constexpr (EX) {
-#pragma unroll
-                        for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                            for (int x = 0; x < 2; ++x) {
-                                const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, x);
-                                lo2[n][x] = lse_lo_bh != nullptr && row < len_q ? lse_lo_bh[row] : 0.f;
-                            }
-                    }
-                    if constexpr (HAS_SCORE_MOD) {
-                        // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
-                        // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
-                        // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
-#pragma unroll
-                        for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
-                                const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                                float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
-                                if constexpr (HAS_BIAS_GRAD) {
-                                    if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                        dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
-                                                    (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
-                                }
-                                const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                                const MmaPds r = mma_pds<EX>(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                             scale, rp_keep, row, col, sp, dbias_out, lo2[n][e & 1]);  // D as is here
-                                st[n][e] = r.p;
-                                dpt[n][e] = r.ds;
-                            }
-                    } else {
+                if constexpr (HAS_SCORE_MOD) {
+                    // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
+                    // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
+                    // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
 #pragma unroll
                     for (int n = 0; n < 2 * CS; ++n)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
+                            const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
+                            if constexpr (HAS_BIAS_GRAD) {
+                                if (row < mp.seqlen_q && col < mp.seqlen_k)
+                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
+                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
+                            }
                             const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            const MmaPds r = mma_pds<EX>(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                         scale, rp_keep, 0, 0, sp, nullptr, lo2[n][e & 1]);
+                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
                             st[n][e] = r.p;
                             dpt[n][e] = r.ds;
                         }
+                } else {
+#pragma unroll
+                for (int n = 0; n < 2 * CS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
+                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
+                                                 scale, rp_keep, 0, 0, sp);
+                        st[n][e] = r.p;
+                        dpt[n][e] = r.ds;
                     }
-                };
-                if (exact) pds(FaBool<true>{});
-                else pds(FaBool<false>{});
-                if (!HAS_SCORE_MOD && masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+                if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
 #pragma unroll
                     for (int n = 0; n < 2 * CS; ++n)
 #pragma unroll
@@ -1674,6 +1656,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                             st[n][e] = ok ? st[n][e] : 0.f;
                             dpt[n][e] = ok ? dpt[n][e] : 0.f;
                         }
+                }
                 }
                 unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
 #pragma unroll
@@ -1744,7 +1727,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             if (!LSE_NOW && has_next && tid < BLOCK_R) {
                 s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
                 s.delta[nxt * BLOCK_R + tid] = next_delta;
-                staged_exact = fa_exact_row(s.lse[nxt * BLOCK_R + tid]);
             }
             fa_sync();  // dS^T complete
 

@@ -488,9 +488,14 @@ constexpr int SMEM_EXACT_COUNT = 2;
 constexpr int SMEM_EXACT_ALIGN = 16;
 static_assert(SMEM_EXACT_OFFSET == fa_align_up(SMEM_DQC_OFFSET + SMEM_DQC_COUNT * (int)sizeof(int), SMEM_EXACT_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_EXACT_OFFSET % SMEM_EXACT_ALIGN == 0, "smem buffer misaligned");
-constexpr int SMEM_BYTES = fa_align_up(SMEM_EXACT_OFFSET + SMEM_EXACT_COUNT * (int)sizeof(int), 16);
+constexpr int SMEM_LSE_LO_OFFSET = 173152;
+constexpr int SMEM_LSE_LO_COUNT = 64;
+constexpr int SMEM_LSE_LO_ALIGN = 16;
+static_assert(SMEM_LSE_LO_OFFSET == fa_align_up(SMEM_EXACT_OFFSET + SMEM_EXACT_COUNT * (int)sizeof(int), SMEM_LSE_LO_ALIGN), "smem layout drifted from fagen.layout");
+static_assert(SMEM_LSE_LO_OFFSET % SMEM_LSE_LO_ALIGN == 0, "smem buffer misaligned");
+constexpr int SMEM_BYTES = fa_align_up(SMEM_LSE_LO_OFFSET + SMEM_LSE_LO_COUNT * (int)sizeof(float), 16);
 constexpr int SMEM_ALIGN = 1024;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 173152, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 173408, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -505,6 +510,7 @@ struct Smem {
     unsigned long long* bars;
     int* dqc;
     int* exact;
+    float* lse_lo;
 };
 FA_DEVICE Smem smem_carve() {
     unsigned char* base = fa_smem();
@@ -520,6 +526,7 @@ FA_DEVICE Smem smem_carve() {
     s.bars = reinterpret_cast<unsigned long long*>(base + SMEM_BARS_OFFSET);
     s.dqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);
     s.exact = reinterpret_cast<int*>(base + SMEM_EXACT_OFFSET);
+    s.lse_lo = reinterpret_cast<float*>(base + SMEM_LSE_LO_OFFSET);
     return s;
 }
 // ---- the masking rule (fagen/masking.py states the same rule in Python) ----
@@ -855,17 +862,22 @@ FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -h
 template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
 // Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
 FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
-// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
-// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
-// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
-// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
-// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e, rounded to
+// nearest. Past |l log2 e| = 2^24 (ulp >= 2) that rounding, and the stored lse's own, could put a
+// score above lse by enough to overflow P (2^(ulp / 2): inf in a 16-bit P beyond 2^28, in fp32 beyond
+// 2^32) into NaN gradients: such a row rounds up instead -- from l's next float (the stored lse is
+// within half an ulp of the true one), the product and log2 e's own rounding one more ulp each -- so
+// 2^(s sl2 - lse2) <= 1 for every score of the row. Exact gradients of rows from |lse2| >= 2^10 on
+// take the forward's lse_lo (fa_lse_lo), relative to this very value.
+FA_DEVICE float fa_next_up(float x) {  // the next float above a finite x (integer steps: no libm call)
+    const int i = __float_as_int(x);
+    return __int_as_float(x == 0.f ? 1 : (x > 0.f ? i + 1 : i - 1));
+}
 FA_DEVICE float fa_bwd_lse2(float l) {
     constexpr float LOG2E_F = 1.4426950408889634f;
-    const float INF = -fa_neg_inf();
     const float x = l * LOG2E_F;
-    if (!fa_exact_row(x)) return x;
-    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+    if (!(fabsf(x) >= 16777216.f && fabsf(x) <= 3.402823466e38f)) return x;  // 2^24; inf / NaN as they are
+    return fa_next_up(fa_next_up(fa_next_up(l) * LOG2E_F));
 }
 // lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
 // log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
@@ -1615,7 +1627,7 @@ static_assert(SMEM_K_COUNT == BLOCK_C * PAD_DIM && SMEM_V_COUNT == BLOCK_C * PAD
               SMEM_DS_COUNT == BLOCK_C * BLOCK_R && SMEM_DQ_COUNT == BLOCK_R * HEAD_DIM &&
               SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DLT_COUNT == STAGES * BLOCK_R &&
               SMEM_BARS_COUNT == 3 + 2 * STAGES && SMEM_DQC_COUNT == 2 * STAGES &&
-              SMEM_EXACT_COUNT == STAGES, "smem layout");
+              SMEM_EXACT_COUNT == STAGES && SMEM_LSE_LO_COUNT == BLOCK_R, "smem layout");
 static_assert(SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0 && SMEM_Q_OFFSET % 1024 == 0 &&
               SMEM_DOUT_OFFSET % 1024 == 0 && SMEM_DS_OFFSET % 1024 == 0 && SMEM_DQ_OFFSET % 128 == 0,
               "swizzled tiles start 1024-byte aligned, the TMA staging tile 128-byte aligned");
@@ -1624,7 +1636,7 @@ constexpr int QDO_STAGE_BYTES = 2 * BLOCK_R * PAD_DIM * 2;     // complete_tx of
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                  // arrivals on an "empty" barrier
 constexpr int DQ_CHUNKS = DQ_COLS / 64;                        // 64-column wgmmas per m64 tile of dQ_i
 constexpr int DQ_GROUP_FLOATS = BLOCK_R * DQ_GROUP;            // one staging group: BLOCK_R rows x DQ_GROUP
-constexpr int BAR_DS = 1, BAR_DQ = 2;                          // named barriers of the consumers
+constexpr int BAR_DS = 1, BAR_DQ = 2, BAR_LO = 3;              // named barriers of the consumers
 
 // A descriptor moved `elems` 16-bit elements on (a multiple of 8: the start address field, bits
 // 0-13, in 16-byte units; the shared window stays below 2^18 bytes, so the field never carries).
@@ -1663,11 +1675,11 @@ FA_DEVICE bool wg_tile_masked(int i0, int col0, bool cols_full, const MaskParams
 // P^T = exp2(S^T scale log2 e - lse log2 e) on the thread's accumulator elements (element x: Q
 // row i0 + c(x), key key0 + 8 ((x >> 1) & 1)); nlse holds -lse log2 e (-inf: P = 0). MASKED: the
 // mask math of a partial tile.
-// EXACT (a step with a huge row, common.cuh): 2^(S^T scale log2 e - lse log2 e - lo), lo the rows'
-// lse_lo (lo_h: of the step's q head; rows past the sequence read none).
+// EXACT (a step with a huge row, common.cuh): 2^(S^T scale log2 e - lse log2 e - lo), slo the rows'
+// lse_lo as the producer staged it (0 where none).
 template <bool MASKED, bool EXACT = false>
 FA_DEVICE void wg_p(float (&s)[BLOCK_R / 2], const float* nlse, float scale_log2, int i0, int key0, int t4,
-                    const bool (&kp)[2], const MaskParams& mp, const float* lo_h = nullptr) {
+                    const bool (&kp)[2], const MaskParams& mp, const float* slo = nullptr) {
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // per key, the allowed columns relative to Q row i0 + 2 t4
     if constexpr (MASKED) {
         const MaskBand band = mask_band(mp);
@@ -1678,7 +1690,7 @@ FA_DEVICE void wg_p(float (&s)[BLOCK_R / 2], const float* nlse, float scale_log2
     for (int x = 0; x < BLOCK_R / 2; ++x) {
         const int c = 8 * (x >> 2) + 2 * t4 + (x & 1);
         float arg = fmaf(s[x], scale_log2, nlse[c]);
-        if constexpr (EXACT) arg -= lo_h != nullptr && i0 + c < mp.seqlen_q ? lo_h[i0 + c] : 0.f;
+        if constexpr (EXACT) arg -= slo[c];
         float p = wg_exp2(arg);
         if constexpr (MASKED) {
             const int cc = c - 2 * t4, r = (x >> 1) & 1;  // a compile-time column offset
@@ -1837,6 +1849,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     T* sds = reinterpret_cast<T*>(base + SMEM_DS_OFFSET);
     float* sdq = reinterpret_cast<float*>(base + SMEM_DQ_OFFSET);
     int* sexact = reinterpret_cast<int*>(base + SMEM_EXACT_OFFSET);  // [STAGES]: the step has a huge row
+    float* slo = reinterpret_cast<float*>(base + SMEM_LSE_LO_OFFSET);  // [BLOCK_R]: an exact step's lse_lo
     int* sdqc = reinterpret_cast<int*>(base + SMEM_DQC_OFFSET);      // [STAGES][2]: a step's (q head, row) until its reduce
     float* slse = reinterpret_cast<float*>(base + SMEM_LSE_OFFSET);  // [STAGES][BLOCK_R]: -lse log2 e (-inf: P = 0)
     float* sdlt = reinterpret_cast<float*>(base + SMEM_DLT_OFFSET);  // [STAGES][BLOCK_R]: scale D
@@ -2024,10 +2037,16 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(s_acc[x]);
 
                 // P^T: the mask math only on tiles not fully visible; padded keys P = 0.
-                // A step with a huge row (sexact, the producer's): P takes the rows' lse_lo, in code of its own.
-                if (sexact[st] != 0) {
-                    const float* lo_h = lse_lo == nullptr ? nullptr : lse_lo + fa_lse_index(si, b, hq, 0, stride_lse_b, stride_lse_h);
-                    wg_p<true, true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp, lo_h);
+                // A step with a huge row (sexact, the producer's; a warp vote of it, uniform): P takes the
+                // rows' lse_lo, in code of its own.
+                if (fa_warp_any(sexact[st] != 0)) {
+                    // the rows' lse_lo (0 without) into shared memory by the consumers, one row each: the
+                    // previous exact step's reads of it are behind this step's BAR_DS / BAR_DQ already
+                    if (tid < BLOCK_R)
+                        slo[tid] = lse_lo != nullptr && i0 + tid < len_q
+                            ? lse_lo[fa_lse_index(si, b, hq, i0 + tid, stride_lse_b, stride_lse_h)] : 0.f;
+                    fa_named_barrier_sync(BAR_LO, CONSUMERS);
+                    wg_p<true, true>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp, slo);
                 } else if (!wg_tile_masked(i0, col0, cols_full, mp)) {
                     wg_p<false>(s_acc, slse + st * BLOCK_R, scale_log2, i0, col0 + kr0, t4, kp, mp);
                 } else {

@@ -797,17 +797,22 @@ FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -h
 template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
 // Does any lane of the warp ask (one vote; every lane of the warp takes the same path)?
 FA_DEVICE bool fa_warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
-// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e. A row with
-// |l log2 e| >= FA_EXACT_FROM rounds it up -- from l's next float (the stored lse is within half
-// an ulp of the true one), the product and log2 e's own rounding each one more ulp -- so that
-// 2^(s sl2 - lse2) <= 1 for every score of the row: an fp32 lse cannot place such a row's P more
-// precisely than its ulp, and a P past 1 could overflow into inf and NaN gradients.
+// The backward's lse in the exp2 domain, from the stored natural-log lse l: l log2 e, rounded to
+// nearest. Past |l log2 e| = 2^24 (ulp >= 2) that rounding, and the stored lse's own, could put a
+// score above lse by enough to overflow P (2^(ulp / 2): inf in a 16-bit P beyond 2^28, in fp32 beyond
+// 2^32) into NaN gradients: such a row rounds up instead -- from l's next float (the stored lse is
+// within half an ulp of the true one), the product and log2 e's own rounding one more ulp each -- so
+// 2^(s sl2 - lse2) <= 1 for every score of the row. Exact gradients of rows from |lse2| >= 2^10 on
+// take the forward's lse_lo (fa_lse_lo), relative to this very value.
+FA_DEVICE float fa_next_up(float x) {  // the next float above a finite x (integer steps: no libm call)
+    const int i = __float_as_int(x);
+    return __int_as_float(x == 0.f ? 1 : (x > 0.f ? i + 1 : i - 1));
+}
 FA_DEVICE float fa_bwd_lse2(float l) {
     constexpr float LOG2E_F = 1.4426950408889634f;
-    const float INF = -fa_neg_inf();
     const float x = l * LOG2E_F;
-    if (!fa_exact_row(x)) return x;
-    return nextafterf(nextafterf(nextafterf(l, INF) * LOG2E_F, INF), INF);
+    if (!(fabsf(x) >= 16777216.f && fabsf(x) <= 3.402823466e38f)) return x;  // 2^24; inf / NaN as they are
+    return fa_next_up(fa_next_up(fa_next_up(l) * LOG2E_F));
 }
 // lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
 // log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's

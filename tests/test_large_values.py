@@ -22,6 +22,12 @@ from fagen import reference as R
 from feature_harness import FeatCase, make_inputs, specs
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: families whose backward takes lse_lo (exact gradients of huge rows); the mma family's main
+#: backward keeps the rounded fp32 lse (FlashAttention-2's precision: P within 2^(ulp(lse log2 e))
+#: of the row's, rounded up past 2^24 so that P <= 1): its gradients of huge rows are judged
+#: finite only (an exact path there cost 11% of its instructions at d = 64: docs/performance.md)
+EXACT_BWD = {"simt", "wgmma"}
+GRADS = ("dq", "dk", "dv", "dbias")
 #: (family, arch): every family, both tensor-core archs of mma
 FAMILIES = [("simt", "sm_90"), ("mma", "sm_80"), ("mma", "sm_90"), ("wgmma", "sm_90a")]
 #: the largest input magnitude whose scores stay finite in fp32 at d = 64 (scale 1/8): fp16's
@@ -66,12 +72,13 @@ def _references(q, k, v, do, *, causal: bool = False):
     return {"o": o64, "lse": lse64, "dq": dq, "dk": dk, "dv": dv}, base
 
 
-def _judge(ours: dict, ref: dict, base: dict, dtype: torch.dtype, what: str) -> None:
+def _judge(ours: dict, ref: dict, base: dict, dtype: torch.dtype, what: str, *, grads: bool = True) -> None:
+    """Finite wherever the reference is; within the criterion (gradients only with ``grads``)."""
     for name, r in ref.items():
         t = ours[name].double()
         fin = torch.isfinite(r)
         assert torch.isfinite(t[fin]).all(), f"{what}: {name} not finite where the reference is"
-        if not fin.any():
+        if not fin.any() or (name in GRADS and not grads):
             continue
         err = (t[fin] - r[fin]).abs().max().item()
         err32 = (base[name].double()[fin] - r[fin]).abs().max().item()
@@ -90,9 +97,10 @@ def test_torch_large_value_case(impl: str, arch: str, dtype: str, value: float) 
     assert (out["o"].double() == value).all(), out["o"]
     # the fp32 dot product's own error bound, d 2^-24 sum |q k| (simt sums term by term)
     assert out["lse"].item() == pytest.approx(value * value * 64 / 8, rel=65 * 2 ** -24)
-    assert torch.equal(out["dv"], do)
+    if impl in EXACT_BWD:
+        assert torch.equal(out["dv"], do)
     ref, base = _references(q, q, q, do)  # dq = dk = 0 up to the cancellation of dP - D
-    _judge(out, ref, base, DT[dtype], f"{impl}/{arch}")
+    _judge(out, ref, base, DT[dtype], f"{impl}/{arch}", grads=impl in EXACT_BWD)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -100,7 +108,7 @@ def test_torch_large_value_case(impl: str, arch: str, dtype: str, value: float) 
 def test_equal_huge_scores_are_a_uniform_softmax(impl: str, arch: str, dtype: str) -> None:
     """Exact arithmetic at the largest magnitude: every key scores the same (~1e10 to 1e37), so
     P = 1 / Nk exactly and lse = s + log Nk -- which the fp32 lse rounds away: the backward's
-    exact gradients need lse_lo. Without it they stay finite."""
+    exact gradients need lse_lo (EXACT_BWD). Without it, and on mma, they stay finite."""
     dt, a = DT[dtype], LARGEST[dtype]
     g = torch.Generator().manual_seed(5)
     q = torch.full((1, 5, 2, 64), a, dtype=dt)
@@ -108,7 +116,7 @@ def test_equal_huge_scores_are_a_uniform_softmax(impl: str, arch: str, dtype: st
     k = torch.full((1, 37, 2, 64), a, dtype=dt)
     v, do = torch.randn(1, 37, 2, 64, generator=g).to(dt), torch.randn(1, 5, 2, 64, generator=g).to(dt)
     ref, base = _references(q, k, v, do)
-    _judge(_run(impl, arch, q, k, v, do), ref, base, dt, f"{impl}/{arch}")
+    _judge(_run(impl, arch, q, k, v, do), ref, base, dt, f"{impl}/{arch}", grads=impl in EXACT_BWD)
     plain = _run(impl, arch, q, k, v, do, lse_lo=False)
     for name, t in plain.items():
         assert torch.isfinite(t).all(), f"without lse_lo: {name} not finite"
@@ -139,7 +147,10 @@ def test_magnitude_sweep(impl: str, arch: str, dtype: str, causal: bool) -> None
     for mag in mags:
         q, k, v, do = _sweep_inputs(dtype, mag)
         ref, base = _references(q, k, v, do, causal=causal)
-        _judge(_run(impl, arch, q, k, v, do, causal=causal), ref, base, DT[dtype], f"{impl}/{arch} |x|={mag:g}")
+        # ordinary magnitudes: every family's gradients; past them the rounded lse's (see EXACT_BWD)
+        grads = impl in EXACT_BWD or mag <= 30
+        _judge(_run(impl, arch, q, k, v, do, causal=causal), ref, base, DT[dtype], f"{impl}/{arch} |x|={mag:g}",
+               grads=grads)
 
 
 #: the features on a large-score row: scores of ~1e9 (bf16 inputs of ~2e4 at d = 32)
@@ -188,4 +199,4 @@ def test_features_at_large_scores(impl: str, arch: str, case: FeatCase) -> None:
     if case.bias is not None:
         ours["dbias"], ref["dbias"], base["dbias"] = grads[3], r[3], leaves["bias"].grad
     assert torch.isfinite(lse[torch.isfinite(lse64)]).all()
-    _judge(ours, ref, base, torch.bfloat16, f"{impl}/{arch} {case}")
+    _judge(ours, ref, base, torch.bfloat16, f"{impl}/{arch} {case}", grads=impl in EXACT_BWD)

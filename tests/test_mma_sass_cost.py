@@ -65,6 +65,42 @@ def test_walk_of_a_known_listing() -> None:
     assert tile_loop(LISTING.replace("HMMA.16816.F32", "FFMA"), "k", {"HMMA": 1}) is None
 
 
+RARE_LISTING = """\
+\t.section\t.text.r,"ax",@progbits
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   BAR.RED.OR.DEFER_BLOCKING 0x0, P1 ;
+        /*0020*/                   B2R.RESULT RZ, P2 ;
+        /*0030*/                   HMMA.16816.F32 R8, R2, R4, R8 ;
+        /*0040*/               @P2 BRA `(.L_x_1) ;
+        /*0050*/                   FFMA R3, R3, R4, -R5 ;
+        /*0060*/                   BRA `(.L_x_2) ;
+.L_x_1:
+        /*0070*/                   LDG.E R6, desc[UR4][R2.64] ;
+        /*0080*/                   FFMA R3, R3, R4, -R5 ;
+        /*0090*/                   FADD R3, R3, -R6 ;
+.L_x_2:
+        /*00a0*/                   VOTE.ANY P3, P0 ;
+        /*00b0*/              @!P3 BRA `(.L_x_3) ;
+        /*00c0*/                   LDS R7, [R1] ;
+        /*00d0*/                   FADD R3, R3, -R7 ;
+.L_x_3:
+        /*00e0*/              @!P5 BRA `(.L_x_0) ;
+        /*00f0*/                   EXIT ;
+"""
+
+
+def test_walk_skips_the_huge_score_paths() -> None:
+    """A branch on a bar.red.or result (B2R.RESULT) or a warp vote (VOTE.ANY) selects the code of
+    rows with huge scores (templates/partials/common.cuh): skipped on an ordinary tile pair whatever
+    its work (here an LDG / an LDS), taken or not by the predicate's polarity."""
+    loop = tile_loop(RARE_LISTING, "r", {"HMMA": 1})
+    mix = dict(loop.mix)
+    assert "LDG" not in mix and "LDS" not in mix and "FADD" not in mix and mix["FFMA"] == 1
+    # BAR, B2R, HMMA, the two rare branches (not taken / taken), FFMA, the else's BRA, VOTE, the loop's BRA
+    assert mix["BRA"] == 4 and loop.total() == 9
+
+
 def test_opcode_classes_and_reduction_width() -> None:
     assert [opcode_class(o) for o in ("HMMA", "LDSM", "LDGSTS", "REDG", "LDC", "ULDC", "IMAD", "BRA", "BSSY",
                                       "FFMA", "MUFU", "F2FP")] == \

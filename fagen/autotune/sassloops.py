@@ -260,8 +260,35 @@ class _Walker:
     def _work(c: Mapping[str, float]) -> float:
         return sum(n for op, n in c.items() if opcode_class(op) in WORK_OPCODE_CLASSES or op.startswith("SHFL"))
 
+    def rare_flag(self, pc: int) -> bool | None:
+        """For a branch at pc guarded by a huge-score flag -- a predicate last written by a block
+        reduction (``B2R.RESULT`` of ``bar.red.or``: fa_sync_or) or a warp vote (``VOTE.ANY``:
+        fa_warp_any), the kernels' only uses of either: a step or tile with a row of huge scores
+        (templates/partials/common.cuh) -- whether the branch is taken on an ordinary tile pair
+        (the flag false): taken iff guarded by the negated flag. None for any other branch."""
+        ins = self.instrs[self.index[pc]]
+        m = re.fullmatch(r"@(!?)(P\d)", ins.predicate)
+        if m is None:
+            return None
+        neg, reg = m.group(1) == "!", m.group(2)
+        word = re.compile(rf"(?<![\w.]){reg}(?!\w)")
+        for k in range(self.index[pc] - 1, -1, -1):
+            prev = self.instrs[k]
+            if not word.search(prev.operands):
+                continue
+            first = prev.operands.split(",")
+            if prev.mnemonic.startswith("B2R.RESULT") and first[-1].strip(" ;") == reg:
+                return neg
+            if prev.opcode == "VOTE" and ".ANY" in prev.mnemonic and first[0].strip() == reg:
+                return neg
+            return None
+        return None
+
     def take(self, pc: int, t: int, lo: int, hi: int) -> bool:
         """Is the conditional forward branch at pc to t (inside the loop) taken on the steady path?"""
+        rare = self.rare_flag(pc)
+        if rare is not None:
+            return rare  # the huge-score path is skipped on an ordinary tile pair, like the mask
         body = self.region(pc + 1, t)
         if not body:
             return True

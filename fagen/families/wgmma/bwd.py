@@ -89,6 +89,7 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("bars", "unsigned long long", 3 + 2 * stages, 8),
         ("dqc", "int", 2 * stages, 4),  # a step's (q head, first row) from its loads to its dQ_i reduce-add
         ("exact", "int", stages, 4),  # a step has a huge row: its P takes lse_lo (partials/common.cuh)
+        ("lse_lo", "float", br, 4),  # an exact step's rows' lse_lo (0 where none), staged by the consumers
     ])
 
 
