@@ -8,17 +8,20 @@ All three run two ``torch.library`` custom ops, so eager mode, autograd and
 * ``fagen::fwd(q, k, v, key_padding_mask, dropout_p, softmax_scale, causal, window_left=-1,
   window_right=-1, softcap=0., alibi_slopes=None, attn_mask=None, attn_bias=None,
   causal_align="bottom_right", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-  max_seqlen_k=None, deterministic=False) -> (o, lse, rng_state)`` (the order :data:`OP_ORDER`)
+  max_seqlen_k=None, deterministic=False) -> (o, lse, rng_state, lse_lo)`` (the order
+  :data:`OP_ORDER`; ``lse_lo``: what the fp32 lse cannot hold of rows with huge scores,
+  :func:`fagen.functional.attention_forward`)
 * ``fagen::bwd(do, q, k, v, o, lse, key_padding_mask, dropout_p, softmax_scale, causal,
-  rng_state, <the rest of fwd's>, bias_requires_grad=False) -> (dq, dk, dv, dbias)``
-  (``dbias`` is empty unless ``bias_requires_grad``).
+  rng_state, <the rest of fwd's>, bias_requires_grad=False, sinks=None, dlse=None, lse_lo=None)
+  -> (dq, dk, dv, dbias, dsinks)`` (``dbias`` / ``dsinks`` empty unless ``bias_requires_grad`` /
+  ``sinks``).
 
 Layout of the ops: q, o [B, Nq, H, d]; k, v [B, Nk, H_kv, d]; lse float32 [B, H, Nq]
 (packed: q [total_q, H, d], lse [H, total_q]); see :mod:`fagen.functional`. ``rng_state`` is
 an int64 CPU tensor ``[seed, offset]``: the Philox key of the dropout keep-mask, drawn by
 :func:`draw_rng_state` from torch's default CPU generator when ``dropout_p > 0`` (zeros
 otherwise), so ``torch.manual_seed`` reproduces a run. Autograd saves q, k, v, o, lse,
-rng_state and the optional inputs -- never an N x N tensor -- and the backward replays the
+rng_state, lse_lo and the optional inputs -- never an N x N tensor -- and the backward replays the
 same mask. The draw happens inside ``fagen::fwd`` (tagged ``nondeterministic_seeded``), so a
 compiled graph draws a fresh state on every call instead of baking one in as a constant.
 
@@ -111,10 +114,10 @@ def _schema_args(names: tuple[str, ...], decl: dict[str, tuple[str, str]]) -> st
 
 
 _DECL = _declarations()
-FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_schema_args(OP_ORDER, _DECL)}) -> (Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_schema_args(OP_ORDER, _DECL)}) -> (Tensor, Tensor, Tensor, Tensor)"
 BWD_SCHEMA = (f"(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, {_schema_args(OP_ORDER[:_PREFIX], _DECL)}, "
               f"Tensor rng_state, {_schema_args(OP_ORDER[_PREFIX:-1], _DECL)}, bool bias_requires_grad=False, "
-              "Tensor? sinks=None, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+              "Tensor? sinks=None, Tensor? dlse=None, Tensor? lse_lo=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 # fagen::bwd takes sinks (the last of OP_ORDER) after bias_requires_grad, so its older positional form holds.
 assert OP_ORDER[-1] == "sinks"
 _TENSOR_POS = tuple(OP_ORDER.index(n) for n in Tensors._fields)
@@ -166,36 +169,40 @@ _DEFAULTS = _defaults()
 
 # --------------------------------------------------------------------------- fagen::fwd
 def _run_fwd(q: Tensor, k: Tensor, v: Tensor, tensors: Tensors, max_q: Any, max_k: Any,
-             opts: AttentionOptions) -> tuple[Tensor, Tensor, Tensor]:
-    """fagen::fwd's implementation on unpacked arguments: (o, lse, rng_state)."""
+             opts: AttentionOptions) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fagen::fwd's implementation on unpacked arguments: (o, lse, rng_state, lse_lo) (lse_lo:
+    :func:`fagen.functional.attention_forward`'s, for the backward's huge rows)."""
     if opts.dropout_p > 0:
         rng_state = draw_rng_state()
         seed, offset = _seed_offset(rng_state)
     else:
         rng_state, seed, offset = torch.zeros(2, dtype=torch.int64), 0, 0
+    p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                   check_values=False)
+    lse_lo = torch.empty(p.lse_shape, dtype=torch.float32, device=q.device)
     o, lse = F.forward(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                       seed=seed, offset=offset)
+                       seed=seed, offset=offset, lse_lo=lse_lo)
     lse_dtype = _lse_dtype(q)
-    return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state
+    return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state, lse_lo
 
 
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_fwd(q, k, v, *_unpack(rest))
 
 
-def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     tensors, max_q, max_k, opts = _unpack(rest)
     p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
     o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = q.new_empty(p.lse_shape, dtype=_lse_dtype(q))
     rng_state = q.new_empty((2,), dtype=torch.int64, device="cpu")
-    return o, lse, rng_state
+    return o, lse, rng_state, q.new_empty(p.lse_shape, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- fagen::bwd
-def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Optional[Tensor]]:
-    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse);
-    fagen::bwd has sinks (OP_ORDER's last) after bias_requires_grad."""
+def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Optional[Tensor], Optional[Tensor]]:
+    """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse,
+    lse_lo); fagen::bwd has sinks (OP_ORDER's last) after bias_requires_grad."""
     m = len(OP_ORDER) - 1
     full = rest[:_PREFIX] + rest[_PREFIX + 1:]
     args = tuple(full[:m]) + _DEFAULTS[min(len(full), m):m]  # the dispatcher drops trailing defaults
@@ -203,19 +210,22 @@ def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Op
     bias_grad = tail[0] if len(tail) > 0 else False
     sinks = tail[1] if len(tail) > 1 else None
     dlse = tail[2] if len(tail) > 2 else None
-    return rest[_PREFIX], args + (sinks,), bias_grad, dlse
+    lse_lo = tail[3] if len(tail) > 3 else None
+    return rest[_PREFIX], args + (sinks,), bias_grad, dlse, lse_lo
 
 
 def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, rng_state: Tensor,
              tensors: Tensors, max_q: Any, max_k: Any, opts: AttentionOptions,
-             bias_grad: bool, dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             bias_grad: bool, dlse: Optional[Tensor] = None,
+             lse_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fagen::bwd's implementation on unpacked arguments: (dq, dk, dv, dbias or an empty tensor,
-    dsinks or an empty tensor). ``dlse``: the gradient of lse (None: zero)."""
+    dsinks or an empty tensor). ``dlse``: the gradient of lse (None: zero); ``lse_lo``: fagen::fwd's."""
     seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
     if dlse is not None and dlse.dtype != torch.float32:
         dlse = dlse.to(torch.float32)
     grads = F.backward(_lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, opts, tensors, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad, dlse=dlse)
+                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad, dlse=dlse,
+                       lse_lo=lse_lo)
     dbias = grads[3] if bias_grad else q.new_empty((0,))
     dsinks = grads[-1] if tensors.sinks is not None else q.new_empty((0,))
     return grads[0], grads[1], grads[2], dbias, dsinks
@@ -223,13 +233,13 @@ def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
               *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    rng_state, args, bias_grad, dlse = _bwd_split(rest)
-    return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad, dlse)
+    rng_state, args, bias_grad, dlse, lse_lo = _bwd_split(rest)
+    return _run_bwd(do, q, k, v, o, lse, rng_state, *_unpack(args), bias_grad, dlse, lse_lo)
 
 
 def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
               *rest: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _rng, args, bias_grad, _dlse = _bwd_split(rest)
+    _rng, args, bias_grad, _dlse, _lo = _bwd_split(rest)
     tensors, max_q, max_k, opts = _unpack(args)
     F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k, check_values=False)
     bias = tensors.attn_bias
@@ -242,7 +252,7 @@ def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
 #: fagen::fwd's and fagen::bwd's argument names, in schema order.
 FWD_NAMES = ("q", "k", "v") + OP_ORDER
 BWD_NAMES = (("do", "q", "k", "v", "o", "lse") + OP_ORDER[:_PREFIX] + ("rng_state",) + OP_ORDER[_PREFIX:-1]
-             + ("bias_requires_grad", "sinks", "dlse"))
+             + ("bias_requires_grad", "sinks", "dlse", "lse_lo"))
 _BWD_DEFAULTS = tuple(a.default_value for a in torch._C.parse_schema("fagen::x" + BWD_SCHEMA).arguments)
 
 
@@ -301,23 +311,24 @@ def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, T
     """What the backward needs (no N x N tensor): q, k, v, o, lse, rng_state and the optional
     tensors as given; the scalar arguments."""
     rest = inputs[3:]
-    o, lse, rng_state = output
-    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, *_get_tensors(rest))
+    o, lse, rng_state, lse_lo = output
+    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, lse_lo, *_get_tensors(rest))
     ctx.scalars = _get_scalars(rest)
-    ctx.mark_non_differentiable(rng_state)  # lse is differentiable: its gradient enters D (no extra pass)
+    ctx.mark_non_differentiable(rng_state, lse_lo)  # lse is differentiable: its gradient enters D (no extra pass)
     ctx.set_materialize_grads(False)  # an unused o or lse hands the backward None, not zeros
 
 
-def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: Any) -> tuple[Optional[Tensor], ...]:
+def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: Any,
+                 _dlo: Any = None) -> tuple[Optional[Tensor], ...]:
     """fagen::bwd on what :func:`_op_setup` kept: dq, dk, dv, and dbias / dsinks where attn_bias
     requires grad / sinks are given. ``do`` / ``dlse`` None: that output's gradient is zero."""
-    q, k, v, o, lse, rng_state, *data = ctx.saved_tensors
+    q, k, v, o, lse, rng_state, lse_lo, *data = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
     bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[_BIAS_INDEX])
     rest = _merge(tuple(data), ctx.scalars)
     dq, dk, dv, dbias, dsinks = _BWD(do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad,
-                                     rest[-1], dlse)
+                                     rest[-1], dlse, lse_lo)
     grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
     if bias_grad:
         grads[_BIAS_INDEX] = dbias
@@ -348,15 +359,15 @@ class _FwdFunction(torch.autograd.Function):
     arguments and (the kernel's dispatch key set, grad mode)."""
 
     @staticmethod
-    def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
         output = _below_autograd(_FWD, args)
         _op_setup(ctx, args[:-1], output)
         return output
 
     @staticmethod
     def backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor],  # type: ignore[override]
-                 _drng: Any) -> tuple[Optional[Tensor], ...]:
-        return _op_backward(ctx, do, dlse, _drng) + (None,)
+                 _drng: Any, _dlo: Any) -> tuple[Optional[Tensor], ...]:
+        return _op_backward(ctx, do, dlse, _drng, _dlo) + (None,)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -524,15 +535,17 @@ def _fwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tupl
     if sinks is not None and not mapped_sinks:
         folded = folded._replace(sinks=sinks)
     fq, fk, fv = (_fold(_mapped(x, dims[name], n)) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    o, lse, rng_state = _FWD(fq, fk, fv, *op_arguments(opts, folded, max_q, max_k))
+    o, lse, rng_state, lse_lo = _FWD(fq, fk, fv, *op_arguments(opts, folded, max_q, max_k))
     o = o.reshape((n, total_q) + tuple(o.shape[1:]))
     lse = lse.reshape((lse.shape[0], n, total_q)) if packed else lse.reshape((n, B) + tuple(lse.shape[1:]))
+    lse_lo = lse_lo.reshape(lse.shape)
     if sinks is not None and mapped_sinks:
         with_sink = torch.logaddexp(lse, _sink_rows(_mapped(sinks, dims["sinks"], n), packed).to(lse.dtype))
         scale = torch.exp(lse - with_sink)  # Z / (Z + e^sink); 0 for a row that sees no key
         scale = scale.permute(1, 2, 0) if packed else scale.transpose(-1, -2)
         o, lse = (o * scale[..., None]).to(o.dtype), with_sink
-    return (o, lse, rng_state), (0, 1 if packed else 0, None)
+        lse_lo = torch.zeros_like(lse_lo)  # the sink moved lse in torch: the rounded lse serves
+    return (o, lse, rng_state, lse_lo), (0, 1 if packed else 0, None, 1 if packed else 0)
 
 
 def _bwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -557,9 +570,10 @@ def _bwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tupl
     bias_grad = bool(a["bias_requires_grad"]) and tensors.attn_bias is not None
     folded = _fold_tensors(tensors, dims, n, B, (total_q, total_k), own_bias=bias_grad)
     do, q, k, v, o = (_fold(_mapped(a[name], dims[name], n)) for name in ("do", "q", "k", "v", "o"))
-    lse, dlse = a["lse"], a["dlse"]
+    lse, dlse, lse_lo = a["lse"], a["dlse"], a["lse_lo"]
     lse_n = _mapped(lse, dims["lse"], n)  # [n, B, H, Nq] or packed [n, H, total_q]
     dlse_n = None if dlse is None else _mapped(dlse, dims["dlse"], n)
+    lo_n = None if lse_lo is None else _mapped(lse_lo, dims["lse_lo"], n)
 
     def fold_lse(x: Optional[Tensor]) -> Optional[Tensor]:
         if x is None:
@@ -568,7 +582,7 @@ def _bwd_vmap(info: Any, in_dims: tuple[Optional[int], ...], *args: Any) -> tupl
 
     fa = op_arguments(opts, folded, max_q, max_k)
     dq, dk, dv, dbias, _ = _BWD(do, q, k, v, o, fold_lse(lse_n), *fa[:_PREFIX], a["rng_state"], *fa[_PREFIX:-1],
-                                bias_grad, None, fold_lse(dlse_n))
+                                bias_grad, None, fold_lse(dlse_n), fold_lse(lo_n))
     out = [dq.reshape((n, total_q) + tuple(dq.shape[1:])), dk.reshape((n, total_k) + tuple(dk.shape[1:])),
            dv.reshape((n, total_k) + tuple(dv.shape[1:])), dbias, q.new_empty((0,))]
     out_dims: list[Optional[int]] = [0, 0, 0, None, None]
@@ -597,7 +611,8 @@ torch.library.register_vmap("fagen::bwd", _bwd_vmap, lib=_LIB)
 
 def _apply(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, tensors: Tensors,
            max_seqlen_q: Any = None, max_seqlen_k: Any = None) -> tuple[Tensor, Tensor, Tensor]:
-    return _FWD(q, k, v, *op_arguments(options, tensors, max_seqlen_q, max_seqlen_k))
+    o, lse, rng_state, _lse_lo = _FWD(q, k, v, *op_arguments(options, tensors, max_seqlen_q, max_seqlen_k))
+    return o, lse, rng_state  # lse_lo: kept by autograd for the backward (fagen.functional.attention_forward)
 
 # --------------------------------------------------------------------------- validation
 _PLAIN_TORCH_FUNCTION = (torch.Tensor.__torch_function__, torch._C._disabled_torch_function_impl)

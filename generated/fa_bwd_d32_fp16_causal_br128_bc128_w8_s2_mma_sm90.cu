@@ -1278,8 +1278,11 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
                          float* dbias_out = nullptr, float lo = 0.f) {
     if constexpr (HAS_DROPOUT) dp = keep ? dp * rp_keep : 0.f;
     if constexpr (HAS_SCORE_MOD) {
-        const float sc = score_fwd<float>(qk, row, col, sp);
-        const float p = ok ? mma_exp2(EXACT ? fa_exact_arg(sc, LOG2E, lse2, lo) : fmaf(sc, LOG2E, -lse2)) : 0.f;
+        float p = 0.f;  // the score (and its bias) only for an allowed pair
+        if (ok) {
+            const float sc = score_fwd<float>(qk, row, col, sp);
+            p = mma_exp2(EXACT ? fa_exact_arg(sc, LOG2E, lse2, lo) : fmaf(sc, LOG2E, -lse2));
+        }
         float ds = ok ? p * (dp - dlt) : 0.f;
         if (dbias_out != nullptr) *dbias_out = ds;
         if constexpr (HAS_SOFTCAP) {

@@ -250,7 +250,7 @@ def test_opcheck_with_features() -> None:
     q, k, v = (t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
     opts = (-1, -1, 0.0, t["alibi"], None, None, "bottom_right", None, None, None, None, False)
     torch.library.opcheck(torch.ops.fagen.fwd.default, (q, k, v, None, 0.0, None, True, *opts))
-    o, lse, rng = torch.ops.fagen.fwd(q.detach(), k.detach(), v.detach(), None, 0.0, None, True, *opts)
+    o, lse, rng, _lo = torch.ops.fagen.fwd(q.detach(), k.detach(), v.detach(), None, 0.0, None, True, *opts)
     torch.library.opcheck(torch.ops.fagen.bwd.default,
                           (t["do"], q.detach(), k.detach(), v.detach(), o, lse, None, 0.0, None, True, rng, *opts))
     # float32, d = 16, an additive [Nq, Nk] bias that requires grad: the specs of tests/test_sdpa.py
@@ -260,7 +260,7 @@ def test_opcheck_with_features() -> None:
     opts = (-1, -1, 0.0, None, None, bias, "bottom_right", None, None, None, None, False)
     torch.library.opcheck(torch.ops.fagen.fwd.default, (q, k, v, None, 0.0, None, False, *opts))
     with torch.no_grad():
-        o, lse, rng = torch.ops.fagen.fwd(q, k, v, None, 0.0, None, False, *opts)
+        o, lse, rng, _lo = torch.ops.fagen.fwd(q, k, v, None, 0.0, None, False, *opts)
     do = torch.randn(o.shape, generator=g)
     args = (do, q.detach(), k.detach(), v.detach(), o, lse, None, 0.0, None, False, rng, *opts[:5], bias.detach(),
             *opts[6:], True)

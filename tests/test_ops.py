@@ -85,7 +85,7 @@ def test_raw_op_returns_the_drawn_rng_state() -> None:
     torch.manual_seed(3)
     expected = draw_rng_state()
     torch.manual_seed(3)
-    o, lse, rng_state = torch.ops.fagen.fwd(q, k, v, mask, 0.2, None, True)
+    o, lse, rng_state, _lo = torch.ops.fagen.fwd(q, k, v, mask, 0.2, None, True)
     assert torch.equal(rng_state, expected)
     assert lse.dtype == torch.float32 and lse.shape == (2, 2, 45)
     seed, offset = (int(x) for x in rng_state)
@@ -96,7 +96,7 @@ def test_raw_op_returns_the_drawn_rng_state() -> None:
 
 # --------------------------------------------------------------------------- autograd plumbing
 def test_saves_no_quadratic_tensor() -> None:
-    """Autograd keeps q, k, v, o, lse, rng_state (and the mask): nothing of size Nq x Nk."""
+    """Autograd keeps q, k, v, o, lse, rng_state, lse_lo (and the mask): nothing of size Nq x Nk."""
     case = CASES[4]
     q, k, v, do, mask = make_inputs(case)
     ql, kl, vl = leaves(q, k, v)
@@ -110,7 +110,7 @@ def test_saves_no_quadratic_tensor() -> None:
         out = flash_attn_func(ql, kl, vl, dropout_p=0.17, causal=True, key_padding_mask=mask)
     out.backward(do)
     B, N, H, d = q.shape
-    assert sorted(saved) == sorted([(B, N, H, d)] * 4 + [(B, H, N), (2,), (B, N)])
+    assert sorted(saved) == sorted([(B, N, H, d)] * 4 + [(B, H, N)] * 2 + [(2,), (B, N)])
 
 
 def test_non_contiguous_inputs_match_contiguous() -> None:
@@ -142,7 +142,7 @@ def test_opcheck_custom_ops() -> None:
     q, k, v, do, mask = make_inputs(case)
     ql, kl, vl = leaves(q, k, v)
     torch.library.opcheck(torch.ops.fagen.fwd.default, (ql, kl, vl, mask, 0.0, None, False))
-    o, lse, rng_state = torch.ops.fagen.fwd(q, k, v, mask, 0.0, None, False)
+    o, lse, rng_state, _lo = torch.ops.fagen.fwd(q, k, v, mask, 0.0, None, False)
     torch.library.opcheck(torch.ops.fagen.bwd.default, (do, q, k, v, o, lse, mask, 0.0, None, False, rng_state))
 
 
@@ -156,9 +156,9 @@ def test_op_schemas_take_every_option_with_defaults() -> None:
                  "Tensor? attn_bias=None", 'str causal_align="bottom_right"', "Tensor? cu_seqlens_q=None",
                  "SymInt? max_seqlen_q=None", "bool deterministic=False"):
         assert part in fwd and part in bwd, part
-    assert fwd.endswith("-> (Tensor, Tensor, Tensor)")
-    assert ("bool bias_requires_grad=False, Tensor? sinks=None, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, "
-            "Tensor)") in bwd
+    assert fwd.endswith("-> (Tensor, Tensor, Tensor, Tensor)")  # o, lse, rng_state, lse_lo
+    assert ("bool bias_requires_grad=False, Tensor? sinks=None, Tensor? dlse=None, Tensor? lse_lo=None) -> (Tensor, "
+            "Tensor, Tensor, Tensor, Tensor)") in bwd
 
 
 # --------------------------------------------------------------------------- SDPA layout
