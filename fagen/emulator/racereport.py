@@ -80,7 +80,9 @@ def race_error(lib: ctypes.CDLL, so: Path, message: str, kernel: str, block: tup
     if m:
         name, text = buffer_of(int(m.group(1)), buffers)
         message = message[:m.start()] + text + message[m.end():]
-    lines = tuple(re.findall(r" at ((?:[^ \[\],;]+):\d+)(?: \[|,|;|$)", message)[:2])
+    # the two accesses' lines: not those of a bracketed barrier history ("after ...; then ...")
+    bare = re.sub(r"\[[^\]]*\]", "[]", message)
+    lines = tuple(re.findall(r" at ((?:[^ \[\],;]+):\d+)(?: \[|,|;|$)", bare)[:2])
     while len(lines) < 2:
         lines = (*lines, "")
     return EmulatorRaceError(message, kernel, block, kind=kind, space=space, offset=offset, buffer=name,
