@@ -23,13 +23,17 @@ def mutated_module(spec: KernelSpec, template: str, text: str, schedule: str = "
 def gated(text: str, sites: Iterable[tuple[int, str, int]]) -> str:
     """``text`` with each site (offset, the call's text, gate number i) behind gate i, tagged
     /*FAGEN_SITE_i*/: ``(fagen_emu_race_gate(i) /*FAGEN_SITE_i*/ ? (void)(call) : (void)0)``, the
-    call's own semicolon kept after it."""
+    call's own semicolon kept after it (``fa_sync_or(p)``, a value: ``... ? fa_sync_or(p) : (bool)(p)``)."""
     for off, call, i in sorted(sites, reverse=True):
         assert text.startswith(call, off), (off, call)
         semi = ";" if call.endswith(";") else ""
         expr = call[:-1] if semi else call
-        text = (text[:off] + f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? (void)({expr}) : (void)0){semi}"
-                + text[off + len(call):])
+        if expr.startswith("fa_sync_or("):  # a barrier with a value: removed, each thread keeps its own predicate
+            arg = expr[len("fa_sync_or("):-1]
+            gate = f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? {expr} : (bool)({arg}))"
+        else:
+            gate = f"(fagen_emu_race_gate({i}) /*FAGEN_SITE_{i}*/ ? (void)({expr}) : (void)0)"
+        text = text[:off] + gate + semi + text[off + len(call):]
     return text
 
 

@@ -405,9 +405,9 @@ def test_tracker_agrees_with_the_happens_before_definition_on_random_programs() 
 
 
 # --------------------------------------------------------------------------- every barrier is load-bearing
-#: What counts as a barrier in a template: block barriers, __syncwarp, cp.async waits.
+#: What counts as a barrier in a template: block barriers (fa_sync_or's too), __syncwarp, cp.async waits.
 BARRIER = re.compile(r"\bfa_sync\(\)|\b__syncthreads\(\)|\b__syncwarp\([^()]*\)|\bfa_cp_async_wait(?:<\d+>)?\(\)"
-                     r"|\bfa_cp_async_wait_all\(\)")
+                     r"|\bfa_cp_async_wait_all\(\)|\bfa_sync_or\([^()]*\)")
 #: The files defining the primitives themselves (their barriers are the primitives' bodies).
 PRIMITIVE_FILES = {"partials/primitives.cuh", "partials/mma.cuh"}
 #: Template folders racecheck cannot run (none: the Hopper primitives report their accesses and
