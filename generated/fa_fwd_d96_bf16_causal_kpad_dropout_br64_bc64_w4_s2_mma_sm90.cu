@@ -785,13 +785,15 @@ FA_DEVICE float dropout_scale(unsigned long long seed, unsigned long long offset
 // factor 2^-lo common to the row: harmless while |hi| is small, but from |hi| ~ 2^31 on it
 // overflows (P~ = inf, O = inf / inf = NaN) or underflows (l = 0) -- fp32 scores of 1e10 and up
 // (bf16 inputs near 1e5, fp16 near 6e4). A row with |hi| >= FA_EXACT_FROM takes the exact
-// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_split: lo exactly, by one FMA); the warp
+// exponent fmaf(s, sl2, -hi) - lo instead (fa_exp_lo: lo exactly, by one FMA); the warp
 // decides once per tile (fa_warp_any), so the common tile keeps its one FFMA per score.
 constexpr float FA_EXACT_FROM = 1024.f;  // 2^10: below it |lo| <= 2^-14, a factor below 1e-4
-FA_DEVICE bool fa_exact_row(float hi) {  // a finite hi this large (-inf: no key yet; NaN: no)
-    const float a = fabsf(hi);
-    return a >= FA_EXACT_FROM && a <= 3.402823466e38f;
+constexpr float FA_LOG2E = 1.4426950408889634f, FA_LN2 = 0.6931471805599453f;
+FA_DEVICE bool fa_finite_from(float x, float bound) {  // bound <= |x| < inf (NaN: false)
+    const float a = fabsf(x);
+    return a >= bound && a <= 3.402823466e38f;
 }
+FA_DEVICE bool fa_exact_row(float hi) { return fa_finite_from(hi, FA_EXACT_FROM); }  // -inf: no key yet
 // m sl2 = hi + lo exactly (hi = fp32(m sl2); lo by one FMA, exact: the product's rounding error)
 FA_DEVICE float fa_exp_lo(float m, float sl2, float hi) { return fmaf(m, sl2, -hi); }
 template <bool B> struct FaBool { static constexpr bool value = B; };  // a compile-time path tag
@@ -809,10 +811,9 @@ FA_DEVICE float fa_next_up(float x) {  // the next float above a finite x (integ
     return __int_as_float(x == 0.f ? 1 : (x > 0.f ? i + 1 : i - 1));
 }
 FA_DEVICE float fa_bwd_lse2(float l) {
-    constexpr float LOG2E_F = 1.4426950408889634f;
-    const float x = l * LOG2E_F;
-    if (!(fabsf(x) >= 16777216.f && fabsf(x) <= 3.402823466e38f)) return x;  // 2^24; inf / NaN as they are
-    return fa_next_up(fa_next_up(fa_next_up(l) * LOG2E_F));
+    const float x = l * FA_LOG2E;
+    if (!fa_finite_from(x, 16777216.f)) return x;  // below 2^24; inf / NaN as they are
+    return fa_next_up(fa_next_up(fa_next_up(l) * FA_LOG2E));
 }
 // lse_lo of a row (forward epilogues; abi: lse_lo): the row's exact lse2 = m sl2 + log2l (log2l:
 // log2 of its row sum, less log2 of the sink's o_scale with sinks) minus the backward's
