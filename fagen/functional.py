@@ -448,12 +448,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
         q, k, v = _pad(q, p), _pad(k, p), _pad(v, p, True)
     if plan.tma:
         q, k, v = _tma_ready(plan, q=q, k=k, v=v)
+    _check_lse_lo(lse_lo, p, out=True)  # before anything is written
     o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
-    if lse_lo is not None:
-        _check_lse_lo(lse_lo, p, out=True)
-        if not plan.launches and p.device.type != "meta":
-            lse_lo.zero_()
+    if lse_lo is not None and not plan.launches and p.device.type != "meta":
+        lse_lo.zero_()
     if not plan.launches:
         if p.no_keys and not p.empty and p.device.type != "meta":
             o.zero_()
@@ -678,6 +677,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if plan.check_cu:
         _cu_check(plan.p, t)
     p = plan.p
+    lo_ready = _check_lse_lo(lse_lo, p, out=False)
     bias_grad = bool(bias_requires_grad)
     if p.padded:
         do, q, k, v, o = _pad(do, p, True), _pad(q, p), _pad(k, p), _pad(v, p, True), _pad(o, p, True)
@@ -701,7 +701,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             dq.zero_()
     else:
         lse_t = lse if plan.lse_ready else lse.contiguous().to(plan.lse_dtype)
-        lo_t = lse_lo if _check_lse_lo(lse_lo, p, out=False) else lse_lo.contiguous()
+        lo_t = lse_lo if lo_ready else lse_lo.contiguous()
         delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
         dq_accum = torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device)  # zeroed by the preprocess kernel
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask

@@ -225,3 +225,20 @@ def test_autograd_keeps_lse_lo(dtype: torch.dtype, arch: str | None, monkeypatch
     finally:
         monkeypatch.delenv("FAGEN_EMULATE_ARCH", raising=False)
         settings.reset()
+
+
+def test_lse_lo_is_checked_before_anything_runs() -> None:
+    """A wrong lse_lo is a typed error naming it, in the forward (an output: contiguous float32 of
+    lse's shape) and the backward (empty inputs included, where nothing launches)."""
+    from fagen.errors import InputError, InputTypeError
+
+    q = torch.randn(1, 5, 1, 64).to(torch.float16)
+    with pytest.raises(InputError, match="lse_lo"):
+        F.attention_forward(q, q, q, lse_lo=torch.empty(1, 1, 4))
+    with pytest.raises(InputTypeError, match="lse_lo"):
+        F.attention_forward(q, q, q, lse_lo=torch.empty(1, 1, 5, dtype=torch.float64))
+    with pytest.raises(InputError, match="lse_lo"):
+        F.attention_forward(q, q, q, lse_lo=torch.empty(1, 5, 1).transpose(1, 2))
+    e = q[:, :0]
+    with pytest.raises(InputError, match="lse_lo"):
+        F.attention_backward(e, e, e, e, e, torch.empty(1, 1, 0), lse_lo=torch.empty(1, 1, 1))
