@@ -434,7 +434,25 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     """:func:`attention_forward` with its options as one validated :class:`AttentionOptions`
     and the optional tensors as one :class:`Tensors`: (o, lse). ``lse_lo``: see
     :func:`attention_forward`."""
-    offsets = (dropout_row_offset, dropout_col_offset)
+    o, lse, _ = _forward(q, k, v, options, tensors, max_seqlen_q, max_seqlen_k, seed, offset, spec,
+                         (dropout_row_offset, dropout_col_offset), lse_lo)
+    return o, lse
+
+
+def forward_lse_lo(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                   tensors: Tensors | None = None, *, max_seqlen_q: int | None = None,
+                   max_seqlen_k: int | None = None, seed: int = 0,
+                   offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`forward` that also allocates and returns lse_lo: (o, lse, lse_lo) (the autograd ops')."""
+    return _forward(q, k, v, options, tensors, max_seqlen_q, max_seqlen_k, seed, offset, None, (0, 0), None,
+                    new_lo=True)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, tensors: Tensors | None,
+             max_seqlen_q: int | None, max_seqlen_k: int | None, seed: int, offset: int, spec: KernelSpec | None,
+             offsets: tuple[int, int], lse_lo: torch.Tensor | None,
+             new_lo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(o, lse, lse_lo) of :func:`forward`; ``new_lo``: lse_lo allocated here (the plan knows its shape)."""
     plan, t = _planned(
         lambda t: ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
                    offsets),
@@ -449,6 +467,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     if plan.tma:
         q, k, v = _tma_ready(plan, q=q, k=k, v=v)
     _check_lse_lo(lse_lo, p, out=True)  # before anything is written
+    if new_lo:
+        lse_lo = torch.empty(p.lse_shape, dtype=torch.float32, device=q.device)
     o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
     if lse_lo is not None and not plan.launches and p.device.type != "meta":
@@ -459,7 +479,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
             lse.fill_(-math.inf)
             if t.sinks is not None:  # no key: the row's softmax is the sink's alone
                 lse.copy_(_sink_rows(t.sinks, p).expand(p.lse_shape))
-        return _unpad(o, p, True), lse
+        return _unpad(o, p, True), lse, lse_lo
     kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
     slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
     sinks = t.sinks.contiguous() if plan.sinks_copy else t.sinks
@@ -470,7 +490,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
-    return _unpad(o, p, True), lse
+    return _unpad(o, p, True), lse, lse_lo
 
 
 def _sink_rows(sinks: torch.Tensor, p: Problem) -> torch.Tensor:

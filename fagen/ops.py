@@ -177,11 +177,8 @@ def _run_fwd(q: Tensor, k: Tensor, v: Tensor, tensors: Tensors, max_q: Any, max_
         seed, offset = _seed_offset(rng_state)
     else:
         rng_state, seed, offset = torch.zeros(2, dtype=torch.int64), 0, 0
-    p = F.validate(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                   check_values=False)
-    lse_lo = torch.empty(p.lse_shape, dtype=torch.float32, device=q.device)
-    o, lse = F.forward(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                       seed=seed, offset=offset, lse_lo=lse_lo)
+    o, lse, lse_lo = F.forward_lse_lo(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q,
+                                      max_seqlen_k=max_k, seed=seed, offset=offset)
     lse_dtype = _lse_dtype(q)
     return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state, lse_lo
 
