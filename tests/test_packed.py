@@ -49,17 +49,19 @@ def _dropout_fraction(keep: torch.Tensor, allowed: torch.Tensor) -> float:
 
 
 class _Recorder:
-    """Records the data pointers q, k, v reach the functional API with (the views' storage)."""
+    """Records the data pointers q, k, v reach the functional API with (the views' storage): the
+    autograd op's forward (forward_lse_lo) or the plain one."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ptrs: list[tuple[int, int, int]] = []
-        real = F.forward
+        for name in ("forward", "forward_lse_lo"):
+            real = getattr(F, name)
 
-        def forward(q, k, v, *args, **kwargs):
-            self.ptrs.append((q.data_ptr(), k.data_ptr(), v.data_ptr()))
-            return real(q, k, v, *args, **kwargs)
+            def forward(q, k, v, *args, _real=real, **kwargs):
+                self.ptrs.append((q.data_ptr(), k.data_ptr(), v.data_ptr()))
+                return _real(q, k, v, *args, **kwargs)
 
-        monkeypatch.setattr(F, "forward", forward)
+            monkeypatch.setattr(F, name, forward)
 
 
 # flash-attn: seqlen x d x dropout_p x causal x local x alibi x deterministic x dtype; here a covering
