@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fagen
+import fagen.functional as F
 from fagen.distributed import ring_flash_attn_func
 from fagen.distributed.ring import add_sinks, merge
 
@@ -76,9 +77,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _warm_cache() -> None:
+    """Build every kernel the ranks run here, so they only load them from the cache: the whole
+    sequence's forward and backward with sinks, and the ring's steps (a causal diagonal and a full
+    pair of chunks, forward and backward). A rank that compiles while its peer waits in a gloo
+    exchange under a loaded machine is what this keeps out of the test."""
+    q, k, v, do, kpm, sinks = _inputs(2)
+    full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    o = fagen.flash_attn_func(*full[:3], causal=True, key_padding_mask=kpm, sinks=full[3])
+    o.backward(do)
+    c = N_LOCAL // 2
+    for causal in (True, False):
+        opts = dict(causal=causal, key_padding_mask=kpm[:, :c])
+        o, lse = F.attention_forward(q[:, :c], k[:, :c], v[:, :c], **opts)
+        F.attention_backward(do[:, :c], q[:, :c], k[:, :c], v[:, :c], o, lse, **opts)
+
+
 def test_ring_sinks_match_single_process(tmp_path: Path) -> None:
-    q, k, v, do, kpm, sinks = _inputs(2)  # build the kernels here: the ranks load them from the cache
-    fagen.flash_attn_func(q, k, v, causal=True, key_padding_mask=kpm, sinks=sinks)
+    _warm_cache()
     errfile = str(tmp_path / "err")
     try:
         mp.spawn(_worker, args=(2, _free_port(), os.environ["FAGEN_CACHE_DIR"], errfile), nprocs=2, join=True)
