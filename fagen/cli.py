@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import typing
 from collections.abc import Iterable
@@ -262,7 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        return _run(parser, argv)
+        code = _run(parser, argv)
+        sys.stdout.flush()  # inside the try: a small output reaches a closed pipe only here
+        return code
+    except BrokenPipeError:  # `fagen ... --json | head`: the reader left; no traceback (Python's own advice)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush would raise again
+        return 1
     finally:
         log.removeHandler(handler)
         log.setLevel(level)

@@ -119,3 +119,13 @@ def test_autotune_with_an_unusable_cache_dir_stops_at_once() -> None:
     assert res.stderr.strip().splitlines() == [
         "fagen: error: FAGEN_CACHE_DIR: expected a writable directory for fagen's cache, got /dev/null "
         "(Not a directory)"], res.stderr
+
+
+def test_a_closed_stdout_pipe_is_no_traceback() -> None:
+    """`fagen inspect ... | head -1`: the reader leaves before fagen writes; fagen stops quietly (exit 1,
+    nothing on stderr), as a command-line tool does, instead of a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "fagen.cli", "inspect", "--head-dim", "64", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # closed before the interpreter has even imported fagen
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
