@@ -85,6 +85,51 @@ def test_a_block_runs_in_a_fresh_interpreter(tmp_path: Path) -> None:
     assert run.returncode != 0 and "functional" in run.stderr
 
 
+# --------------------------------------------------------------------------- shell blocks
+SHELL_FENCE = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
+#: Why a shell block may be exempt: what it needs that a CPU-only, offline test run has not.
+SHELL_EXEMPT = ("a GPU", "the network", "the suite itself", "root", "a browser", "a FlashAttention-2 binary",
+                "the whole default matrix")
+
+
+def shell_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(line, commands, no-test reason or None) for every ```bash / ```sh block of a Markdown text."""
+    out = []
+    for m in SHELL_FENCE.finditer(text):
+        skip = NO_TEST.search(text[:m.start()])
+        out.append((text.count("\n", 0, m.start()) + 1, m.group(1), skip.group(1) if skip else None))
+    return out
+
+
+SHELL = [(doc.relative_to(REPO).as_posix(), *block)
+         for doc in DOCS for block in shell_blocks(doc.read_text(encoding="utf-8"))]
+
+
+def test_shell_blocks_are_found_and_exemptions_say_what_they_need() -> None:
+    text = "```bash\nls\n```\n<!-- no-test: needs a GPU -->\n```sh\nnvidia-smi\n```\n```python\nx = 1\n```\n"
+    assert shell_blocks(text) == [(1, "ls\n", None), (5, "nvidia-smi\n", "needs a GPU")]
+    assert len(SHELL) >= 10 and any(why is None for *_, why in SHELL)
+    for doc, line, _, why in SHELL:
+        assert why is None or any(need in why for need in SHELL_EXEMPT), (
+            f"{doc}:{line}: an exempt shell block names what it needs, one of {SHELL_EXEMPT}: {why!r}")
+
+
+@pytest.mark.parametrize("doc, line, code, skip", SHELL, ids=[f"{d}:{n}" for d, n, _, _ in SHELL])
+def test_shell_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path) -> None:
+    """Each shell block as a reader would paste it, with the package installed (its ``fagen`` and this
+    interpreter's ``python`` first on PATH), in a fresh folder that holds the repository's benchmarks/
+    (the blocks name it relative to a checkout), every command checked (``set -eo pipefail``)."""
+    if skip is not None:
+        pytest.skip(skip)
+    import os
+
+    (tmp_path / "benchmarks").symlink_to(REPO / "benchmarks")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    run = subprocess.run(["bash", "-c", "set -eo pipefail\n" + code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"{doc}: shell block at line {line} failed:\n{run.stderr[-4000:]}"
+
+
 # --------------------------------------------------------------------------- links and paths
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(r"`((?:benchmarks|docs|fagen|templates|tests|generated|\.ci)/[A-Za-z0-9_./-]*[A-Za-z0-9_])`")

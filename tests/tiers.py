@@ -53,6 +53,7 @@ SLOW: frozenset[str] = frozenset({
 })
 
 SAMPLED: frozenset[str] = frozenset({
+    "test_docs.py::test_shell_block_runs",  # NVRTC compiles and a SASS count: the full suite runs them
     "test_mma_sass.py::test_tensor_cores_no_spills_no_local_memory",
     "test_mma_sass.py::test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics",
     "test_cuda_env.py::test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills",
