@@ -18,7 +18,7 @@ from fagen.families.mma.rules import fwd_half_copy
 from fagen.families import FamilySpec, Tile, default_family, family_names, get_family
 from fagen.families.mma import padded_dim
 from fagen.philox import drop_threshold
-from fagen.renderer import render
+from fagen.renderer import render, template_context
 from fagen.spec import ARCH_SMEM_OPTIN, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_MULTIPLE
 
 MMA = get_family("mma")
@@ -458,7 +458,7 @@ def test_dq_key_sub_step(d: int, block_c: int, keys: int) -> None:
     assert dq_key_chunk(d, block_c) == keys
     spec = KernelSpec(head_dim=d, block_r=16, block_c=block_c, num_warps=8, deterministic=True, impl="mma",
                       arch="sm_90")
-    assert f"constexpr int DQ_KC = {keys};" in render(spec).source
+    assert template_context(spec)["DQ_KC"] == keys
 
 
 def test_deterministic_dq_keeps_the_nan_and_zero_semantics() -> None:
@@ -608,7 +608,7 @@ def test_forward_widest_step(name: str, arch: str, stages: int, kw: dict) -> Non
                       fwd_extra=WIDEST_FWD_TILES.get(name, {}))
     fwd = [s for s in made if s.direction == "fwd"]
     want = WIDEST_FWD_TILES.get(name, {}).get("block_c", 256)
-    assert fwd and all(s.tile.block_c == want and "constexpr bool FWD_HALF_STEP = true;" in render(s).source
+    assert fwd and all(s.tile.block_c == want and template_context(s)["FWD_HALF_STEP"] is True
                        for s in fwd), [s.name for s in fwd]
 
 
@@ -656,7 +656,7 @@ def test_two_dimensional_backward_layout(name: str, kw: dict, arch: str, stages:
     made = check_case(FeatCase(f"mma-2d-{name}", tile=(64, 128, 8), **kw), "mma",
                       extra={"arch": arch, "knobs": {"stages": stages}})
     bwd = [s for s in made if s.direction == "bwd"]
-    assert bwd and all("constexpr bool BWD_2D = true;" in render(s).source for s in bwd), \
+    assert bwd and all(template_context(s)["BWD_2D"] is True for s in bwd), \
         [s.name for s in bwd]
 
 
@@ -679,31 +679,7 @@ def test_pinned_backward_lane_offsets(name: str, kw: dict) -> None:
 
     made = check_case(FeatCase(f"mma-pin-{name}", tile=(128, 128, 8), **kw), "mma", extra={"arch": "sm_80"})
     bwd = [s for s in made if s.direction == "bwd"]
-    assert bwd and all("constexpr bool BWD_PIN = true;" in render(s).source for s in bwd), [s.name for s in bwd]
-
-
-def test_pin_rules() -> None:
-    """Where the lanes' offsets are pinned (rules.bwd_pin, rules.bwd_2d_pin) and where the two-dimensional
-    layout re-derives its k-major offsets every step (rules.bwd_2d_fresh): each exclusion is a flag set
-    or arch whose pinned kernel spilled."""
-    from fagen.families.mma import rules
-
-    f = frozenset
-    sm80, sm86, sm90, sm100 = (8, 0), (8, 6), (9, 0), (10, 0)
-    assert rules.bwd_pin(64, f(), sm80) and rules.bwd_pin(64, f({"causal", "window", "top_left"}), sm86)
-    assert not rules.bwd_pin(64, f(), sm90)  # ptxas schedules the pinned loop worse there
-    assert not any(rules.bwd_pin(d, f(), sm80) for d in (24, 32, 48, 56, 96, 128))
-    assert not any(rules.bwd_pin(64, f({flag}), sm80) for flag in ("varlen", "key_padding", "dropout", "alibi",
-                                                                    "softcap", "bias", "attn_mask", "deterministic"))
-    assert rules.bwd_2d_pin(sm80, f({"varlen"})) and rules.bwd_2d_pin(sm90, f({"varlen", "causal"}))
-    assert rules.bwd_2d_pin(sm100, f({"causal"})) and not rules.bwd_2d_pin(sm100, f({"varlen"}))
-    assert rules.bwd_2d_fresh(sm80, f({"varlen"})) and not rules.bwd_2d_fresh(sm80, f({"causal"}))
-    assert not rules.bwd_2d_fresh(sm90, f({"varlen"}))
-    two_d = KernelSpec(direction="bwd", head_dim=128, arch="sm_90")
-    src = render(two_d).source
-    assert "constexpr bool BWD_2D_PIN = true;" in src and "constexpr bool BWD_PIN = false;" in src
-    assert "constexpr bool BWD_PIN = true;" in render(KernelSpec(direction="bwd", head_dim=64, arch="sm_80")).source
-    assert "constexpr bool BWD_PIN = false;" in render(KernelSpec(direction="bwd", head_dim=64, arch="sm_90")).source
+    assert bwd and all(template_context(s)["BWD_PIN"] is True for s in bwd), [s.name for s in bwd]
 
 
 @pytest.mark.parametrize("arch,do_stages", [("sm_80", 1), ("sm_90", 2), ("sm_100", 2)])
@@ -717,12 +693,12 @@ def test_two_dimensional_backward_is_the_d128_default(arch: str, do_stages: int)
         for flags in ({}, {"causal": True}, {"window": True}, {"varlen": True}):
             spec = KernelSpec(direction="bwd", head_dim=128, dtype=dtype, arch=arch, **flags)
             assert (spec.tile.block_r, spec.tile.block_c, spec.num_warps) == rules.BWD_2D_TILE
-            src = render(spec).source
-            assert "constexpr bool BWD_2D = true;" in src and f"constexpr int DO_STAGES = {do_stages};" in src
+            ctx = template_context(spec)
+            assert ctx["BWD_2D"] is True and ctx["DO_STAGES"] == do_stages
             assert spec.smem_bytes <= ARCH_SMEM_OPTIN[arch]
     for fields in (dict(head_dim=96), dict(head_dim=64), dict(head_dim=128, dropout=True),
                    dict(head_dim=128, key_padding=True), dict(head_dim=128, deterministic=True),
                    dict(head_dim=128, softcap=True), dict(head_dim=128, arch="sm_86")):
         spec = KernelSpec(direction="bwd", dtype="float16", **{"arch": arch, **fields})
         if spec.impl == "mma":
-            assert "constexpr bool BWD_2D = false;" in render(spec).source, spec.name
+            assert template_context(spec)["BWD_2D"] is False, spec.name
