@@ -77,9 +77,12 @@ class Row:
                 f"{self.int_ctrl_per_hmma:.2f}"]
 
 
-def pair_flops(direction: str, head_dim: int, block_r: int, block_c: int) -> float:
-    """Tensor-core FLOPs of one tile pair: 5 GEMMs backward, 2 forward, each 2 Br Bc d."""
-    return (10 if direction == "bwd" else 4) * block_r * block_c * head_dim
+def pair_flops(direction: str, head_dim: int, block_r: int, block_c: int, head_dim_v: int | None = None) -> float:
+    """Tensor-core FLOPs of one tile pair: 5 GEMMs backward, 2 forward, each 2 Br Bc d; with a v head
+    dim dv of its own, those whose K or N is v's (P V; dP = dO V^T, dV) take dv: 2 Br Bc (d + dv)
+    forward, 2 Br Bc (3 d + 2 dv) backward."""
+    dv = head_dim_v or head_dim
+    return 2 * block_r * block_c * ((3 * head_dim + 2 * dv) if direction == "bwd" else (head_dim + dv))
 
 
 def red_width(mnemonic: str) -> int:
@@ -136,7 +139,7 @@ def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
     if consumer is None or producer is None:
         return None
     total = consumer.total() * fs.num_warps + producer.total() * fam.producer_warps(fs)
-    return consumer, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c) / 1e6)
+    return consumer, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)
 
 
 def row_of(name: str, loop, per_mflop: float, direction: str, head_dim: int, block_r: int, block_c: int,
@@ -184,7 +187,7 @@ def fagen_rows(specs: Iterable[dict[str, Any]]) -> list[Row]:
         t = spec.tile
         dp = -(-spec.head_dim // 16) * 16
         variants = [("interior", False)] + ([("diag", True)] if spec.causal else [])
-        fa3 = FA3.get((spec.direction, spec.head_dim, spec.causal)) if spec.impl == "wgmma" else None
+        fa3 = FA3.get((spec.direction, spec.head_dim, spec.causal)) if spec.impl == "wgmma" and not spec.head_dim_v else None
         for variant, diag in variants:
             if spec.impl == "wgmma":
                 spec_got = measure_specialised(text, kname, spec.family_spec, diagonal=diag)

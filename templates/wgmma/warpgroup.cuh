@@ -9,6 +9,12 @@ constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
 constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
+{% if HEAD_DIM_V != HEAD_DIM %}
+// v's head dim of its own (HEAD_DIM_V: V, O, dO, dV), in whole panels as HEAD_DIM is.
+constexpr int PAD_DIM_V = PANEL_ELEMS * PANELS_V;
+static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V <= PAD_DIM_V && PAD_DIM_V - HEAD_DIM_V < PANEL_ELEMS,
+              "the v head dim: k16 steps, PANELS_V panels");
+{% endif %}
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {

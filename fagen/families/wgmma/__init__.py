@@ -10,6 +10,13 @@ Q once, then K_j / V_j into ``stages`` slots, each slot with a "full" mbarrier (
 slot's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma has
 retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
+A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
+has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
+and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
+takes any pair of its head dims, the backward any pair of its own (:mod:`fagen.families.wgmma.bwd`).
+The tile counts both dims (shared memory) and the registers the O accumulator, S and P~ hold
+(:data:`FWD_ACC_REGS`): a pair whose tile cannot fit is declined by name.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
 dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), softcap, ALiBi,
@@ -28,8 +35,8 @@ from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily", "padded_dim",
-           "register_split", "pair_cost", "tensor_map_boxes"]
+__all__ = ["ARCH", "FWD_ACC_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+           "fwd_acc_regs", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -40,6 +47,12 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Keys per tile of the default forward (``default_tile``).
 FWD_BLOCK_C = 192
+#: fp32 registers per consumer thread a forward tile with a v head dim of its own may ask for: the O
+#: accumulator (padded head_dim_v / 2), S (block_c / 2) and P~ packed (block_c / 8). 184 is the
+#: default d = 128 tile's (128 x 192, no spill); ptxas spills 144 bytes at 192 (d = 64 x 256 keys)
+#: and at 208 (d = 64, dv = 256 x 128 keys). Such a spec's default tile is shrunk to fit, an
+#: explicit one beyond it declined (the head_dim = head_dim_v tiles are left as they were).
+FWD_ACC_REGS = 184
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -62,6 +75,12 @@ def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
     return consumer, PRODUCER_REGS
 
 
+def fwd_acc_regs(fs: FamilySpec, block_c: int | None = None) -> int:
+    """fp32 registers per consumer thread of the forward's O accumulator, S and P~ (FWD_ACC_REGS)."""
+    bc = fs.block_c if block_c is None else block_c
+    return padded_dim(fs.dv) // 2 + bc // 2 + bc // 8
+
+
 def tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, int, int, int]]:
     """The TMA box of each tensor-map parameter, torch order ([B, N, H, d]): one head, one panel."""
     rows = {"block_r": fs.block_r, "block_c": fs.block_c}
@@ -79,7 +98,7 @@ class WgmmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
-    features: frozenset[str] = frozenset({"top_left", "window", "sinks"})
+    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -90,6 +109,8 @@ class WgmmaFamily(FamilyBase):
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
         if fs.head_dim not in HEAD_DIMS:
             return f"head_dim={fs.head_dim}: the templates take head_dim in {HEAD_DIMS}"
+        if fs.dv not in HEAD_DIMS:
+            return f"head_dim_v={fs.dv}: the templates take head_dim_v in {HEAD_DIMS}"
         if fs.has("dropout"):
             return "dropout: the keep-mask replay is not implemented yet"
         return None
@@ -106,6 +127,10 @@ class WgmmaFamily(FamilyBase):
         if fs.block_r != 16 * fs.num_warps:
             return Reason("block_r", f"block_r={fs.block_r} must be 16 x num_warps={fs.num_warps} "
                                      f"({self.name}: each consumer warpgroup owns 64 Q rows)")
+        if fs.dv != fs.head_dim and (regs := fwd_acc_regs(fs)) > FWD_ACC_REGS:
+            return Reason("block_c", f"block_c={fs.block_c} with head_dim_v={fs.dv}: the O accumulator, S and P~ "
+                                     f"take {regs} fp32 registers per consumer thread, more than {FWD_ACC_REGS} "
+                                     f"({self.name}: ptxas would spill)")
         return None
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
@@ -121,7 +146,10 @@ class WgmmaFamily(FamilyBase):
         1e6 FLOPs), at no spill: S (96 fp32 per thread) + O (d / 2) + P~ fit the consumers' registers."""
         if fs.direction == "bwd":
             return self.tile_caps(fs)  # the backward's rule: fagen.families.wgmma.bwd
-        return 16 * fs.num_warps, FWD_BLOCK_C
+        bc = FWD_BLOCK_C  # a wide v head dim of its own: fewer keys, so FWD_ACC_REGS suffice
+        while fs.dv != fs.head_dim and bc > self.tile_multiple and fwd_acc_regs(fs, bc) > FWD_ACC_REGS:
+            bc -= self.tile_multiple
+        return 16 * fs.num_warps, bc
 
     def default_warps(self, fs: FamilySpec) -> int:
         """Two consumer warpgroups (FlashAttention-3's shape), both directions. Forward: each K_j /
@@ -139,14 +167,14 @@ class WgmmaFamily(FamilyBase):
             return None
         if fs.direction == "bwd":
             return bwd.tile_work(fs)
-        return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}
+        return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}  # N of O += P V_j: head_dim_v
 
     def producer_work(self, fs: FamilySpec) -> dict[str, float] | None:
         """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
         anchor UTMALDG walks its loop): one TMA load per 64-element panel of the two streamed
         tiles, K_j and V_j forward, Q_i and dO_i backward (whose lse_i / D_i are plain loads of
-        the producer warp's lanes)."""
-        return {"UTMALDG": 2 * padded_dim(fs.head_dim) / PANEL}
+        the producer warp's lanes); V_j and dO_i are head_dim_v wide."""
+        return {"UTMALDG": (padded_dim(fs.head_dim) + padded_dim(fs.dv)) / PANEL}
 
     def producer_warps(self, fs: FamilySpec) -> int:
         """Warps of the producer warpgroup that run its loop (one elected lane of the first; the
@@ -159,11 +187,11 @@ class WgmmaFamily(FamilyBase):
             return bwd.smem_layout(fs, stages)
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
-        d, e = padded_dim(fs.head_dim), fs.itemsize
+        d, dv, e = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize
         return place([
-            ("q", "T", fs.block_r * d, e, 1024),
+            ("q", "T", fs.block_r * max(d, dv), e, 1024),  # Q_i, then O_i on its way out: the wider of the two
             ("k", "T", stages * fs.block_c * d, e, 1024),
-            ("v", "T", stages * fs.block_c * d, e, 1024),
+            ("v", "T", stages * fs.block_c * dv, e, 1024),
             ("bars", "unsigned long long", 1 + 2 * stages, 8),
         ])
 
@@ -182,9 +210,13 @@ class WgmmaFamily(FamilyBase):
         blocks = max(1, min(ARCHS[fs.arch].smem_per_sm // (layout.total_bytes + 1024),
                             REGS_PER_SM // (fs.num_threads * self.min_regs_per_thread)))
         consumer, producer = register_split(fs.num_warps, blocks)
+        # PANELS_V only with a v head dim of its own (the templates name it then; other specs render as before)
+        panels_v = (Constant("PANELS_V", "int", padded_dim(fs.dv) // PANEL, "128-byte swizzle panels across the v "
+                             "head dim (V, O, dO, dV)"),) if fs.dv != fs.head_dim else ()
         return {"strides": {}, "constants": (
             Constant("CONSUMER_WGS", "int", fs.num_warps // 4, "consumer warpgroups (64 Q rows each)"),
             Constant("PANELS", "int", padded_dim(fs.head_dim) // PANEL, "128-byte swizzle panels across the head dim"),
+        ) + panels_v + (
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
         ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}

@@ -53,6 +53,8 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
         return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
     if fs.head_dim not in DEFAULT_BLOCK_R:
         return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {tuple(DEFAULT_BLOCK_R)}"
+    if fs.dv != fs.head_dim:
+        return f"head_dim_v={fs.dv}: the wgmma backward does not implement a v head dim of its own yet"
     return None
 
 

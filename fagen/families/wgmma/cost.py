@@ -25,16 +25,16 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     ``fagen.autotune.sassloops.walked_loop_mix``), when the disassembler gave them; else the
     counts are estimated from the tile. wgmma reads its shared-memory operands itself: each
     consumer warpgroup reads its 64 rows of Q_i, K_j and V_j once per pair (no ldmatrix); the
-    producer warp issues 2 d / 64 TMA loads per pair."""
-    d, br, bc = fs.head_dim, fs.block_r, fs.block_c
+    producer warp issues (d + dv) / 64 TMA loads per pair (dv: the v head dim)."""
+    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
     wgs = fs.num_warps // 4
-    hgmma = d // 16 + bc // 16  # per consumer warp: S = Q K^T (N = block_c), O += P~ V (N = head_dim)
+    hgmma = d // 16 + bc // 16  # per consumer warp: S = Q K^T (N = block_c), O += P~ V (N = head_dim_v)
     scores = bc // 2  # per thread: 64 rows x block_c over the warpgroup's 128 threads
     if sass:
         per_warp = float(sum(sass.values()))
     else:
-        per_warp = hgmma * 3 + PER_SCORE * scores + d // 2 + CONSUMER_OVERHEAD
-    producer = 2 * d // 64 + PRODUCER_OVERHEAD
-    smem_bytes = wgs * (64 * d + 2 * bc * d) * fs.itemsize
+        per_warp = hgmma * 3 + PER_SCORE * scores + dv // 2 + CONSUMER_OVERHEAD
+    producer = (d + dv) // 64 + PRODUCER_OVERHEAD
+    smem_bytes = wgs * (64 * d + bc * d + bc * dv) * fs.itemsize
     return PairCost(lds_wavefronts=smem_bytes / WAVEFRONT_BYTES, warp_instructions=fs.num_warps * per_warp + producer,
                     warp_iterations=float(fs.num_warps * hgmma), busiest_warp_iterations=0.0, atomics=0.0)

@@ -1,0 +1,144 @@
+"""The Hopper family (``wgmma``, sm_90a) with a v head dim of its own (``head_dim_v``, MLA: d = 192,
+dv = 128): selection, tiles and declines; the forward (S = Q K_j^T of K = d, O += P V_j of N = dv)
+and the backward (V_j / dO_i tiles and dV~ of dv, dP^T = V_w dO_i^T of K = dv, D = rowsum(dO o O)
+over dv) on the CPU emulator against the float64 oracle with flash-attn's criterion (fp16 / bf16,
+causal of both alignments, a window, GQA, key padding, sinks, Nq != Nk, lengths off the tiles);
+racecheck and AddressSanitizer (clean, bit-identical) and one forward / backward pair at the PTX
+level (the inline PTX the GPU runs). Sweeps past the first case are in the slow tier."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fagen.functional as F
+from fagen import KernelSpec, renderer
+from fagen.families.wgmma import FWD_ACC_REGS, fwd_acc_regs
+from fagen.runtime import cpu
+
+import sinkref as S
+from featref import assert_close, assert_lse_close, attention
+
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _spec(direction: str, d: int, dv: int, **kw) -> KernelSpec:
+    return KernelSpec(direction=direction, head_dim=d, head_dim_v=dv, arch="sm_90a", **{"dtype": "float16", **kw})
+
+
+# --------------------------------------------------------------------------- selection
+def test_the_family_takes_both_dims_and_sizes_the_tile_by_each() -> None:
+    fwd = _spec("fwd", 192, 128)  # impl=None: wgmma, the preferred family on sm_90a
+    assert fwd.impl == "wgmma" and fwd.name == "fa_fwd_d192_dv128_fp16_br128_bc128_w8_s2_wgmma_sm90a"
+    lay = {b.name: b.count for b in fwd.smem_layout.buffers}
+    assert lay["k"] == 2 * 128 * 192 and lay["v"] == 2 * 128 * 128 and lay["q"] == 128 * 192
+    # d = 64, dv = 128: Q_i's tile is dv wide (O_i leaves through it); 192 keys as at d = 128
+    wide = _spec("fwd", 64, 128)
+    assert wide.tile.block_c == 192 and {b.name: b.count for b in wide.smem_layout.buffers}["q"] == 128 * 128
+    # d = 64, dv = 256: the registers of O, S and P~ bound the key block (shared memory would take 128)
+    big = _spec("fwd", 64, 256)
+    assert big.impl == "wgmma" and big.tile.block_c == 64 and fwd_acc_regs(big.family_spec) <= FWD_ACC_REGS
+    with pytest.raises(ValueError, match=r"block_c=128 with head_dim_v=256: .* 208 fp32 registers"):
+        _spec("fwd", 64, 256, block_c=128, impl="wgmma")
+    assert _spec("fwd", 64, 256, block_c=128).impl != "wgmma"  # impl=None: another family
+    # the constant that names v's panels exists only for such specs: the others render as before
+    assert "PANELS_V" in renderer.render(fwd).source
+    assert "PANELS_V" not in renderer.render(KernelSpec(direction="fwd", head_dim=192, arch="sm_90a")).source
+
+
+@pytest.mark.parametrize("direction, d, dv, why", [
+    ("fwd", 128, 80, "head_dim_v=80: the templates take head_dim_v in (64, 96, 128, 192, 256)"),
+    ("bwd", 192, 128, "head_dim=192: the wgmma backward takes head_dim in (64, 96, 128)"),
+])
+def test_pairs_it_cannot_take_are_declined_by_name(direction, d, dv, why) -> None:
+    import re
+
+    assert _spec(direction, d, dv).impl != "wgmma"
+    with pytest.raises(ValueError, match=re.escape(why)):
+        _spec(direction, d, dv, impl="wgmma")
+
+
+# --------------------------------------------------------------------------- numerics
+def _slow(cases: list[dict]) -> list:
+    """The first case in the fast tier, the rest slow."""
+    ids = ["-".join(f"{k}{v}" for k, v in c.items()) for c in cases]
+    return [pytest.param(c, id=i, marks=() if n == 0 else pytest.mark.slow) for n, (c, i) in enumerate(zip(cases, ids))]
+
+
+def _inputs(c: dict, seed: int = 23) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    dt = DT[c["dtype"]]
+    B, Nq, Nk, H, Hkv, d, dv = (c[n] for n in ("B", "Nq", "Nk", "H", "Hkv", "d", "dv"))
+    t = {"q": torch.randn(B, Nq, H, d, generator=g).to(dt), "k": torch.randn(B, Nk, Hkv, d, generator=g).to(dt),
+         "v": torch.randn(B, Nk, Hkv, dv, generator=g).to(dt), "do": torch.randn(B, Nq, H, dv, generator=g).to(dt)}
+    t["kpm"] = None
+    if c.get("kpm"):
+        t["kpm"] = torch.rand(B, Nk, generator=g) > 0.3
+        t["kpm"][0, 0] = True
+        if B > 1:
+            t["kpm"][-1] = False  # the last batch: every key padded (zero rows, lse = -inf)
+    t["sinks"] = torch.randn(H, generator=g) if c.get("sinks") else None
+    return t
+
+
+def _case_spec(direction: str, c: dict) -> KernelSpec:
+    spec = _spec(direction, c["d"], c["dv"], dtype=c["dtype"], num_warps=c["nw"], causal=c.get("causal", False),
+                 causal_align=c.get("align", "bottom_right"), key_padding=bool(c.get("kpm")), window="window" in c,
+                 sinks=bool(c.get("sinks")), knobs={"stages": c.get("stages", 2)})
+    assert spec.impl == "wgmma", spec
+    return spec
+
+
+def _options(c: dict, t: dict) -> dict:
+    kw: dict = dict(causal=c.get("causal", False), key_padding_mask=t["kpm"])
+    if "align" in c:
+        kw["causal_align"] = c["align"]
+    if "window" in c:
+        kw["window_size"] = c["window"]
+    if t["sinks"] is not None:
+        kw["sinks"] = t["sinks"]
+    return kw
+
+
+def _oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
+    """(o, lse, [dq, dk, dv] or None) of the oracle computed in ``dtype``: sinkref with sinks
+    (bottom-right), featref otherwise (either causal alignment)."""
+    q, k, v = (t[n].detach().to(dtype).requires_grad_(grads) for n in ("q", "k", "v"))
+    kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), kpm=t["kpm"])
+    if t["sinks"] is not None:
+        assert c.get("align", "bottom_right") == "bottom_right"
+        o, lse = S.attention(q, k, v, sinks=t["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32),
+                             dtype=dtype, **kw)
+    else:
+        o, lse = attention(q, k, v, align=c.get("align", "bottom_right"), **kw)
+    if not grads:
+        return o.detach(), lse.detach(), None
+    (o * t["do"].to(dtype)).sum().backward()
+    return o.detach(), lse.detach(), [q.grad, k.grad, v.grad]
+
+
+FWD_CASES = [
+    # MLA's pair: GQA, two consumer warpgroups, Nq != Nk, lengths off the 128 x 128 tile
+    dict(d=192, dv=128, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=200, H=2, Hkv=1, causal=True),
+    dict(d=128, dv=64, dtype="float16", nw=4, B=2, Nq=70, Nk=150, H=2, Hkv=2, kpm=True, sinks=True),
+    dict(d=64, dv=128, dtype="float16", nw=8, B=1, Nq=130, Nk=260, H=1, Hkv=1, window=(40, 10), stages=3),
+    dict(d=64, dv=256, dtype="bfloat16", nw=4, B=1, Nq=90, Nk=200, H=2, Hkv=1, causal=True, align="top_left"),
+    dict(d=256, dv=64, dtype="bfloat16", nw=8, B=1, Nq=100, Nk=230, H=2, Hkv=1, sinks=True),
+    # dv = 96 / d = 96: one and a half panels (zero-filled columns), the other dim whole panels
+    dict(d=192, dv=96, dtype="float16", nw=8, B=2, Nq=70, Nk=150, H=1, Hkv=1, kpm=True),
+    dict(d=96, dv=192, dtype="bfloat16", nw=4, B=1, Nq=150, Nk=120, H=2, Hkv=2, causal=True),
+]
+
+
+@pytest.mark.parametrize("c", _slow(FWD_CASES))
+def test_forward_matches_float64(c) -> None:
+    t = _inputs(c)
+    spec = _case_spec("fwd", c)
+    o, lse = F.run_forward(spec, t["q"], t["k"], t["v"], **_options(c, t))
+    assert o.shape == (c["B"], c["Nq"], c["H"], c["dv"])
+    o64, lse64, _ = _oracle(c, t, torch.float64)
+    o_pt, _, _ = _oracle(c, t, DT[c["dtype"]])
+    _, lse32, _ = _oracle(c, t, torch.float32)
+    S.criterion("o", o, o64, o_pt, DT[c["dtype"]])
+    assert_lse_close("lse", lse, lse64, lse32)
+    if c.get("kpm") and c["B"] > 1:  # the batch with every key padded: zero rows
+        assert torch.equal(o[-1], torch.zeros_like(o[-1]))
