@@ -13,8 +13,11 @@ namespace fa {
 // HALF: the tile is copied by one half of the CTA's threads (THREADS = NUM_THREADS / 2, the thread's
 // index taken modulo THREADS), the other half copying the other tensor of the step (fwd_copy_kv):
 // each warp then sets up one copy a step instead of two.
-template <int ROWS, bool HALF = false>
+template <int ROWS, bool HALF = false{{ TILE_DIMS }}>
 struct FwdTileCopy {
+{% if VD %}
+    static constexpr int HEAD_DIM = DIM, DPAD = DP, LD = DP + 8;  // the tile's head dim (warp.cuh)
+{% endif %}
     static constexpr int CHUNKS = DPAD / 8;
     static constexpr int THREADS = HALF ? NUM_THREADS / 2 : NUM_THREADS;
     static_assert(!HALF || THREADS % 32 == 0, "whole warps per half");
@@ -119,7 +122,7 @@ struct FwdTileCopy {
     FA_DEVICE void operator()(T* dst, int row0, int n, long long stride_s, bool vec,
                               const unsigned char* kpm_row) const {
         if (!vec) {
-            mma_copy_tile<ROWS>(dst, base(stride_s), row0, n, stride_s, false, kpm_row);
+            mma_copy_tile<ROWS{{ ", DIM, DP" if VD else "" }}>(dst, base(stride_s), row0, n, stride_s, false, kpm_row);
         } else if (!HAS_KEY_PADDING && row0 + ROWS <= n) {
             interior(dst, row0, stride_s);
         } else {
@@ -132,11 +135,16 @@ struct FwdTileCopy {
 // 16-byte aligned) or element copies. HALF copy objects and both slices aligned: the first half of
 // the threads copies K, the second V (warp-uniform); else every thread both.
 // k_half: is this thread in the first half ((int)threadIdx.x < FwdTileCopy<ROWS, true>::THREADS)?
+{% if VD %}
+template <class CK, class CV>
+FA_DEVICE void fwd_copy_kv(const CK& ck, const CV& cv, T* dk, T* dv,
+{% else %}
 template <int ROWS, bool HALF>
 FA_DEVICE void fwd_copy_kv(const FwdTileCopy<ROWS, HALF>& ck, const FwdTileCopy<ROWS, HALF>& cv, T* dk, T* dv,
+{% endif %}
                            int row0, int n, long long stride_k, long long stride_v, bool vec_k, bool vec_v,
                            const unsigned char* kpm_row, bool k_half) {
-    if (HALF && vec_k && vec_v) {
+    if ({{ "CK::THREADS < NUM_THREADS" if VD else "HALF" }} && vec_k && vec_v) {
         if (k_half)
             ck(dk, row0, n, stride_k, true, kpm_row);
         else

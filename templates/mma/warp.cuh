@@ -21,6 +21,12 @@ struct MmaAccLayout {
     static FA_DEVICE int col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
 };
 static_assert(LD == DPAD + 8, "smem row stride: DPAD + 8 elements (odd number of 16-byte units: ldmatrix conflict-free)");
+{% if VD %}
+// A v head dim of its own (HEAD_DIM_V: V_j, dO_i, O, dV): its tiles' rows are DPAD_V + 8 elements.
+static_assert(DPAD_V == (HEAD_DIM_V + 15) / 16 * 16 && LD_V == DPAD_V + 8, "v head dim: padded, smem row stride");
+// The tile copies below take the tile's head dim (DIM, padded DP; default q/k's): inside them the
+// names HEAD_DIM, DPAD and LD stand for the tile's (local constants shadowing the module's).
+{% endif %}
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
@@ -146,9 +152,12 @@ FA_DEVICE bool mma_vec_ok(const T* base, long long stride_s) {
 // and, given a key-padding row mask (kpm + b * N), padded keys are zero-filled -- a padded
 // key takes no part, so nothing it holds (even NaN) reaches a product through 0 * x.
 // Unaligned slices fall back to element copies.
-template <int ROWS>
+template <int ROWS{{ TILE_DIMS }}>
 FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long stride_s, bool vec,
                              const unsigned char* kpm_row = nullptr) {
+{% if VD %}
+    constexpr int HEAD_DIM = DIM, DPAD = DP, LD = DP + 8;  // the tile's head dim
+{% endif %}
     constexpr int CHUNKS = DPAD / 8;
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {
         const int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
@@ -169,8 +178,11 @@ FA_DEVICE void mma_copy_tile(T* dst, const T* src, int row0, int n, long long st
 // source advanced by a fixed stride, and rows past n (or a head dim short of DPAD) are tested only
 // on an edge tile. Same result as mma_copy_tile (which it falls back to otherwise, and for
 // unaligned slices or a key-padding row mask).
-template <int ROWS>
+template <int ROWS{{ TILE_DIMS }}>
 FA_DEVICE void mma_copy_rows(T* dst, const T* src, int row0, int n, long long stride_s, bool vec) {
+{% if VD %}
+    constexpr int HEAD_DIM = DIM, DPAD = DP, LD = DP + 8;  // the tile's head dim
+{% endif %}
     constexpr int CHUNKS = DPAD / 8;
     constexpr bool EVEN = NUM_THREADS % CHUNKS == 0 && (ROWS * CHUNKS) % NUM_THREADS == 0;
     if constexpr (EVEN) {
@@ -194,7 +206,7 @@ FA_DEVICE void mma_copy_rows(T* dst, const T* src, int row0, int n, long long st
         }
     }
     if (vec) {
-        mma_copy_tile<ROWS>(dst, src, row0, n, stride_s, true);
+        mma_copy_tile<ROWS{{ ", DIM, DP" if VD else "" }}>(dst, src, row0, n, stride_s, true);
         return;
     }
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NUM_THREADS) {  // unaligned slice: element copies

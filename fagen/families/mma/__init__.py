@@ -15,9 +15,18 @@ Q/dO stage 1, S/dP/dS recomputed in sub-steps of ``dq_key_chunk`` keys and dQ_i 
 fp32 registers, stored once without atomics. Every smem row has ``DPAD + 8``
 elements (DPAD: the head dim rounded up to 16), an odd number of 16-byte units, so the
 8 rows an ``ldmatrix`` phase reads fall in 8 different bank groups.
+
+A v head dim of its own (``head_dim_v``, the feature "head_dim_v"; MLA: d = 192, dv = 128) in every
+kernel role: V_j, dO_i, O and the O / dV~ accumulators, D = rowsum(dO o O) and their smem rows are
+``HEAD_DIM_V`` wide (``DPAD_V``, row stride ``LD_V = DPAD_V + 8``), Q / K / dQ / dK ``HEAD_DIM``; the
+smem layout (hence the tile choice and the autotuner's candidates) counts each, and the register
+rules take the wider of the two (``_reg_dim``). The two-dimensional backward layout keeps one width:
+such a spec's main kernel is the 16-K/V-rows-per-warp one. A spec with head_dim_v equal to head_dim
+renders the very same source as one without.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,6 +52,12 @@ __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX
            "pair_cost", "q_in_regs"]
 
 F32 = 4
+
+
+def _reg_dim(fs: FamilySpec) -> int:
+    """The head dim the register rules (warps, default step, fragments in registers, chunk code) take:
+    the wider of q/k's and v's (one and the same without ``head_dim_v``)."""
+    return max(fs.head_dim, fs.dv)
 #: Warps of the forward's default where its 16-row warps' 128-row Q block fits (``default_warps``).
 FWD_WIDE_WARPS = 8
 
@@ -61,7 +76,7 @@ class MmaFamily(FamilyBase):
     #: flag), the bool attn_mask and the deterministic backward (its ``dq`` kernel). The combinations
     #: ``combination_reason`` declines take SIMT. Attention sinks: the forward's epilogue.
     features: frozenset[str] = frozenset({"window", "top_left", "softcap", "alibi", "attn_mask", "bias", "bias_grad",
-                                          "varlen", "deterministic", "sinks"})
+                                          "varlen", "deterministic", "sinks", "head_dim_v"})
     #: Register budget per thread the launch bounds must leave (KernelSpec.min_blocks_per_sm): the
     #: fragments of S/P, dP/dS and the dK~/dV~ (or O) accumulators live in registers, so ptxas gets
     #: the whole register file rather than spilling to reach an occupancy.
@@ -81,11 +96,12 @@ class MmaFamily(FamilyBase):
         MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
         modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
         ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
-        dp = padded_dim(fs.head_dim)
+        dp = (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2  # dK~ / dV~: DPAD / 2 + DPAD_V / 2 registers
         score_mod = fs.has("softcap") or fs.has("alibi") or fs.has("bias")
+        dims = f"head_dim={fs.head_dim}" + (f", head_dim_v={fs.dv}" if fs.dv != fs.head_dim else "")
         if (fs.direction == "bwd" and fs.has("attn_mask") and score_mod
-                and not acc_in_smem(fs.head_dim) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
-            return (f"attn_mask with softcap/alibi/bias in the backward at head_dim={fs.head_dim}: the dK~/dV~ "
+                and not acc_in_smem(fs.head_dim, fs.dv) and dp + MASKED_SCORE_MOD_STEP_REGS > self.min_regs_per_thread):
+            return (f"attn_mask with softcap/alibi/bias in the backward at {dims}: the dK~/dV~ "
                     f"accumulators ({dp} registers) and the masked score step ({MASKED_SCORE_MOD_STEP_REGS}) "
                     f"exceed {self.min_regs_per_thread} registers per thread")
         return None
@@ -110,7 +126,7 @@ class MmaFamily(FamilyBase):
                 return Reason("block_c", f"block_c={fs.block_c} past {FWD_WIDE_BLOCK_C} must be a multiple of 32 "
                                          f"({self.name}: the forward's half step is whole k16 chunks of keys)")
         field, rows = ("block_c", fs.block_c) if direction == "bwd" else ("block_r", fs.block_r)
-        if direction == "fwd" and rows > 16 * num_warps and padded_dim(fs.head_dim) <= MAX_WIDE_WARP_Q_DIM:
+        if direction == "fwd" and rows > 16 * num_warps and padded_dim(_reg_dim(fs)) <= MAX_WIDE_WARP_Q_DIM:
             if rows > 32 * num_warps or rows % 32:
                 return Reason(field, f"{field}={rows} must be at most 16 rows per warp x num_warps={num_warps}, or a "
                                      f"multiple of 32 up to 32 rows per warp ({self.name}: each warp owns 16 or 32 "
@@ -140,6 +156,10 @@ class MmaFamily(FamilyBase):
         Both are then shrunk until one block fits."""
         if fs.direction != "bwd":
             return self.tile_caps(fs)
+        if fs.dv != fs.head_dim:
+            # a v head dim of its own: the Q block of the wider dim's spec (the registers' measure: 128
+            # rows at d = 128 beside dv = 64 spill 80-92 bytes on sm_90), shrunk then to fit this one
+            return self.default_tile(dataclasses.replace(fs, head_dim=_reg_dim(fs), head_dim_v=0), sram_bytes)
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
         blocks = max(1, BWD_RESIDENT_WARPS // fs.num_warps)
@@ -157,7 +177,7 @@ class MmaFamily(FamilyBase):
         64 x 128 / 8 at d = 128) and their block of BWD_SHORT_STREAM_ROWS Q rows fits the arch's
         shared memory (else warps would idle beside a shrunk K/V block)."""
         if fs.direction == "bwd":
-            if not bwd_wide_warps(fs.head_dim, fs.flags, ARCHS[fs.arch].capability):
+            if not bwd_wide_warps(_reg_dim(fs), fs.flags, ARCHS[fs.arch].capability):
                 return DEFAULT_NUM_WARPS
             fits = self._fits_arch(fs, BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)
             return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
@@ -170,9 +190,9 @@ class MmaFamily(FamilyBase):
         """The forward's default keys per step (``fwd_default_block_c``): the widest step where one
         block of its 16-row warps' tile fits the arch's shared memory, else the next rule's."""
         cap = ARCHS[fs.arch].capability
-        bc = fwd_default_block_c(fs.head_dim, fs.flags, cap)
+        bc = fwd_default_block_c(_reg_dim(fs), fs.flags, cap)
         if bc > FWD_WIDE_BLOCK_C and not self._fits_arch(fs, 16 * FWD_WIDE_WARPS, bc):
-            bc = fwd_default_block_c(fs.head_dim, fs.flags)
+            bc = fwd_default_block_c(_reg_dim(fs), fs.flags)
         return bc
 
     def _fits_arch(self, fs: FamilySpec, block_r: int, block_c: int) -> bool:
@@ -192,14 +212,15 @@ class MmaFamily(FamilyBase):
         per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
         if role != "main":
             return None
-        w, dp = fs.num_warps, padded_dim(fs.head_dim)
+        w, dp, dpv = fs.num_warps, padded_dim(fs.head_dim), padded_dim(fs.dv)
         det = fs.has("deterministic")
-        gemms = 2 if fs.direction == "fwd" else 4 if det else 5
-        hmma = gemms * 2 * fs.block_r * fs.block_c * dp / 4096
+        # GEMMs over the head dim / over the v head dim (S, dK~, dQ / O, dP, dV~)
+        gemms, gemms_v = (1, 1) if fs.direction == "fwd" else (2 if det else 3, 2)
+        hmma = (gemms * dp + gemms_v * dpv) * 2 * fs.block_r * fs.block_c / 4096
         if fs.direction == "fwd" and not fs.has("dropout"):
             hmma += fs.block_r * fs.block_c / 256  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16
         work = {"HMMA": hmma / w,
-                "LDGSTS": 2 * (fs.block_c if fs.direction == "fwd" else fs.block_r) * dp / 8 / 32 / w}
+                "LDGSTS": (fs.block_c if fs.direction == "fwd" else fs.block_r) * (dp + dpv) / 8 / 32 / w}
         if fs.direction == "bwd" and not det:
             sm90 = ARCHS[fs.arch].capability >= (9, 0)
             vec = sm90 and fs.head_dim % 2 == 0
@@ -215,9 +236,14 @@ class MmaFamily(FamilyBase):
         dp = padded_dim(d)
         strides = {"LD": dp + 8}
         consts = [Constant("DPAD", "int", dp, "head dim padded to the MMA k extent (zero columns)")]
+        split = fs.dv != d  # a v head dim of its own: declared only then (the same source otherwise)
+        if split:
+            strides["LD_V"] = padded_dim(fs.dv) + 8
+            consts.append(Constant("DPAD_V", "int", padded_dim(fs.dv), "v head dim padded to the MMA k extent"))
+        rd = _reg_dim(fs)  # the register rules' head dim: the wider of the two
         if fs.direction == "bwd":
             strides["DS_LD"] = ds_ld(t.block_r)
-            two_d = bwd_2d(d, fs.flags, t.block_r, t.block_c, fs.num_warps)
+            two_d = bwd_2d(d, fs.flags, t.block_r, t.block_c, fs.num_warps, fs.dv)
             consts += [
                 Constant("BWD_2D", "bool", two_d,
                          "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
@@ -227,17 +253,17 @@ class MmaFamily(FamilyBase):
                          "two-dimensional layout: the lanes' offsets and pointers pinned before the loop (fa_pin)"),
                 Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
                          "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
-                Constant("ACC_IN_SMEM", "bool", acc_in_smem(d), "dK~/dV~ accumulators in smem instead of registers"),
-                Constant("KV_IN_REGS", "bool", kv_in_regs(d), "K_j / V_j A-fragments held in registers"),
+                Constant("ACC_IN_SMEM", "bool", acc_in_smem(d, fs.dv), "dK~/dV~ accumulators in smem instead of registers"),
+                Constant("KV_IN_REGS", "bool", kv_in_regs(rd), "K_j / V_j A-fragments held in registers"),
                 Constant("LSE_NOW", "bool", lse_now(fs.flags),
                          "the next step's lse_i / D_i stored at once, not at the step's end"),
-                Constant("BWD_PIN", "bool", not two_d and bwd_pin(d, fs.flags, ARCHS[fs.arch].capability),
+                Constant("BWD_PIN", "bool", not two_d and not split and bwd_pin(d, fs.flags, ARCHS[fs.arch].capability),
                          "the lanes' fragment offsets and dS^T pointer pinned before the loop (fa_pin)"),
-                Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(d, fs.flags, t.block_r),
+                Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(rd, fs.flags, t.block_r),
                          "separate chunk code for fully visible and partial tiles"),
-                Constant("BWD_CHUNK_SUB", "int", bwd_chunk_sub(d, fs.flags, t.block_r),
+                Constant("BWD_CHUNK_SUB", "int", bwd_chunk_sub(rd, fs.flags, t.block_r),
                          "16-Q-row sub-chunks per chunk of the chunk loop"),
-                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(d, fs.flags, t.block_r, ARCHS[fs.arch].capability),
+                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(rd, fs.flags, t.block_r, ARCHS[fs.arch].capability),
                          "chunks per trip of the chunk loop"),
             ]
             if fs.has("deterministic"):
@@ -253,9 +279,9 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
-                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps, t.block_c, fs.flags),
+                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps, t.block_c, fs.flags, fs.dv),
                          "Q_i A-fragments held in registers"),
-                Constant("FWD_HALF_COPY", "bool", fwd_half_copy(d, fs.num_warps),
+                Constant("FWD_HALF_COPY", "bool", fwd_half_copy(d, fs.num_warps) and fwd_half_copy(fs.dv, fs.num_warps),
                          "each half of the threads copies one of K_j / V_j"),
                 Constant("FWD_HALF_STEP", "bool", fwd_half_step(t.block_c),
                          "a block's last step over at most half the tile's keys steps that half alone"),
@@ -264,29 +290,29 @@ class MmaFamily(FamilyBase):
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         direction, head_dim, itemsize, block_r, block_c = fs.direction, fs.head_dim, fs.itemsize, fs.block_r, fs.block_c
-        dp = padded_dim(head_dim)
-        ld = dp + 8
+        dp, dpv = padded_dim(head_dim), padded_dim(fs.dv)
+        ld, ld_v = dp + 8, dpv + 8  # Q / K rows; V / dO rows (the v head dim's)
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
-        if direction == "bwd" and bwd_2d(head_dim, fs.flags, block_r, block_c, fs.num_warps):
+        if direction == "bwd" and bwd_2d(head_dim, fs.flags, block_r, block_c, fs.num_warps, fs.dv):
             return self._bwd_2d_layout(fs, self._do_stages(fs))
         if direction == "bwd":
             entries = [
                 ("k", "T", block_c * ld, itemsize),
-                ("v", "T", block_c * ld, itemsize),
+                ("v", "T", block_c * ld_v, itemsize),
                 ("q", "T", stages * block_r * ld, itemsize),
-                ("do_", "T", stages * block_r * ld, itemsize),
+                ("do_", "T", stages * block_r * ld_v, itemsize),
                 ("ds", "T", block_c * ds_ld(block_r), itemsize),
                 ("lse", "float", stages * block_r, F32),
                 ("delta", "float", stages * block_r, F32),
             ]
-            if acc_in_smem(head_dim):
-                entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dp, F32)]
+            if acc_in_smem(head_dim, fs.dv):
+                entries += [("dk", "float", block_c * dp, F32), ("dv", "float", block_c * dpv, F32)]
             return place(entries)
         if direction == "fwd":
             return place([
                 ("q", "T", block_r * ld, itemsize),
                 ("k", "T", stages * block_c * ld, itemsize),
-                ("v", "T", stages * block_c * ld, itemsize),
+                ("v", "T", stages * block_c * ld_v, itemsize),
             ])
         raise ValueError(f"unknown direction {direction!r}")
 

@@ -60,9 +60,11 @@ def padded_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def acc_in_smem(head_dim: int) -> bool:
-    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers."""
-    return padded_dim(head_dim) > MAX_REG_ACC_DIM
+def acc_in_smem(head_dim: int, head_dim_v: int = 0) -> bool:
+    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers: when their
+    padded_dim(head_dim) / 2 + padded_dim(head_dim_v) / 2 registers (``head_dim_v`` 0: head_dim's)
+    pass those of two MAX_REG_ACC_DIM accumulators."""
+    return padded_dim(head_dim) + padded_dim(head_dim_v or head_dim) > 2 * MAX_REG_ACC_DIM
 
 
 def kv_in_regs(head_dim: int) -> bool:
@@ -173,14 +175,15 @@ FWD_FRAG_REGS = 128
 
 
 def fwd_q_in_regs(head_dim: int, block_r: int, num_warps: int, block_c: int = 64,
-                  flags: frozenset[str] = frozenset()) -> bool:
+                  flags: frozenset[str] = frozenset(), head_dim_v: int = 0) -> bool:
     """Forward: the Q_i A-fragments held in registers (16-row warps up to MAX_REG_Q_DIM whose Q, S and O
     fragments -- DPAD / 4 + block_c / 2 + DPAD / 2 registers -- fit FWD_FRAG_REGS; else Q is read from
     smem per k step, one ldmatrix per 16 x 16: d = 128 with 128 keys would hold 160, and its dropout
     and key-padding kernels spill; a data mask's per-element addressing takes them too; 32-row warps
-    read it from smem, their O accumulator and S fragments take the registers)."""
+    read it from smem, their O accumulator and S fragments take the registers). The O accumulator is
+    ``head_dim_v``'s (0: head_dim's)."""
     dp = padded_dim(head_dim)
-    fits = dp // 4 + block_c // 2 + dp // 2 <= FWD_FRAG_REGS and not flags & FWD_DATA_MASK_FLAGS
+    fits = dp // 4 + block_c // 2 + padded_dim(head_dim_v or head_dim) // 2 <= FWD_FRAG_REGS and not flags & FWD_DATA_MASK_FLAGS
     return q_in_regs(head_dim) and fwd_m_tiles(block_r, num_warps) == 1 and fits
 
 
@@ -268,13 +271,15 @@ BWD_2D_TILE = (64, 128, 8)
 BWD_2D_DIM = 128
 
 
-def bwd_2d(head_dim: int, flags: frozenset[str], block_r: int, block_c: int, num_warps: int) -> bool:
+def bwd_2d(head_dim: int, flags: frozenset[str], block_r: int, block_c: int, num_warps: int,
+           head_dim_v: int = 0) -> bool:
     """Backward: FlashAttention-2's two-dimensional warp layout (``BWD_2D``, templates/mma/bwd_2d.cu.j2)
     for head dim BWD_2D_DIM on the BWD_2D_TILE tile (Q rows x K/V rows, warps) with no flag outside
     BWD_2D_FLAGS: the 8 warps split S / dP and dQ_i into 32 x 32 blocks and dK~ / dV~ into 32 keys x
     64 columns, P and dS go through shared memory, and each fragment a warp reads feeds 4 HMMAs (0.45
-    ldmatrix per HMMA against 0.6 with 16 K/V rows per warp)."""
-    return (head_dim == BWD_2D_DIM and (block_r, block_c, num_warps) == BWD_2D_TILE
+    ldmatrix per HMMA against 0.6 with 16 K/V rows per warp). Not with a v head dim of its own
+    (``head_dim_v`` other than 0 or head_dim: the layout's dK~ / dV~ blocks are one width)."""
+    return (head_dim == BWD_2D_DIM and head_dim_v in (0, head_dim) and (block_r, block_c, num_warps) == BWD_2D_TILE
             and not flags - BWD_2D_FLAGS)
 
 
