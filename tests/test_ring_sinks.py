@@ -1,7 +1,7 @@
 """Attention sinks in ring attention (fagen.distributed): two gloo processes on the CPU against
 single-process ``flash_attn_func(..., sinks=...)`` on the whole sequence (causal zigzag with key
 padding, GQA): the output shards, lse and dq, dk, dv, and the sinks' gradient summed over the
-ranks (each rank's is its rows' part); the sink step alone (add_sinks / sink_grad) without processes."""
+ranks (each rank's is its rows' part), of a loss on the output and on lse (lse is differentiable); the sink step alone (add_sinks / sink_grad) without processes."""
 from __future__ import annotations
 
 import os
@@ -48,13 +48,14 @@ def _worker(rank: int, world: int, port: int, cache: str, errfile: str) -> None:
         q, k, v, do, kpm, sinks = _inputs(world)
         full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
         o, lse = fagen.flash_attn_func(*full[:3], causal=True, key_padding_mask=kpm, sinks=full[3], return_lse=True)
-        o.backward(do)
+        dl = torch.randn(lse.shape, generator=torch.Generator().manual_seed(9))  # a loss on lse too
+        torch.autograd.backward([o, lse], [do, dl])
         idx = _zigzag(rank, world)
         shard = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
         s = sinks.clone().requires_grad_()
         o_l, lse_l = ring_flash_attn_func(*shard, causal=True, layout="zigzag", key_padding_mask=kpm[:, idx],
                                           sinks=s, return_lse=True)
-        o_l.backward(do[:, idx])
+        torch.autograd.backward([o_l, lse_l], [do[:, idx], dl[:, :, idx]])
         torch.testing.assert_close(o_l, o.detach()[:, idx], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse_l.float(), lse.detach()[:, :, idx], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(shard[0].grad, full[0].grad[:, idx], rtol=1e-4, atol=1e-4)

@@ -209,11 +209,13 @@ def add_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     return o * w.transpose(1, 2).unsqueeze(-1), new
 
 
-def sink_grad(do: Tensor, o: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """This shard's d sink_h = -sum_{b,i} exp(sink_h - lse_i) rowsum(dO o O)_i (float64 sums in a fixed
-    order). A replicated parameter's gradient: the trainer sums it over the group as it sums the
-    other parameters' (DDP / FSDP)."""
+def sink_grad(do: Tensor, o: Tensor, lse: Tensor, sinks: Tensor, dlse: Optional[Tensor] = None) -> Tensor:
+    """This shard's d sink_h = -sum_{b,i} exp(sink_h - lse_i) (rowsum(dO o O)_i - dlse_i) (float64 sums
+    in a fixed order; ``dlse``: the gradient of the returned lse, None = 0). A replicated parameter's
+    gradient: the trainer sums it over the group as it sums the other parameters' (DDP / FSDP)."""
     D = (do.double() * o.double()).sum(-1).transpose(1, 2)  # [B, H, N]
+    if dlse is not None:
+        D = D - dlse.double()
     return (-(torch.exp(sinks.double()[None, :, None] - lse.double()) * D).sum(dim=(0, 2))).to(sinks.dtype)
 
 
@@ -249,7 +251,9 @@ def _ring_forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, kpm: Optional[Ten
 
 
 def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   kpm: Optional[Tensor], opts: _Opts) -> tuple[Tensor, Tensor, Tensor]:
+                   kpm: Optional[Tensor], opts: _Opts, dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq of this rank's rows, dk / dv of its keys (after W hops). ``dlse``: the gradient of the
+    returned lse, entering every step's dS as P dlse (the functional backward's ``dlse``)."""
     n_local = q.shape[1]
     nc = len(ring.chunks(ring.rank))
     csize = n_local // nc
@@ -271,7 +275,8 @@ def _ring_backward(ring: Ring, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: T
                     continue
                 keys = slice(ki * csize, (ki + 1) * csize)
                 g = F.attention_backward(do[:, rows], q[:, rows], hk[:, keys], hv[:, keys], o[:, rows],
-                                         lse[:, :, rows], **_kw(opts, kind, _chunk(hm, ki, nc), qc * csize, kc * csize))
+                                         lse[:, :, rows], dlse=None if dlse is None else dlse[:, :, rows],
+                                         **_kw(opts, kind, _chunk(hm, ki, nc), qc * csize, kc * csize))
                 dq[:, rows] += g[0]
                 dk[:, keys] += g[1]
                 dv[:, keys] += g[2]
@@ -318,20 +323,22 @@ def _ring_fwd_fake(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[T
 @torch.library.custom_op("fagen::ring_bwd", mutates_args=())
 def _ring_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
               dropout_p: float, softmax_scale: Optional[float], causal: bool, rng_state: Tensor, layout: str,
-              group_name: str, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              group_name: str, sinks: Optional[Tensor] = None,
+              dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     seed, offset = (int(x) for x in rng_state.tolist())
+    dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
     dq, dk, dv = _ring_backward(_ring_of(group_name, layout), do.contiguous(), q.contiguous(), k.contiguous(),
                                 v.contiguous(), o.contiguous(), lse, key_padding_mask,
-                                _Opts(causal, dropout_p, softmax_scale, seed, offset))
-    dsinks = sink_grad(do, o, lse, sinks) if sinks is not None else q.new_empty((0,))
+                                _Opts(causal, dropout_p, softmax_scale, seed, offset), dlse)
+    dsinks = sink_grad(do, o, lse, sinks, dlse) if sinks is not None else q.new_empty((0,))
     return dq, dk, dv, dsinks
 
 
 @_ring_bwd.register_fake
 def _ring_bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    key_padding_mask: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
-                   rng_state: Tensor, layout: str, group_name: str,
-                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   rng_state: Tensor, layout: str, group_name: str, sinks: Optional[Tensor] = None,
+                   dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
@@ -341,14 +348,16 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     o, lse, rng_state = output
     ctx.save_for_backward(q, k, v, o, lse, kpm, rng_state, rest[0] if rest else None)
     ctx.args = (dropout_p, softmax_scale, causal, layout, group_name)
-    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.mark_non_differentiable(rng_state)  # lse is differentiable: its gradient enters dS as P dlse
 
 
-def _backward(ctx: Any, do: Tensor, _dlse: Any, _drng: Any) -> tuple[Any, ...]:
+def _backward(ctx: Any, do: Tensor, dlse: Any, _drng: Any) -> tuple[Any, ...]:
     q, k, v, o, lse, kpm, rng_state, sinks = ctx.saved_tensors
     dropout_p, softmax_scale, causal, layout, group_name = ctx.args
+    if do is None:  # only lse took part in the loss
+        do = torch.zeros_like(o)
     dq, dk, dv, dsinks = _ring_bwd(do, q, k, v, o, lse, kpm, dropout_p, softmax_scale, causal, rng_state, layout,
-                                   group_name, sinks)
+                                   group_name, sinks, dlse)
     return dq, dk, dv, None, None, None, None, None, None, (dsinks if sinks is not None else None)
 
 
@@ -400,7 +409,7 @@ def ring_flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0
     (seed, offset) like :func:`fagen.flash_attn_func` -- ranks whose torch generators agree draw the
     same key -- and keeps exactly the elements :func:`fagen.dropout_keep_mask` of the whole
     sequence keeps. Returns this rank's output shard (and its lse ``[B, H, N_local]`` with
-    ``return_lse``). ``group``: the process group (None = the default group). ``sinks``: fp32
+    ``return_lse``, differentiable like :func:`fagen.flash_attn_func`'s). ``group``: the process group (None = the default group). ``sinks``: fp32
     ``[H]`` attention sinks, as :func:`fagen.flash_attn_func`'s: added once, after the merge over
     every K/V shard (lse includes them); their gradient is this shard's part (rows held here), which
     the trainer sums over the group like any replicated parameter's (DDP / FSDP do).
