@@ -40,6 +40,18 @@ def test_the_family_takes_both_dims_and_sizes_the_tile_by_each() -> None:
     with pytest.raises(ValueError, match=r"block_c=128 with head_dim_v=256: .* 208 fp32 registers"):
         _spec("fwd", 64, 256, block_c=128, impl="wgmma")
     assert _spec("fwd", 64, 256, block_c=128).impl != "wgmma"  # impl=None: another family
+    bwd = _spec("bwd", 128, 64)
+    assert bwd.impl == "wgmma" and (bwd.tile.block_r, bwd.tile.block_c, bwd.num_warps) == (64, 128, 8)
+    lay = {b.name: b.count for b in bwd.smem_layout.buffers}
+    assert lay["v"] == 128 * 64 and lay["dout"] == 2 * 64 * 64 and lay["k"] == 128 * 128 and lay["q"] == 2 * 64 * 128
+    # d = 64 with a wider dv: the wider dim's Q block (64 rows, not d = 64's 128) and one consumer
+    # warpgroup (two could not split dQ_i's 64 columns into 64-column wgmmas)
+    narrow = _spec("bwd", 64, 128)
+    assert narrow.impl == "wgmma" and (narrow.tile.block_r, narrow.tile.block_c, narrow.num_warps) == (64, 64, 4)
+    with pytest.raises(ValueError, match=r"block_r=128 with head_dim=64, head_dim_v=128: .* 288 fp32 registers"):
+        _spec("bwd", 64, 128, num_warps=4, block_r=128, impl="wgmma")
+    with pytest.raises(ValueError, match=r"cannot split dQ_i's 64 columns"):
+        _spec("bwd", 64, 128, num_warps=8, impl="wgmma")
     # the constant that names v's panels exists only for such specs: the others render as before
     assert "PANELS_V" in renderer.render(fwd).source
     assert "PANELS_V" not in renderer.render(KernelSpec(direction="fwd", head_dim=192, arch="sm_90a")).source
@@ -48,6 +60,7 @@ def test_the_family_takes_both_dims_and_sizes_the_tile_by_each() -> None:
 @pytest.mark.parametrize("direction, d, dv, why", [
     ("fwd", 128, 80, "head_dim_v=80: the templates take head_dim_v in (64, 96, 128, 192, 256)"),
     ("bwd", 192, 128, "head_dim=192: the wgmma backward takes head_dim in (64, 96, 128)"),
+    ("bwd", 128, 192, "head_dim_v=192: the wgmma backward takes head_dim_v in (64, 96, 128)"),
 ])
 def test_pairs_it_cannot_take_are_declined_by_name(direction, d, dv, why) -> None:
     import re
@@ -142,3 +155,53 @@ def test_forward_matches_float64(c) -> None:
     assert_lse_close("lse", lse, lse64, lse32)
     if c.get("kpm") and c["B"] > 1:  # the batch with every key padded: zero rows
         assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+
+
+BWD_CASES = [
+    # GQA, two consumer warpgroups, Nq != Nk, lengths off the 64 x 128 tile
+    dict(d=128, dv=64, dtype="float16", nw=8, B=1, Nq=150, Nk=200, H=2, Hkv=1, causal=True),
+    dict(d=64, dv=128, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=130, H=2, Hkv=2, kpm=True),
+    dict(d=96, dv=64, dtype="float16", nw=8, B=1, Nq=130, Nk=100, H=3, Hkv=1, window=(30, 5), stages=3),
+    dict(d=64, dv=96, dtype="bfloat16", nw=4, B=1, Nq=90, Nk=140, H=2, Hkv=1, causal=True, align="top_left"),
+    dict(d=96, dv=128, dtype="float16", nw=8, B=1, Nq=128, Nk=128, H=1, Hkv=1),  # whole tiles only
+    dict(d=128, dv=96, dtype="bfloat16", nw=4, B=1, Nq=200, Nk=77, H=2, Hkv=1, causal=True),  # rows that see no key
+]
+
+
+def _backward(c: dict, t: dict, spec: KernelSpec, dlse: torch.Tensor | None = None):
+    """The kernels' (dq, dk, dv) from the float64 oracle's o and lse, and the oracle's in float64 and
+    in the inputs' dtype."""
+    o64, lse64, g64 = _oracle(c, t, torch.float64, grads=True)
+    _, _, g_pt = _oracle(c, t, DT[c["dtype"]], grads=True)
+    ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(), **_options(c, t))
+    return ours, g64, g_pt
+
+
+@pytest.mark.parametrize("c", _slow(BWD_CASES))
+def test_backward_matches_float64(c) -> None:
+    t = _inputs(c)
+    ours, g64, g_pt = _backward(c, t, _case_spec("bwd", c))
+    assert [g.shape for g in ours] == [t["q"].shape, t["k"].shape, t["v"].shape]
+    for name, a, r64, pt in zip(("dq", "dk", "dv"), ours, g64, g_pt):
+        assert_close(name, a, r64, pt, DT[c["dtype"]])
+    if c.get("kpm"):  # padded keys: zero dk, dv; the batch with every key padded: zero dq
+        pad = ~t["kpm"]
+        assert torch.equal(ours[1][pad], torch.zeros_like(ours[1][pad]))
+        assert torch.equal(ours[2][pad], torch.zeros_like(ours[2][pad]))
+        assert torch.equal(ours[0][-1], torch.zeros_like(ours[0][-1]))
+
+
+def test_dlse_enters_d_over_the_v_head_dim() -> None:
+    """D = rowsum(dO o O) - dlse (the pre kernel, over dv) through attention_backward's dlse."""
+    c = BWD_CASES[0]
+    t = _inputs(c, seed=5)
+    g = torch.Generator().manual_seed(6)
+    dlse = torch.randn(c["B"], c["H"], c["Nq"], generator=g)
+    fwd, bwd = _case_spec("fwd", c), _case_spec("bwd", c)
+    o, lse = F.attention_forward(t["q"], t["k"], t["v"], spec=fwd, causal=True)
+    ours = F.attention_backward(t["do"], t["q"], t["k"], t["v"], o, lse, dlse=dlse, spec=bwd, causal=True)
+    inputs = {n: t[n] for n in ("q", "k", "v")}
+    _, _, g64 = S.grads(S.attention, inputs, t["do"], dlse, torch.float64, causal=True)
+    _, _, g_pt = S.grads(S.attention, inputs, t["do"], dlse, DT[c["dtype"]], causal=True)
+    for name, a in zip("qkv", ours):
+        S.criterion("d" + name, a, g64[name], g_pt[name], DT[c["dtype"]])

@@ -13,9 +13,10 @@ retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
 and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
-takes any pair of its head dims, the backward any pair of its own (:mod:`fagen.families.wgmma.bwd`).
-The tile counts both dims (shared memory) and the registers the O accumulator, S and P~ hold
-(:data:`FWD_ACC_REGS`): a pair whose tile cannot fit is declined by name.
+takes any pair of its head dims, the backward any pair of its own, 64 / 96 / 128 (V_j, dO_i, dV~ and
+D of dv; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared memory) and the
+registers the accumulators hold (:data:`FWD_ACC_REGS`, ``bwd.BWD_ACC_REGS``): a tile that cannot
+fit is declined by name.
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
@@ -135,7 +136,7 @@ class WgmmaFamily(FamilyBase):
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         if fs.direction == "bwd":
-            return bwd.DEFAULT_BLOCK_R.get(fs.head_dim, 64), 16 * fs.num_warps
+            return bwd.default_block_r(fs), 16 * fs.num_warps
         return 16 * fs.num_warps, self.max_block_c
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
@@ -156,8 +157,9 @@ class WgmmaFamily(FamilyBase):
         V_j tile the producer loads feeds 128 Q rows, half the K/V traffic of one warpgroup's 64,
         at no more issue per FLOP (benchmarks/sass_cost.py: d64 753 -> 748, d128 405 -> 402).
         Backward: FA3's tiles, 128 K/V rows per CTA (d64 128x128, d128 64x128: 448 / 314 against
-        one warpgroup's 458 / 319). Each consumer stays at the setmaxnreg ceiling of MAX_CONSUMER_REGS."""
-        return 8
+        one warpgroup's 458 / 319). Each consumer stays at the setmaxnreg ceiling of MAX_CONSUMER_REGS.
+        A backward at d = 64 with a wider v head dim: one (``bwd.default_warps``)."""
+        return bwd.default_warps(fs) if fs.direction == "bwd" else 8
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per consumer warp and tile pair of the forward: its warpgroup's HGMMA m64nNk16 (each

@@ -12,6 +12,12 @@ dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem
 the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
 warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
 
+A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128): V_j, the dO_i slots and dV~ are
+dv wide, dP^T = V_w dO_i^T runs its k loop over dv, the pre kernel's D = rowsum(dO o O) over dv;
+S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r`), d = 64 with a
+wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
+fragments / dK~ / dV~ exceed :data:`BWD_ACC_REGS` is declined by name.
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -25,7 +31,7 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_TMA", "DEFAULT_BLOCK_R", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -53,9 +59,15 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
         return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
     if fs.head_dim not in DEFAULT_BLOCK_R:
         return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {tuple(DEFAULT_BLOCK_R)}"
-    if fs.dv != fs.head_dim:
-        return f"head_dim_v={fs.dv}: the wgmma backward does not implement a v head dim of its own yet"
+    if fs.dv not in DEFAULT_BLOCK_R:
+        return f"head_dim_v={fs.dv}: the wgmma backward takes head_dim_v in {tuple(DEFAULT_BLOCK_R)}"
     return None
+
+
+def default_block_r(fs: FamilySpec) -> int:
+    """The Q rows of the default tile: DEFAULT_BLOCK_R of the wider head dim (a v head dim of its own
+    counts: its dO_i slots, dP^T's k loop and dV~'s registers)."""
+    return min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
 
 
 def config_reason(fs: FamilySpec) -> Reason | None:
@@ -65,7 +77,33 @@ def config_reason(fs: FamilySpec) -> Reason | None:
     if fs.block_r not in (64, 128):
         return Reason("block_r", f"block_r={fs.block_r} must be 64 or 128 (wgmma backward: m64 tiles of dQ_i, "
                                  f"N = block_r of S^T)")
+    if dq_split(fs)[1] % 64:
+        return Reason("block_r", f"block_r={fs.block_r} with num_warps={fs.num_warps} at head_dim={fs.head_dim}: "
+                                 f"the {fs.num_warps // 4} consumer warpgroups cannot split dQ_i's "
+                                 f"{padded_dim(fs.head_dim)} columns into 64-column wgmmas (wgmma backward)")
+    if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
+                                 f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
+                                 f"than {BWD_ACC_REGS} (wgmma backward: ptxas would spill)")
     return None
+
+
+#: fp32 registers per consumer thread a backward tile with a v head dim of its own may ask for
+#: (:func:`acc_regs`): 256 is d = 64's 128 x 128 tile (no spill); d = 64, dv = 128 at 128 Q rows
+#: (288) spills 752 bytes. The head_dim = head_dim_v tiles are left as they were.
+BWD_ACC_REGS = 256
+
+
+def acc_regs(fs: FamilySpec) -> int:
+    """fp32 registers per consumer thread of the backward's S^T and dP^T (block_r / 2 each), the P^T and
+    dS^T fragments (block_r / 4 each) and the dK~, dV~ accumulators (padded head dims / 2)."""
+    return fs.block_r + fs.block_r // 2 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2
+
+
+def default_warps(fs: FamilySpec) -> int:
+    """Two consumer warpgroups (the family's rule), but one where the default Q block (64 rows) at
+    d = 64 leaves two warpgroups no 64-column share of dQ_i (d = 64 with a wider v head dim)."""
+    return 4 if padded_dim(fs.head_dim) == 64 and default_block_r(fs) == 64 else 8
 
 
 def dq_split(fs: FamilySpec) -> tuple[int, int]:
@@ -78,12 +116,12 @@ def dq_split(fs: FamilySpec) -> tuple[int, int]:
 
 
 def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
-    d, e, br, bc = padded_dim(fs.head_dim), fs.itemsize, fs.block_r, fs.block_c
+    d, dv, e, br, bc = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize, fs.block_r, fs.block_c
     return place([
         ("k", "T", bc * d, e, 1024),
-        ("v", "T", bc * d, e, 1024),
+        ("v", "T", bc * dv, e, 1024),  # V_j, dO_i: the v head dim (head_dim_v)
         ("q", "T", stages * br * d, e, 1024),
-        ("dout", "T", stages * br * d, e, 1024),
+        ("dout", "T", stages * br * dv, e, 1024),
         ("ds", "T", bc * br, e, 1024),
         ("dq", "float", br * fs.head_dim, 4, 128),  # head_dim / DQ_GROUP groups of block_r x DQ_GROUP
         ("lse", "float", stages * br, 4),
@@ -106,13 +144,14 @@ def launch(fs: FamilySpec, role: Role) -> Launch:
 
 
 #: fp32 registers per consumer thread the early dV~ wgmma may keep live (of CONSUMER_REGS = 240):
-#: S^T and dP^T (block_r), the P^T fragments (block_r / 4), dK~ and dV~ (head_dim); above it ptxas spills.
+#: S^T and dP^T (block_r), the P^T fragments (block_r / 4), dK~ and dV~ ((head_dim + head_dim_v) / 2);
+#: above it ptxas spills.
 DV_EARLY_REGS = 208
 
 
 def dv_early(fs: FamilySpec) -> bool:
     """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
-    return fs.block_r + fs.block_r // 4 + padded_dim(fs.head_dim) <= DV_EARLY_REGS
+    return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
 
 def constants(fs: FamilySpec) -> tuple[Constant, ...]:
@@ -157,9 +196,9 @@ def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[
 
 
 def tile_work(fs: FamilySpec) -> dict[str, float]:
-    """Per consumer warp and tile pair: HGMMA instructions (S^T and dP^T: d/16 each; dV and dK:
+    """Per consumer warp and tile pair: HGMMA instructions (S^T: d/16, dP^T: dv/16; dV and dK:
     block_r/16 each, per warpgroup; dQ_i: block_c/16 per m64 tile and 64 columns of the warpgroup's
     share) — every warp of a warpgroup issues each of its wgmmas."""
-    d, br, bc = fs.head_dim, fs.block_r, fs.block_c
+    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
     mt, cols = dq_split(fs)
-    return {"HGMMA": 2 * d / 16 + 2 * br / 16 + mt * (cols // 64) * bc / 16}
+    return {"HGMMA": (d + dv) / 16 + 2 * br / 16 + mt * (cols // 64) * bc / 16}
