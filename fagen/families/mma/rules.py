@@ -61,10 +61,11 @@ def padded_dim(head_dim: int) -> int:
 
 
 def acc_in_smem(head_dim: int, head_dim_v: int = 0) -> bool:
-    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers: when their
-    padded_dim(head_dim) / 2 + padded_dim(head_dim_v) / 2 registers (``head_dim_v`` 0: head_dim's)
-    pass those of two MAX_REG_ACC_DIM accumulators."""
-    return padded_dim(head_dim) + padded_dim(head_dim_v or head_dim) > 2 * MAX_REG_ACC_DIM
+    """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers: past padded head
+    dim MAX_REG_ACC_DIM, of the wider of head_dim and ``head_dim_v`` (0: head_dim's). Not their sum: d = 64
+    beside dv = 192 (128 accumulator registers, as d = 128's) spills 8-72 bytes on sm_80 with key padding
+    and dropout or a bias (ptxas), the narrower K/V fragments read from smem per chunk beside them."""
+    return padded_dim(max(head_dim, head_dim_v)) > MAX_REG_ACC_DIM
 
 
 def kv_in_regs(head_dim: int) -> bool:
