@@ -63,9 +63,9 @@ def compile_flags(*, sanitize: bool, debug: bool, racecheck: bool = False) -> li
     flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
              "-Wno-unknown-pragmas"]
     if racecheck:
-        flags += ["-O2", "-g", *RACECHECK_FLAGS]
+        flags += ["-O2", "-g1", *RACECHECK_FLAGS]
     elif sanitize:
-        flags += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        flags += ["-O1", "-g1", "-fsanitize=address", "-fno-omit-frame-pointer"]
     elif debug:
         flags += ["-O0", "-g"]
     else:
