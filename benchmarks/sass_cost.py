@@ -96,27 +96,29 @@ def red_width(mnemonic: str) -> int:
 
 
 def measure(text: str, kernel: str, direction: str, head_dim: int, padded_dim: int, block_r: int, block_c: int,
-            num_warps: int, *, diagonal: bool = False, dq_atomics: bool = True):
-    """(TileLoop, instructions per 1e6 FLOPs) of ``kernel`` in nvdisasm ``text``, or None."""
+            num_warps: int, *, diagonal: bool = False, dq_atomics: bool = True, head_dim_v: int | None = None):
+    """(TileLoop, instructions per 1e6 FLOPs) of ``kernel`` in nvdisasm ``text``, or None. ``head_dim_v``:
+    v's head dim where it differs (its GEMMs and copies counted at its padded width)."""
     from fagen import sass
     from fagen.autotune.sassloops import tile_loop
 
     w = num_warps
-    flops = pair_flops(direction, padded_dim, block_r, block_c)
+    padded_v = -(-head_dim_v // 16) * 16 if head_dim_v else padded_dim
+    flops = pair_flops(direction, padded_dim, block_r, block_c, padded_v)
     work: dict[str, float] = {"HMMA": flops / HMMA_FLOPS / w}
     if direction == "bwd":
-        work["LDGSTS"] = 2 * block_r * padded_dim / 8 / 32 / w  # Q_i and dO_i in 16-byte copies
+        work["LDGSTS"] = block_r * (padded_dim + padded_v) / 8 / 32 / w  # Q_i and dO_i in 16-byte copies
         if dq_atomics:
             reds = [i for i in sass.parse(text).get(kernel, []) if i.opcode in ("RED", "REDG", "ATOM", "ATOMG")]
             width = max((red_width(i.mnemonic) for i in reds), default=1)
             op = reds[0].opcode if reds else "REDG"
             work[op] = block_r * head_dim / width / 32 / w  # dQ_i += dS K_j, one add per element
     else:
-        work["LDGSTS"] = 2 * block_c * padded_dim / 8 / 32 / w  # K_j and V_j
+        work["LDGSTS"] = block_c * (padded_dim + padded_v) / 8 / 32 / w  # K_j and V_j
     loop = tile_loop(text, kernel, work, diagonal=diagonal)
     if loop is None:
         return None
-    return loop, loop.total() * w / (pair_flops(direction, head_dim, block_r, block_c) / 1e6)
+    return loop, loop.total() * w / (pair_flops(direction, head_dim, block_r, block_c, head_dim_v) / 1e6)
 
 
 def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
@@ -194,7 +196,8 @@ def fagen_rows(specs: Iterable[dict[str, Any]]) -> list[Row]:
                 got = None if spec_got is None else (spec_got[0], spec_got[2])
             else:
                 got = measure(text, kname, spec.direction, spec.head_dim, dp, t.block_r, t.block_c, spec.num_warps,
-                              diagonal=diag, dq_atomics=not getattr(spec, "deterministic", False))
+                              diagonal=diag, dq_atomics=not getattr(spec, "deterministic", False),
+                              head_dim_v=spec.head_dim_v)
             if got is None:
                 continue
             loop, per = got
