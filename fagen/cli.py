@@ -116,10 +116,10 @@ def _print_table(rows: list[tuple[str, Any]]) -> None:
 
 # --------------------------------------------------------------------------- commands
 def inspect_dict(spec) -> dict[str, Any]:
-    from .renderer import kernel_infos
+    from .plan import plan_of
     from .spec import FLAG_FEATURES
 
-    t = spec.tile
+    t, plan = spec.tile, plan_of(spec)
     return {
         "name": spec.name, "direction": spec.direction, "head_dim": spec.head_dim, "dtype": spec.dtype,
         "causal": spec.causal, "key_padding": spec.key_padding, "dropout": spec.dropout, "arch": spec.arch,
@@ -127,11 +127,11 @@ def inspect_dict(spec) -> dict[str, Any]:
         "impl": spec.impl, "sram_bytes": spec.sram_bytes, "paper_block_r": spec.paper_block_r,
         "paper_block_c": spec.paper_block_c, "block_r": t.block_r, "block_c": t.block_c,
         "num_warps": spec.num_warps, "num_threads": spec.num_threads, "smem_bytes": spec.smem_bytes,
-        "smem_breakdown": spec.smem_layout.breakdown(),
+        "smem_breakdown": plan.smem_layout.breakdown(),
         "kernels": [{"kernel": k.name, "block": list(k.block), "smem_bytes": k.smem_bytes,
                      "grid": f"(ceil(seqlen_{k.role.grid_seq} / {k.rows_per_block}), batch, "
                              f"{'heads_kv' if k.role.grid_heads == 'kv' else 'heads'})"}
-                    for k in kernel_infos(spec)],
+                    for k in plan.kernels],
         "cache_key": spec.cache_key,
     }
 

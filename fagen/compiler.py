@@ -34,8 +34,8 @@ from pathlib import Path
 from . import cache, elf, nvrtc
 from ._version import __version__
 from .errors import CacheDirError, CompileError
-from .families import get_family
-from .renderer import Rendered, kernel_infos, render, templates_dir
+from .plan import plan_of
+from .renderer import Rendered, render, templates_dir
 from .settings import get_settings
 from .spec import KernelSpec
 
@@ -83,7 +83,7 @@ class CompiledModule:
         return render(self.spec)
 
     def resource(self, kernel_role: str) -> KernelResources:
-        name = next(k.name for k in kernel_infos(self.spec) if k.role.name == kernel_role)
+        name = plan_of(self.spec).kernel(kernel_role).name
         return next(r for r in self.resources if r.kernel == name)
 
 
@@ -92,7 +92,7 @@ def options_for(spec: KernelSpec, ptx_target: str | None = None) -> list[str]:
     PTX for that virtual arch instead of a cubin for ``spec.arch``."""
     arch = ptx_target if ptx_target is not None else spec.arch
     verbose = [] if ptx_target is not None else ["-Xptxas=-v"]
-    return [f"-arch={arch}", "-std=c++17", *verbose, *get_family(spec.impl).nvrtc_options(spec.family_spec)]
+    return [f"-arch={arch}", "-std=c++17", *verbose, *plan_of(spec).nvrtc_options]
 
 
 def check_target(spec: KernelSpec, ptx_target: str | None = None) -> None:
@@ -306,7 +306,7 @@ def _module(spec: KernelSpec, key: str, meta: dict, cubin: bytes, *, cached: boo
     try:  # [[kernel, dynamic smem bytes], ...] in launch order
         dyn = {str(name): int(n) for name, n in meta["dynamic_smem"]}
     except (KeyError, TypeError, ValueError):
-        dyn = {k.name: k.smem_bytes for k in kernel_infos(spec)}
+        dyn = {k.name: k.smem_bytes for k in plan_of(spec).kernels}
     return CompiledModule(
         spec=spec, cubin=cubin, options=tuple(meta["options"]), log=meta["log"],
         resources=parse_ptxas(meta["log"], dyn), compile_seconds=float(meta["compile_seconds"]),
@@ -330,7 +330,7 @@ def compile(spec: KernelSpec, *, ptx_target: str | None = None) -> CompiledModul
     options = options_for(spec, ptx_target)
     # The index vouches for templates/ and fagen's own files only: a family registered from
     # elsewhere (Family.template_dir) always takes the full path (render, hash the source).
-    mod = _from_index(spec, root, options) if get_family(spec.impl).template_dir is None else None
+    mod = _from_index(spec, root, options) if plan_of(spec).family.template_dir is None else None
     if mod is None:
         check_target(spec, ptx_target)
         mod = compile_full(spec, root, options, ptx_target)

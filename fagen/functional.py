@@ -21,15 +21,13 @@ import torch
 from pydantic import ValidationError
 
 from .choices import tuned_or_default
-from .abi import is_tensormap
 from .arch import arch_info
 from .errors import InputError, InputTypeError
-from .families import get_family
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
                      check_lse, check_seed_offset, check_tensor, reduce_to_shape, validate_features, validate_flag, validate_qkv,
                      validate_softmax_scale, validate_varlen)
 from .philox import keep_mask
-from .renderer import KernelInfo, kernel_infos
+from .plan import KernelInfo, ModulePlan, plan_of
 from .runtime import get_module
 from .settings import get_settings
 from .spec import KernelSpec
@@ -122,17 +120,11 @@ def _arch_specific_spec(direction: str, p: Problem, arch: str, flags: dict[str, 
     except ValidationError:
         return None
     generic = dataclasses.replace(spec.family_spec, arch=arch)
-    return spec if get_family(spec.impl).unsupported_reason(generic) is not None else None
-
-
-@functools.lru_cache(maxsize=512)
-def _kernels(spec: KernelSpec) -> tuple[KernelInfo, ...]:
-    """The spec's entry points in launch order, without rendering its source (a first call stays cheap)."""
-    return tuple(kernel_infos(spec))
+    return spec if spec.family.unsupported_reason(generic) is not None else None
 
 
 def _kernel(spec: KernelSpec, role: str) -> KernelInfo:
-    return next(k for k in _kernels(spec) if k.role.name == role)
+    return plan_of(spec).kernel(role)
 
 
 def _spec_flag(spec: KernelSpec, field: str) -> Any:
@@ -342,6 +334,11 @@ class _Plan:
     tma: tuple[str, ...] = ()  # inputs the family reads through tensor maps (address checked per call)
     tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
 
+    @property
+    def module(self) -> ModulePlan:
+        """The spec's module plan (its family's decisions: kernels, tensor maps)."""
+        return plan_of(self.spec)
+
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _PLANS_MAX = 1024
@@ -489,7 +486,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
             "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks), "lse_lo": _ptr(lse_lo)}
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
-        mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v)})
+        if kern.has_tensormaps:
+            mod.launch(kern, grid, {**args, **plan.module.tensor_maps(kern, {"q": q, "k": k, "v": v})})
+        else:
+            mod.launch(kern, grid, args)
     return _unpad(o, p, True), lse, lse_lo
 
 
@@ -515,7 +515,7 @@ def _tma_inputs(spec: KernelSpec, p: Problem, **tensors: Any) -> tuple[tuple[str
     family never raises where another would not. Padded inputs are contiguous copies already."""
     from .tma import layout_fits
 
-    names = tuple(n for n in get_family(spec.impl).tma_tensors(spec.family_spec) if n in tensors)
+    names = tuple(n for n in plan_of(spec).tma_tensors if n in tensors)
     if p.padded:
         return names, frozenset()
     return names, frozenset(n for n in names
@@ -534,13 +534,6 @@ def _tma_ready(plan: _Plan, **tensors: torch.Tensor) -> list[torch.Tensor]:
             x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
         out.append(x)
     return out
-
-
-def _tensor_maps(spec: KernelSpec, kern: KernelInfo, **tensors: torch.Tensor) -> dict[str, Any]:
-    """The tensor-map arguments (ABI kind tensormap) of one launch, from the family (none for most kernels)."""
-    if not any(is_tensormap(ctype) for ctype, _ in kern.params):
-        return {}
-    return get_family(spec.impl).tensor_maps(spec.family_spec, kern.role, tensors)
 
 
 def _options_of(causal: Any, dropout_p: Any, softmax_scale: Any, window_size: Any, softcap: Any,
@@ -674,7 +667,7 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
             "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias)}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
-    launches = tuple((kern, _grid(kern, p)) for kern in _kernels(spec))  # pre, main, (dq,) post
+    launches = tuple((kern, _grid(kern, p)) for kern in plan_of(spec).kernels)  # pre, main, (dq,) post
     return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, **common)
 
 
@@ -734,7 +727,11 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t)}
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
-            mod.launch(kern, grid, {**args, **_tensor_maps(plan.spec, kern, q=q, k=k, v=v, do=do, dq_accum=dq_accum)})
+            if kern.has_tensormaps:
+                maps = plan.module.tensor_maps(kern, {"q": q, "k": k, "v": v, "do": do, "dq_accum": dq_accum})
+                mod.launch(kern, grid, {**args, **maps})
+            else:
+                mod.launch(kern, grid, args)
     out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True))
     if bias_grad:
         bias = t.attn_bias

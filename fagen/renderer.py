@@ -16,10 +16,13 @@ from typing import Any
 
 import jinja2
 
-from .abi import Role
 from .algorithm4 import ALG4
-from .families import Constant, Family, family_names, get_family
+from .families import Constant, families
+from .plan import KernelInfo, plan_of
 from .spec import KernelSpec
+
+__all__ = ["KernelInfo", "Rendered", "environment", "kernel_infos", "render", "render_with", "spec_constants",
+           "template_context", "templates_dir"]
 
 
 def templates_dir() -> Path:
@@ -35,12 +38,7 @@ def templates_dir() -> Path:
 
 def _family_folders() -> tuple[tuple[str, str], ...]:
     """(name, folder) of the registered families whose templates live outside templates/."""
-    out = []
-    for name in family_names():
-        folder = get_family(name).template_dir
-        if folder is not None:
-            out.append((name, str(folder)))
-    return tuple(out)
+    return tuple((fam.name, str(fam.template_dir)) for fam in families() if fam.template_dir is not None)
 
 
 def environment() -> jinja2.Environment:
@@ -68,27 +66,6 @@ def _env_for(folders: tuple[tuple[str, str], ...]) -> jinja2.Environment:
 
 
 @dataclass(frozen=True)
-class KernelInfo:
-    """One entry point of a rendered module and how to launch it."""
-
-    name: str
-    role: Role
-    params: tuple[tuple[str, str], ...]  # concrete (ctype, name), dtype substituted
-    block: tuple[int, int, int]
-    smem_bytes: int  # dynamic shared memory per block
-    rows_per_block: int
-
-    @property
-    def threads(self) -> int:
-        return self.block[0] * self.block[1] * self.block[2]
-
-    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-             heads_kv: int | None = None) -> tuple[int, int, int]:
-        return self.role.grid(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, rows=self.rows_per_block,
-                              heads_kv=heads_kv)
-
-
-@dataclass(frozen=True)
 class Rendered:
     spec: KernelSpec
     source: str
@@ -101,21 +78,11 @@ class Rendered:
         raise KeyError(role)
 
 
-def _concrete(params: tuple[tuple[str, str], ...], ctype: str) -> tuple[tuple[str, str], ...]:
-    return tuple((t.replace("T*", f"{ctype}*") if "T*" in t else t, n) for t, n in params)
-
-
 def kernel_infos(spec: KernelSpec) -> tuple[KernelInfo, ...]:
     """The module's entry points: the family's roles, launch geometry and each role's dynamic smem
-    (Family.role_smem_bytes: the main kernel gets the whole layout)."""
-    fam, fs = get_family(spec.impl), spec.family_spec
-    out = []
-    for role in fam.roles(fs):
-        launch = fam.launch(fs, role)
-        smem = fam.role_smem_bytes(fs, role)
-        out.append(KernelInfo(f"{spec.name}_{role.name}", role, _concrete(role.params, spec.ctype),
-                              launch.block, smem, launch.rows_per_block))
-    return tuple(out)
+    (Family.role_smem_bytes: the main kernel gets the whole layout), from the spec's one plan
+    (:func:`fagen.plan.plan_of`)."""
+    return plan_of(spec).kernels
 
 
 def spec_constants(spec: KernelSpec) -> dict[str, Any]:
@@ -138,18 +105,18 @@ def template_context(spec: KernelSpec, kernels: tuple[KernelInfo, ...] | None = 
     """Everything the templates see: the spec's constants (:func:`spec_constants`), the
     family's decisions (Family.template_context: ``strides``, ``constants`` and extra values; each
     Constant also under its name), the smem layout, the knobs and the kernels. No ``spec``."""
-    fam: Family = get_family(spec.impl)
-    kernels = kernel_infos(spec) if kernels is None else kernels
+    plan = plan_of(spec)
+    kernels = plan.kernels if kernels is None else kernels
     ctx: dict[str, Any] = {
         "module_name": spec.name,
         "module_json": spec.model_dump_json(),  # the KernelSpec, for the header comment
         "T": spec.ctype,
-        "layout": spec.smem_layout,
+        "layout": plan.smem_layout,
         "knobs": spec.knob_values,
         "kernels": {k.role.name: k for k in kernels},
         **spec_constants(spec),
     }
-    extra = fam.template_context(spec.family_spec)
+    extra = plan.family.template_context(plan.family_spec)
     constants: tuple[Constant, ...] = tuple(extra.get("constants", ()))
     extra = {**extra, "constants": constants}
     extra.setdefault("strides", {})
@@ -177,8 +144,7 @@ def render_with(spec: KernelSpec, templates: Mapping[str, str]) -> Rendered:
 
 
 def _render(spec: KernelSpec, env: jinja2.Environment) -> Rendered:
-    fam = get_family(spec.impl)
-    kernels = kernel_infos(spec)
-    ctx = template_context(spec, kernels)
-    parts = [env.get_template(name).render(**ctx) for name in fam.templates(spec.direction)]
-    return Rendered(spec, "".join(parts), kernels)
+    plan = plan_of(spec)
+    ctx = template_context(spec, plan.kernels)
+    parts = [env.get_template(name).render(**ctx) for name in plan.templates]
+    return Rendered(spec, "".join(parts), plan.kernels)

@@ -18,8 +18,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .arch import ARCHS, arch_for_capability  # noqa: F401 - re-exported
 # NUM_WARPS_CHOICES and Tile are re-exported here (the CLI and callers read them from fagen.spec).
-from .families import (DEFAULT_NUM_WARPS, NUM_WARPS_CHOICES, Family, FamilySpec, Tile, family_names, feature_reason, get_family,
-                       warp_choices)
+from .families import (DEFAULT_NUM_WARPS, NUM_WARPS_CHOICES, Family, FamilySpec, Tile, families, family_names, feature_reason,
+                       get_family, warp_choices)
 from .layout import SmemLayout
 
 Arch = Literal["sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121"]
@@ -194,15 +194,15 @@ class KernelSpec(BaseModel):
     def _check_feasible(self) -> "KernelSpec":
         # impl and knobs are resolved here and stored, so the name and cache key carry them.
         if self.impl is not None:
-            err = self._fit(get_family(self.impl))
+            err = self._fit(self.family)
             if err is not None:
                 raise err
             return self
         # impl=None: the first family in preference order that implements the spec as given
         # (its tile, warps and knobs included).
         knobs, warps, tried, unsupported = self.knobs, self.num_warps, [], []
-        for name in family_names():
-            fam = get_family(name)
+        for fam in families():
+            name = fam.name
             self._resolve_warps(fam, warps)
             why = _family_reason(fam, self._family_spec(None))
             if why:
@@ -319,8 +319,13 @@ class KernelSpec(BaseModel):
         return dict(self.knobs or ())
 
     @property
+    def family(self) -> Family:
+        """The registered family of ``impl`` (``fagen.plan.plan_of`` holds what it decides for the spec)."""
+        return get_family(self.impl)  # type: ignore[arg-type]
+
+    @property
     def smem_layout(self) -> SmemLayout:
-        return get_family(self.impl).smem_layout(self.family_spec)
+        return self.family.smem_layout(self.family_spec)
 
     @property
     def smem_bytes(self) -> int:
@@ -333,7 +338,7 @@ class KernelSpec(BaseModel):
         MIN_REGS_PER_THREAD registers -- ptxas then neither aims for an occupancy smem
         forbids nor spills to reach one."""
         by_smem = ARCH_SMEM_PER_SM[self.arch] // (self.smem_bytes + 1024)
-        budget = get_family(self.impl).min_regs_per_thread  # families.MIN_REGS_PER_THREAD unless the family asks for more
+        budget = self.family.min_regs_per_thread  # families.MIN_REGS_PER_THREAD unless the family asks for more
         by_regs = REGS_PER_SM // (self.num_threads * budget)
         return max(1, min(by_smem, by_regs))
 
@@ -349,7 +354,7 @@ class KernelSpec(BaseModel):
         t = self.tile
         m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
         values = self.knob_values
-        knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in get_family(self.impl).knobs)
+        knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in self.family.knobs)
         return (
             f"fa_{self.direction}_d{self.head_dim}{f'_dv{self.head_dim_v}' if self.head_dim_v else ''}"
             f"_{DTYPE_SHORT[self.dtype]}{flag_part}"
@@ -374,9 +379,9 @@ class KernelSpec(BaseModel):
         """The spec's fields minus the tuning choices (tile, warps, family, knobs)."""
         return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl", "knobs"})
 
-    def _tile_key(self) -> tuple[str, FamilySpec, int, int | None, int | None]:
+    def _tile_key(self) -> tuple[Family, FamilySpec, int, int | None, int | None]:
         assert self.impl is not None
-        return (self.impl, self._family_spec(None), self.sram_bytes, self.block_r, self.block_c)
+        return (self.family, self._family_spec(None), self.sram_bytes, self.block_r, self.block_c)
 
 
 class _Infeasible(Exception):
@@ -391,9 +396,8 @@ def _family_reason(fam: Family, fs: FamilySpec) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _resolve_tile(impl: str, fs: FamilySpec, sram: int, br_over: int | None, bc_over: int | None) -> Tile:
+def _resolve_tile(fam: Family, fs: FamilySpec, sram: int, br_over: int | None, bc_over: int | None) -> Tile:
     """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
-    fam = get_family(impl)
     q = fam.tile_multiple
     d, itemsize = fs.head_dim, fs.itemsize
 

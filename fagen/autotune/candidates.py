@@ -38,7 +38,8 @@ from pydantic import ValidationError
 
 from ..compiler import CompiledModule, compile as compile_spec
 from ..errors import CacheDirError, CompileError
-from ..families import Family, family_names, feature_reason, get_family
+from ..families import Family, families, feature_reason
+from ..plan import plan_of
 from ..spec import ARCH_SMEM_OPTIN, REGS_PER_SM, KernelSpec
 from . import sassloops
 from .sassloops import LoopMix
@@ -131,8 +132,8 @@ def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None
     """Every candidate point for ``spec`` with steps 1-3 of the pruning applied (no compiling)."""
     default_key = (spec.impl, spec.tile.block_r, spec.tile.block_c, spec.num_warps, spec.knobs)
     out: dict[tuple, Candidate] = {}
-    for impl in family_names():
-        fam = get_family(impl)
+    for fam in families():
+        impl = fam.name
         paper = _paper_tile(spec, impl)
         rows = tuple(sizes) if sizes is not None else tile_sizes(fam)
         # a family whose streamed block goes further than its owned one (wgmma: 256 keys) gets those too
@@ -182,7 +183,8 @@ def main_loop_mix(mod: CompiledModule, role: str = "main") -> LoopMix | None:
     else ``sassloops.main_loop_mix``; None without a disassembler or when it fails."""
     try:
         name = mod.rendered.kernel(role).name
-        work = get_family(mod.spec.impl).tile_work(mod.spec.family_spec, role)
+        plan = plan_of(mod.spec)
+        work = plan.family.tile_work(plan.family_spec, role)
         walked = sassloops.walked_loop_mix(mod.cubin, name, work) if work else None
         return walked if walked is not None else sassloops.main_loop_mix(mod.cubin, name)
     except Exception:  # noqa: BLE001 - SASS is optional evidence for the model
@@ -199,9 +201,7 @@ def check_resources(cand: Candidate, mod: CompiledModule) -> Candidate:
                    dq_sass_loop=dq_loop)
     threads = 32 * cand.num_warps
     if cand.spec is not None:  # as launched: a warp-specialised family adds its producer warpgroup
-        from ..renderer import kernel_infos
-
-        threads = max(k.threads for k in kernel_infos(cand.spec))
+        threads = max(k.threads for k in plan_of(cand.spec).kernels)
     if spills:
         worst = max(mod.resources, key=lambda r: r.spill_bytes)
         return cand.reject(f"spills {spills} B ({worst.kernel.rsplit('_', 1)[-1]} kernel)")

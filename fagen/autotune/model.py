@@ -47,6 +47,7 @@ from ..choices import seqlen_bucket
 from ..errors import InputError
 from ..families import PairCost, get_family, lds_wavefronts  # noqa: F401 (lds_wavefronts: re-export)
 from ..masking import tile_counts
+from ..plan import plan_of
 from ..spec import (ARCH_MAX_BLOCKS_PER_SM, ARCH_MAX_THREADS_PER_SM, ARCH_SMEM_PER_SM, REGS_PER_SM, SEQLEN_MAX,
                     KernelSpec)
 from .candidates import Candidate
@@ -221,9 +222,7 @@ def occupancy(arch: str, num_warps: int, registers: int, smem_bytes: int) -> Occ
 def launch_warps(spec: KernelSpec) -> int:
     """Warps of the main kernel's block as launched (a warp-specialised family adds its producer
     warpgroup to ``num_warps``)."""
-    from ..renderer import kernel_infos
-
-    return max(1, next(k for k in kernel_infos(spec) if k.role.name == "main").threads // 32)
+    return max(1, plan_of(spec).kernel("main").threads // 32)
 
 
 def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> float:
@@ -331,9 +330,7 @@ def visited_flops(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> 
 
 def grid_blocks(spec: KernelSpec, p: Workload, role: str = "main") -> int:
     """Thread blocks of one kernel's grid (the family's launch geometry, ``KernelInfo.grid``)."""
-    from ..renderer import kernel_infos
-
-    info = next(k for k in kernel_infos(spec) if k.role.name == role)
+    info = plan_of(spec).kernel(role)
     gx, gy, gz = info.grid(p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.heads_kv)
     return gx * gy * gz
 
@@ -364,11 +361,10 @@ def sass_issue_instructions(spec: KernelSpec, block_r: int, block_c: int,
     come with them (``sassloops.dynamic_instructions``). ``loop`` is the main kernel's mix,
     ``dq_loop`` the deterministic backward's dq kernel's. None when a kernel's mix is missing or
     has no math instruction (the model then uses the family's ``pair_cost`` for all kernels)."""
-    from ..renderer import kernel_infos
-
-    unit = get_family(spec.impl).math_unit
+    plan = plan_of(spec)
+    unit = plan.family.math_unit
     loops = {"main": as_loop_mix(loop), "dq": as_loop_mix(dq_loop)}
-    threads = {k.role.name: k.threads for k in kernel_infos(spec)}
+    threads = {k.role.name: k.threads for k in plan.kernels}
     total = 0.0
     for role, gemms in kernel_gemms(spec).items():
         mix = loops[role]
@@ -421,10 +417,11 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     main kernel's main-loop SASS mix (``sassloops.main_loop_mix``) when known, ``dq_sass_loop``
     the deterministic backward's dq kernel's (both needed for the SASS issue term)."""
     t = spec.tile
-    fam = get_family(spec.impl)
+    plan = plan_of(spec)
+    fam = plan.family
     occ = occupancy(spec.arch, launch_warps(spec), registers, spec.smem_bytes)
     blocks = main_grid_blocks(spec, p)
-    launches = len(fam.roles(spec.family_spec))
+    launches = len(plan.kernels)
     traffic = hbm_bytes(spec, p, t.block_r, t.block_c)
     flops = visited_flops(spec, p, t.block_r, t.block_c)
     if occ.blocks_per_sm == 0:
@@ -433,7 +430,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     waves = math.ceil(blocks / slots)
     q = wave_factor(spec, p, slots)
     loop = as_loop_mix(sass_loop)
-    pc = fam.pair_cost(spec.family_spec, None if loop is None else loop.merged())
+    pc = fam.pair_cost(plan.family_spec, None if loop is None else loop.merged())
     balance = pc.warp_balance(spec.num_warps) if pc is not None else 1.0
     busy_warps = occ.warps_per_sm * balance  # warps with work: a small tile leaves some idle
     hide = min(1.0, busy_warps / SATURATION_WARPS)

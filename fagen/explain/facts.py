@@ -19,8 +19,8 @@ from .. import masking
 from .._version import __version__
 from ..algorithm4 import ALG4, PAPER
 from ..errors import InputError, InputTypeError
-from ..families import get_family
-from ..renderer import kernel_infos, render
+from ..plan import plan_of
+from ..renderer import render
 from ..spec import KernelSpec
 
 #: Tile kind -> the letter used in ``tile_map`` runs (and the CSS class on the page).
@@ -205,17 +205,18 @@ def algorithm4(spec: KernelSpec, source: str, main: str, others: list[str]) -> d
 # --------------------------------------------------------------------------- tile choice
 def tile_choice(spec: KernelSpec) -> dict[str, Any]:
     """The paper's (B_r, B_c), the tile used, and per dimension why it is what it is."""
-    fam = get_family(spec.impl)
+    plan = plan_of(spec)
+    fam = plan.family
     t = spec.tile
     q = fam.tile_multiple
     m = spec.sram_bytes
 
     def footprint(br: int, bc: int) -> int:
-        return fam.smem_layout(spec.family_spec.with_tile(br, bc)).total_bytes
+        return fam.smem_layout(plan.family_spec.with_tile(br, bc)).total_bytes
 
     used = footprint(t.block_r, t.block_c)
     reasons: dict[str, str] = {}
-    cap_r, cap_c = fam.tile_caps(spec.family_spec)  # the family's default caps for this spec
+    cap_r, cap_c = fam.tile_caps(plan.family_spec)  # the family's default caps for this spec
     for dim, val, paper, top, cap, override in (
         ("block_r", t.block_r, spec.paper_block_r, fam.max_block_r, cap_r, spec.block_r),
         ("block_c", t.block_c, spec.paper_block_c, fam.max_block_c, cap_c, spec.block_c),
@@ -261,7 +262,7 @@ def resources(spec: KernelSpec) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - shown on the page, not raised
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "kernels": [], "sass": None}
     kernels = []
-    order = {k.name: n for n, k in enumerate(kernel_infos(spec))}
+    order = {k.name: n for n, k in enumerate(plan_of(spec).kernels)}
     for r in sorted(mod.resources, key=lambda r: order.get(r.kernel, len(order))):
         occ = occupancy(spec.arch, spec.num_warps, r.registers, r.smem_bytes)
         kernels.append({
@@ -352,10 +353,11 @@ def explain(spec: KernelSpec, seqlen_q: int = 1024, seqlen_k: int | None = None,
     if tr * tc > MAX_MAP_TILES:
         raise InputError("seqlen_q", f"at most {MAX_MAP_TILES} tiles of {t.block_r} x {t.block_c} with seqlen_k={seqlen_k}",
                          f"{tr} x {tc}")
-    infos = kernel_infos(spec)
-    main = next(k for k in infos if k.role.name == "main")
+    plan = plan_of(spec)
+    infos = plan.kernels
+    main = plan.kernel("main")
     rendered = render(spec)
-    layout = spec.smem_layout
+    layout = plan.smem_layout
     spans = layout.breakdown()
     alg = algorithm4(spec, rendered.source, main.name, [k.name for k in infos if k is not main])
     per_buffer: dict[str, list[int]] = {}

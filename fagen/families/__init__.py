@@ -28,7 +28,7 @@ from fagen.families.wgmma import WGMMA
 
 __all__ = ["DEFAULT_NUM_WARPS", "FEATURES", "MIN_REGS_PER_THREAD", "NUM_WARPS_CHOICES", "BUILTIN_FAMILIES", "Constant", "Family",
            "FamilyBase", "FamilySpec", "Knob", "Launch", "PairCost", "Reason", "Tile", "default_family",
-           "family_names", "feature_reason", "get_family", "lds_wavefronts", "register", "registered_only", "unregister",
+           "families", "family_names", "feature_reason", "get_family", "lds_wavefronts", "register", "registered_only", "unregister",
            "warp_choices"]
 
 #: The built-in families, one line each.
@@ -80,9 +80,14 @@ def get_family(name: str) -> Family:
         raise KeyError(f"no kernel family {name!r}; registered: {family_names()}") from None
 
 
+def families() -> tuple[Family, ...]:
+    """The registered families in preference order (lowest ``preference``, then name)."""
+    return tuple(sorted(_REGISTRY.values(), key=lambda f: (f.preference, f.name)))
+
+
 def family_names() -> tuple[str, ...]:
     """Registered families in preference order."""
-    return tuple(f.name for f in sorted(_REGISTRY.values(), key=lambda f: (f.preference, f.name)))
+    return tuple(f.name for f in families())
 
 
 def warp_choices() -> tuple[int, ...]:

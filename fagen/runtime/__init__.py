@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..renderer import KernelInfo
+from ..plan import KernelInfo
 from ..spec import KernelSpec
 from .args import pack
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..renderer import KernelInfo
+from ..plan import KernelInfo
 
 
 def pack(kernel: KernelInfo, args: dict[str, Any]) -> list[tuple[str, Any]]:

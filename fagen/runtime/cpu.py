@@ -21,7 +21,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..renderer import KernelInfo, Rendered, render
+from ..plan import KernelInfo, plan_of
+from ..renderer import Rendered, render
 from ..spec import KernelSpec
 from .args import pack
 
@@ -230,7 +231,7 @@ class CpuModule:
 
     def smem_buffers(self) -> list[tuple[str, int, int]]:
         """(name, offset, nbytes) of the spec's shared-memory buffers (s_<name> in the templates)."""
-        return [(b.name, b.offset, b.nbytes) for b in self.spec.smem_layout.buffers]
+        return [(b.name, b.offset, b.nbytes) for b in plan_of(self.spec).smem_layout.buffers]
 
     def launch(self, kernel: KernelInfo, grid: tuple[int, int, int], args: dict[str, Any]) -> None:
         record = _SANITIZE.get()

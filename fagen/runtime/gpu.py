@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from ..compiler import compile as compile_spec
 from ..abi import is_tensormap
+from ..compiler import compile as compile_spec
 from ..errors import FagenError, InputError
-from ..renderer import KernelInfo, kernel_infos
+from ..plan import KernelInfo, plan_of
 from ..spec import KernelSpec
 from .args import pack
 
@@ -472,7 +472,7 @@ class GpuModule:
             static = {r.kernel: r.static_smem_bytes for r in self.compiled.resources}
             optin_max = _device_smem_optin(device)
             kernels = {}
-            for k in kernel_infos(self.spec):
+            for k in plan_of(self.spec).kernels:
                 total = static.get(k.name, 0) + k.smem_bytes
                 if total > optin_max:
                     raise LaunchError(f"{k.name} shared memory", f"at most {optin_max} bytes per block on CUDA device "
