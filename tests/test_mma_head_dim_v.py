@@ -74,7 +74,8 @@ def test_declined_combinations_name_both_dims() -> None:
 
 needs_nvdisasm = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
 
-#: (d, dv, direction, flags): the fast tier compiles the first two, the rest are slow.
+#: (d, dv, direction, flags): the fast tier compiles the first two on sm_90, the rest are slow (an offline
+#: sweep of every pair of 32, 64, 96, 128, 192, 256 with seven flag sets on sm_80 / sm_90 found no spill).
 SASS_CASES = [
     (192, 128, "bwd", dict(causal=True)),
     (128, 64, "fwd", dict(causal=True)),
@@ -90,10 +91,15 @@ SASS_CASES = [
 ]
 
 
+#: The cases also compiled for sm_80 (its smaller shared memory shrinks the tiles; its ptxas spilled
+#: d = 64 beside dv = 192 before the accumulators' rule took the wider dim).
+SM80_CASES = (0, 3, 8)
+
+
 def _sass_params():
     return [pytest.param(arch, *case, id=f"{arch}-d{case[0]}dv{case[1]}-{case[2]}-{'-'.join(case[3])}",
                          marks=() if i < 2 and arch == "sm_90" else (pytest.mark.slow,))
-            for i, case in enumerate(SASS_CASES) for arch in ("sm_80", "sm_90")]
+            for i, case in enumerate(SASS_CASES) for arch in ("sm_80", "sm_90") if arch == "sm_90" or i in SM80_CASES]
 
 
 @needs_nvdisasm
