@@ -341,6 +341,7 @@ class _Plan:
 
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
+_CONTIGUOUS = torch.contiguous_format
 _PLANS_MAX = 1024
 
 
@@ -466,7 +467,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     _check_lse_lo(lse_lo, p, out=True)  # before anything is written
     if new_lo:
         lse_lo = torch.empty(p.lse_shape, dtype=torch.float32, device=q.device)
-    o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
+    if p.head_dim_v == q.shape[-1]:
+        o = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    else:
+        o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
     if lse_lo is not None and not plan.launches and p.device.type != "meta":
         lse_lo.zero_()
@@ -696,14 +700,14 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         do, q, k, v, o = _pad(do, p, True), _pad(q, p), _pad(k, p), _pad(v, p, True), _pad(o, p, True)
     if plan.tma:
         do, q, k, v = _tma_ready(plan, do=do, q=q, k=k, v=v)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty_like(q, memory_format=_CONTIGUOUS)  # *_like: about 1.5 us less than torch.empty(shape, ...)
     # The main kernel writes every element of dK and dV (each K/V block's rows below Nk, every
     # head-dim column, zeros for padded keys and for keys no query sees; GQA: one CTA per K/V
     # head sums its group), so they need no zero-fill -- except packed sequences, where tokens
     # outside every sequence (cu_seqlens bounds stay on the device, unchecked on a GPU) get 0.
-    alloc = torch.zeros if p.varlen or not plan.launches else torch.empty
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    alloc = torch.zeros_like if p.varlen or not plan.launches else torch.empty_like
+    dk = alloc(k, memory_format=_CONTIGUOUS)
+    dv = alloc(v, memory_format=_CONTIGUOUS)
     dbias = None
     if bias_grad:
         dbias = torch.zeros((p.batch, p.heads, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=q.device)
@@ -716,7 +720,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lse_t = lse if plan.lse_ready else lse.contiguous().to(plan.lse_dtype)
         lo_t = lse_lo if lo_ready else lse_lo.contiguous()
         delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
-        dq_accum = torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device)  # zeroed by the preprocess kernel
+        dq_accum = torch.empty_like(q, dtype=plan.acc_dtype, memory_format=_CONTIGUOUS)  # zeroed by the pre kernel
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
         slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
         args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),

@@ -459,7 +459,7 @@ class AttentionOptions:
     def from_op_args(cls, *args: Any) -> AttentionOptions:
         """The inverse of :meth:`op_args` (validated: the ops may be called directly). The values
         come through the dispatcher, which gives each the schema's type, so they key a memo."""
-        typed = tuple((type(a), a) for a in args)
+        typed = tuple([(type(a), a) for a in args])
         if torch.compiler.is_compiling():  # traced: built (and checked) while tracing, no memo
             return _from_op_args_memo.__wrapped__(typed)
         try:

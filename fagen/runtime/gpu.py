@@ -362,10 +362,11 @@ def _converter(ctype: str, name: str):
     else takes the full checks every time."""
     exact = (int, float) if ctype == "float" else (int,)
     seen: dict[Any, Any] = {}
+    get = seen.get
 
     def convert(value: Any) -> Any:
         if type(value) in exact:
-            found = seen.get(value)
+            found = get(value)
             if found is None:
                 found = to_cuda_arg(ctype, value, name)
                 if len(seen) >= 64:
@@ -376,19 +377,33 @@ def _converter(ctype: str, name: str):
     return convert
 
 
-_converters: dict[int, tuple[KernelInfo, tuple[tuple[str, Any], ...]]] = {}
+def _packer(kernel: KernelInfo) -> Any:
+    """One function of the argument dict giving the kernel's converted arguments in parameter
+    order: a single tuple expression of per-parameter :func:`_converter` calls (no per-argument
+    loop or generator on the launch path)."""
+    scope: dict[str, Any] = {}
+    items = []
+    for i, (ctype, name) in enumerate(kernel.params):
+        scope[f"c{i}"] = _converter(ctype, name)
+        items.append(f"c{i}(a[{name!r}])")
+    body = f"({', '.join(items)},)" if items else "()"
+    exec(f"def pack(a):\n    return {body}\n", scope)  # noqa: S102 - names from the ABI's own table
+    return scope["pack"]
+
+
+_converters: dict[int, tuple[KernelInfo, Any]] = {}
 
 
 def cuda_args(kernel: KernelInfo, args: dict[str, Any]) -> tuple[Any, ...]:
     """The kernel's arguments in parameter order, each as :func:`to_cuda_arg` makes it."""
     entry = _converters.get(id(kernel))
     if entry is None or entry[0] is not kernel:
-        entry = (kernel, tuple((n, _converter(t, n)) for t, n in kernel.params))
+        entry = (kernel, _packer(kernel))
         if len(_converters) > 4096:
             _converters.clear()
         _converters[id(kernel)] = entry
     try:
-        return tuple(convert(args[n]) for n, convert in entry[1])
+        return entry[1](args)
     except KeyError:
         pack(kernel, args)  # names every missing argument
         raise
