@@ -51,8 +51,6 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
     (dict(head_dim=80), "head_dim=80"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
-    (dict(softcap=True), "softcap"),
-    (dict(alibi=True), "alibi"),
     (dict(attn_mask=True), "attn_mask"),
     (dict(varlen=True), "varlen"),
     (dict(arch="sm_90"), "arch=sm_90"),

@@ -18,10 +18,15 @@ D of dv; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared mem
 registers the accumulators hold (:data:`FWD_ACC_REGS`, ``bwd.BWD_ACC_REGS``): a tile that cannot
 fit is declined by name.
 
+Softcap and ALiBi (``softcap``, ``alibi``) are the shared score modifications of
+``templates/partials/score_mod.cuh``: S takes ``score_fwd`` (the scale, the cap, the slope times
+the distance) before the online softmax, which then runs on the final scores (exp2 of s log2 e
+less the row max, lse = m + log l) as the ``mma`` family's does, so the families agree.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), softcap, ALiBi,
-attn_mask, bias, varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias,
+varlen; softcap and ALiBi in the backward. The backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ class WgmmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
-    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v"})
+    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
