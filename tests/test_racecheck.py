@@ -644,7 +644,7 @@ _GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
 
 def _rendered_templates(spec: KernelSpec) -> set[str]:
     """The family's templates for the spec's direction and the family templates they include."""
-    names = set(renderer.get_family(spec.impl).templates(spec.direction))
+    names = set(spec.family.templates(spec.direction))
     for name in list(names):
         names |= set(re.findall(r'\{%\s*include\s+"([^"]+)"', (renderer.templates_dir() / name).read_text()))
     return names
