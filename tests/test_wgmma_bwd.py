@@ -48,8 +48,6 @@ def test_chosen_for_sm90a_backward() -> None:
 
 @pytest.mark.parametrize("change, why", [
     (dict(dropout=True), "dropout"),
-    (dict(softcap=True), "softcap"),
-    (dict(alibi=True), "alibi"),
     (dict(attn_mask=True), "attn_mask"),
     (dict(bias=True), "bias"),
     (dict(varlen=True), "varlen"),

@@ -31,11 +31,25 @@ def _spec(direction: str, c: dict, **kw) -> KernelSpec:
 
 
 # --------------------------------------------------------------------------- selection
-@pytest.mark.parametrize("direction", ["fwd"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_softcap_and_alibi_resolve_to_wgmma(direction) -> None:
     for kw in (dict(softcap=True), dict(alibi=True), dict(softcap=True, alibi=True, causal=True)):
         spec = _spec(direction, dict(d=128, dtype="bfloat16", **kw))
         assert spec.impl == "wgmma", spec
+
+
+def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
+    """The registers of score_fwd's per-element work: the forward's key block and the backward's Q block."""
+    assert _spec("fwd", dict(d=64, dtype="float16", softcap=True)).tile.block_c == 192
+    assert _spec("fwd", dict(d=128, dtype="float16", softcap=True)).tile.block_c == 128  # 192 would spill
+    assert _spec("fwd", dict(d=256, dtype="float16", alibi=True)).impl == "mma"
+    with pytest.raises(ValueError, match=r"block_c=192 with softcap / alibi: .* 184 fp32 registers"):
+        _spec("fwd", dict(d=128, dtype="float16", alibi=True), block_c=192, impl="wgmma")
+    bwd = _spec("bwd", dict(d=64, dtype="float16", alibi=True))
+    assert bwd.impl == "wgmma" and (bwd.tile.block_r, bwd.tile.block_c, bwd.num_warps) == (64, 64, 4)
+    assert _spec("bwd", dict(d=64, dtype="float16", softcap=True)).tile.block_r == 128
+    with pytest.raises(ValueError, match=r"block_r=128 with head_dim=64 and alibi: .* 256 fp32 registers"):
+        _spec("bwd", dict(d=64, dtype="float16", alibi=True), num_warps=8, block_r=128, impl="wgmma")
 
 
 # --------------------------------------------------------------------------- numerics
@@ -124,3 +138,85 @@ def test_forward_matches_float64(c) -> None:
     assert_lse_close("lse", lse, lse64, lse32)
     if c.get("kpm") and c["B"] > 1:  # the batch with every key padded: zero rows
         assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+
+
+BWD_CASES = [
+    # softcap + causal, GQA (two q heads per kv head: ScoreParams per q head), two consumer warpgroups,
+    # Nq != Nk, lengths off the 64 x 128 tile
+    dict(d=128, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True, softcap=True),
+    # ALiBi ([B, H] slopes), key padding (a batch with every key padded); d = 64 with ALiBi: 64 x 64 on
+    # one consumer warpgroup (128 Q rows would spill)
+    dict(d=64, dtype="bfloat16", nw=4, B=2, Nq=70, Nk=100, H=2, Hkv=1, kpm=True, alibi=True),
+    dict(d=96, dtype="float16", nw=8, B=1, Nq=130, Nk=100, H=3, Hkv=1, window=(30, 5), softcap=True, alibi=True),
+    # rows that see no key (top-left, Nq > Nk), one consumer warpgroup, a v head dim of its own
+    dict(d=64, dv=128, dtype="bfloat16", nw=4, B=1, Nq=150, Nk=60, H=2, Hkv=1, causal=True, align="top_left",
+         softcap=True),
+    dict(d=128, dtype="bfloat16", nw=8, B=1, Nq=90, Nk=140, H=2, Hkv=2, causal=True, alibi=True, kpm=True),
+]
+
+
+def _backward(c: dict, t: dict, spec: KernelSpec):
+    """The kernels' (dq, dk, dv) from the float64 oracle's o and lse, and the oracle's in float64 and
+    in the inputs' dtype."""
+    o64, lse64, g64 = _oracle(c, t, torch.float64, grads=True)
+    _, _, g_pt = _oracle(c, t, DT[c["dtype"]], grads=True)
+    ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(), **_options(c, t))
+    return ours, g64, g_pt
+
+
+@pytest.mark.parametrize("c", _slow(BWD_CASES))
+def test_backward_matches_float64(c) -> None:
+    t = _inputs(c)
+    spec = _spec("bwd", c, num_warps=c["nw"])
+    assert spec.impl == "wgmma", spec
+    ours, g64, g_pt = _backward(c, t, spec)
+    for name, a, r64, pt in zip(("dq", "dk", "dv"), ours, g64, g_pt):
+        assert_close(name, a, r64, pt, DT[c["dtype"]])
+    if c.get("kpm"):  # padded keys: zero dk, dv
+        pad = ~t["kpm"]
+        assert torch.equal(ours[1][pad], torch.zeros_like(ours[1][pad]))
+        assert torch.equal(ours[2][pad], torch.zeros_like(ours[2][pad]))
+
+
+# --------------------------------------------------------------------------- racecheck, ASan, PTX
+#: A softcap backward (P^T and dS^T in one pass after both S^T and dP^T retire) with ALiBi, causal,
+#: key padding, GQA (two q heads per kv head), Nq and Nk ending inside a tile.
+CHECK_BWD = dict(d=64, dtype="float16", nw=4, B=1, Nq=50, Nk=70, H=2, Hkv=1, causal=True, kpm=True, softcap=True,
+                 alibi=True)
+
+
+@pytest.mark.slow
+def test_a_softcap_backward_runs_clean_and_bit_identical_under_racecheck_and_asan() -> None:
+    t = _inputs(CHECK_BWD, seed=32)
+    spec = _spec("bwd", CHECK_BWD, num_warps=CHECK_BWD["nw"])
+    assert spec.impl == "wgmma"
+    plain = _backward(CHECK_BWD, t, spec)[0]
+    with cpu.racecheck():
+        raced = _backward(CHECK_BWD, t, spec)[0]
+    with cpu.sanitized() as rec:
+        checked = _backward(CHECK_BWD, t, spec)[0]
+    assert rec.roles == {"main", "pre", "post"}
+    for a, b, c in zip(plain, raced, checked):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"), reason="heavy PTX-level run: set FAGEN_TEST_SLOW=1")
+def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
+    """The inline PTX the GPU runs for a softcap + ALiBi forward and backward, translated and run on
+    the CPU: the flash-attn criterion against the float64 oracle (opt-in, as tests/test_ptx_kernels.py's
+    heavy rows: FAGEN_TEST_SLOW=1)."""
+    c = dict(d=64, dtype="float16", nw=4, B=1, Nq=70, Nk=90, H=2, Hkv=1, causal=True, softcap=True, alibi=True)
+    t = _inputs(c, seed=41)
+    fwd, bwd = _spec("fwd", c, num_warps=4), _spec("bwd", c, num_warps=4)
+    with cpu.ptx() as record:
+        o, lse = F.run_forward(fwd, t["q"], t["k"], t["v"], **_options(c, t))
+        grads, g64, g_pt = _backward(c, t, bwd)
+    assert {s for s, _, _ in record.launches} == {fwd.name, bwd.name}
+    o64, lse64, _ = _oracle(c, t, torch.float64)
+    o_pt, _, _ = _oracle(c, t, torch.float16)
+    _, lse32, _ = _oracle(c, t, torch.float32)
+    S.criterion("o", o, o64, o_pt, torch.float16)
+    assert_lse_close("lse", lse, lse64, lse32)
+    for name, a, r64, pt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close(name, a, r64, pt, torch.float16)

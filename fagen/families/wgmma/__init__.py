@@ -41,8 +41,8 @@ from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
-           "fwd_acc_regs", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_SCORE_MOD_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+           "fwd_acc_regs", "fwd_regs_cap", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -59,6 +59,13 @@ FWD_BLOCK_C = 192
 #: and at 208 (d = 64, dv = 256 x 128 keys). Such a spec's default tile is shrunk to fit, an
 #: explicit one beyond it declined (the head_dim = head_dim_v tiles are left as they were).
 FWD_ACC_REGS = 184
+#: fp32 registers per consumer thread (:func:`fwd_acc_regs`) a forward tile with softcap or ALiBi may ask
+#: for: score_fwd per element (the softcap's IEEE division and tanhf, ALiBi's 64-bit distance) needs
+#: its temporaries beside them. benchmarks/sass_cost.py: 152 (d = 64 x 192 keys) and 144 (d = 128 x 128)
+#: do not spill; 168 does (d = 96 x 192 keys: 1000 bytes with softcap, 12 with ALiBi; d = 256 x 64 keys:
+#: 104 with ALiBi), as does d = 128's default 184 (1000 / 12). Such a spec's default tile is shrunk to
+#: fit, a tile beyond it declined.
+FWD_SCORE_MOD_REGS = 160
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -79,6 +86,14 @@ def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
     launch = min(255, REGS_PER_SM // (threads * blocks_per_sm)) // 8 * 8
     consumer = min(MAX_CONSUMER_REGS, (launch * threads - PRODUCER_REGS * 128) // consumers // 8 * 8)
     return consumer, PRODUCER_REGS
+
+
+def fwd_regs_cap(fs: FamilySpec) -> int | None:
+    """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
+    ALiBi, FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles are as they were)."""
+    if fs.has("softcap") or fs.has("alibi"):
+        return FWD_SCORE_MOD_REGS
+    return FWD_ACC_REGS if fs.dv != fs.head_dim else None
 
 
 def fwd_acc_regs(fs: FamilySpec, block_c: int | None = None) -> int:
@@ -133,9 +148,11 @@ class WgmmaFamily(FamilyBase):
         if fs.block_r != 16 * fs.num_warps:
             return Reason("block_r", f"block_r={fs.block_r} must be 16 x num_warps={fs.num_warps} "
                                      f"({self.name}: each consumer warpgroup owns 64 Q rows)")
-        if fs.dv != fs.head_dim and (regs := fwd_acc_regs(fs)) > FWD_ACC_REGS:
-            return Reason("block_c", f"block_c={fs.block_c} with head_dim_v={fs.dv}: the O accumulator, S and P~ "
-                                     f"take {regs} fp32 registers per consumer thread, more than {FWD_ACC_REGS} "
+        cap = fwd_regs_cap(fs)
+        if cap is not None and (regs := fwd_acc_regs(fs)) > cap:
+            what = "softcap / alibi" if cap == FWD_SCORE_MOD_REGS else f"head_dim_v={fs.dv}"
+            return Reason("block_c", f"block_c={fs.block_c} with {what}: the O accumulator, S and P~ "
+                                     f"take {regs} fp32 registers per consumer thread, more than {cap} "
                                      f"({self.name}: ptxas would spill)")
         return None
 
@@ -152,8 +169,9 @@ class WgmmaFamily(FamilyBase):
         1e6 FLOPs), at no spill: S (96 fp32 per thread) + O (d / 2) + P~ fit the consumers' registers."""
         if fs.direction == "bwd":
             return self.tile_caps(fs)  # the backward's rule: fagen.families.wgmma.bwd
-        bc = FWD_BLOCK_C  # a wide v head dim of its own: fewer keys, so FWD_ACC_REGS suffice
-        while fs.dv != fs.head_dim and bc > self.tile_multiple and fwd_acc_regs(fs, bc) > FWD_ACC_REGS:
+        bc = FWD_BLOCK_C  # a wide v head dim of its own, softcap / ALiBi: fewer keys, so the registers suffice
+        cap = fwd_regs_cap(fs)
+        while cap is not None and bc > self.tile_multiple and fwd_acc_regs(fs, bc) > cap:
             bc -= self.tile_multiple
         return 16 * fs.num_warps, bc
 
@@ -227,6 +245,14 @@ class WgmmaFamily(FamilyBase):
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
         ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}
+
+    def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
+        """``-prec-div=false`` with softcap: score_softcap's ``s_raw / softcap`` per element is then a
+        reciprocal (hoisted) and a multiply, not the IEEE division whose out-of-line slow-path CALL
+        clobbers the registers at every element (ptxas re-derived 1 / softcap and spilled around it);
+        within 2 ulp of the division, far inside the 16-bit outputs' rounding. The forward only: the
+        backward's one pass of P^T and dS^T then keeps more live and spills (d = 64: 476 bytes)."""
+        return ("-prec-div=false",) if fs.has("softcap") and fs.direction == "fwd" else ()
 
     def templates(self, direction: str) -> tuple[str, ...]:
         return {"fwd": ("wgmma/fwd.cu.j2",), "bwd": ("wgmma/bwd.cu.j2",)}[direction]

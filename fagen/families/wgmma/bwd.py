@@ -31,11 +31,11 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -67,7 +67,10 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
 def default_block_r(fs: FamilySpec) -> int:
     """The Q rows of the default tile: DEFAULT_BLOCK_R of the wider head dim (a v head dim of its own
     counts: its dO_i slots, dP^T's k loop and dV~'s registers)."""
-    return min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
+    br = min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
+    if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
+        return 64
+    return br
 
 
 def config_reason(fs: FamilySpec) -> Reason | None:
@@ -81,6 +84,10 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with num_warps={fs.num_warps} at head_dim={fs.head_dim}: "
                                  f"the {fs.num_warps // 4} consumer warpgroups cannot split dQ_i's "
                                  f"{padded_dim(fs.head_dim)} columns into 64-column wgmmas (wgmma backward)")
+    if fs.has("alibi") and (regs := acc_regs(fs)) > BWD_ALIBI_REGS:
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and alibi: S^T, dP^T, their "
+                                 f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
+                                 f"{BWD_ALIBI_REGS} (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -92,12 +99,19 @@ def config_reason(fs: FamilySpec) -> Reason | None:
 #: (:func:`acc_regs`): 256 is d = 64's 128 x 128 tile (no spill); d = 64, dv = 128 at 128 Q rows
 #: (288) spills 752 bytes. The head_dim = head_dim_v tiles are left as they were.
 BWD_ACC_REGS = 256
+#: The same bound with ALiBi (its 64-bit distance per element of P^T): d = 64's 128 x 128 tile (256) spills
+#: 24 bytes (20 with softcap too), d = 128's 64 x 128 (224) none; d = 64 takes 64 Q rows on one warpgroup.
+BWD_ALIBI_REGS = 224
 
 
 def acc_regs(fs: FamilySpec) -> int:
     """fp32 registers per consumer thread of the backward's S^T and dP^T (block_r / 2 each), the P^T and
     dS^T fragments (block_r / 4 each) and the dK~, dV~ accumulators (padded head dims / 2)."""
-    return fs.block_r + fs.block_r // 2 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2
+    return _acc_regs(fs, fs.block_r)
+
+
+def _acc_regs(fs: FamilySpec, block_r: int) -> int:
+    return block_r + block_r // 2 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2
 
 
 def default_warps(fs: FamilySpec) -> int:
