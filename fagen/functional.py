@@ -34,7 +34,7 @@ from .spec import KernelSpec
 
 __all__ = ["attention_forward", "attention_backward", "forward", "backward", "run_forward", "run_backward",
            "dropout_keep_mask", "spec_for", "default_arch", "validate", "AttentionOptions", "Tensors", "Problem",
-           "SEQLEN_MAX"]
+           "SEQLEN_MAX", "clear_launch_plans"]
 
 #: spec field -> the argument a caller passes for it (errors name the argument).
 FIELD_ARGUMENT = {
@@ -361,6 +361,12 @@ def _lookup(key: Any) -> tuple[Any, _Plan | None]:
         return key, _PLANS.get(key)
     except TypeError:
         return None, None
+
+
+def clear_launch_plans() -> None:
+    """Forget the remembered launch plans (per options and tensor metadata): the next call builds its
+    plan anew, asking the module plan (``fagen.plan.plan_of``) for the spec's kernels again."""
+    _PLANS.clear()
 
 
 def _remember(key: tuple[Any, ...] | None, plan: _Plan) -> _Plan:

@@ -48,7 +48,7 @@ def test_family_asked_once_per_spec_across_forward_and_backward(monkeypatch: pyt
 
     counting = Counting(**{f.name: getattr(fam, f.name) for f in dataclasses.fields(fam)})
     monkeypatch.setattr(F, "get_module", lambda spec, device_type: _Nothing())
-    monkeypatch.setattr(F, "_PLANS", {})  # no launch plan of an earlier test
+    F.clear_launch_plans()  # no launch plan of an earlier test
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 64, generator=g).half().requires_grad_(True) for _ in range(3))
     do = torch.randn(1, 40, 2, 64, generator=g).half()
