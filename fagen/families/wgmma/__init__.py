@@ -18,15 +18,20 @@ D of dv; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared mem
 registers the accumulators hold (:data:`FWD_ACC_REGS`, ``bwd.BWD_ACC_REGS``): a tile that cannot
 fit is declined by name.
 
-Softcap and ALiBi (``softcap``, ``alibi``) are the shared score modifications of
+Softcap and ALiBi (``softcap``, ``alibi``), both directions, are the shared score modifications of
 ``templates/partials/score_mod.cuh``: S takes ``score_fwd`` (the scale, the cap, the slope times
 the distance) before the online softmax, which then runs on the final scores (exp2 of s log2 e
-less the row max, lse = m + log l) as the ``mma`` family's does, so the families agree.
+less the row max, lse = m + log l) as the ``mma`` family's does, so the families agree; the
+backward recomputes P^T from ``score_fwd`` of the raw S^T and takes the softcap's 1 - tanh^2 into
+dS^T (``score_grad_raw``). Their per-element work needs registers: the forward's key block keeps
+:func:`fwd_acc_regs` within :data:`FWD_SCORE_MOD_REGS` (d = 128: 128 keys; d = 256 and d = 64 with
+dv = 256 are declined, so they go to ``mma``), the backward with ALiBi within ``bwd.BWD_ALIBI_REGS``
+(d = 64: 64 x 64 on one warpgroup).
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
 dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias,
-varlen; softcap and ALiBi in the backward. The backward is :mod:`fagen.families.wgmma.bwd`.
+varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 

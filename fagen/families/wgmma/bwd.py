@@ -18,6 +18,12 @@ S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r
 wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
 fragments / dK~ / dV~ exceed :data:`BWD_ACC_REGS` is declined by name.
 
+Softcap and ALiBi (``templates/partials/score_mod.cuh``, ``ScoreParams`` per q head): P^T =
+exp2(score_fwd(S^T) log2 e - lse log2 e) from the raw S^T; with softcap dS^T = P^T (dP^T - D) (1 - tanh^2)
+(``score_grad_raw``) needs the raw S^T, so P^T and dS^T are one pass once dP^T has retired (no early
+dV~, :func:`dv_early`); ALiBi keeps :func:`acc_regs` within :data:`BWD_ALIBI_REGS` (d = 64: 64 Q rows,
+one consumer warpgroup).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -165,6 +171,8 @@ DV_EARLY_REGS = 208
 
 def dv_early(fs: FamilySpec) -> bool:
     """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
+    if fs.has("softcap"):  # P^T and dS^T in one pass once dP^T retired (dS^T needs q.k for 1 - tanh^2)
+        return False
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
 
