@@ -43,6 +43,8 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert _spec("fwd", dict(d=64, dtype="float16", softcap=True)).tile.block_c == 192
     assert _spec("fwd", dict(d=128, dtype="float16", softcap=True)).tile.block_c == 128  # 192 would spill
     assert _spec("fwd", dict(d=256, dtype="float16", alibi=True)).impl == "mma"
+    assert _spec("fwd", dict(d=192, dv=128, dtype="float16", softcap=True, alibi=True)).tile.block_c == 64
+    assert _spec("fwd", dict(d=192, dv=128, dtype="float16", softcap=True)).tile.block_c == 128
     with pytest.raises(ValueError, match=r"block_c=192 with softcap / alibi: .* 184 fp32 registers"):
         _spec("fwd", dict(d=128, dtype="float16", alibi=True), block_c=192, impl="wgmma")
     bwd = _spec("bwd", dict(d=64, dtype="float16", alibi=True))
@@ -114,11 +116,11 @@ def _oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
 
 
 FWD_CASES = [
-    # softcap + causal, GQA, two consumer warpgroups, Nq != Nk, lengths off the 128 x 192 tile
-    dict(d=128, dtype="bfloat16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True, softcap=True),
     # ALiBi ([B, H] slopes) + key padding (a batch with every key padded), rows with no key (top-left, Nq > Nk)
     dict(d=64, dtype="float16", nw=4, B=2, Nq=90, Nk=70, H=2, Hkv=1, causal=True, align="top_left", kpm=True,
          alibi=True),
+    # softcap + causal, GQA, two consumer warpgroups, Nq != Nk, lengths off the 128 x 128 tile
+    dict(d=128, dtype="bfloat16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True, softcap=True),
     dict(d=64, dtype="float16", nw=8, B=1, Nq=130, Nk=200, H=1, Hkv=1, window=(40, 10), softcap=True, alibi=True),
     dict(d=128, dv=64, dtype="bfloat16", nw=4, B=1, Nq=70, Nk=150, H=2, Hkv=1, softcap=True, sinks=True),
     dict(d=96, dtype="float16", nw=4, B=1, Nq=150, Nk=100, H=2, Hkv=2, causal=True, alibi=True),  # rows with no key
@@ -181,7 +183,7 @@ def test_backward_matches_float64(c) -> None:
 # --------------------------------------------------------------------------- racecheck, ASan, PTX
 #: A softcap backward (P^T and dS^T in one pass after both S^T and dP^T retire) with ALiBi, causal,
 #: key padding, GQA (two q heads per kv head), Nq and Nk ending inside a tile.
-CHECK_BWD = dict(d=64, dtype="float16", nw=4, B=1, Nq=50, Nk=70, H=2, Hkv=1, causal=True, kpm=True, softcap=True,
+CHECK_BWD = dict(d=64, dtype="float16", nw=4, B=1, Nq=50, Nk=60, H=2, Hkv=1, causal=True, kpm=True, softcap=True,
                  alibi=True)
 
 
@@ -220,3 +222,14 @@ def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     assert_lse_close("lse", lse, lse64, lse32)
     for name, a, r64, pt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
         assert_close(name, a, r64, pt, torch.float16)
+
+
+@pytest.mark.slow
+def test_alibi_on_huge_scores_takes_the_exact_path() -> None:
+    """Scores of ~1e9 with ALiBi (tests/test_large_values.py's case at the family's head dim): the
+    forward's lse_lo reaches the backward's exact P^T, both on the final scores."""
+    import test_large_values as L
+    from feature_harness import FeatCase
+
+    L.test_features_at_large_scores("wgmma", "sm_90a", FeatCase("alibi", dtype="bfloat16", alibi="h", q_scale=2e4,
+                                                                head_dim=64, batch=1, heads=2, heads_kv=1))

@@ -46,7 +46,7 @@ from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_SCORE_MOD_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
            "fwd_acc_regs", "fwd_regs_cap", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
@@ -71,6 +71,9 @@ FWD_ACC_REGS = 184
 #: 104 with ALiBi), as does d = 128's default 184 (1000 / 12). Such a spec's default tile is shrunk to
 #: fit, a tile beyond it declined.
 FWD_SCORE_MOD_REGS = 160
+#: The bound with softcap and ALiBi together at a head dim past 128 (S's k loop of 12 or 16 wgmmas):
+#: d = 192, dv = 128 x 128 keys (144) spills 188 bytes; x 64 keys (104), d = 192 x 64 keys (136) do not.
+FWD_SCORE_MOD_WIDE_REGS = 136
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -96,6 +99,8 @@ def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
     """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
     ALiBi, FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles are as they were)."""
+    if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
+        return FWD_SCORE_MOD_WIDE_REGS
     if fs.has("softcap") or fs.has("alibi"):
         return FWD_SCORE_MOD_REGS
     return FWD_ACC_REGS if fs.dv != fs.head_dim else None
@@ -155,7 +160,7 @@ class WgmmaFamily(FamilyBase):
                                      f"({self.name}: each consumer warpgroup owns 64 Q rows)")
         cap = fwd_regs_cap(fs)
         if cap is not None and (regs := fwd_acc_regs(fs)) > cap:
-            what = "softcap / alibi" if cap == FWD_SCORE_MOD_REGS else f"head_dim_v={fs.dv}"
+            what = f"head_dim_v={fs.dv}" if cap == FWD_ACC_REGS else "softcap / alibi"
             return Reason("block_c", f"block_c={fs.block_c} with {what}: the O accumulator, S and P~ "
                                      f"take {regs} fp32 registers per consumer thread, more than {cap} "
                                      f"({self.name}: ptxas would spill)")
