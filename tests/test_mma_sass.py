@@ -13,6 +13,7 @@ from fagen import KernelSpec, compile, sass
 from fagen.cli import main
 from fagen.generate import standard_matrix
 from fagen.spec import ARCH_SMEM_OPTIN
+from tiers import EXHAUSTIVE
 
 pytestmark = pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
 
@@ -36,7 +37,12 @@ def test_the_sass_sample_covers_both_directions_of_every_other_arch() -> None:
     assert got == {(a, d) for a in ARCHS if a not in SASS_ARCHS for d in ("fwd", "bwd")}, sorted(got)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+#: sm_80 / sm_90's whole standard matrix; the newer archs' SASS_SAMPLE (their other rows: exhaustive).
+SPEC_ROWS = [pytest.param(s, id=s.name, marks=() if s.arch in SASS_ARCHS or s.name in SASS_SAMPLE else EXHAUSTIVE)
+             for s in SPECS]
+
+
+@pytest.mark.parametrize("spec", SPEC_ROWS)
 def test_tensor_cores_no_spills_no_local_memory(spec) -> None:
     mod = compile(spec)
     for res in mod.resources:
@@ -78,13 +84,16 @@ def test_wide_head_dims_compile_without_spills(direction: str, d: int) -> None:
     assert sass.instruction_mix(mod.cubin)[mod.rendered.kernel("main").name].get("HMMA", 0) > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("d,flags", [(64, dict(causal=True)), (128, dict(causal=True)),
-                                     (128, dict(causal=True, dropout=True, window=True, softcap=True, varlen=True)),
-                                     (256, dict(causal=True, key_padding=True, dropout=True, alibi=True)),
-                                     # the widest S/dP fragments: 128 keys per step at d = 128 (255 registers)
-                                     (128, dict(causal=True, dropout=True, softcap=True, block_r=64, block_c=128,
-                                                num_warps=8))])
+DQ_ROWS = [(64, dict(causal=True)), (128, dict(causal=True)),
+           (128, dict(causal=True, dropout=True, window=True, softcap=True, varlen=True)),
+           (256, dict(causal=True, key_padding=True, dropout=True, alibi=True)),
+           # the widest S/dP fragments: 128 keys per step at d = 128 (255 registers)
+           (128, dict(causal=True, dropout=True, softcap=True, block_r=64, block_c=128, num_warps=8))]
+
+
+@pytest.mark.parametrize("arch, d, flags", [  # the newer archs: d = 64 and the widest fragments; the rest exhaustive
+    pytest.param(arch, d, flags, marks=() if arch in SASS_ARCHS or i in (0, len(DQ_ROWS) - 1) else EXHAUSTIVE)
+    for arch in ARCHS for i, (d, flags) in enumerate(DQ_ROWS)])
 def test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics(arch: str, d: int, flags: dict) -> None:
     """The deterministic backward's dq kernel: HMMA, ldmatrix and cp.async, no spills or local memory,
     and no global reduction or atomic (RED/ATOM) in any of the four kernels."""

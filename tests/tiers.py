@@ -13,13 +13,22 @@ there (tests/conftest.py applies it at collection):
 * :data:`SAMPLED` -- parametrized sweeps of which the fast tier keeps a covering sample: for each
   kernel family named in the parameter id (``simt``, ``mma``, ``wgmma``; or none), the first
   parametrization collected; the rest are slow.
+
+Beyond the full suite, rows marked :data:`EXHAUSTIVE` run only with ``FAGEN_TEST_SLOW=1``.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 
 import pytest
+
+#: Marks of an exhaustive row: a sweep's rows past what the full suite's 15-minute budget holds (the
+#: new archs' whole standard matrix, a heavy PTX-level dtype); the full suite skips them, and
+#: ``FAGEN_TEST_SLOW=1`` runs them too (before a release, or when the code they cover changes).
+EXHAUSTIVE = (pytest.mark.slow, pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"),
+                                                  reason="exhaustive row: set FAGEN_TEST_SLOW=1"))
 
 SLOW: frozenset[str] = frozenset({
     "test_racecheck.py::test_removing_a_barrier_is_a_race_naming_it",
