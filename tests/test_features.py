@@ -103,19 +103,21 @@ def det_case(impl: str) -> FeatCase:
 
 def _grads_under(schedule: str, c: FeatCase, impl: str) -> dict[str, torch.Tensor]:
     """The kernels' outputs under an emulator schedule, plus ``dq_accum``: the backward's fp32 dQ
-    accumulator (fagen.functional._launch_backward: the last float32 tensor shaped like q), whose bits
+    accumulator (the backward's last float32 allocation shaped like q, torch.empty or torch.empty_like), whose bits
     a float16 dq would round away."""
     made: list[torch.Tensor] = []
-    real_empty = torch.empty
 
-    def empty(*args, **kwargs):
-        made.append(real_empty(*args, **kwargs))
-        return made[-1]
+    def recording(real):
+        def alloc(*args, **kwargs):
+            made.append(real(*args, **kwargs))
+            return made[-1]
+        return alloc
 
     fagen.settings.configure(emu_schedule=schedule)
     try:
         t, opt = make_inputs(c)
-        with mock.patch.object(torch, "empty", empty):
+        with mock.patch.object(torch, "empty", recording(torch.empty)), \
+                mock.patch.object(torch, "empty_like", recording(torch.empty_like)):
             out = run_kernels(c, impl, t, opt)
     finally:
         fagen.settings.reset()
