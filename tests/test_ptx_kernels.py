@@ -67,7 +67,8 @@ def _specs(impl: str, arch: str, dtype: str, causal: bool, d: int = 64, **flags)
 
 
 CASES = [
-    pytest.param("simt", "sm_80", "float16", True, {"deterministic": True}, id="simt-sm80-fp16-causal-det"),
+    pytest.param("simt", "sm_80", "float16", True, {"deterministic": True}, id="simt-sm80-fp16-causal-det",
+                 marks=SLOW),
     pytest.param("wgmma", "sm_90a", "float16", True, {}, id="wgmma-sm90a-fp16-causal", marks=SLOW),
     pytest.param("mma", "sm_80", "float16", True, {"deterministic": True}, id="mma-sm80-fp16-causal-det",
                  marks=SLOW),

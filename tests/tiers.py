@@ -31,6 +31,15 @@ EXHAUSTIVE = (pytest.mark.slow, pytest.mark.skipif(not os.environ.get("FAGEN_TES
                                                   reason="exhaustive row: set FAGEN_TEST_SLOW=1"))
 
 SLOW: frozenset[str] = frozenset({
+    # heavy, and what a fast-tier sample of the same family already shows (a compile of every flag,
+    # a browser, a second sinks or determinism probe, every wgmma shape's SASS)
+    "test_features.py::test_every_flag_compiles_without_spills",
+    "test_features.py::test_deterministic_sass_has_no_atomics",
+    "test_sinks.py::test_wgmma_forward_with_sinks",
+    "test_sinks.py::test_varlen_sinks_match_per_sequence_calls",
+    "test_explain.py::test_page_in_headless_chromium",
+    "test_wgmma_sass.py::test_every_wgmma_shape_compiles_to_hgmma",
+    "test_mma_family.py::test_deterministic_dq_is_bitwise_independent_of_the_pipeline_and_dk_dv_of_the_mode",
     "test_racecheck.py::test_removing_a_barrier_is_a_race_naming_it",
     "test_racecheck_wgmma.py::test_demonstration_gemm_runs_clean_and_identical_under_racecheck",
     "test_masking.py::test_cxx_and_python_agree",
@@ -62,6 +71,8 @@ SLOW: frozenset[str] = frozenset({
 })
 
 SAMPLED: frozenset[str] = frozenset({
+    "test_wgmma_register_a.py::test_backward_stores_ds_before_the_register_a_wgmma",
+    "test_ops.py::test_torch_compile_fullgraph_matches_eager",  # aot_eager in the fast tier, inductor slow
     "test_races.py::test_reverse_schedule_agrees",
     "test_sinks.py::test_sinks_forward_backward_flash_criterion",
     "test_large_values.py::test_torch_large_value_case",
@@ -74,7 +85,6 @@ SAMPLED: frozenset[str] = frozenset({
     "test_bounds.py::test_every_kernel_is_clean_under_asan",
     "test_racecheck.py::test_sample_runs_clean_and_bit_identical_under_racecheck",
     "test_features.py::test_feature_numerics",
-    "test_features.py::test_every_flag_compiles_without_spills",
     "test_mma_family.py::test_features_through_the_mma_kernels",
     "test_mma_family.py::test_deterministic_backward_through_the_mma_kernels",
     "test_mma_family.py::test_forward_widest_step",
@@ -92,7 +102,6 @@ SAMPLED: frozenset[str] = frozenset({
     "test_transformers.py::test_greedy_generate_matches_sdpa",
     "test_autotune.py::test_timing_inputs_carry_every_feature",
     "test_docs.py::test_python_block_runs",
-    "test_sinks.py::test_wgmma_forward_with_sinks",
     "test_wgmma_bwd.py::test_racecheck_clean",
     "test_gpu_launch.py::test_launch_through_recording_cupy",
     "test_races.py::test_reverse_schedule_agrees_mma_pipeline",
