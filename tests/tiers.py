@@ -71,6 +71,14 @@ SLOW: frozenset[str] = frozenset({
 })
 
 SAMPLED: frozenset[str] = frozenset({
+    "test_numerics.py::test_mma_explicit_tiles_and_warps",
+    "test_numerics.py::test_explicit_tiles_and_warps",
+    "test_numerics.py::test_padding_only_and_dropout_only",
+    "test_ptx_levels.py::test_every_form_of_the_shipped_kernels_translates",
+    "test_head_dim_v.py::test_head_dim_v_flash_criterion",
+    "test_wgmma_family.py::test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills",
+    "test_jit.py::test_a_stale_or_broken_index_falls_back_to_the_full_path",
+    "test_lse_grad.py::test_lse_gradient_flash_criterion",
     "test_wgmma_register_a.py::test_backward_stores_ds_before_the_register_a_wgmma",
     "test_ops.py::test_torch_compile_fullgraph_matches_eager",  # aot_eager in the fast tier, inductor slow
     "test_races.py::test_reverse_schedule_agrees",
