@@ -20,9 +20,7 @@ from fagen.families.wgmma import FWD_ACC_REGS, fwd_acc_regs
 from fagen.runtime import cpu
 
 import sinkref as S
-from featref import assert_close, assert_lse_close, attention
-
-DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+import wgmma_cases as W
 
 
 def _spec(direction: str, d: int, dv: int, **kw) -> KernelSpec:
@@ -73,62 +71,10 @@ def test_pairs_it_cannot_take_are_declined_by_name(direction, d, dv, why) -> Non
 
 
 # --------------------------------------------------------------------------- numerics
-def _slow(cases: list[dict]) -> list:
-    """The first case in the fast tier, the rest slow."""
-    ids = ["-".join(f"{k}{v}" for k, v in c.items()) for c in cases]
-    return [pytest.param(c, id=i, marks=() if n == 0 else pytest.mark.slow) for n, (c, i) in enumerate(zip(cases, ids))]
-
-
-def _inputs(c: dict, seed: int = 23) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    dt = DT[c["dtype"]]
-    B, Nq, Nk, H, Hkv, d, dv = (c[n] for n in ("B", "Nq", "Nk", "H", "Hkv", "d", "dv"))
-    t = {"q": torch.randn(B, Nq, H, d, generator=g).to(dt), "k": torch.randn(B, Nk, Hkv, d, generator=g).to(dt),
-         "v": torch.randn(B, Nk, Hkv, dv, generator=g).to(dt), "do": torch.randn(B, Nq, H, dv, generator=g).to(dt)}
-    t["kpm"] = None
-    if c.get("kpm"):
-        t["kpm"] = torch.rand(B, Nk, generator=g) > 0.3
-        t["kpm"][0, 0] = True
-        if B > 1:
-            t["kpm"][-1] = False  # the last batch: every key padded (zero rows, lse = -inf)
-    t["sinks"] = torch.randn(H, generator=g) if c.get("sinks") else None
-    return t
-
-
 def _case_spec(direction: str, c: dict) -> KernelSpec:
-    spec = _spec(direction, c["d"], c["dv"], dtype=c["dtype"], num_warps=c["nw"], causal=c.get("causal", False),
-                 causal_align=c.get("align", "bottom_right"), key_padding=bool(c.get("kpm")), window="window" in c,
-                 sinks=bool(c.get("sinks")), knobs={"stages": c.get("stages", 2)})
+    spec = W.spec(direction, c)
     assert spec.impl == "wgmma", spec
     return spec
-
-
-def _options(c: dict, t: dict) -> dict:
-    kw: dict = dict(causal=c.get("causal", False), key_padding_mask=t["kpm"])
-    if "align" in c:
-        kw["causal_align"] = c["align"]
-    if "window" in c:
-        kw["window_size"] = c["window"]
-    if t["sinks"] is not None:
-        kw["sinks"] = t["sinks"]
-    return kw
-
-
-def _oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
-    """(o, lse, [dq, dk, dv] or None) of the oracle computed in ``dtype``: sinkref with sinks
-    (bottom-right), featref otherwise (either causal alignment)."""
-    q, k, v = (t[n].detach().to(dtype).requires_grad_(grads) for n in ("q", "k", "v"))
-    kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), kpm=t["kpm"])
-    if t["sinks"] is not None:
-        assert c.get("align", "bottom_right") == "bottom_right"
-        o, lse = S.attention(q, k, v, sinks=t["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32),
-                             dtype=dtype, **kw)
-    else:
-        o, lse = attention(q, k, v, align=c.get("align", "bottom_right"), **kw)
-    if not grads:
-        return o.detach(), lse.detach(), None
-    (o * t["do"].to(dtype)).sum().backward()
-    return o.detach(), lse.detach(), [q.grad, k.grad, v.grad]
 
 
 FWD_CASES = [
@@ -143,19 +89,11 @@ FWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("c", _slow(FWD_CASES))
+@pytest.mark.parametrize("c", W.slow(FWD_CASES))
 def test_forward_matches_float64(c) -> None:
-    t = _inputs(c)
-    spec = _case_spec("fwd", c)
-    o, lse = F.run_forward(spec, t["q"], t["k"], t["v"], **_options(c, t))
-    assert o.shape == (c["B"], c["Nq"], c["H"], c["dv"])
-    o64, lse64, _ = _oracle(c, t, torch.float64)
-    o_pt, _, _ = _oracle(c, t, DT[c["dtype"]])
-    _, lse32, _ = _oracle(c, t, torch.float32)
-    S.criterion("o", o, o64, o_pt, DT[c["dtype"]])
-    assert_lse_close("lse", lse, lse64, lse32)
-    if c.get("kpm") and c["B"] > 1:  # the batch with every key padded: zero rows
-        assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+    t = W.inputs(c)
+    o, lse = F.run_forward(_case_spec("fwd", c), t["q"], t["k"], t["v"], **W.options(c, t))
+    W.check_forward(c, t, o, lse)
 
 
 BWD_CASES = [
@@ -169,34 +107,17 @@ BWD_CASES = [
 ]
 
 
-def _backward(c: dict, t: dict, spec: KernelSpec, dlse: torch.Tensor | None = None):
-    """The kernels' (dq, dk, dv) from the float64 oracle's o and lse, and the oracle's in float64 and
-    in the inputs' dtype."""
-    o64, lse64, g64 = _oracle(c, t, torch.float64, grads=True)
-    _, _, g_pt = _oracle(c, t, DT[c["dtype"]], grads=True)
-    ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(), **_options(c, t))
-    return ours, g64, g_pt
-
-
-@pytest.mark.parametrize("c", _slow(BWD_CASES))
+@pytest.mark.parametrize("c", W.slow(BWD_CASES))
 def test_backward_matches_float64(c) -> None:
-    t = _inputs(c)
-    ours, g64, g_pt = _backward(c, t, _case_spec("bwd", c))
-    assert [g.shape for g in ours] == [t["q"].shape, t["k"].shape, t["v"].shape]
-    for name, a, r64, pt in zip(("dq", "dk", "dv"), ours, g64, g_pt):
-        assert_close(name, a, r64, pt, DT[c["dtype"]])
-    if c.get("kpm"):  # padded keys: zero dk, dv; the batch with every key padded: zero dq
-        pad = ~t["kpm"]
-        assert torch.equal(ours[1][pad], torch.zeros_like(ours[1][pad]))
-        assert torch.equal(ours[2][pad], torch.zeros_like(ours[2][pad]))
-        assert torch.equal(ours[0][-1], torch.zeros_like(ours[0][-1]))
+    t = W.inputs(c)
+    W.check_backward(c, t, *W.backward(c, t, _case_spec("bwd", c)))
 
 
 @pytest.mark.slow
 def test_dlse_enters_d_over_the_v_head_dim() -> None:
     """D = rowsum(dO o O) - dlse (the pre kernel, over dv) through attention_backward's dlse."""
     c = BWD_CASES[0]
-    t = _inputs(c, seed=5)
+    t = W.inputs(c, seed=5)
     g = torch.Generator().manual_seed(6)
     dlse = torch.randn(c["B"], c["H"], c["Nq"], generator=g)
     fwd, bwd = _case_spec("fwd", c), _case_spec("bwd", c)
@@ -204,9 +125,9 @@ def test_dlse_enters_d_over_the_v_head_dim() -> None:
     ours = F.attention_backward(t["do"], t["q"], t["k"], t["v"], o, lse, dlse=dlse, spec=bwd, causal=True)
     inputs = {n: t[n] for n in ("q", "k", "v")}
     _, _, g64 = S.grads(S.attention, inputs, t["do"], dlse, torch.float64, causal=True)
-    _, _, g_pt = S.grads(S.attention, inputs, t["do"], dlse, DT[c["dtype"]], causal=True)
+    _, _, g_pt = S.grads(S.attention, inputs, t["do"], dlse, W.DT[c["dtype"]], causal=True)
     for name, a in zip("qkv", ours):
-        S.criterion("d" + name, a, g64[name], g_pt[name], DT[c["dtype"]])
+        S.criterion("d" + name, a, g64[name], g_pt[name], W.DT[c["dtype"]])
 
 
 # --------------------------------------------------------------------------- racecheck, ASan, PTX
@@ -219,12 +140,12 @@ CHECK_BWD = dict(d=128, dv=64, dtype="float16", nw=8, B=1, Nq=77, Nk=100, H=2, H
 
 @pytest.mark.slow
 def test_kernels_run_clean_and_bit_identical_under_racecheck_and_asan() -> None:
-    t_f, t_b = _inputs(CHECK_FWD, seed=31), _inputs(CHECK_BWD, seed=32)
+    t_f, t_b = W.inputs(CHECK_FWD, seed=31), W.inputs(CHECK_BWD, seed=32)
     fwd, bwd = _case_spec("fwd", CHECK_FWD), _case_spec("bwd", CHECK_BWD)
 
     def run():
-        o, lse = F.run_forward(fwd, t_f["q"], t_f["k"], t_f["v"], **_options(CHECK_FWD, t_f))
-        return (o, lse) + tuple(_backward(CHECK_BWD, t_b, bwd)[0])
+        o, lse = F.run_forward(fwd, t_f["q"], t_f["k"], t_f["v"], **W.options(CHECK_FWD, t_f))
+        return (o, lse) + tuple(W.backward(CHECK_BWD, t_b, bwd)[0])
 
     plain = run()
     with cpu.racecheck():
@@ -244,16 +165,11 @@ def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     About 25 s of CPU: opt-in, as tests/test_ptx_kernels.py's heavy rows (FAGEN_TEST_SLOW=1)."""
     c_f = dict(CHECK_FWD, Nq=70, Nk=90, kpm=False)
     c_b = dict(CHECK_BWD, Nq=70, Nk=90, kpm=False)
-    t_f, t_b = _inputs(c_f, seed=41), _inputs(c_b, seed=42)
+    t_f, t_b = W.inputs(c_f, seed=41), W.inputs(c_b, seed=42)
     fwd, bwd = _case_spec("fwd", c_f), _case_spec("bwd", c_b)
     with cpu.ptx() as record:
         o, lse = F.run_forward(fwd, t_f["q"], t_f["k"], t_f["v"], causal=True)
-        grads, g64, g_pt = _backward(c_b, t_b, bwd)
+        grads, g64, g_pt = W.backward(c_b, t_b, bwd)
     assert {s for s, _, _ in record.launches} == {fwd.name, bwd.name}
-    o64, lse64, _ = _oracle(c_f, t_f, torch.float64)
-    o_pt, _, _ = _oracle(c_f, t_f, torch.float16)
-    _, lse32, _ = _oracle(c_f, t_f, torch.float32)
-    S.criterion("o", o, o64, o_pt, torch.float16)
-    assert_lse_close("lse", lse, lse64, lse32)
-    for name, a, r64, pt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
-        assert_close(name, a, r64, pt, torch.float16)
+    W.check_forward(c_f, t_f, o, lse)
+    W.check_backward(c_b, t_b, grads, g64, g_pt)
