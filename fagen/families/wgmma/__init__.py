@@ -46,7 +46,7 @@ from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_DROPOUT_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
            "fwd_acc_regs", "fwd_regs_cap", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
@@ -74,6 +74,11 @@ FWD_SCORE_MOD_REGS = 160
 #: The bound with softcap and ALiBi together at a head dim past 128 (S's k loop of 12 or 16 wgmmas):
 #: d = 192, dv = 128 x 128 keys (144) spills 188 bytes; x 64 keys (104), d = 192 x 64 keys (136) do not.
 FWD_SCORE_MOD_WIDE_REGS = 136
+#: The bound with dropout (its keep bits and the Philox state beside S, P~ and O; with softcap / ALiBi
+#: the tighter of the two): benchmarks/sass_cost.py: d = 128 x 192 keys (184) spills 620 bytes, x 128 keys
+#: (144) none; d = 64 x 192 keys (152) and d = 192 x 64 keys (136) none; d = 256 x 64 keys (168) spills 48,
+#: so d = 256 with dropout goes to ``mma``.
+FWD_DROPOUT_REGS = 160
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -98,11 +103,15 @@ def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
     """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
-    ALiBi, FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles are as they were)."""
+    ALiBi, FWD_DROPOUT_REGS with dropout (the tighter of those that apply), FWD_ACC_REGS with a v head dim
+    of its own, none otherwise (the plain tiles are as they were)."""
+    caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
     if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
-        return FWD_SCORE_MOD_WIDE_REGS
-    if fs.has("softcap") or fs.has("alibi"):
-        return FWD_SCORE_MOD_REGS
+        caps.append(FWD_SCORE_MOD_WIDE_REGS)
+    elif fs.has("softcap") or fs.has("alibi"):
+        caps.append(FWD_SCORE_MOD_REGS)
+    if caps:
+        return min(caps)
     return FWD_ACC_REGS if fs.dv != fs.head_dim else None
 
 
@@ -129,7 +138,8 @@ class WgmmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
-    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi"})
+    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
+                                          "dropout"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -142,8 +152,6 @@ class WgmmaFamily(FamilyBase):
             return f"head_dim={fs.head_dim}: the templates take head_dim in {HEAD_DIMS}"
         if fs.dv not in HEAD_DIMS:
             return f"head_dim_v={fs.dv}: the templates take head_dim_v in {HEAD_DIMS}"
-        if fs.has("dropout"):
-            return "dropout: the keep-mask replay is not implemented yet"
         return None
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
@@ -161,6 +169,8 @@ class WgmmaFamily(FamilyBase):
         cap = fwd_regs_cap(fs)
         if cap is not None and (regs := fwd_acc_regs(fs)) > cap:
             what = f"head_dim_v={fs.dv}" if cap == FWD_ACC_REGS else "softcap / alibi"
+            if fs.has("dropout"):
+                what = "dropout" if not (fs.has("softcap") or fs.has("alibi")) else "softcap / alibi and dropout"
             return Reason("block_c", f"block_c={fs.block_c} with {what}: the O accumulator, S and P~ "
                                      f"take {regs} fp32 registers per consumer thread, more than {cap} "
                                      f"({self.name}: ptxas would spill)")

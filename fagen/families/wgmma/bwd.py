@@ -37,11 +37,11 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -76,6 +76,8 @@ def default_block_r(fs: FamilySpec) -> int:
     br = min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
     if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
         return 64
+    if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
+        return 64
     return br
 
 
@@ -94,6 +96,11 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and alibi: S^T, dP^T, their "
                                  f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
                                  f"{BWD_ALIBI_REGS} (wgmma backward: ptxas would spill)")
+    if fs.has("dropout") and (regs := acc_regs(fs)) > (cap := dropout_regs(fs)):
+        with_alibi = " and alibi" if fs.has("alibi") else ""
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
+                                 f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
+                                 f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -108,6 +115,19 @@ BWD_ACC_REGS = 256
 #: The same bound with ALiBi (its 64-bit distance per element of P^T): d = 64's 128 x 128 tile (256) spills
 #: 24 bytes (20 with softcap too), d = 128's 64 x 128 (224) none; d = 64 takes 64 Q rows on one warpgroup.
 BWD_ALIBI_REGS = 224
+#: The bound with dropout (the step's keep bits, computed while S^T and dP^T run, and the Philox state;
+#: no early dV~, :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 180 bytes, 64 x 64 on one
+#: warpgroup (160) none; d = 128's 64 x 128 (224) none.
+BWD_DROPOUT_REGS = 224
+#: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (24 with softcap too), d = 64's
+#: 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
+BWD_DROPOUT_ALIBI_REGS = 160
+
+
+def dropout_regs(fs: FamilySpec) -> int:
+    """The registers bound (:func:`acc_regs`) of a tile with dropout: BWD_DROPOUT_ALIBI_REGS with ALiBi, else
+    BWD_DROPOUT_REGS."""
+    return BWD_DROPOUT_ALIBI_REGS if fs.has("alibi") else BWD_DROPOUT_REGS
 
 
 def acc_regs(fs: FamilySpec) -> int:
@@ -172,6 +192,8 @@ DV_EARLY_REGS = 208
 def dv_early(fs: FamilySpec) -> bool:
     """Whether dV~ += P^T dO_i is issued before dS^T is computed (overlapping it), not with dK~."""
     if fs.has("softcap"):  # P^T and dS^T in one pass once dP^T retired (dS^T needs q.k for 1 - tanh^2)
+        return False
+    if fs.has("dropout"):  # the keep bits and the Philox state beside them: ptxas would spill
         return False
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
