@@ -46,8 +46,8 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(direction="bwd", dropout=True), "dropout"),
-    (dict(dropout=True), "dropout"),
+    (dict(direction="bwd", head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
+    (dict(head_dim=256, dropout=True), "block_c=64 with dropout"),
     (dict(head_dim=80), "head_dim=80"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
@@ -333,8 +333,10 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     assert spec is not None and spec.arch == "sm_90a" and spec.impl == "wgmma" and spec.causal
     bwd = F._arch_specific_spec("bwd", gpu, "sm_90", flags)  # the backward too (tests/test_wgmma_bwd.py)
     assert bwd is not None and bwd.impl == "wgmma" and bwd.direction == "bwd"
-    assert F._arch_specific_spec("bwd", gpu, "sm_90", {**flags, "dropout": True}) is None  # mma: the default path
-    assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "dropout": True}) is None
+    for direction in ("fwd", "bwd"):  # dropout: this family's too
+        drop = F._arch_specific_spec(direction, gpu, "sm_90", {**flags, "dropout": True})
+        assert drop is not None and drop.impl == "wgmma" and drop.dropout
+    assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "attn_mask": True}) is None  # mma: the default path
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target

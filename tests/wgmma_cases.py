@@ -136,3 +136,66 @@ def check_backward(c: dict, t: dict, ours, g64, g_pt) -> None:
         assert torch.equal(ours[2][pad], torch.zeros_like(ours[2][pad]))
         if c["B"] > 1:
             assert torch.equal(ours[0][-1], torch.zeros_like(ours[0][-1]))
+
+
+# --------------------------------------------------------------------------- dropout (test_wgmma_dropout.py)
+# A case's ``dropout`` key is its p; the kernels and the oracle draw the keep mask of
+# fagen.functional.dropout_keep_mask at DROPOUT_SEED / DROPOUT_OFFSET (both past 2**32).
+DROPOUT_SEED, DROPOUT_OFFSET = 2**40 + 17, 2**33 + 5
+__all__ += ["DROPOUT_OFFSET", "DROPOUT_SEED", "check_dropout_forward", "dropout_backward", "dropout_keep",
+            "dropout_options", "dropout_oracle", "dropout_spec"]
+
+
+def dropout_spec(direction: str, c: dict, **kw) -> KernelSpec:
+    """:func:`spec` with dropout compiled in."""
+    return spec(direction, c, dropout=True, **kw)
+
+
+def dropout_options(c: dict, t: dict) -> dict:
+    """:func:`options` with the case's p, seed and offset."""
+    return {**options(c, t), "dropout_p": c["dropout"], "seed": DROPOUT_SEED, "offset": DROPOUT_OFFSET}
+
+
+def dropout_keep(c: dict) -> torch.Tensor:
+    """The case's keep mask [B, H, Nq, Nk] (True = kept)."""
+    return F.dropout_keep_mask(c["B"], c["H"], c["Nq"], c["Nk"], c["dropout"], seed=DROPOUT_SEED,
+                               offset=DROPOUT_OFFSET)
+
+
+def dropout_oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
+    """:func:`oracle` with the case's keep mask: O = (P o Z) V / (1 - p), lse of the undropped P."""
+    q, k, v = (t[n].detach().to(dtype).requires_grad_(grads) for n in ("q", "k", "v"))
+    kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), kpm=t["kpm"],
+              softcap=SOFTCAP if c.get("softcap") else 0.0, keep=dropout_keep(c), dropout_p=c["dropout"])
+    if t["sinks"] is not None:
+        assert t["alibi"] is None and c.get("align", "bottom_right") == "bottom_right"
+        o, lse = S.attention(q, k, v, sinks=t["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32),
+                             dtype=dtype, **kw)
+    else:
+        o, lse = attention(q, k, v, align=c.get("align", "bottom_right"), alibi=t["alibi"], **kw)
+    if not grads:
+        return o.detach(), lse.detach(), None
+    (o * t["do"].to(dtype)).sum().backward()
+    return o.detach(), lse.detach(), [q.grad, k.grad, v.grad]
+
+
+def check_dropout_forward(c: dict, t: dict, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """:func:`check_forward` against the oracle with the keep mask."""
+    assert o.shape == (c["B"], c["Nq"], c["H"], c.get("dv", c["d"]))
+    o64, lse64, _ = dropout_oracle(c, t, torch.float64)
+    o_pt, _, _ = dropout_oracle(c, t, DT[c["dtype"]])
+    _, lse32, _ = dropout_oracle(c, t, torch.float32)
+    S.criterion("o", o, o64, o_pt, DT[c["dtype"]])
+    assert_lse_close("lse", lse, lse64, lse32)
+    if c.get("kpm") and c["B"] > 1:
+        assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+
+
+def dropout_backward(c: dict, t: dict, spec: KernelSpec):
+    """:func:`backward` with the keep mask: the kernels' (dq, dk, dv) from the oracle's o and lse, and the
+    oracle's gradients in float64 and in the inputs' dtype (check with :func:`check_backward`)."""
+    o64, lse64, g64 = dropout_oracle(c, t, torch.float64, grads=True)
+    _, _, g_pt = dropout_oracle(c, t, DT[c["dtype"]], grads=True)
+    ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(),
+                          **dropout_options(c, t))
+    return ours, g64, g_pt
