@@ -1654,7 +1654,10 @@ FA_DEVICE unsigned wg_keep_bits_q(unsigned long long seed, unsigned long long of
 // at key key0 + 8 (e >> 1) and Q row row0 + 8n + 2 t4 + (e & 1), both global (key0 = the key of
 // accumulator row g). One Philox call covers keys 4c..4c+3 of one Q row: with key0 - (g & 3) a multiple
 // of 4 the lanes g = 4a + m, m = 0..3 (same t4) hold them for 2 Q rows x 2 key halves; lane m computes
-// the call of Q row 2 t4 + (m & 1), key half m >> 1 and the four share the bits (4 shuffles per group).
+// the call of Q row 2 t4 + (m & 1), key half m >> 1, whose bit j is lane j's element e = m: the four
+// lanes transpose the 4 x 4 bits (row m, lane m's call, at nibble m of a 16-bit word) in two shuffles,
+// with lane m ^ 2 (keeping the columns j of m's half), then with m ^ 1 (keeping column m), and gather
+// column m's bits 4r + m to r with one multiply (no two partial products meet, so nothing carries).
 // Otherwise one call per element, in a rolled loop.
 template <int NG>
 FA_DEVICE unsigned wg_keep_bits_k(unsigned long long seed, unsigned long long offset, unsigned bh, int row0, int key0,
@@ -1663,13 +1666,15 @@ FA_DEVICE unsigned wg_keep_bits_k(unsigned long long seed, unsigned long long of
     const int t4 = lane & 3, m = (lane >> 2) & 3;
     unsigned kb = 0u;
     if (((key0 - m) & 3) == 0) {  // warp-uniform
+        const unsigned half = (m & 2) ? 0xccccu : 0x3333u, col = 0x1111u << m;
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
             const unsigned mine = wg_keep4(seed, offset, bh, (unsigned)(row0 + 8 * n + 2 * t4 + (m & 1)),
                                            (unsigned)(key0 - m + 8 * (m >> 1)), drop_threshold);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q row e & 1: lane m' = 2 (e >> 1) + (e & 1)'s call
-                kb |= ((__shfl_sync(0xffffffffu, mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
+            unsigned w = mine << (4 * m);
+            w = (w | __shfl_xor_sync(0xffffffffu, w, 8)) & half;  // rows m, m ^ 2; the columns of m's half
+            w = (w | __shfl_xor_sync(0xffffffffu, w, 4)) & col;   // every row, column m: bit 4r + m
+            kb |= ((((w >> m) * 0x1248u) >> 12) & 0xfu) << (4 * n);  // bit 4r -> 12 + r
         }
     } else {
         for (int x = 0; x < NG * 4; ++x) {
@@ -1808,10 +1813,10 @@ FA_DEVICE void wg_frags_keep(const float (&acc)[BLOCK_R / 2], const unsigned (&k
                                ((kb[i >> 5] >> ((i + 1) & 31)) & 1u) ? acc[i + 1] : 0.f);
         }
 }
-// dP^T o Z / (1 - p) in place (dS^T = P^T (dP^T o Z / (1 - p) - D), the mma family's form).
-FA_DEVICE void wg_drop_dp(float (&dp)[BLOCK_R / 2], const unsigned (&kb)[BLOCK_R / 64], float rp_keep) {
+// dP^T o Z in place (dS^T = P^T (dP^T o Z / (1 - p) - D): 1 / (1 - p) joins the scale wg_ds takes).
+FA_DEVICE void wg_drop_dp(float (&dp)[BLOCK_R / 2], const unsigned (&kb)[BLOCK_R / 64]) {
 #pragma unroll
-    for (int x = 0; x < BLOCK_R / 2; ++x) dp[x] = ((kb[x >> 5] >> (x & 31)) & 1u) ? dp[x] * rp_keep : 0.f;
+    for (int x = 0; x < BLOCK_R / 2; ++x) dp[x] = ((kb[x >> 5] >> (x & 31)) & 1u) ? dp[x] : 0.f;
 }
 }  // namespace fa
 
@@ -2169,10 +2174,10 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 fa_wgmma_wait_group<0>();  // dP^T retired (dV~ waits for dK~: the registers, DV_EARLY)
 #pragma unroll
                 for (int x = 0; x < BLOCK_R / 2; ++x) fa_wgmma_fence_operand(dp_acc[x]);
-                wg_drop_dp(dp_acc, kb, rp_keep);
+                wg_drop_dp(dp_acc, kb);
 
                 // dS^T (the softmax scale folded into dS: dQ~ and dK~ need no scaling).
-                wg_ds(s_acc, dp_acc, sdlt + st * BLOCK_R, scale, t4);
+                wg_ds(s_acc, dp_acc, sdlt + st * BLOCK_R, scale * rp_keep, t4);
                 wg_frags(dp_acc, dsa);
 
                 // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8. Stored before the

@@ -50,7 +50,10 @@ FA_DEVICE unsigned wg_keep_bits_q(unsigned long long seed, unsigned long long of
 // at key key0 + 8 (e >> 1) and Q row row0 + 8n + 2 t4 + (e & 1), both global (key0 = the key of
 // accumulator row g). One Philox call covers keys 4c..4c+3 of one Q row: with key0 - (g & 3) a multiple
 // of 4 the lanes g = 4a + m, m = 0..3 (same t4) hold them for 2 Q rows x 2 key halves; lane m computes
-// the call of Q row 2 t4 + (m & 1), key half m >> 1 and the four share the bits (4 shuffles per group).
+// the call of Q row 2 t4 + (m & 1), key half m >> 1, whose bit j is lane j's element e = m: the four
+// lanes transpose the 4 x 4 bits (row m, lane m's call, at nibble m of a 16-bit word) in two shuffles,
+// with lane m ^ 2 (keeping the columns j of m's half), then with m ^ 1 (keeping column m), and gather
+// column m's bits 4r + m to r with one multiply (no two partial products meet, so nothing carries).
 // Otherwise one call per element, in a rolled loop.
 template <int NG>
 FA_DEVICE unsigned wg_keep_bits_k(unsigned long long seed, unsigned long long offset, unsigned bh, int row0, int key0,
@@ -59,13 +62,15 @@ FA_DEVICE unsigned wg_keep_bits_k(unsigned long long seed, unsigned long long of
     const int t4 = lane & 3, m = (lane >> 2) & 3;
     unsigned kb = 0u;
     if (((key0 - m) & 3) == 0) {  // warp-uniform
+        const unsigned half = (m & 2) ? 0xccccu : 0x3333u, col = 0x1111u << m;
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
             const unsigned mine = wg_keep4(seed, offset, bh, (unsigned)(row0 + 8 * n + 2 * t4 + (m & 1)),
                                            (unsigned)(key0 - m + 8 * (m >> 1)), drop_threshold);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q row e & 1: lane m' = 2 (e >> 1) + (e & 1)'s call
-                kb |= ((__shfl_sync(0xffffffffu, mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
+            unsigned w = mine << (4 * m);
+            w = (w | __shfl_xor_sync(0xffffffffu, w, 8)) & half;  // rows m, m ^ 2; the columns of m's half
+            w = (w | __shfl_xor_sync(0xffffffffu, w, 4)) & col;   // every row, column m: bit 4r + m
+            kb |= ((((w >> m) * 0x1248u) >> 12) & 0xfu) << (4 * n);  // bit 4r -> 12 + r
         }
     } else {
         for (int x = 0; x < NG * 4; ++x) {
