@@ -28,8 +28,16 @@ dS^T (``score_grad_raw``). Their per-element work needs registers: the forward's
 dv = 256 are declined, so they go to ``mma``), the backward with ALiBi within ``bwd.BWD_ALIBI_REGS``
 (d = 64: 64 x 64 on one warpgroup).
 
+Dropout (``dropout``), both directions, draws the other families' keep bits: ``templates/wgmma/dropout.cuh``
+on ``templates/partials/philox.cuh``'s Philox stream at the same (batch, head, row, col) counters (the
+m64nNk16 accumulator's (row, 2 columns) pairs are mma.m16n8's, so one Philox call serves four elements of
+a thread quad). The forward's m, l and lse are the undropped P~'s, O accumulates (P~ o Z) V and takes
+1 / (1 - p) with 1 / l; the keep bits beside S, P~ and O keep :func:`fwd_acc_regs` within
+:data:`FWD_DROPOUT_REGS` (d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward:
+:mod:`fagen.families.wgmma.bwd`.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
-``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
 dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias,
 varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
 """

@@ -24,6 +24,13 @@ exp2(score_fwd(S^T) log2 e - lse log2 e) from the raw S^T; with softcap dS^T = P
 dV~, :func:`dv_early`); ALiBi keeps :func:`acc_regs` within :data:`BWD_ALIBI_REGS` (d = 64: 64 Q rows,
 one consumer warpgroup).
 
+Dropout (``templates/wgmma/dropout.cuh``, the other families' keep bits): the step's keep bits are
+computed while S^T and dP^T run (the four lanes holding a Philox call's four keys transpose their bits in
+two shuffles), P^T o Z goes into dV~'s A fragments, the dropped dP^T are zeroed and 1 / (1 - p) joins the
+scale of dS^T = P^T (dP^T o Z / (1 - p) - D), dV~ takes 1 / (1 - p) before its epilogue; no early dV~. The
+tile keeps :func:`acc_regs` within :data:`BWD_DROPOUT_REGS` (d = 64: 64 x 64 on one consumer warpgroup),
+with ALiBi within :data:`BWD_DROPOUT_ALIBI_REGS` (d = 96 and 128 are declined).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -116,11 +123,11 @@ BWD_ACC_REGS = 256
 #: 24 bytes (20 with softcap too), d = 128's 64 x 128 (224) none; d = 64 takes 64 Q rows on one warpgroup.
 BWD_ALIBI_REGS = 224
 #: The bound with dropout (the step's keep bits, computed while S^T and dP^T run, and the Philox state;
-#: no early dV~, :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 180 bytes, 64 x 64 on one
-#: warpgroup (160) none; d = 128's 64 x 128 (224) none.
+#: no early dV~, :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 184 bytes, 64 x 64 on one
+#: warpgroup (160) none; d = 96's and d = 128's 64 x 128 (224) none.
 BWD_DROPOUT_REGS = 224
-#: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (24 with softcap too), d = 64's
-#: 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
+#: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
+#: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
 
 
