@@ -234,3 +234,14 @@ def test_the_rendered_source_draws_the_shared_philox_stream() -> None:
         assert "wg_keep4(" in src and len(re.findall(r"fa_philox4x32_10\(", src)) == 3  # the definition, two calls
         plain = render(KernelSpec(direction=direction, head_dim=64, arch="sm_90a", dtype="float16")).source
         assert "wg_keep" not in plain
+
+
+def test_the_autotuners_estimate_counts_the_keep_bits() -> None:
+    """Without a disassembler the pair cost estimates the loop from the tile: dropout adds its Philox work
+    per score (fagen.families.wgmma.cost.DROPOUT_PER_SCORE), as the mma family's estimate does."""
+    from fagen.families.wgmma.cost import DROPOUT_PER_SCORE, pair_cost
+
+    spec = KernelSpec(direction="fwd", head_dim=128, arch="sm_90a", dtype="float16", dropout=True)
+    plain = spec.replace(dropout=False, block_c=spec.tile.block_c)
+    extra = pair_cost(spec.family_spec).warp_instructions - pair_cost(plain.family_spec).warp_instructions
+    assert extra == spec.num_warps * DROPOUT_PER_SCORE * spec.tile.block_c // 2

@@ -17,6 +17,10 @@ CONSUMER_OVERHEAD = 30
 #: Consumer warp instructions per score a thread holds: FMNMX (row extreme), FFMA (scale folded),
 #: MUFU.EX2, FADD (row sum), half an F2FP (the packed pair of P~).
 PER_SCORE = 4.5
+#: With dropout, per score besides: a quarter of a Philox4x32-10 call (ten rounds of two IMAD.WIDE and
+#: two LOP3), the compares against the threshold, the pair's shuffle and the select of P~ o Z
+#: (benchmarks/sass_cost.py, d128 x 128 keys: 1523 walked instructions per warp against 483 plain).
+DROPOUT_PER_SCORE = 16.0
 
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
@@ -33,7 +37,8 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     if sass:
         per_warp = float(sum(sass.values()))
     else:
-        per_warp = hgmma * 3 + PER_SCORE * scores + dv // 2 + CONSUMER_OVERHEAD
+        per_score = PER_SCORE + (DROPOUT_PER_SCORE if fs.has("dropout") else 0.0)
+        per_warp = hgmma * 3 + per_score * scores + dv // 2 + CONSUMER_OVERHEAD
     producer = (d + dv) // 64 + PRODUCER_OVERHEAD
     smem_bytes = wgs * (64 * d + bc * d + bc * dv) * fs.itemsize
     return PairCost(lds_wavefronts=smem_bytes / WAVEFRONT_BYTES, warp_instructions=fs.num_warps * per_warp + producer,
