@@ -47,7 +47,7 @@ from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
-           "fwd_acc_regs", "fwd_regs_cap", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
+           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -129,7 +129,7 @@ class WgmmaFamily(FamilyBase):
     knobs: tuple[Knob, ...] = (STAGES,)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
-    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi"})
+    features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi", "varlen"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -284,8 +284,16 @@ class WgmmaFamily(FamilyBase):
         out = {}
         for ctype, name in role.params:
             if ctype == TENSORMAP:
-                out[name] = tensor_map_for(tensors[name.removeprefix("tma_")], boxes[name], swizzle=SWIZZLE)
+                x = tensors[name.removeprefix("tma_")]
+                out[name] = tensor_map_for(packed_view(x) if fs.has("varlen") else x, boxes[name], swizzle=SWIZZLE)
         return out
+
+
+def packed_view(x: Any) -> Any:
+    """A packed tensor (varlen: [total, H, d]) as the one batch of the [B, N, H, d] maps ([1, total, H, d]):
+    row r of sequence b is row ``cu_seqlens[b] + r`` of batch 0. One map per tensor and call, whatever the
+    sequences; a tile past its sequence's end reads the next sequence's rows (the kernels mask them)."""
+    return x[None]
 
 
 WGMMA = WgmmaFamily()

@@ -41,7 +41,7 @@ __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "varlen"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -207,13 +207,15 @@ def dq_staging_view(dq_accum: Any) -> Any:
 
 
 def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    from fagen.families.wgmma import packed_view
     from fagen.tma import tensor_map_for
 
     if role.name != "main":
         return {}
     boxes = bwd_tensor_map_boxes(fs)
     view = {"dq_accum": dq_staging_view}
-    return {name: tensor_map_for(view.get(arg, lambda x: x)(tensors[arg]), boxes[name], swizzle=swz)
+    packed = packed_view if fs.has("varlen") else (lambda x: x)  # varlen: [total, H, d] as [1, total, H, d]
+    return {name: tensor_map_for(view.get(arg, lambda x: x)(packed(tensors[arg])), boxes[name], swizzle=swz)
             for name, arg, _, swz in BWD_TMA}
 
 
