@@ -122,6 +122,27 @@ def test_a_sequence_is_untouched_by_its_neighbours_tokens() -> None:
         assert not torch.equal(a[r], b[r]), name  # sequence 1's own did move
 
 
+@pytest.mark.slow
+def test_sequences_of_one_length_give_the_fixed_length_kernels_bits() -> None:
+    """Packed sequences of equal lengths are the fixed-length batch bit for bit (o, lse, dq, dk, dv): the
+    next sequence's rows that the packed tiles load where the fixed-length ones zero-fill enter only
+    multiplied by exact zeros."""
+    c = dict(d=64, dtype="float16", nw=4, tile=(64, 64), lens=((70, 90),) * 3, H=2, Hkv=1, causal=True)
+    t = W.varlen_inputs(c, seed=9)
+    fixed = dict(c, B=3, Nq=70, Nk=90)
+    tf = {n: t[n].reshape(3, -1, *t[n].shape[1:]) for n in ("q", "k", "v", "do")}
+    tf.update(kpm=None, sinks=None, alibi=None)
+    kw = dict(block_r=64, block_c=64)
+    o, lse = F.run_forward(W.varlen_spec("fwd", c), t["q"], t["k"], t["v"], **W.varlen_options(c, t))
+    of, lsef = F.run_forward(W.spec("fwd", fixed, **kw), tf["q"], tf["k"], tf["v"], **W.options(fixed, tf))
+    assert torch.equal(o, of.reshape(o.shape)) and torch.equal(lse, lsef.permute(1, 0, 2).reshape(lse.shape))
+    g = F.run_backward(W.varlen_spec("bwd", c), t["do"], t["q"], t["k"], t["v"], o, lse, **W.varlen_options(c, t))
+    gf = F.run_backward(W.spec("bwd", fixed, **kw), tf["do"], tf["q"], tf["k"], tf["v"], of, lsef,
+                        **W.options(fixed, tf))
+    for name, a, b in zip(("dq", "dk", "dv"), g, gf):
+        assert torch.equal(a, b.reshape(a.shape)), name
+
+
 # --------------------------------------------------------------------------- the public entry point
 @pytest.fixture
 def emulate_sm90a(monkeypatch: pytest.MonkeyPatch):
@@ -195,3 +216,17 @@ def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     assert {s for s, _, _ in record.launches} == {fwd.name, bwd.name}
     W.check_varlen_forward(c, t, o, lse)
     W.check_varlen_backward(c, t, grads, g64, g_pt)
+
+
+@pytest.mark.slow
+def test_varlen_on_huge_scores_takes_the_exact_path() -> None:
+    """Scores of ~1e9 on packed sequences (tests/test_large_values.py's case at the family's head dim): the
+    forward's lse_lo ([H, total_q], at cu_seqlens_q[b] + r) reaches the backward's exact P^T."""
+    import test_large_values as L
+    from feature_harness import FeatCase
+
+    # (The criterion there is torch's fp32 error, zero where every row is one-hot: a sequence of one key, or
+    # these lengths without ALiBi, fails it by the wgmma backward's D = rowsum(dO o O) against its dP rounding
+    # as the fixed-length kernel does on the same data, varlen or not.)
+    L.test_features_at_large_scores("wgmma", "sm_90a", FeatCase("varlen", dtype="bfloat16", lens=((20, 3), (37, 45), (5, 9)),
+                                                                alibi="h", q_scale=2e4, head_dim=64, heads=2, heads_kv=1))

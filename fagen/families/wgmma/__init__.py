@@ -10,6 +10,19 @@ Q once, then K_j / V_j into ``stages`` slots, each slot with a "full" mbarrier (
 slot's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma has
 retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
+Packed sequences (``varlen``: cu_seqlens, the seqlen arguments the max lengths), both directions:
+the tensor maps are built per call over each packed tensor as one batch ([1, total, H, d],
+:func:`packed_view`; one map per tensor, not per sequence) and a CTA places its boxes at its
+sequence's first token (``cu_seqlens[b] + row``). A CTA whose block starts past its sequence's length
+returns before any barrier. A box reaching past the sequence's end loads the next sequence's rows
+(TMA zero-fills only past the packed tensor's end), so the kernels mask by the sequence's lengths
+(``partials/masking.cuh``'s rule on ``fa_seq``'s len_q / len_k): keys past len_k take score -inf (P = 0),
+rows past len_q are never stored (backward: lse -inf and D = 0 make their P^T and dS^T exact zeros,
+their dQ_i rows exact zeros that the reduce-add adds to the next sequence's rows without changing
+them). Those rows enter only multiplied by an exact zero: a sequence's results do not depend on its
+neighbour's finite values (a non-finite one, 0 x inf, reaches the tile's other rows, as in
+FlashAttention-3). No instruction is added to the tile loops (``benchmarks/sass_cost.py``).
+
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
 and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
@@ -30,8 +43,8 @@ dv = 256 are declined, so they go to ``mma``), the backward with ALiBi within ``
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: dropout, head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias,
-varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
+backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 

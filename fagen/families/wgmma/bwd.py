@@ -24,6 +24,12 @@ exp2(score_fwd(S^T) log2 e - lse log2 e) from the raw S^T; with softcap dS^T = P
 dV~, :func:`dv_early`); ALiBi keeps :func:`acc_regs` within :data:`BWD_ALIBI_REGS` (d = 64: 64 Q rows,
 one consumer warpgroup).
 
+Packed sequences (``varlen``): K_j / V_j, Q_i / dO_i and the dQ_i reduce-add at the sequence's first
+token in maps over the packed tensors ([1, total, H, d]; the family's ``packed_view``); a K/V block
+past len_k returns at once; lse_i / D_i of rows past len_q are -inf / 0 (not loaded), so those rows'
+P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the next sequence's dq_accum
+rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
