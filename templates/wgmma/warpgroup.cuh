@@ -15,6 +15,13 @@ constexpr int PAD_DIM_V = PANEL_ELEMS * PANELS_V;
 static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V <= PAD_DIM_V && PAD_DIM_V - HEAD_DIM_V < PANEL_ELEMS,
               "the v head dim: k16 steps, PANELS_V panels");
 {% endif %}
+{% if IS_VARLEN %}
+// Packed sequences (varlen): the tensor maps are over each packed tensor as one batch ([1, total, H, d];
+// fagen.families.wgmma.packed_view), so row r of the sequence whose first token is tok0 (cu_seqlens[b]) is
+// row tok0 + r of batch 0. A box reaching past the sequence's end loads the next sequence's rows (TMA
+// zero-fills only past the packed tensor's end): the kernels mask them by the sequence's lengths.
+FA_DEVICE int wg_tma_row(long long tok0, int r) { return (int)(tok0 + r); }
+{% endif %}
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
