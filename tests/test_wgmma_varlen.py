@@ -93,10 +93,13 @@ NEIGHBOURS = dict(d=64, dtype="float16", nw=4, tile=(64, 64), lens=((50, 70), (4
 
 
 @pytest.mark.slow
-def test_a_sequence_is_untouched_by_its_neighbours_tokens() -> None:
-    """Changing sequence 1's q, k, v and dO leaves every output and gradient of sequences 0 and 2 bit for bit
-    as it was: the rows past a sequence's end that its tiles load enter only masked (P = 0, dS = 0), and
-    the staged dQ_i rows past len_q add +0 to the next sequence's dq_accum rows."""
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf-nan"])
+def test_a_sequence_is_untouched_by_its_neighbours_tokens(finite) -> None:
+    """Changing sequence 1's q, k, v and dO to other values leaves every output and gradient of sequences 0
+    and 2 bit for bit as it was: the rows past a sequence's end that its tiles load enter only masked (P = 0,
+    dS = 0) and the staged dQ_i rows past len_q add exact zeros to the next sequence's dq_accum rows. With
+    inf and NaN among them, the forward's o and lse of sequences 0 and 2 stay as they were too (its last
+    V_j rows past len_k are zeroed before P V); the backward's isolation holds for finite values."""
     c = NEIGHBOURS
     t = W.varlen_inputs(c)
     fwd, bwd = W.varlen_spec("fwd", c), W.varlen_spec("bwd", c)
@@ -113,8 +116,12 @@ def test_a_sequence_is_untouched_by_its_neighbours_tokens() -> None:
     for n, lo in (("q", cq), ("do", cq), ("k", ck), ("v", ck)):
         moved[n] = t[n].clone()
         moved[n][lo[1]:lo[2]] = (3 * torch.randn_like(t[n][lo[1]:lo[2]].float())).to(t[n].dtype)
+        if not finite:  # the first and last rows, which the neighbours' tiles load
+            moved[n][lo[1], 0, :3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+            moved[n][lo[2] - 1, -1, -3:] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     after = run(moved)
-    for name, a, b, lo in zip(("o", "lse", "dq", "dk", "dv"), base, after, (cq, cq, cq, ck, ck)):
+    names = ("o", "lse", "dq", "dk", "dv") if finite else ("o", "lse")
+    for name, a, b, lo in zip(names, base, after, (cq, cq, cq, ck, ck)):
         for s in (0, 2):
             r = slice(lo[s], lo[s + 1])
             assert torch.equal(a[r], b[r]), f"{name} of sequence {s} moved with sequence 1's tokens"
@@ -183,20 +190,26 @@ def test_flash_attn_varlen_func_runs_wgmma_on_sm90a(emulate_sm90a, launched) -> 
 
 
 # --------------------------------------------------------------------------- racecheck, ASan, PTX
-#: GQA, bottom-right causal, 64-row Q blocks over sequences that end inside them (dQ_i rows past len_q).
+#: GQA, bottom-right causal, 64-row Q blocks over sequences that end inside them (dQ_i rows past len_q; the
+#: forward's 128 x 192 tiles on two consumer warpgroups: the last V_j rows past len_k zeroed).
 CHECK_BWD = dict(d=64, dtype="float16", nw=4, lens=((50, 60), (0, 4), (70, 30), (9, 9)), H=2, Hkv=1, causal=True)
 
 
 @pytest.mark.slow
-def test_a_varlen_backward_runs_clean_and_bit_identical_under_racecheck_and_asan() -> None:
+def test_a_varlen_forward_and_backward_run_clean_and_bit_identical_under_racecheck_and_asan() -> None:
+    """The backward, and the forward with its last tile's V_j rows past len_k zeroed behind a named barrier."""
     t = W.varlen_inputs(CHECK_BWD, seed=32)
+    fwd = W.varlen_spec("fwd", CHECK_BWD, num_warps=8)  # two consumer warpgroups: each reads the other's zeros
     spec = W.varlen_spec("bwd", CHECK_BWD)
-    assert spec.impl == "wgmma"
-    plain = W.varlen_backward(CHECK_BWD, t, spec)[0]
+    assert fwd.impl == spec.impl == "wgmma"
+
+    def forward():
+        return F.run_forward(fwd, t["q"], t["k"], t["v"], **W.varlen_options(CHECK_BWD, t))
+    plain = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
     with cpu.racecheck():
-        raced = W.varlen_backward(CHECK_BWD, t, spec)[0]
+        raced = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
     with cpu.sanitized() as rec:
-        checked = W.varlen_backward(CHECK_BWD, t, spec)[0]
+        checked = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
     assert rec.roles == {"main", "pre", "post"}
     for a, b, c in zip(plain, raced, checked):
         assert torch.equal(a, b) and torch.equal(a, c)

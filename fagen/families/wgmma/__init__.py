@@ -19,9 +19,11 @@ returns before any barrier. A box reaching past the sequence's end loads the nex
 (``partials/masking.cuh``'s rule on ``fa_seq``'s len_q / len_k): keys past len_k take score -inf (P = 0),
 rows past len_q are never stored (backward: lse -inf and D = 0 make their P^T and dS^T exact zeros,
 their dQ_i rows exact zeros that the reduce-add adds to the next sequence's rows without changing
-them). Those rows enter only multiplied by an exact zero: a sequence's results do not depend on its
-neighbour's finite values (a non-finite one, 0 x inf, reaches the tile's other rows, as in
-FlashAttention-3). No instruction is added to the tile loops (``benchmarks/sass_cost.py``).
+them). Those rows enter only multiplied by an exact zero, so a sequence's results do not depend on its
+neighbours' finite values; the forward also zeroes its last V_j rows past len_k in shared memory
+(after the loop), so its O and lse do not depend on them at all (a non-finite value, 0 x inf, reaches
+the backward's neighbouring gradients). The tile loops issue what they issue without varlen
+(``benchmarks/sass_cost.py``; docs/performance.md).
 
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
