@@ -1,14 +1,15 @@
 """The Hopper family (``wgmma``, sm_90a) with packed sequences (varlen: cu_seqlens, the seqlen arguments
 the max lengths): tensor maps over the packed tensors as one batch, each tile placed at its sequence's
 first token, rows past a sequence's end (the next sequence's) masked, the staged dQ_i rows past len_q
-stored as +0. Selection; both directions on the CPU emulator, each sequence against the float64 oracle
-of that sequence alone with flash-attn's criterion (fp16 / bf16, lengths 0 and 1, sequences shorter than
-one tile and longer than several, len_q != len_k, rows that see no key, causal of both alignments, a
-window, GQA, softcap, ALiBi, sinks, a v head dim of its own); a sequence's results do not move when its
-neighbour's tokens change; the public varlen entry point on CPU tensors with FAGEN_EMULATE_ARCH=sm_90a;
-racecheck and AddressSanitizer of a backward (clean, bit-identical) and one forward / backward pair at
-the PTX level (opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case of each direction are in the slow
-tier."""
+exact zeros, the forward's last V_j rows past len_k zeroed. Selection; both directions on the CPU
+emulator, each sequence against the float64 oracle of that sequence alone with flash-attn's criterion
+(fp16 / bf16, lengths 0 and 1, sequences shorter than one tile and longer than several, len_q != len_k,
+rows that see no key, causal of both alignments, a window, GQA, softcap, ALiBi, sinks, a v head dim of
+its own); a sequence's results do not move when its neighbour's tokens change (the forward's not even
+for inf / NaN); equal lengths give the fixed-length kernels' bits; huge scores through lse_lo; the
+public varlen entry point on CPU tensors with FAGEN_EMULATE_ARCH=sm_90a; racecheck and AddressSanitizer
+of a forward and a backward (clean, bit-identical) and one forward / backward pair at the PTX level
+(opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case of each direction are in the slow tier."""
 from __future__ import annotations
 
 import os
@@ -241,5 +242,6 @@ def test_varlen_on_huge_scores_takes_the_exact_path() -> None:
     # (The criterion there is torch's fp32 error, zero where every row is one-hot: a sequence of one key, or
     # these lengths without ALiBi, fails it by the wgmma backward's D = rowsum(dO o O) against its dP rounding
     # as the fixed-length kernel does on the same data, varlen or not.)
-    L.test_features_at_large_scores("wgmma", "sm_90a", FeatCase("varlen", dtype="bfloat16", lens=((20, 3), (37, 45), (5, 9)),
-                                                                alibi="h", q_scale=2e4, head_dim=64, heads=2, heads_kv=1))
+    case = FeatCase("varlen", dtype="bfloat16", lens=((20, 3), (37, 45), (5, 9)), alibi="h", q_scale=2e4, head_dim=64,
+                    heads=2, heads_kv=1)
+    L.test_features_at_large_scores("wgmma", "sm_90a", case)
