@@ -50,7 +50,6 @@ def test_chosen_for_sm90a_backward() -> None:
     (dict(head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
     (dict(attn_mask=True), "attn_mask"),
     (dict(bias=True), "bias"),
-    (dict(varlen=True), "varlen"),
     (dict(deterministic=True), "deterministic"),
     (dict(head_dim=192), "head_dim=192: the wgmma backward takes head_dim in (64, 96, 128)"),
     (dict(head_dim=32), "head_dim=32"),

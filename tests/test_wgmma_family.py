@@ -52,7 +52,6 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(attn_mask=True), "attn_mask"),
-    (dict(varlen=True), "varlen"),
     (dict(arch="sm_90"), "arch=sm_90"),
 ])
 def test_what_it_does_not_implement_is_declined_by_name(change, why) -> None:

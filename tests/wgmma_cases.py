@@ -199,3 +199,134 @@ def dropout_backward(c: dict, t: dict, spec: KernelSpec):
     ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(),
                           **dropout_options(c, t))
     return ours, g64, g_pt
+
+
+# --------------------------------------------------------------------------- varlen (packed sequences)
+# A varlen case has ``lens`` ((len_q, len_k) per sequence) in place of B / Nq / Nk and may name a tile
+# (``tile``: (block_r, block_c), so short lengths span several blocks). Its tensors are packed
+# ([total, H, d]) with cu_seqlens; the oracle runs each sequence alone (B = 1), sequence b taking row b
+# of [B, H] ALiBi slopes; a sequence with no key gives zero rows with lse -inf (the sink's logit with
+# sinks), one with no query nothing.
+__all__ += ["check_varlen_backward", "check_varlen_forward", "cu_seqlens", "varlen_backward", "varlen_inputs",
+            "varlen_options", "varlen_oracle", "varlen_spec"]
+
+
+def varlen_spec(direction: str, c: dict, **kw) -> KernelSpec:
+    """The case's spec with ``varlen`` (and its ``tile``, if any)."""
+    tile = dict(block_r=c["tile"][0], block_c=c["tile"][1]) if "tile" in c else {}
+    return spec(direction, c, varlen=True, **{**tile, **kw})
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def varlen_inputs(c: dict, seed: int = 23, scale: float = 1.0) -> dict:
+    """Packed q, k (times ``scale``), v, do, ``cu_q`` / ``cu_k`` and the case's sinks and ALiBi slopes
+    ([B, H]); ``kpm`` None (packed sequences have none)."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DT[c["dtype"]]
+    lq, lk = [a for a, _ in c["lens"]], [b for _, b in c["lens"]]
+    H, Hkv, d = c["H"], c["Hkv"], c["d"]
+    dv = c.get("dv", d)
+    t = {"q": (scale * torch.randn(sum(lq), H, d, generator=g)).to(dt),
+         "k": (scale * torch.randn(sum(lk), Hkv, d, generator=g)).to(dt),
+         "v": torch.randn(sum(lk), Hkv, dv, generator=g).to(dt), "do": torch.randn(sum(lq), H, dv, generator=g).to(dt),
+         "cu_q": cu_seqlens(lq), "cu_k": cu_seqlens(lk), "kpm": None}
+    t["sinks"] = torch.randn(H, generator=g) if c.get("sinks") else None
+    t["alibi"] = torch.rand(len(lq), H, generator=g) * 0.5 if c.get("alibi") else None
+    return t
+
+
+def varlen_options(c: dict, t: dict) -> dict:
+    """The keywords of run_forward / run_backward: :func:`options` and the packed sequences'."""
+    return {**options(c, t), "cu_seqlens_q": t["cu_q"], "cu_seqlens_k": t["cu_k"],
+            "max_seqlen_q": max(a for a, _ in c["lens"]), "max_seqlen_k": max(b for _, b in c["lens"])}
+
+
+def _sequence(c: dict, t: dict, b: int) -> tuple[dict, dict]:
+    """Sequence b alone as a fixed-length case (B = 1) and its tensors."""
+    (lq, lk), cq, ck = c["lens"][b], t["cu_q"].tolist(), t["cu_k"].tolist()
+    cb = {**{k: v for k, v in c.items() if k not in ("lens", "tile")}, "B": 1, "Nq": lq, "Nk": lk}
+    tb = {n: t[n][None, lo[b]:lo[b + 1]] for n, lo in (("q", cq), ("k", ck), ("v", ck), ("do", cq))}
+    tb.update(kpm=None, sinks=t["sinks"], alibi=None if t["alibi"] is None else t["alibi"][b])
+    return cb, tb
+
+
+def varlen_oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
+    """(o [total_q, H, dv], lse [H, total_q], [dq, dk, dv] packed or None) of :func:`oracle` run on each
+    sequence alone, in ``dtype``."""
+    H, dv = c["H"], c.get("dv", c["d"])
+    o, lse, g = [], [], [[], [], []]
+    for b, (lq, lk) in enumerate(c["lens"]):
+        cb, tb = _sequence(c, t, b)
+        if lk == 0:  # no key: zero rows; lse -inf, or the sink's logit
+            o.append(torch.zeros(lq, H, dv, dtype=dtype))
+            sink = torch.full((H,), float("-inf"), dtype=dtype) if t["sinks"] is None else t["sinks"].to(dtype)
+            lse.append(sink[:, None].expand(H, lq))
+            part = [torch.zeros(lq, H, c["d"], dtype=dtype), None, None]
+        elif lq == 0:
+            o.append(torch.zeros(0, H, dv, dtype=dtype))
+            lse.append(torch.zeros(H, 0, dtype=dtype))
+            part = [torch.zeros(0, H, c["d"], dtype=dtype), torch.zeros(lk, c["Hkv"], c["d"], dtype=dtype),
+                    torch.zeros(lk, c["Hkv"], dv, dtype=dtype)]
+        else:
+            ob, lb, gb = oracle(cb, tb, dtype, grads)
+            o.append(ob[0])
+            lse.append(lb[0])
+            part = [x[0] for x in gb] if grads else None
+        if grads:
+            for acc, x in zip(g, part):
+                if x is not None:
+                    acc.append(x)
+    return torch.cat(o), torch.cat(lse, dim=1), ([torch.cat(x) for x in g] if grads else None)
+
+
+def check_varlen_forward(c: dict, t: dict, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Each sequence's o and lse against the float64 oracle of that sequence alone (flash-attn's
+    criterion); rows that see no key exactly zero."""
+    assert o.shape == (t["q"].shape[0], c["H"], c.get("dv", c["d"])) and lse.shape == (c["H"], t["q"].shape[0])
+    o64, lse64, _ = varlen_oracle(c, t, torch.float64)
+    o_pt, _, _ = varlen_oracle(c, t, DT[c["dtype"]])
+    _, lse32, _ = varlen_oracle(c, t, torch.float32)
+    cq = t["cu_q"].tolist()
+    for b in range(len(c["lens"])):
+        r = slice(cq[b], cq[b + 1])
+        if r.start == r.stop:
+            continue
+        S.criterion(f"o of sequence {b}", o[r], o64[r], o_pt[r], DT[c["dtype"]])
+        assert_lse_close(f"lse of sequence {b}", lse[:, r], lse64[:, r], lse32[:, r])
+    dead = torch.isneginf(lse64).transpose(0, 1)  # [total_q, H]: rows that see no key (no sinks)
+    assert torch.equal(o[dead], torch.zeros_like(o[dead]))
+
+
+def varlen_backward(c: dict, t: dict, spec: KernelSpec):
+    """The kernels' (dq, dk, dv) from the float64 oracle's o and lse, and the oracle's packed gradients in
+    float64 and in the inputs' dtype."""
+    o64, lse64, g64 = varlen_oracle(c, t, torch.float64, grads=True)
+    _, _, g_pt = varlen_oracle(c, t, DT[c["dtype"]], grads=True)
+    ours = F.run_backward(spec, t["do"], t["q"], t["k"], t["v"], o64.to(t["q"].dtype), lse64.float(),
+                          **varlen_options(c, t))
+    return ours, g64, g_pt
+
+
+def check_varlen_backward(c: dict, t: dict, ours, g64, g_pt) -> None:
+    """Each sequence's dq, dk, dv against the float64 oracle of that sequence alone (a slice whose
+    reference is all zero, such as dk of a one-key sequence, by the same criterion); dq of rows that see
+    no key and dk, dv of a sequence with no query exactly zero."""
+    assert [g.shape for g in ours] == [t["q"].shape, t["k"].shape, t["v"].shape]
+    cq, ck = t["cu_q"].tolist(), t["cu_k"].tolist()
+    for b in range(len(c["lens"])):
+        for name, a, r64, pt, lo in zip(("dq", "dk", "dv"), ours, g64, g_pt, (cq, ck, ck)):
+            r = slice(lo[b], lo[b + 1])
+            if r.start == r.stop:
+                continue
+            assert_close(f"{name} of sequence {b}", a[r], r64[r], pt[r], DT[c["dtype"]], zero_ok=not r64[r].any())
+            if name != "dq" and c["lens"][b][0] == 0:
+                assert torch.equal(a[r], torch.zeros_like(a[r])), f"{name} of sequence {b}: no query, not zero"
+    _, lse64, _ = varlen_oracle(c, t, torch.float64)
+    dead = torch.isneginf(lse64).transpose(0, 1)  # [total_q, H]: rows that see no key (no sinks)
+    assert torch.equal(ours[0][dead], torch.zeros_like(ours[0][dead])), "dq of rows that see no key: not zero"

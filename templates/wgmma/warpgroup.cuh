@@ -15,6 +15,25 @@ constexpr int PAD_DIM_V = PANEL_ELEMS * PANELS_V;
 static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V <= PAD_DIM_V && PAD_DIM_V - HEAD_DIM_V < PANEL_ELEMS,
               "the v head dim: k16 steps, PANELS_V panels");
 {% endif %}
+{% if IS_VARLEN %}
+// Packed sequences (varlen): the tensor maps are over each packed tensor as one batch ([1, total, H, d];
+// fagen.families.wgmma.packed_view), so row r of the sequence whose first token is tok0 (cu_seqlens[b]) is
+// row tok0 + r of batch 0. A box reaching past the sequence's end loads the next sequence's rows (TMA
+// zero-fills only past the packed tensor's end): the kernels mask them by the sequence's lengths (the
+// forward also zeroes its last V_j rows past len_k, wg_zero_rows: P V multiplies them by the mask's zeros).
+FA_DEVICE int wg_tma_row(long long tok0, int r) { return (int)(tok0 + r); }
+// Rows [first, ROWS) of a swizzled tile of `panels` panels of ROWS rows x 128 bytes set to zero, thread
+// t of n storing 16-byte chunks (the swizzle permutes chunks inside a row: a row's 128 bytes are its own).
+template <int ROWS>
+FA_DEVICE void wg_zero_rows(T* tile, int panels, int first, int t, int n) {
+    const int per_panel = (ROWS - first) * 8;  // 16-byte chunks past `first` in one panel
+    const uint4 zero = {0u, 0u, 0u, 0u};
+    for (int x = t; x < panels * per_panel; x += n) {
+        const int p = x / per_panel, y = x % per_panel;
+        *reinterpret_cast<uint4*>(tile + p * ROWS * PANEL_ELEMS + (first + y / 8) * PANEL_ELEMS + 8 * (y % 8)) = zero;
+    }
+}
+{% endif %}
 
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {

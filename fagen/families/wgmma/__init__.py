@@ -10,6 +10,21 @@ Q once, then K_j / V_j into ``stages`` slots, each slot with a "full" mbarrier (
 slot's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma has
 retired). Rows past a sequence's end come from TMA's zero fill and are masked.
 
+Packed sequences (``varlen``: cu_seqlens, the seqlen arguments the max lengths), both directions:
+the tensor maps are built per call over each packed tensor as one batch ([1, total, H, d],
+:func:`packed_view`; one map per tensor, not per sequence) and a CTA places its boxes at its
+sequence's first token (``cu_seqlens[b] + row``). A CTA whose block starts past its sequence's length
+returns before any barrier. A box reaching past the sequence's end loads the next sequence's rows
+(TMA zero-fills only past the packed tensor's end), so the kernels mask by the sequence's lengths
+(``partials/masking.cuh``'s rule on ``fa_seq``'s len_q / len_k): keys past len_k take score -inf (P = 0),
+rows past len_q are never stored (backward: lse -inf and D = 0 make their P^T and dS^T exact zeros,
+their dQ_i rows exact zeros that the reduce-add adds to the next sequence's rows without changing
+them). Those rows enter only multiplied by an exact zero, so a sequence's results do not depend on its
+neighbours' finite values; the forward also zeroes its last V_j rows past len_k in shared memory
+(after the loop), so its O and lse do not depend on them at all (a non-finite value, 0 x inf, reaches
+the backward's neighbouring gradients). The tile loops issue what they issue without varlen
+(``benchmarks/sass_cost.py``; docs/performance.md).
+
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
 and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
@@ -38,8 +53,8 @@ a thread quad). The forward's m, l and lse are the undropped P~'s, O accumulates
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias,
-varlen. The backward is :mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
+backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -55,7 +70,7 @@ from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_DROPOUT_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
-           "fwd_acc_regs", "fwd_regs_cap", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
+           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -147,7 +162,7 @@ class WgmmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
-                                          "dropout"})
+                                          "dropout", "varlen"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -302,8 +317,16 @@ class WgmmaFamily(FamilyBase):
         out = {}
         for ctype, name in role.params:
             if ctype == TENSORMAP:
-                out[name] = tensor_map_for(tensors[name.removeprefix("tma_")], boxes[name], swizzle=SWIZZLE)
+                x = tensors[name.removeprefix("tma_")]
+                out[name] = tensor_map_for(packed_view(x) if fs.has("varlen") else x, boxes[name], swizzle=SWIZZLE)
         return out
+
+
+def packed_view(x: Any) -> Any:
+    """A packed tensor (varlen: [total, H, d]) as the one batch of the [B, N, H, d] maps ([1, total, H, d]):
+    row r of sequence b is row ``cu_seqlens[b] + r`` of batch 0. One map per tensor and call, whatever the
+    sequences; a tile past its sequence's end reads the next sequence's rows (the kernels mask them)."""
+    return x[None]
 
 
 WGMMA = WgmmaFamily()

@@ -31,6 +31,12 @@ scale of dS^T = P^T (dP^T o Z / (1 - p) - D), dV~ takes 1 / (1 - p) before its e
 tile keeps :func:`acc_regs` within :data:`BWD_DROPOUT_REGS` (d = 64: 64 x 64 on one consumer warpgroup),
 with ALiBi within :data:`BWD_DROPOUT_ALIBI_REGS` (d = 96 and 128 are declined).
 
+Packed sequences (``varlen``): K_j / V_j, Q_i / dO_i and the dQ_i reduce-add at the sequence's first
+token in maps over the packed tensors ([1, total, H, d]; the family's ``packed_view``); a K/V block
+past len_k returns at once; lse_i / D_i of rows past len_q are -inf / 0 (not loaded), so those rows'
+P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the next sequence's dq_accum
+rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -48,7 +54,7 @@ __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROP
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -236,13 +242,15 @@ def dq_staging_view(dq_accum: Any) -> Any:
 
 
 def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    from fagen.families.wgmma import packed_view
     from fagen.tma import tensor_map_for
 
     if role.name != "main":
         return {}
     boxes = bwd_tensor_map_boxes(fs)
     view = {"dq_accum": dq_staging_view}
-    return {name: tensor_map_for(view.get(arg, lambda x: x)(tensors[arg]), boxes[name], swizzle=swz)
+    packed = packed_view if fs.has("varlen") else (lambda x: x)  # varlen: [total, H, d] as [1, total, H, d]
+    return {name: tensor_map_for(view.get(arg, lambda x: x)(packed(tensors[arg])), boxes[name], swizzle=swz)
             for name, arg, _, swz in BWD_TMA}
 
 
