@@ -245,3 +245,16 @@ def test_varlen_on_huge_scores_takes_the_exact_path() -> None:
     case = FeatCase("varlen", dtype="bfloat16", lens=((20, 3), (37, 45), (5, 9)), alibi="h", q_scale=2e4, head_dim=64,
                     heads=2, heads_kv=1)
     L.test_features_at_large_scores("wgmma", "sm_90a", case)
+
+
+@pytest.mark.slow
+def test_packed_sequences_with_dropout_softcap_window_and_gqa() -> None:
+    """varlen and dropout together (each sequence's keep bits at its own (b, h, row, col), as the other
+    families draw them): both directions against the float64 reference with the same keep mask, lengths
+    0 and 1, a query-less and a key-less sequence, sequences longer than a block."""
+    from feature_harness import FeatCase, check_case
+
+    c = FeatCase("varlen-dropout", heads=4, heads_kv=2, causal=True, window=(40, -1), softcap=4.0, dropout_p=0.25,
+                 head_dim=64, lens=((130, 200), (0, 5), (1, 1), (140, 133), (7, 0), (17, 17)), q_scale=2.0)
+    fwd, bwd = check_case(c, "wgmma", extra={"arch": "sm_90a"})
+    assert fwd.impl == bwd.impl == "wgmma"
