@@ -66,7 +66,7 @@ from fagen.abi import FWD_MAIN, TENSORMAP, Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
 from fagen.families.wgmma import bwd
 from fagen.families.wgmma.cost import pair_cost
-from fagen.families.wgmma.panels import PANEL, SWIZZLE, padded_dim
+from fagen.families.wgmma.panels import PANEL, SWIZZLE, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_DROPOUT_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
@@ -320,13 +320,6 @@ class WgmmaFamily(FamilyBase):
                 x = tensors[name.removeprefix("tma_")]
                 out[name] = tensor_map_for(packed_view(x) if fs.has("varlen") else x, boxes[name], swizzle=SWIZZLE)
         return out
-
-
-def packed_view(x: Any) -> Any:
-    """A packed tensor (varlen: [total, H, d]) as the one batch of the [B, N, H, d] maps ([1, total, H, d]):
-    row r of sequence b is row ``cu_seqlens[b] + r`` of batch 0. One map per tensor and call, whatever the
-    sequences; a tile past its sequence's end reads the next sequence's rows (the kernels mask them)."""
-    return x[None]
 
 
 WGMMA = WgmmaFamily()

@@ -47,7 +47,7 @@ from typing import Any
 
 from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
-from fagen.families.wgmma.panels import padded_dim
+from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
@@ -242,7 +242,6 @@ def dq_staging_view(dq_accum: Any) -> Any:
 
 
 def tensor_maps(fs: FamilySpec, role: Role, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    from fagen.families.wgmma import packed_view
     from fagen.tma import tensor_map_for
 
     if role.name != "main":

@@ -1,9 +1,11 @@
 """The Hopper family's shared-memory panels: every Q / K / V / dO tile is whole 128-byte swizzle
 panels wide (64 elements of a 16-bit dtype), each panel one TMA box with the swizzle the wgmma
-descriptors read."""
+descriptors read; a packed (varlen) tensor is mapped as one batch (:func:`packed_view`)."""
 from __future__ import annotations
 
-__all__ = ["PANEL", "SWIZZLE", "padded_dim"]
+from typing import Any
+
+__all__ = ["PANEL", "SWIZZLE", "packed_view", "padded_dim"]
 
 #: The smem swizzle span (bytes) of every TMA box and wgmma descriptor: one panel row.
 SWIZZLE = 128
@@ -15,3 +17,10 @@ def padded_dim(head_dim: int) -> int:
     N of the wgmmas whose N is the head dim (O += P V; dV, dK, dQ), 128 for d = 96 (its TMA loads
     zero-fill columns 96..127: the tensor maps end at the head dim)."""
     return -(-head_dim // PANEL) * PANEL
+
+
+def packed_view(x: Any) -> Any:
+    """A packed tensor (varlen: [total, H, d]) as the one batch of the [B, N, H, d] maps ([1, total, H, d]):
+    row r of sequence b is row ``cu_seqlens[b] + r`` of batch 0. One map per tensor and call, whatever the
+    sequences; a tile past its sequence's end reads the next sequence's rows (the kernels mask them)."""
+    return x[None]
