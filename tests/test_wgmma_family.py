@@ -395,7 +395,7 @@ def test_forward_is_clean_under_asan_and_an_overrun_is_caught(monkeypatch) -> No
     assert rec.roles == {"main"} and all(torch.equal(a, b) for a, b in zip(got, want))
 
     text = (renderer.templates_dir() / TEMPLATE).read_text()
-    guard = "        if (row >= seqlen_q) continue;\n"
+    guard = "        if (row >= {{ LQ }}) continue;\n"  # LQ: the sequence's len_q (varlen) or seqlen_q
     assert text.count(guard) == 1
     mod = gates.mutated_module(spec, TEMPLATE, text.replace(guard, ""))
     real = cpu.cpu_module
