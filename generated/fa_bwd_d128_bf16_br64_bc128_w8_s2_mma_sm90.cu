@@ -391,6 +391,18 @@ FA_DEVICE bool fa_dropout_keep(unsigned long long seed, unsigned long long offse
     return w >= drop_threshold;
 }
 
+// Keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row` (bit w is fa_dropout_keep of key
+// (col & ~3) + w): the one Philox call whose four words are theirs. The tensor-core families take a
+// thread quad's keep bits from it (templates/mma/warp.cuh, templates/wgmma/dropout.cuh).
+FA_DEVICE unsigned fa_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
+                            unsigned col, unsigned drop_threshold) {
+    const FaU32x4 r = fa_philox4x32_10(
+        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
+        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
+    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
+           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
+}
+
 namespace fa {
 // ---- compile-time specialisation (from the KernelSpec) --------------------
 using T = __nv_bfloat16;
@@ -975,17 +987,6 @@ FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffff
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
 
-// Dropout keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row`: bit w is
-// fa_dropout_keep(seed, offset, bh, row, (col & ~3) + w, drop_threshold) -- the same
-// Philox call (counter (col >> 2, row, bh, offset_lo)) yields all four words.
-FA_DEVICE unsigned mma_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
-                             unsigned col, unsigned drop_threshold) {
-    const FaU32x4 r = fa_philox4x32_10(
-        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
-        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
-    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
-           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
-}
 
 // Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
 // layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + MmaAccLayout::row(lane, e) and
@@ -1004,7 +1005,7 @@ FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned lon
         const int hsel = t4 & 1;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const unsigned mine = mma_keep4(seed, offset, bh, (unsigned)(row0 + g + hsel * 8),
+            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + g + hsel * 8),
                                             (unsigned)(col0 + n * 8 + 2 * t4), drop_threshold);
             const unsigned other = mma_shfl_xor_u(mine, 1);
             const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8

@@ -391,6 +391,18 @@ FA_DEVICE bool fa_dropout_keep(unsigned long long seed, unsigned long long offse
     return w >= drop_threshold;
 }
 
+// Keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row` (bit w is fa_dropout_keep of key
+// (col & ~3) + w): the one Philox call whose four words are theirs. The tensor-core families take a
+// thread quad's keep bits from it (templates/mma/warp.cuh, templates/wgmma/dropout.cuh).
+FA_DEVICE unsigned fa_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
+                            unsigned col, unsigned drop_threshold) {
+    const FaU32x4 r = fa_philox4x32_10(
+        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
+        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
+    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
+           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
+}
+
 namespace fa {
 // ---- compile-time specialisation (from the KernelSpec) --------------------
 using T = __nv_bfloat16;

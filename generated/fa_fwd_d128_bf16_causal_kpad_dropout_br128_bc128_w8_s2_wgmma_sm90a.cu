@@ -391,6 +391,18 @@ FA_DEVICE bool fa_dropout_keep(unsigned long long seed, unsigned long long offse
     return w >= drop_threshold;
 }
 
+// Keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row` (bit w is fa_dropout_keep of key
+// (col & ~3) + w): the one Philox call whose four words are theirs. The tensor-core families take a
+// thread quad's keep bits from it (templates/mma/warp.cuh, templates/wgmma/dropout.cuh).
+FA_DEVICE unsigned fa_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
+                            unsigned col, unsigned drop_threshold) {
+    const FaU32x4 r = fa_philox4x32_10(
+        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
+        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
+    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
+           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
+}
+
 namespace fa {
 // ---- compile-time specialisation (from the KernelSpec) --------------------
 using T = __nv_bfloat16;
@@ -1550,16 +1562,6 @@ FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
 // r0 + 8 (e >> 1) and column 8n + 2 t4 + (e & 1) (r0 = 16 warp + g): mma.m16n8's fragment, so one
 // Philox call covers four elements of a thread quad as in templates/mma.
 namespace fa {
-// Keep bits of the four keys (col & ~3) + w, w = 0..3, of query `row` (bit w): the one Philox call
-// whose four words are theirs.
-FA_DEVICE unsigned wg_keep4(unsigned long long seed, unsigned long long offset, unsigned bh, unsigned row,
-                            unsigned col, unsigned drop_threshold) {
-    const FaU32x4 r = fa_philox4x32_10(
-        FaU32x4{col >> 2, row, bh, (unsigned)(offset & 0xffffffffull)},
-        (unsigned)(seed & 0xffffffffull), (unsigned)(seed >> 32) ^ (unsigned)(offset >> 32));
-    return (unsigned)(r.x >= drop_threshold) | ((unsigned)(r.y >= drop_threshold) << 1) |
-           ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
-}
 // Forward (accumulator rows are Q rows): keep bits of the elements 4n + e, n < NG <= 8 (bit 4n + e),
 // at Q row row0 + 8 (e >> 1) and key col0 + 8n + 2 t4 + (e & 1), both global. With col0 a multiple
 // of 4 lanes t4 = 2b and 2b + 1 hold keys 4c..4c+1 and 4c+2..4c+3 of rows row0 and row0 + 8: each
@@ -1574,7 +1576,7 @@ FA_DEVICE unsigned wg_keep_bits_q(unsigned long long seed, unsigned long long of
         const int hsel = t4 & 1;
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
-            const unsigned mine = wg_keep4(seed, offset, bh, (unsigned)(row0 + 8 * hsel), (unsigned)(col0 + 8 * n + 2 * t4),
+            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + 8 * hsel), (unsigned)(col0 + 8 * n + 2 * t4),
                                            drop_threshold);
             const unsigned other = __shfl_xor_sync(0xffffffffu, mine, 1);
             const unsigned lo = hsel ? other : mine, hi = hsel ? mine : other;  // rows row0, row0 + 8
@@ -1609,7 +1611,7 @@ FA_DEVICE unsigned wg_keep_bits_k(unsigned long long seed, unsigned long long of
         const unsigned half = (m & 2) ? 0xccccu : 0x3333u, col = 0x1111u << m;
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
-            const unsigned mine = wg_keep4(seed, offset, bh, (unsigned)(row0 + 8 * n + 2 * t4 + (m & 1)),
+            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + 8 * n + 2 * t4 + (m & 1)),
                                            (unsigned)(key0 - m + 8 * (m >> 1)), drop_threshold);
             unsigned w = mine << (4 * m);
             w = (w | __shfl_xor_sync(0xffffffffu, w, 8)) & half;  // rows m, m ^ 2; the columns of m's half

@@ -225,15 +225,18 @@ def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
 
 
 def test_the_rendered_source_draws_the_shared_philox_stream() -> None:
-    """The keep bits come from partials/philox.cuh's fa_philox4x32_10 (no second generator), and a spec
-    without dropout renders none of it."""
+    """The keep bits come from partials/philox.cuh's fa_keep4 on fa_philox4x32_10 (no second generator:
+    the stream is called only by the shared partial's two functions), and a spec without dropout renders
+    none of the family's keep-bit code."""
     from fagen.renderer import render
 
     for direction in ("fwd", "bwd"):
         src = render(KernelSpec(direction=direction, head_dim=64, arch="sm_90a", dtype="float16", dropout=True)).source
-        assert "wg_keep4(" in src and len(re.findall(r"fa_philox4x32_10\(", src)) == 3  # the definition, two calls
+        kernel = src[src.index("namespace fa {", src.index("fa_keep4(")):]  # what follows the shared partial
+        assert "fa_keep4(" in kernel and "wg_keep_bits" in kernel
+        assert len(re.findall(r"fa_philox4x32_10\(", src)) == 3  # the definition, fa_dropout_keep's and fa_keep4's calls
         plain = render(KernelSpec(direction=direction, head_dim=64, arch="sm_90a", dtype="float16")).source
-        assert "wg_keep" not in plain
+        assert "wg_keep_bits" not in plain
 
 
 def test_the_autotuners_estimate_counts_the_keep_bits() -> None:
