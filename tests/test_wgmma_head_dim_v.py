@@ -8,7 +8,6 @@ level (the inline PTX the GPU runs; opt-in, FAGEN_TEST_SLOW=1). Sweeps past the 
 slow tier."""
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -147,18 +146,11 @@ def test_kernels_run_clean_and_bit_identical_under_racecheck_and_asan() -> None:
         o, lse = F.run_forward(fwd, t_f["q"], t_f["k"], t_f["v"], **W.options(CHECK_FWD, t_f))
         return (o, lse) + tuple(W.backward(CHECK_BWD, t_b, bwd)[0])
 
-    plain = run()
-    with cpu.racecheck():
-        raced = run()
-    with cpu.sanitized() as rec:
-        checked = run()
-    assert rec.roles == {"main", "pre", "post"}
-    for a, b, c in zip(plain, raced, checked):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    W.assert_clean_under_racecheck_and_asan(run)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"), reason="heavy PTX-level run: set FAGEN_TEST_SLOW=1")
+@W.PTX_OPT_IN
 def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     """The inline PTX the GPU runs (wgmma descriptors, TMA, mbarriers, stmatrix) for a pair of each
     direction, translated and run on the CPU: the flash-attn criterion against the float64 oracle.

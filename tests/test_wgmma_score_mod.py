@@ -7,10 +7,8 @@ AddressSanitizer of a softcap backward (clean, bit-identical) and one forward / 
 PTX level (opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case of each direction are in the slow tier."""
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
 
 import fagen.functional as F
 from fagen.runtime import cpu
@@ -99,18 +97,11 @@ def test_a_softcap_backward_runs_clean_and_bit_identical_under_racecheck_and_asa
     t = W.inputs(CHECK_BWD, seed=32, scale=2.0)
     spec = W.spec("bwd", CHECK_BWD)
     assert spec.impl == "wgmma"
-    plain = W.backward(CHECK_BWD, t, spec)[0]
-    with cpu.racecheck():
-        raced = W.backward(CHECK_BWD, t, spec)[0]
-    with cpu.sanitized() as rec:
-        checked = W.backward(CHECK_BWD, t, spec)[0]
-    assert rec.roles == {"main", "pre", "post"}
-    for a, b, c in zip(plain, raced, checked):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    W.assert_clean_under_racecheck_and_asan(lambda: W.backward(CHECK_BWD, t, spec)[0])
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"), reason="heavy PTX-level run: set FAGEN_TEST_SLOW=1")
+@W.PTX_OPT_IN
 def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     """The inline PTX the GPU runs for a softcap + ALiBi forward and backward, translated and run on
     the CPU: the flash-attn criterion against the float64 oracle (opt-in, as tests/test_ptx_kernels.py's

@@ -12,7 +12,6 @@ of a forward and a backward (clean, bit-identical) and one forward / backward pa
 (opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case of each direction are in the slow tier."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -206,18 +205,11 @@ def test_a_varlen_forward_and_backward_run_clean_and_bit_identical_under_raceche
 
     def forward():
         return F.run_forward(fwd, t["q"], t["k"], t["v"], **W.varlen_options(CHECK_BWD, t))
-    plain = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
-    with cpu.racecheck():
-        raced = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
-    with cpu.sanitized() as rec:
-        checked = (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0])
-    assert rec.roles == {"main", "pre", "post"}
-    for a, b, c in zip(plain, raced, checked):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    W.assert_clean_under_racecheck_and_asan(lambda: (*forward(), *W.varlen_backward(CHECK_BWD, t, spec)[0]))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"), reason="heavy PTX-level run: set FAGEN_TEST_SLOW=1")
+@W.PTX_OPT_IN
 def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     """The inline PTX the GPU runs for a varlen forward and backward, translated and run on the CPU: each
     sequence against the float64 oracle (opt-in, as tests/test_ptx_kernels.py's heavy rows)."""

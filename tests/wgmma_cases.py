@@ -11,19 +11,44 @@ criterion against the float64 oracle with the reference's own error in the input
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
+
 import pytest
-import sinkref as S
 import torch
-from featref import assert_close, assert_lse_close, attention
 
 import fagen.functional as F
 from fagen import KernelSpec
+from fagen.runtime import cpu
 
-__all__ = ["DT", "SOFTCAP", "backward", "check_backward", "check_forward", "inputs", "options", "oracle", "slow",
-           "spec"]
+import sinkref as S
+from featref import assert_close, assert_lse_close, attention
+
+__all__ = ["DT", "PTX_OPT_IN", "SOFTCAP", "assert_clean_under_racecheck_and_asan", "backward", "check_backward",
+           "check_forward", "inputs", "options", "oracle", "slow", "spec"]
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SOFTCAP = 3.5
+
+
+#: The mark of a heavy PTX-level run (the inline PTX the GPU gets, translated and run on the CPU): opt-in
+#: with FAGEN_TEST_SLOW=1, as tests/test_ptx_kernels.py's heavy rows.
+PTX_OPT_IN = pytest.mark.skipif(not os.environ.get("FAGEN_TEST_SLOW"), reason="heavy PTX-level run: set FAGEN_TEST_SLOW=1")
+
+
+def assert_clean_under_racecheck_and_asan(run: Callable[[], Sequence[torch.Tensor]],
+                                          roles: frozenset[str] = frozenset({"main", "pre", "post"})) -> None:
+    """``run()`` (the launches, returning their outputs) plainly, under the race checker and under
+    AddressSanitizer: no race, no memory error, the same bits every time, and ASan saw ``roles``."""
+    plain = run()
+    with cpu.racecheck():
+        raced = run()
+    with cpu.sanitized() as rec:
+        checked = run()
+    assert rec.roles == set(roles)
+    assert len(plain) == len(raced) == len(checked)
+    for a, b, c in zip(plain, raced, checked):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def slow(cases: list[dict]) -> list:
