@@ -109,12 +109,12 @@ def options(c: dict, t: dict) -> dict:
     return kw
 
 
-def oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
+def oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False, **extra):
     """(o, lse, [dq, dk, dv] or None) of the oracle computed in ``dtype``: sinkref with sinks (bottom-right,
-    no ALiBi), featref otherwise (either causal alignment)."""
+    no ALiBi), featref otherwise (either causal alignment); ``extra`` goes to both (a keep mask)."""
     q, k, v = (t[n].detach().to(dtype).requires_grad_(grads) for n in ("q", "k", "v"))
     kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), kpm=t["kpm"],
-              softcap=SOFTCAP if c.get("softcap") else 0.0)
+              softcap=SOFTCAP if c.get("softcap") else 0.0, **extra)
     if t["sinks"] is not None:
         assert t["alibi"] is None and c.get("align", "bottom_right") == "bottom_right"
         o, lse = S.attention(q, k, v, sinks=t["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32),
@@ -127,13 +127,13 @@ def oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
     return o.detach(), lse.detach(), [q.grad, k.grad, v.grad]
 
 
-def check_forward(c: dict, t: dict, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """o and lse against the float64 oracle (flash-attn's criterion); the batch with every key padded
-    gives zero rows."""
+def check_forward(c: dict, t: dict, o: torch.Tensor, lse: torch.Tensor, reference: Callable = oracle) -> None:
+    """o and lse against the float64 ``reference`` (flash-attn's criterion); the batch with every key
+    padded gives zero rows."""
     assert o.shape == (c["B"], c["Nq"], c["H"], c.get("dv", c["d"]))
-    o64, lse64, _ = oracle(c, t, torch.float64)
-    o_pt, _, _ = oracle(c, t, DT[c["dtype"]])
-    _, lse32, _ = oracle(c, t, torch.float32)
+    o64, lse64, _ = reference(c, t, torch.float64)
+    o_pt, _, _ = reference(c, t, DT[c["dtype"]])
+    _, lse32, _ = reference(c, t, torch.float32)
     S.criterion("o", o, o64, o_pt, DT[c["dtype"]])
     assert_lse_close("lse", lse, lse64, lse32)
     if c.get("kpm") and c["B"] > 1:
@@ -189,31 +189,12 @@ def dropout_keep(c: dict) -> torch.Tensor:
 
 def dropout_oracle(c: dict, t: dict, dtype: torch.dtype, grads: bool = False):
     """:func:`oracle` with the case's keep mask: O = (P o Z) V / (1 - p), lse of the undropped P."""
-    q, k, v = (t[n].detach().to(dtype).requires_grad_(grads) for n in ("q", "k", "v"))
-    kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), kpm=t["kpm"],
-              softcap=SOFTCAP if c.get("softcap") else 0.0, keep=dropout_keep(c), dropout_p=c["dropout"])
-    if t["sinks"] is not None:
-        assert t["alibi"] is None and c.get("align", "bottom_right") == "bottom_right"
-        o, lse = S.attention(q, k, v, sinks=t["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32),
-                             dtype=dtype, **kw)
-    else:
-        o, lse = attention(q, k, v, align=c.get("align", "bottom_right"), alibi=t["alibi"], **kw)
-    if not grads:
-        return o.detach(), lse.detach(), None
-    (o * t["do"].to(dtype)).sum().backward()
-    return o.detach(), lse.detach(), [q.grad, k.grad, v.grad]
+    return oracle(c, t, dtype, grads, keep=dropout_keep(c), dropout_p=c["dropout"])
 
 
 def check_dropout_forward(c: dict, t: dict, o: torch.Tensor, lse: torch.Tensor) -> None:
     """:func:`check_forward` against the oracle with the keep mask."""
-    assert o.shape == (c["B"], c["Nq"], c["H"], c.get("dv", c["d"]))
-    o64, lse64, _ = dropout_oracle(c, t, torch.float64)
-    o_pt, _, _ = dropout_oracle(c, t, DT[c["dtype"]])
-    _, lse32, _ = dropout_oracle(c, t, torch.float32)
-    S.criterion("o", o, o64, o_pt, DT[c["dtype"]])
-    assert_lse_close("lse", lse, lse64, lse32)
-    if c.get("kpm") and c["B"] > 1:
-        assert torch.equal(o[-1], torch.zeros_like(o[-1]))
+    check_forward(c, t, o, lse, reference=dropout_oracle)
 
 
 def dropout_backward(c: dict, t: dict, spec: KernelSpec):
