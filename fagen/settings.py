@@ -19,7 +19,7 @@ _ENV = {
     "emulate_arch": "FAGEN_EMULATE_ARCH",  # CPU tensors take the specs a GPU of this arch takes (sm_90a, ...)
 }
 EMU_SCHEDULES = ("forward", "reverse")
-EMU_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+EMU_OPT_LEVELS = ("O0", "Og", "O1", "O2", "O3")
 EMU_LEVELS = ("source", "ptx")
 
 

@@ -642,8 +642,8 @@ def test_concurrent_launches_get_their_own_stacks(fresh_build, tmp_path: Path) -
 
 
 def test_plain_builds_take_the_optimisation_level_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FAGEN_EMU_OPT sets the plain build's g++ level (default O2); the sanitizer, race-check and debug
-    builds keep theirs; any other value is refused naming the variable."""
+    """FAGEN_EMU_OPT sets the plain build's g++ level (default O2); the sanitizer and race-check builds
+    take it too, at most O1; the debug build keeps O0 -g; any other value is refused naming the variable."""
     import fagen.emulator.builder as emu_build
     import fagen.settings
 
@@ -655,11 +655,16 @@ def test_plain_builds_take_the_optimisation_level_setting(monkeypatch: pytest.Mo
     try:
         monkeypatch.delenv("FAGEN_EMU_OPT", raising=False)
         assert "-O2" in flags()
-        for level in ("O0", "O1", "O3"):
+        assert "-O1" in flags(sanitize=True) and "-O1" in flags(racecheck=True)
+        levels = {"-O0", "-Og", "-O1", "-O2", "-O3"}
+        for level, instrumented in (("O0", "O0"), ("Og", "Og"), ("O1", "O1"), ("O3", "O1")):
             monkeypatch.setenv("FAGEN_EMU_OPT", level)
             plain = flags()
-            assert f"-{level}" in plain and not {"-O0", "-O1", "-O2", "-O3"} - {f"-{level}"} & set(plain)
-            assert "-O1" in flags(sanitize=True) and "-O2" in flags(racecheck=True) and "-O0" in flags(debug=True)
+            assert f"-{level}" in plain and not levels - {f"-{level}"} & set(plain)
+            for kind in ("sanitize", "racecheck"):
+                built = flags(**{kind: True})
+                assert f"-{instrumented}" in built and not levels - {f"-{instrumented}"} & set(built), (level, kind)
+            assert "-O0" in flags(debug=True) and not levels - {"-O0"} & set(flags(debug=True))
         monkeypatch.setenv("FAGEN_EMU_OPT", "fast")
         with pytest.raises(ValueError, match="FAGEN_EMU_OPT: expected one of"):
             flags()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .. import cache
 from ..nvrtc import headers_digest
-from ..settings import get_settings
+from ..settings import EMU_OPT_LEVELS, get_settings
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
@@ -54,22 +54,30 @@ def _support_text() -> tuple[str, str, str]:
 RACECHECK_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DFAGEN_EMU_RACECHECK")
 
 
+def instrumented_opt(level: str) -> str:
+    """The optimisation level of a racecheck or ASan build: the ``emu_opt`` setting, at most O1 (the
+    instrumentation dominates such a build's run, and g++ builds an instrumented O2 module slowest)."""
+    return level if EMU_OPT_LEVELS.index(level) <= EMU_OPT_LEVELS.index("O1") else "O1"
+
+
 def compile_flags(*, sanitize: bool, debug: bool, racecheck: bool = False) -> list[str]:
     """g++ flags (the include dir is added separately). A plain build's optimisation level is the
     ``emu_opt`` setting (``FAGEN_EMU_OPT``, default O2: O1 builds about a fifth faster and runs
-    10-35% slower)."""
+    10-35% slower; Og builds about a third faster than O1), a racecheck or ASan build's the same,
+    at most O1 (:func:`instrumented_opt`)."""
     if sanitize and racecheck:
         raise EmulatorBuildError("build: sanitize and racecheck are separate builds; ask for one of them")
     flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
              "-Wno-unknown-pragmas"]
+    level = get_settings().emu_opt
     if racecheck:
-        flags += ["-O2", "-g1", *RACECHECK_FLAGS]
+        flags += [f"-{instrumented_opt(level)}", "-g1", *RACECHECK_FLAGS]
     elif sanitize:
-        flags += ["-O1", "-g1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+        flags += [f"-{instrumented_opt(level)}", "-g1", "-fsanitize=address", "-fno-omit-frame-pointer"]
     elif debug:
         flags += ["-O0", "-g"]
     else:
-        flags += [f"-{get_settings().emu_opt}"]
+        flags += [f"-{level}"]
     return flags
 
 
