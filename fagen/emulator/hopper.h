@@ -39,6 +39,7 @@
 // ---------------------------------------------------------------------------
 #include <string>
 #include <vector>
+FAGEN_EMU_FAST_BEGIN  // the rest of the file (runtime.h)
 
 // CUtensorMap stand-in of the emulator: the logical fields of a tiled tensor
 // map, as fagen/tma.py packs them (128 bytes, like CUtensorMap).
@@ -1089,3 +1090,4 @@ inline int register_describe = (describe_deadlock_extra = &describe, 0);
 
 }  // namespace hopper
 }  // namespace fagen_emu
+FAGEN_EMU_FAST_END

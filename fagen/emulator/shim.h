@@ -253,6 +253,7 @@ static inline double max(double a, double b) { return fmax(a, b); }
 // cp.async is emulated adversarially (see cp_async_16 below).
 namespace fagen_emu {
 
+FAGEN_EMU_FAST_BEGIN  // the conversions and the warp collectives (runtime.h)
 inline float f16_bits_to_float(unsigned h) {
     // Exponent and mantissa moved into float position and rescaled by 2^112
     // (exact, subnormals included); inf / NaN get float's all-ones exponent.
@@ -411,6 +412,8 @@ FAGEN_EMU_NO_TSAN inline void ldmatrix(unsigned* r, const void* row, const char*
 #endif
     warp_exchange(0xffffffffu, &lane, &ldmatrix_complete<NUM, TRANS>, name, file, line);
 }
+
+FAGEN_EMU_FAST_END
 
 // cp.async (16 bytes, .cg) with commit / wait groups, emulated adversarially.
 // Issuing a copy fills its destination with poison -- the half-word 0x7fff,
