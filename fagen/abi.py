@@ -147,6 +147,18 @@ FWD_MAIN = Role(
 )
 
 ROLES: dict[str, tuple[Role, ...]] = {"bwd": (BWD_PRE, BWD_MAIN, BWD_POST), "fwd": (FWD_MAIN,)}
+#: A deterministic backward's dQ turn counters where a family orders its dQ adds in the main kernel
+#: (``wgmma``): int32, one per (batch, q head, Q block of the main kernel's block_r rows), element
+#: (b * heads + h) * ceil(seqlen_q / block_r) + i (varlen: seqlen_q the max length), zeroed by the
+#: launcher for every call (:func:`dq_sem_count` elements), never shared between calls.
+DQ_SEM = ("int*", "dq_sem")
+
+
+def dq_sem_count(batch: int, heads: int, seqlen_q: int, block_r: int) -> int:
+    """Elements of the ``dq_sem`` buffer (:data:`DQ_SEM`) of a call."""
+    return batch * heads * max(1, -(-seqlen_q // block_r))
+
+
 #: The roles of a deterministic backward (launch order): dq runs after main.
 DETERMINISTIC_BWD_ROLES: tuple[Role, ...] = (BWD_PRE, BWD_MAIN, BWD_DQ, BWD_POST)
 

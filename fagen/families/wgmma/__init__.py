@@ -162,7 +162,7 @@ class WgmmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
-                                          "dropout", "varlen"})
+                                          "dropout", "varlen", "deterministic"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -264,7 +264,7 @@ class WgmmaFamily(FamilyBase):
         ])
 
     def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
-        return bwd.roles() if fs.direction == "bwd" else (WG_FWD_MAIN,)
+        return bwd.roles(fs.has("deterministic")) if fs.direction == "bwd" else (WG_FWD_MAIN,)
 
     def launch(self, fs: FamilySpec, role: Role) -> Launch:
         if fs.direction == "bwd":

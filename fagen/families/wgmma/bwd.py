@@ -45,16 +45,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
+from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, DQ_SEM, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen",
+                       "deterministic"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -69,6 +70,9 @@ BWD_TMA = (("tma_q", "q", "block_r", 128), ("tma_k", "k", "block_c", 128), ("tma
 DQ_GROUP = 8
 WG_BWD_MAIN = Role("main", BWD_MAIN.params + tuple((TENSORMAP, name) for name, *_ in BWD_TMA), "k", "block_c",
                    grid_heads="kv")
+#: The deterministic backward's main kernel: WG_BWD_MAIN and the dQ turn counters (``fagen.abi.DQ_SEM``);
+#: no dq role (dQ_i's reduce-adds take their turns, ``templates/wgmma/deterministic.cuh``).
+WG_BWD_DET_MAIN = Role("main", WG_BWD_MAIN.params + (DQ_SEM,), "k", "block_c", grid_heads="kv")
 
 
 def unsupported_reason(fs: FamilySpec) -> str | None:
@@ -186,8 +190,8 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
     ])
 
 
-def roles() -> tuple[Role, ...]:
-    return (BWD_PRE, WG_BWD_MAIN, BWD_POST)
+def roles(deterministic: bool = False) -> tuple[Role, ...]:
+    return (BWD_PRE, WG_BWD_DET_MAIN if deterministic else WG_BWD_MAIN, BWD_POST)
 
 
 def launch(fs: FamilySpec, role: Role) -> Launch:
