@@ -148,9 +148,9 @@ FWD_MAIN = Role(
 
 ROLES: dict[str, tuple[Role, ...]] = {"bwd": (BWD_PRE, BWD_MAIN, BWD_POST), "fwd": (FWD_MAIN,)}
 #: A deterministic backward's dQ turn counters where a family orders its dQ adds in the main kernel
-#: (``wgmma``): int32, one per (batch, q head, Q block of the main kernel's block_r rows), element
-#: (b * heads + h) * ceil(seqlen_q / block_r) + i (varlen: seqlen_q the max length), zeroed by the
-#: launcher for every call (:func:`dq_sem_count` elements), never shared between calls.
+#: (``wgmma``): int32, one per (Q block of the main kernel's block_r rows, batch, q head), element
+#: (i * batch + b) * heads + h (varlen: Q blocks of the max length), zeroed by the launcher for every
+#: call (:func:`dq_sem_count` elements), never shared between calls.
 DQ_SEM = ("int*", "dq_sem")
 
 

@@ -922,13 +922,13 @@ inline void sem_add(int* p, int v) {
 // kernel of fagen's changes one from the block that waits on it), so a value other than the awaited
 // one now is a wait that can never complete -- an ordering bug, or a schedule that runs a later turn
 // first (FAGEN_EMU_REVERSE_SCHEDULE). It is reported as a deadlock naming the semaphore and both values.
-inline void sem_wait_eq(const int* sems, long long index, int value, const char* file, int line) {
+inline void sem_wait_eq(const int* sems, unsigned index, int value, const char* file, int line) {
     Quiet quiet;
     const int now = *const_cast<const volatile int*>(sems + index);
     if (now == value) return;
     begin_message("semaphore wait that can never complete");
     append_thread(g.cur);
-    appendf(" waits at %s:%d for semaphore [%lld] (at %p) to hold %d; it holds %d, and no other block runs while "
+    appendf(" waits at %s:%d for semaphore [%u] (at %p) to hold %d; it holds %d, and no other block runs while "
             "this one waits (blocks run one at a time, %s): a turn taken out of order", file, line, index,
             static_cast<const void*>(sems + index), value, now,
 #if defined(FAGEN_EMU_REVERSE_SCHEDULE)

@@ -26,7 +26,7 @@ FA_DEVICE void fa_red_release_gpu_add(int* p, int v) {
 // Orders the generic-proxy semaphore accesses with the async-proxy (bulk / TMA) accesses of global memory.
 FA_DEVICE void fa_fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // Spins until sems[index] == value.
-FA_DEVICE void fa_sem_wait_eq(const int* sems, long long index, int value) {
+FA_DEVICE void fa_sem_wait_eq(const int* sems, unsigned index, int value) {
     while (fa_ld_acquire_gpu(sems + index) != value) {
     }
 }
@@ -34,16 +34,17 @@ FA_DEVICE void fa_sem_wait_eq(const int* sems, long long index, int value) {
 FA_DEVICE int fa_ld_acquire_gpu(const int* p) { return fagen_emu::hopper::sem_load(p); }
 FA_DEVICE void fa_red_release_gpu_add(int* p, int v) { fagen_emu::hopper::sem_add(p, v); }
 FA_DEVICE void fa_fence_proxy_async_global() {}  // one fiber at a time: nothing to order
-FA_DEVICE void fa_sem_wait_eq(const int* sems, long long index, int value, FAGEN_EMU_SITE) {
+FA_DEVICE void fa_sem_wait_eq(const int* sems, unsigned index, int value, FAGEN_EMU_SITE) {
     fagen_emu::hopper::sem_wait_eq(sems, index, value, FAGEN_EMU_SITE_ARGS);
 }
 #endif
 
 namespace fa {
-// The turn counter of (batch b, q head hq, the Q block at row i0): [b][hq][i0 / BLOCK_R], seqlen_q (the
-// max length with varlen) in Q blocks per head.
-FA_DEVICE long long wg_dq_sem_index(int b, int hq, int heads, int seqlen_q, int i0) {
-    return ((long long)b * heads + hq) * ((seqlen_q + BLOCK_R - 1) / BLOCK_R) + i0 / BLOCK_R;
+// The turn counter of (batch b, q head hq, the Q block at row i0): [i0 / BLOCK_R][b][hq] (gridDim.y is the
+// batch), 32-bit (fagen.abi.dq_sem_count elements, B H Nq / BLOCK_R < 2^31); nothing kept in registers
+// beyond b (the producer warp's 24).
+FA_DEVICE unsigned wg_dq_sem_index(int b, int hq, int heads, int i0) {
+    return ((unsigned)i0 / BLOCK_R * gridDim.y + (unsigned)b) * (unsigned)heads + (unsigned)hq;
 }
 // K/V block j's turn at the Q block at row i0: how many lower K/V blocks reach it (j - j_first(i)).
 FA_DEVICE int wg_dq_turn(int j, int i0, const MaskParams& mp) {
@@ -52,13 +53,13 @@ FA_DEVICE int wg_dq_turn(int j, int i0, const MaskParams& mp) {
     return j - c0 / BLOCK_C;
 }
 // Waits for K/V block j's turn at the Q block's counter, then orders the reduce-add after the acquire.
-FA_DEVICE void wg_dq_turn_wait(const int* dq_sem, long long index, int turn) {
+FA_DEVICE void wg_dq_turn_wait(const int* dq_sem, unsigned index, int turn) {
     fa_sem_wait_eq(dq_sem, index, turn);
     fa_fence_proxy_async_global();
 }
 // After the reduce-add has completed (cp.async.bulk.wait_group 0, not .read: the adds written, not only
 // the staging tile read): passes the turn to the next K/V block.
-FA_DEVICE void wg_dq_turn_pass(int* dq_sem, long long index) {
+FA_DEVICE void wg_dq_turn_pass(int* dq_sem, unsigned index) {
     fa_fence_proxy_async_global();
     fa_red_release_gpu_add(dq_sem + index, 1);
 }

@@ -50,7 +50,7 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -118,6 +118,10 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
                                  f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
+    if fs.has("deterministic") and fs.has("alibi") and (regs := acc_regs(fs)) > BWD_DET_ALIBI_REGS:
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, deterministic and alibi: S^T, "
+                                 f"dP^T, their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, "
+                                 f"more than {BWD_DET_ALIBI_REGS} (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -139,6 +143,12 @@ BWD_DROPOUT_REGS = 224
 #: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
 #: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
+
+
+#: The bound with the deterministic backward's dQ turns and ALiBi: d = 96's and d = 128's 64 x 128 (224) spill
+#: 8 bytes (the producer's turn wait and release beside ALiBi's 64-bit distances; without ALiBi, with
+#: dropout, softcap, varlen, none), d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
+BWD_DET_ALIBI_REGS = 160
 
 
 def dropout_regs(fs: FamilySpec) -> int:
