@@ -20,7 +20,7 @@ import torch
 
 import fagen
 import fagen.functional as F
-from fagen import KernelSpec, renderer
+from fagen import KernelSpec, renderer, sass
 from fagen.abi import DQ_SEM, dq_sem_count, roles_for
 from fagen.emulator import EmulatorDeadlockError
 from fagen.runtime import cpu
@@ -209,6 +209,35 @@ def test_dq_bits_repeat_and_the_counters_are_fresh_every_call() -> None:
     spec = _det(c)
     a, b = W.backward(c, t, spec)[0], W.backward(c, t, spec)[0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- SASS
+@pytest.mark.skipif(sass.nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_sass_the_tile_loop_as_the_plain_backwards_no_spills(d, causal) -> None:
+    """No spill; the turns are the producer's (an ld.acquire loop and a red.release per dQ_i: LDG.E.STRONG.GPU,
+    REDG), so the consumers' tile loop keeps its HGMMA and issues at most 1.15x the plain backward's
+    instructions (benchmarks/sass_cost.py: d64 421 / 419, d128 causal 294 / 291 per 1e6 FLOPs)."""
+    from fagen.autotune.sassloops import tile_loop
+    from fagen.compiler import compile as compile_spec
+    from fagen.families import get_family
+
+    loops = []
+    for det in (False, True):
+        spec = KernelSpec(direction="bwd", head_dim=d, dtype="float16", arch="sm_90a", causal=causal,
+                          deterministic=det)
+        assert spec.impl == "wgmma"
+        mod = compile_spec(spec)
+        res = mod.resource("main")
+        assert res.spill_store_bytes == 0 and res.spill_load_bytes == 0 and res.stack_frame_bytes == 0, res
+        name = mod.rendered.kernel("main").name
+        work = get_family("wgmma").tile_work(spec.family_spec, "main")
+        loop = tile_loop(sass.disassemble(mod.cubin), name, work)
+        assert loop is not None and loop.count("HGMMA") == work["HGMMA"], loop
+        loops.append(loop)
+        ops = sass.instruction_mix(mod.cubin)[name]
+        assert (ops.get("REDG", 0) > 0) == det and ops.get("UTMAREDG", 0) > 0, ops  # the release: det only
+    assert loops[1].total() <= 1.15 * loops[0].total(), (loops[0].total(), loops[1].total())
 
 
 # --------------------------------------------------------------------------- racecheck, ASan, PTX
