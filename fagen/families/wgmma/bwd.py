@@ -37,6 +37,16 @@ past len_k returns at once; lse_i / D_i of rows past len_q are -inf / 0 (not loa
 P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the next sequence's dq_accum
 rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
 
+Deterministic (``templates/wgmma/deterministic.cuh``): the same kernel and roles (no ``dq`` kernel),
+its main kernel taking ``dq_sem`` (``fagen.abi.DQ_SEM``: int32 per (Q block, batch, q head), zeroed by
+the launcher for every call). Before the reduce-add of (q head, Q block i) the producer's leader spins
+(``ld.acquire.gpu``) until the counter holds j - j_first(i), the K/V blocks below j that reach i (one
+run: the mask is a band), and after it waits until the add is written (``cp.async.bulk.wait_group 0``)
+and passes the turn (``red.release.gpu.add``): dQ_i sums its K/V blocks' tiles in ascending order on
+every run. A CTA waits only on lower K/V blocks of its (batch, kv head), i.e. lower linear block
+indices, so the ascending launch order keeps it deadlock-free. The consumers' tile loop is the plain
+one. With ALiBi at d = 96 / 128 the tile would spill (:data:`BWD_DET_ALIBI_REGS`): declined.
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
