@@ -225,7 +225,7 @@ def _sync_sites() -> list[tuple[int, str]]:
 def test_the_template_synchronises_at_these_sites() -> None:
     kinds = [s for _, s in _sync_sites()]
     assert len(kinds) == 18, kinds  # + the epilogue's __syncwarp, the exact path's BAR_LO (huge rows), the
-    # deterministic dQ writer's wait for its reduce-add's writes
+    # deterministic backward's wait for its reduce-add's writes
     assert sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 5, kinds  # + dq_full, dq_empty
     assert sum(k.startswith("fa_wgmma_wait_group") for k in kinds) == 4, kinds
     assert get_family("wgmma").template_context(_spec(**RACE_SPEC).family_spec)["constants"][-1].value is False
