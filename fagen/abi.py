@@ -34,7 +34,8 @@ templates/partials/{masking,score_mod}.cuh state the semantics.
 Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
 the q heads of its group (``grid_heads="kv"``: no atomics on dK/dV); the deterministic backward
 (``roles_for("bwd", deterministic=True)``) adds the ``dq`` role, one CTA per (Q block, batch,
-q head), visiting the K/V blocks in a fixed order and storing dq_accum without atomics.
+q head), visiting the K/V blocks in a fixed order and storing dq_accum without atomics (the
+``wgmma`` family instead orders its main kernel's dQ adds with turn counters, :data:`DQ_SEM`).
 """
 from __future__ import annotations
 
