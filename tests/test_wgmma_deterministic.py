@@ -201,14 +201,30 @@ def test_ordering_bugs_are_caught(monkeypatch) -> None:
     torch.testing.assert_close(ordered, reversed_sum, rtol=1e-5, atol=1e-5)
 
 
-def test_dq_bits_repeat_and_the_counters_are_fresh_every_call() -> None:
+def test_dq_bits_repeat_whatever_the_order_of_independent_blocks() -> None:
     """Two calls give the same bits (the counters are zeroed per call: a second call on reused counters
-    would wait for turns past the first call's and be reported)."""
+    would wait for turns past the first call's and be reported), and so do calls whose independent blocks
+    run in another order: the batches swapped (the blocks of batch 1's data run first) and the two q heads
+    of a kv head swapped (each CTA's loop adds the other head's dQ_i first)."""
     c = BWD_CASES[0]
+    assert c["B"] == 2 and c["H"] == 2 * c["Hkv"]
     t = W.inputs(c)
     spec = _det(c)
-    a, b = W.backward(c, t, spec)[0], W.backward(c, t, spec)[0]
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    o64, lse64, _ = W.oracle(c, t, torch.float64)
+    o, lse = o64.to(t["q"].dtype), lse64.float()
+
+    def run(perm_b, perm_h):
+        x = {n: t[n][perm_b][:, :, perm_h] if n in ("q", "do") else t[n][perm_b] for n in ("q", "k", "v", "do")}
+        return F.run_backward(spec, x["do"], x["q"], x["k"], x["v"], o[perm_b][:, :, perm_h],
+                              lse[perm_b][:, perm_h].contiguous(), **W.options(c, t))[0]
+
+    same_b, same_h = list(range(c["B"])), list(range(c["H"]))
+    swap_b = same_b[::-1]
+    swap_h = [h ^ 1 for h in same_h]  # heads 2g, 2g + 1 share kv head g
+    base = run(same_b, same_h)
+    assert torch.equal(base, run(same_b, same_h))
+    assert torch.equal(base, run(swap_b, same_h)[swap_b])
+    assert torch.equal(base, run(same_b, swap_h)[:, :, swap_h])
 
 
 # --------------------------------------------------------------------------- SASS
