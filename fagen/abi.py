@@ -34,7 +34,8 @@ templates/partials/{masking,score_mod}.cuh state the semantics.
 Grids: the backward's main kernel runs one CTA per (K/V block, batch, kv head) and loops over
 the q heads of its group (``grid_heads="kv"``: no atomics on dK/dV); the deterministic backward
 (``roles_for("bwd", deterministic=True)``) adds the ``dq`` role, one CTA per (Q block, batch,
-q head), visiting the K/V blocks in a fixed order and storing dq_accum without atomics.
+q head), visiting the K/V blocks in a fixed order and storing dq_accum without atomics (the
+``wgmma`` family instead orders its main kernel's dQ adds with turn counters, :data:`DQ_SEM`).
 """
 from __future__ import annotations
 
@@ -147,6 +148,18 @@ FWD_MAIN = Role(
 )
 
 ROLES: dict[str, tuple[Role, ...]] = {"bwd": (BWD_PRE, BWD_MAIN, BWD_POST), "fwd": (FWD_MAIN,)}
+#: A deterministic backward's dQ turn counters where a family orders its dQ adds in the main kernel
+#: (``wgmma``): int32, one per (Q block of the main kernel's block_r rows, batch, q head), element
+#: (i * batch + b) * heads + h (varlen: Q blocks of the max length), zeroed by the launcher for every
+#: call (:func:`dq_sem_count` elements), never shared between calls.
+DQ_SEM = ("int*", "dq_sem")
+
+
+def dq_sem_count(batch: int, heads: int, seqlen_q: int, block_r: int) -> int:
+    """Elements of the ``dq_sem`` buffer (:data:`DQ_SEM`) of a call."""
+    return batch * heads * max(1, -(-seqlen_q // block_r))
+
+
 #: The roles of a deterministic backward (launch order): dq runs after main.
 DETERMINISTIC_BWD_ROLES: tuple[Role, ...] = (BWD_PRE, BWD_MAIN, BWD_DQ, BWD_POST)
 

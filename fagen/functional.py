@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from pydantic import ValidationError
 
+from .abi import DQ_SEM, dq_sem_count
 from .choices import tuned_or_default
 from .arch import arch_info
 from .errors import InputError, InputTypeError
@@ -333,6 +334,7 @@ class _Plan:
     dlse_ready: bool = True  # the backward's dlse (if any) is contiguous float32
     tma: tuple[str, ...] = ()  # inputs the family reads through tensor maps (address checked per call)
     tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
+    dq_sem: int = 0  # elements of the backward's dQ turn counters (fagen.abi.DQ_SEM; 0: no kernel takes them)
 
     @property
     def module(self) -> ModulePlan:
@@ -678,6 +680,8 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
     launches = tuple((kern, _grid(kern, p)) for kern in plan_of(spec).kernels)  # pre, main, (dq,) post
+    if any(name == DQ_SEM[1] for kern, _ in launches for _, name in kern.params):  # zeroed per call
+        common.update(dq_sem=dq_sem_count(p.batch, p.heads, p.seqlen_q, spec.tile.block_r))
     return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, **common)
 
 
@@ -727,6 +731,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lo_t = lse_lo if lo_ready else lse_lo.contiguous()
         delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
         dq_accum = torch.empty_like(q, dtype=plan.acc_dtype, memory_format=_CONTIGUOUS)  # zeroed by the pre kernel
+        # the deterministic wgmma backward's dQ turn counters: fresh zeros every call (fagen.abi.DQ_SEM)
+        dq_sem = torch.zeros(plan.dq_sem, dtype=torch.int32, device=q.device) if plan.dq_sem else None
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
         slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
         args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
@@ -734,7 +740,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
                 "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
                 "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t)}
+                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t),
+                DQ_SEM[1]: _ptr(dq_sem)}
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             if kern.has_tensormaps:

@@ -91,7 +91,8 @@ class KernelSpec(BaseModel):
     bias: bool = Field(False, description="additive float bias of the spec's dtype with broadcast strides")
     bias_grad: bool = Field(False, description="backward also writes dBias (needs bias)")
     varlen: bool = Field(False, description="packed variable-length sequences (cu_seqlens runtime)")
-    deterministic: bool = Field(False, description="backward without order-dependent atomics: dQ by a separate dq kernel")
+    deterministic: bool = Field(False, description="backward whose dQ sums in a fixed order (bit-reproducible): a "
+                               "separate dq kernel (mma, simt) or dQ adds taking turns (wgmma)")
     sinks: bool = Field(False, description="forward: attention sinks, one fp32 logit per q head in every row's softmax "
                         "denominator (sinks runtime); the backward needs no flag (lse includes the sink)")
     arch: Arch = "sm_90"

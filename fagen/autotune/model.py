@@ -241,7 +241,7 @@ def hbm_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> floa
             + (nq * (2 * d * e + 2 * f32)  # deterministic: the dq kernel reads Q, dO, lse, D once,
                + tc["cols_visited"] * 2 * d * e  # K_j, V_j per visited tile pair
                + nq * d * f32 + kpm  # stores dQ acc once (no atomics); key-padding mask again
-               if spec.deterministic else
+               if dq_kernel(spec) else
                nq * d * f32 * 2)  # else the dQ atomics reduce in L2 (the "atomics" term); the
             # accumulator reaches HBM about once per head, read and written back
             + nq * (2 * d * e + f32 + d * f32)  # preprocess: read O, dO; write D; zero dQ acc
@@ -271,8 +271,8 @@ def reread_bytes(spec: KernelSpec, p: Workload, block_r: int, block_c: int) -> t
     else:
         row = 2 * d * e + 2 * f32
         again = max(0.0, tc["rows_visited"] * row - nq * row)
-        working = nq * row + (0 if spec.deterministic else nq * d * f32)
-        if spec.deterministic:
+        working = nq * row + (0 if dq_kernel(spec) else nq * d * f32)
+        if dq_kernel(spec):
             again += max(0.0, kv_pairs - kv_once)
             working = max(working, kv_once)
     return float(p.batch * p.heads * again), float(working)
@@ -292,6 +292,15 @@ def l2_hit_fraction(spec: KernelSpec, p: Workload, dev: DeviceModel, slots: int)
     return 1.0 if need <= 0 else min(1.0, L2_EFFECTIVE * dev.l2_bytes / need)
 
 
+def dq_kernel(spec: KernelSpec) -> bool:
+    """Whether the backward has a dq kernel (the deterministic backward of a family with the ``dq`` role,
+    which recomputes S and dP there); ``wgmma``'s deterministic backward orders its dQ reduce-adds in the
+    main kernel instead, so the model takes it as the atomic backward's work."""
+    if spec.direction != "bwd" or not getattr(spec, "deterministic", False):
+        return False
+    return any(k.role.name == "dq" for k in plan_of(spec).kernels)
+
+
 def kernel_gemms(spec: KernelSpec) -> dict[str, int]:
     """Tile products (2 B_r B_c d FLOPs each) per visited tile pair, per kernel of the module:
     forward S = Q K^T and O += P V; backward S, dP, dV, dK and dQ (Algorithm 4); the
@@ -299,7 +308,7 @@ def kernel_gemms(spec: KernelSpec) -> dict[str, int]:
     and dQ += dS K -- seven instead of five."""
     if spec.direction == "fwd":
         return {"main": 2}
-    if spec.deterministic:
+    if dq_kernel(spec):
         return {"main": 4, "dq": 3}
     return {"main": 5}
 
@@ -440,7 +449,7 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
     terms = {"hbm": dram / dev.hbm_bytes_per_s, "l2": traffic / dev.l2_bytes_per_s,
              "math": flops / dev.math_flops_per_s(fam.math_unit)}
     if spec.dtype != "float64":  # one exponential per score (float64 computes it in software: issue)
-        exps = n * t.block_r * t.block_c * (2 if spec.direction == "bwd" and spec.deterministic else 1)
+        exps = n * t.block_r * t.block_c * (2 if dq_kernel(spec) else 1)
         terms["exp"] = exps / dev.exps_per_s
     hidden = {k: v / hide for k, v in terms.items()}
     sm_clocks = dev.sm_count * dev.clock_hz
@@ -456,8 +465,8 @@ def predict(spec: KernelSpec, p: Workload, registers: int, dev: DeviceModel,
         smem_hide = min(1.0, busy_warps * pc.wavefronts_per_iteration / SMEM_LATENCY_CLOCKS) or 1.0
         hidden["smem"] = terms["smem"] / smem_hide
     atomics = pc.atomics if pc is not None and pc.atomics else (
-        t.block_r * spec.head_dim if spec.direction == "bwd" and not getattr(spec, "deterministic", False)
-        else 0)  # dQ_i += dS_ij K_j (Algorithm 4 line 21); the deterministic backward has none
+        t.block_r * spec.head_dim if spec.direction == "bwd" and not dq_kernel(spec)
+        else 0)  # dQ_i += dS_ij K_j (Algorithm 4 line 21); a backward with a dq kernel has none
     if atomics:
         terms["atomics"] = n * atomics / dev.atomics_per_s
         hidden["atomics"] = terms["atomics"]

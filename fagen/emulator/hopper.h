@@ -906,6 +906,41 @@ inline void bulk_wait(unsigned pending, const char* file, int line) {
     ts.bulk.resize(keep);
 }
 
+// ------------------------------------------------------- global semaphores
+// ld.acquire.gpu / red.release.gpu on an int in global memory: one fiber runs at a time and never
+// switches inside these, so they are atomic, and memory is sequentially consistent (the orderings
+// need nothing).
+inline int sem_load(const int* p) {
+    Quiet quiet;
+    return *const_cast<const volatile int*>(p);
+}
+inline void sem_add(int* p, int v) {
+    Quiet quiet;
+    *p = int(unsigned(*p) + unsigned(v));
+}
+// A spin until sems[index] == value (ld.acquire.gpu in a loop on a GPU). Blocks run here one at a
+// time, in a fixed order: while this block runs no other block can change the semaphore (and no
+// kernel of fagen's changes one from the block that waits on it), so a value other than the awaited
+// one now is a wait that can never complete -- an ordering bug, or a schedule that runs a later turn
+// first (FAGEN_EMU_REVERSE_SCHEDULE). It is reported as a deadlock naming the semaphore and both values.
+inline void sem_wait_eq(const int* sems, unsigned index, int value, const char* file, int line) {
+    Quiet quiet;
+    const int now = *const_cast<const volatile int*>(sems + index);
+    if (now == value) return;
+    begin_message("semaphore wait that can never complete");
+    append_thread(g.cur);
+    appendf(" waits at %s:%d for semaphore [%u] (at %p) to hold %d; it holds %d, and no other block runs while "
+            "this one waits (blocks run one at a time, %s): a turn taken out of order", file, line, index,
+            static_cast<const void*>(sems + index), value, now,
+#if defined(FAGEN_EMU_REVERSE_SCHEDULE)
+            "in descending order (FAGEN_EMU_REVERSE_SCHEDULE)"
+#else
+            "in ascending order"
+#endif
+    );
+    abort_block(FAGEN_EMU_DEADLOCK);
+}
+
 // ---------------------------------------------------------------- stmatrix
 struct StmatrixLane {
     const unsigned* r;

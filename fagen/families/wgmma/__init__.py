@@ -51,6 +51,10 @@ a thread quad). The forward's m, l and lse are the undropped P~'s, O accumulates
 :data:`FWD_DROPOUT_REGS` (d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward:
 :mod:`fagen.families.wgmma.bwd`.
 
+The deterministic backward (``deterministic``) keeps the backward's one main kernel (no ``dq`` role):
+dQ_i's reduce-adds take turns in ascending K/V block order at per-(Q block, batch, q head) counters
+(``templates/wgmma/deterministic.cuh``; :mod:`fagen.families.wgmma.bwd`).
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
 dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
@@ -162,7 +166,7 @@ class WgmmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
-                                          "dropout", "varlen"})
+                                          "dropout", "varlen", "deterministic"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -264,7 +268,7 @@ class WgmmaFamily(FamilyBase):
         ])
 
     def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
-        return bwd.roles() if fs.direction == "bwd" else (WG_FWD_MAIN,)
+        return bwd.roles(fs.has("deterministic")) if fs.direction == "bwd" else (WG_FWD_MAIN,)
 
     def launch(self, fs: FamilySpec, role: Role) -> Launch:
         if fs.direction == "bwd":

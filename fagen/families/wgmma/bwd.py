@@ -37,6 +37,16 @@ past len_k returns at once; lse_i / D_i of rows past len_q are -inf / 0 (not loa
 P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the next sequence's dq_accum
 rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
 
+Deterministic (``templates/wgmma/deterministic.cuh``): the same kernel and roles (no ``dq`` kernel),
+its main kernel taking ``dq_sem`` (``fagen.abi.DQ_SEM``: int32 per (Q block, batch, q head), zeroed by
+the launcher for every call). Before the reduce-add of (q head, Q block i) the producer's leader spins
+(``ld.acquire.gpu``) until the counter holds j - j_first(i), the K/V blocks below j that reach i (one
+run: the mask is a band), and after it waits until the add is written (``cp.async.bulk.wait_group 0``)
+and passes the turn (``red.release.gpu.add``): dQ_i sums its K/V blocks' tiles in ascending order on
+every run. A CTA waits only on lower K/V blocks of its (batch, kv head), i.e. lower linear block
+indices, so the ascending launch order keeps it deadlock-free. The consumers' tile loop is the plain
+one. With ALiBi at d = 96 / 128 the tile would spill (:data:`BWD_DET_ALIBI_REGS`): declined.
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -45,16 +55,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, TENSORMAP, Role
+from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, DQ_SEM, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
-BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen"})
+BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen",
+                       "deterministic"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -69,6 +80,9 @@ BWD_TMA = (("tma_q", "q", "block_r", 128), ("tma_k", "k", "block_c", 128), ("tma
 DQ_GROUP = 8
 WG_BWD_MAIN = Role("main", BWD_MAIN.params + tuple((TENSORMAP, name) for name, *_ in BWD_TMA), "k", "block_c",
                    grid_heads="kv")
+#: The deterministic backward's main kernel: WG_BWD_MAIN and the dQ turn counters (``fagen.abi.DQ_SEM``);
+#: no dq role (dQ_i's reduce-adds take their turns, ``templates/wgmma/deterministic.cuh``).
+WG_BWD_DET_MAIN = Role("main", WG_BWD_MAIN.params + (DQ_SEM,), "k", "block_c", grid_heads="kv")
 
 
 def unsupported_reason(fs: FamilySpec) -> str | None:
@@ -114,6 +128,10 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
                                  f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
+    if fs.has("deterministic") and fs.has("alibi") and (regs := acc_regs(fs)) > BWD_DET_ALIBI_REGS:
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, deterministic and alibi: S^T, "
+                                 f"dP^T, their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, "
+                                 f"more than {BWD_DET_ALIBI_REGS} (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -135,6 +153,12 @@ BWD_DROPOUT_REGS = 224
 #: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
 #: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
+
+
+#: The bound with the deterministic backward's dQ turns and ALiBi: d = 96's and d = 128's 64 x 128 (224) spill
+#: 8 bytes (the producer's turn wait and release beside ALiBi's 64-bit distances; without ALiBi, with
+#: dropout, softcap, varlen, none), d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
+BWD_DET_ALIBI_REGS = 160
 
 
 def dropout_regs(fs: FamilySpec) -> int:
@@ -186,8 +210,8 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
     ])
 
 
-def roles() -> tuple[Role, ...]:
-    return (BWD_PRE, WG_BWD_MAIN, BWD_POST)
+def roles(deterministic: bool = False) -> tuple[Role, ...]:
+    return (BWD_PRE, WG_BWD_DET_MAIN if deterministic else WG_BWD_MAIN, BWD_POST)
 
 
 def launch(fs: FamilySpec, role: Role) -> Launch:
