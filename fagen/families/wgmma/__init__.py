@@ -201,7 +201,7 @@ class WgmmaFamily(FamilyBase):
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         if fs.direction == "bwd":
-            return bwd.default_block_r(fs), 16 * fs.num_warps
+            return bwd.default_block_r(fs), bwd.default_block_c(fs)
         return 16 * fs.num_warps, self.max_block_c
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
