@@ -113,15 +113,15 @@ FWD_TMA = (("q", "block_r"), ("k", "block_c"), ("v", "block_c"))
 WG_FWD_MAIN = Role("main", FWD_MAIN.params + tuple((TENSORMAP, f"tma_{t}") for t, _ in FWD_TMA), "q", "block_r")
 
 
-def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
+def register_split(num_warps: int, blocks_per_sm: int, producer: int = PRODUCER_REGS) -> tuple[int, int]:
     """(consumer, producer) registers per thread after ``setmaxnreg``: the producer keeps
-    PRODUCER_REGS, the consumers take what the launch leaves them (the registers one block owns,
-    ``REGS_PER_SM / blocks_per_sm``, over its threads; at most MAX_CONSUMER_REGS), multiples of 8."""
+    PRODUCER_REGS (or ``producer``), the consumers take what the launch leaves them (the registers one block
+    owns, ``REGS_PER_SM / blocks_per_sm``, over its threads; at most MAX_CONSUMER_REGS), multiples of 8."""
     consumers = 32 * num_warps
     threads = consumers + 128
     launch = min(255, REGS_PER_SM // (threads * blocks_per_sm)) // 8 * 8
-    consumer = min(MAX_CONSUMER_REGS, (launch * threads - PRODUCER_REGS * 128) // consumers // 8 * 8)
-    return consumer, PRODUCER_REGS
+    consumer = min(MAX_CONSUMER_REGS, (launch * threads - producer * 128) // consumers // 8 * 8)
+    return consumer, producer
 
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
@@ -277,7 +277,7 @@ class WgmmaFamily(FamilyBase):
 
         blocks = max(1, min(ARCHS[fs.arch].smem_per_sm // (layout.total_bytes + 1024),
                             REGS_PER_SM // (fs.num_threads * self.min_regs_per_thread)))
-        consumer, producer = register_split(fs.num_warps, blocks)
+        consumer, producer = register_split(fs.num_warps, blocks, *bwd.producer_regs(fs))
         # PANELS_V only with a v head dim of its own (the templates name it then; other specs render as before)
         panels_v = (Constant("PANELS_V", "int", padded_dim(fs.dv) // PANEL, "128-byte swizzle panels across the v "
                              "head dim (V, O, dO, dV)"),) if fs.dv != fs.head_dim else ()

@@ -292,6 +292,17 @@ WIDE_BLOCK = 64
 WIDE_REGS = 208
 
 
+#: Registers the split tile's producer warpgroup keeps after ``setmaxnreg.dec`` (the family's 24 spill 16 bytes
+#: in its lse_i / D_i loads at d = 192 causal); the consumers keep 232 (:func:`wide_regs` at most 208).
+SPLIT_PRODUCER_REGS = 32
+
+
+def producer_regs(fs: FamilySpec) -> tuple[int, ...]:
+    """The producer's registers where the backward's tile asks for its own (the split tile's
+    SPLIT_PRODUCER_REGS), else none (the family's PRODUCER_REGS)."""
+    return (SPLIT_PRODUCER_REGS,) if fs.direction == "bwd" and split_dkv(fs) else ()
+
+
 def split_dkv(fs: FamilySpec) -> bool:
     """The wide tile: a head dim past 128, where dK~ and dV~ of 64 K/V rows (d / 2 + dv / 2 fp32 registers
     per thread of a warpgroup, 256 at d = 256) do not fit one warpgroup beside S^T and dP^T. Two consumer
@@ -343,3 +354,10 @@ def wide_config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}: {regs} fp32 "
                                  f"registers per consumer thread, more than {WIDE_REGS} (wgmma backward: ptxas would spill)")
     return None
+
+
+def split_tile_work(fs: FamilySpec) -> tuple[dict[str, float], dict[str, float]]:
+    """Per warp and tile pair of the split tile's (dK~, dV~) warpgroups: HGMMA of S^T (d / 16), dP^T (dv / 16)
+    and dK~ (block_r / 16); of S^T, dV~ (block_r / 16) and dQ_i (d / 64 chunks of block_c / 16)."""
+    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
+    return ({"HGMMA": (d + dv) / 16 + br / 16}, {"HGMMA": d / 16 + br / 16 + (padded_dim(d) // 64) * bc / 16})
