@@ -35,6 +35,11 @@ def test_what_does_not_fit_is_declined_by_name() -> None:
     with pytest.raises(ValueError, match=r"head_dim=256, head_dim_v=256: the wgmma backward's 64 x 64 tile needs "
                                          r"270336 bytes of shared memory"):
         W.spec("bwd", dict(d=256, dtype="float16"), impl="wgmma")
+    # d = 256 with dropout and ALiBi: the dK~ warpgroup's registers beside the keep bits (ptxas would spill)
+    assert W.spec("bwd", dict(d=256, dv=128, dtype="float16", alibi=True), dropout=True).impl == "mma"
+    assert W.spec("bwd", dict(d=192, dv=128, dtype="float16", alibi=True), dropout=True).impl == "wgmma"
+    with pytest.raises(ValueError, match=r"head_dim=256, head_dim_v=128 with dropout and alibi: 208 fp32 registers"):
+        W.spec("bwd", dict(d=256, dv=128, dtype="float16", alibi=True), dropout=True, impl="wgmma")
     with pytest.raises(ValueError, match=r"block_c=128 must be 64 at head_dim=192"):
         W.spec("bwd", dict(d=192, dv=128, dtype="float16"), block_c=128, impl="wgmma")
     with pytest.raises(ValueError, match=r"num_warps=4 must be 8 at head_dim=192"):

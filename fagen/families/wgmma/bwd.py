@@ -290,6 +290,10 @@ WIDE_BLOCK = 64
 #: fp32 registers per consumer thread the wide tile's dK~ warpgroup may ask for (:func:`wide_regs`): S^T,
 #: dP^T (block_r / 2 each), the dS^T fragments (block_r / 4) and dK~ (padded head_dim / 2): 208 at d = 256.
 WIDE_REGS = 208
+#: The bound with dropout and ALiBi together (the keep bits and ALiBi's 64-bit distances beside them):
+#: d = 256's dK~ warpgroup (208) spills 32 bytes causal; d = 192's (176) and dv = 256's dV~ warpgroup
+#: (176) none, with softcap and causal too. So d = 256 with both goes to ``mma``.
+WIDE_DROPOUT_ALIBI_REGS = 176
 
 
 #: Registers the split tile's producer warpgroup keeps after ``setmaxnreg.dec`` (the family's 24 spill 16 bytes
@@ -350,9 +354,11 @@ def wide_config_reason(fs: FamilySpec) -> Reason | None:
     if fs.block_r != WIDE_BLOCK:
         return Reason("block_r", f"block_r={fs.block_r} must be {WIDE_BLOCK} at head_dim={fs.head_dim}, "
                                  f"head_dim_v={fs.dv} (wgmma backward: registers of the dK~ warpgroup)")
-    if (regs := max(wide_regs(fs))) > WIDE_REGS:
-        return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}: {regs} fp32 "
-                                 f"registers per consumer thread, more than {WIDE_REGS} (wgmma backward: ptxas would spill)")
+    cap = WIDE_DROPOUT_ALIBI_REGS if fs.has("dropout") and fs.has("alibi") else WIDE_REGS
+    if (regs := max(wide_regs(fs))) > cap:
+        what = " with dropout and alibi" if cap == WIDE_DROPOUT_ALIBI_REGS else ""
+        return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}{what}: {regs} "
+                                 f"fp32 registers per consumer thread, more than {cap} (wgmma backward: ptxas would spill)")
     return None
 
 
