@@ -19,22 +19,30 @@ import wgmma_cases as W
 
 
 # --------------------------------------------------------------------------- selection
-@pytest.mark.parametrize("d, dv", [(192, 192), (192, 128), (256, 128), (128, 256), (64, 192)])
-def test_wide_head_dims_resolve_to_the_split_tile(d, dv) -> None:
+@pytest.mark.parametrize("d, dv, stages", [(256, 256, 1), (192, 192, 2), (192, 128, 2), (256, 128, 2), (128, 256, 2),
+                                           (64, 192, 2), (256, 192, 1)])
+def test_wide_head_dims_resolve_to_the_split_tile(d, dv, stages) -> None:
+    """64 x 64 on two consumer warpgroups; two Q_i / dO_i stages where they fit, else one."""
     for kw in (dict(), dict(causal=True, softcap=True, alibi=True, key_padding=True)):
         spec = W.spec("bwd", dict(d=d, dv=dv, dtype="bfloat16"), **kw)
         assert spec.impl == "wgmma", spec
         assert (spec.tile.block_r, spec.tile.block_c, spec.num_warps) == (64, 64, 8)
+        assert spec.knob_values == {"stages": stages}
         assert spec.smem_bytes <= 227 * 1024
         assert "constexpr bool SPLIT_DKV = true;" in renderer.render(spec).source
 
 
 def test_what_does_not_fit_is_declined_by_name() -> None:
-    # d = 256 with dv = 256: two Q_i / dO_i stages and the fp32 dQ_i staging take 264 KiB
-    assert W.spec("bwd", dict(d=256, dtype="float16")).impl == "mma"  # impl=None: another family
+    # d = 256 with dv = 256 and two Q_i / dO_i stages: with the fp32 dQ_i staging, 264 KiB
+    assert W.spec("bwd", dict(d=256, dtype="float16", stages=2)).impl == "mma"  # impl=None: another family
     with pytest.raises(ValueError, match=r"head_dim=256, head_dim_v=256: the wgmma backward's 64 x 64 tile needs "
-                                         r"270336 bytes of shared memory"):
-        W.spec("bwd", dict(d=256, dtype="float16"), impl="wgmma")
+                                         r"270336 bytes of shared memory \(K_j, V_j, 2 Q_i / dO_i stages"):
+        W.spec("bwd", dict(d=256, dtype="float16", stages=2), impl="wgmma")
+    # one stage only where two do not fit (the other tiles: the family's choices, 2 and 3)
+    with pytest.raises(ValueError, match=r"stages=1 must be one of \(2, 3\)"):
+        W.spec("bwd", dict(d=192, dtype="float16", stages=1), impl="wgmma")
+    with pytest.raises(ValueError, match=r"stages=1 must be one of \(2, 3\)"):
+        W.spec("bwd", dict(d=128, dtype="float16", stages=1), impl="wgmma")
     # d = 256 with dropout and ALiBi: the dK~ warpgroup's registers beside the keep bits (ptxas would spill)
     assert W.spec("bwd", dict(d=256, dv=128, dtype="float16", alibi=True), dropout=True).impl == "mma"
     assert W.spec("bwd", dict(d=192, dv=128, dtype="float16", alibi=True), dropout=True).impl == "wgmma"
@@ -59,6 +67,9 @@ BWD_CASES = [
     dict(d=192, dtype="float16", nw=8, B=1, Nq=70, Nk=90, H=2, Hkv=1, causal=True),
     # MLA's d = 192, dv = 128, key padding (a batch with every key padded), softcap
     dict(d=192, dv=128, dtype="bfloat16", nw=8, B=2, Nq=70, Nk=100, H=2, Hkv=1, kpm=True, softcap=True),
+    # Gemma's d = 256 (one Q_i / dO_i stage: the producer's loads wait for each step's dQ_i), bf16, causal,
+    # GQA, three Q blocks
+    dict(d=256, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=100, H=2, Hkv=1, causal=True),
     # d = 256, dv = 128: rows that see no key (top-left, Nq > Nk), ALiBi
     dict(d=256, dv=128, dtype="float16", nw=8, B=1, Nq=90, Nk=50, H=2, Hkv=2, causal=True, align="top_left",
          alibi=True),
@@ -79,6 +90,7 @@ def test_backward_matches_float64(c) -> None:
 DROPOUT_CASES = [
     # dropout (the dK~ and dV~ warpgroups draw the same keep bits), causal, GQA, key padding
     dict(d=192, dv=128, dtype="float16", nw=8, B=1, Nq=70, Nk=90, H=2, Hkv=1, causal=True, kpm=True, dropout=0.2),
+    dict(d=256, dtype="bfloat16", nw=8, B=1, Nq=70, Nk=60, H=2, Hkv=2, softcap=True, dropout=0.1),
 ]
 
 

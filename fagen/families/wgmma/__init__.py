@@ -179,7 +179,7 @@ class WgmmaFamily(FamilyBase):
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         if fs.direction == "bwd":
-            return super().config_reason(fs) or bwd.config_reason(fs)
+            return super().config_reason(bwd.knobs_checked(fs)) or bwd.config_reason(fs)
         bad = super().config_reason(fs.with_tile(fs.block_r, 64)) if fs.block_c % 16 == 0 else None
         if bad is not None:
             return bad
@@ -198,6 +198,13 @@ class WgmmaFamily(FamilyBase):
                                      f"take {regs} fp32 registers per consumer thread, more than {cap} "
                                      f"({self.name}: ptxas would spill)")
         return None
+
+    def knob_default(self, knob: Knob, fs: FamilySpec) -> int:
+        """The knobs' defaults; the backward's split tile takes one Q_i / dO_i stage where two do not fit
+        (``bwd.split_stages``)."""
+        if knob is STAGES and fs.direction == "bwd" and bwd.split_dkv(fs):
+            return bwd.split_stages(fs)
+        return knob.default
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         if fs.direction == "bwd":

@@ -335,12 +335,31 @@ def wide_smem(fs: FamilySpec, stages: int) -> int:
 WIDE_SMEM = 227 * 1024 - 2048
 
 
+def split_stages(fs: FamilySpec) -> int:
+    """The split tile's default Q_i / dO_i stages: the family's 2 where they fit :data:`WIDE_SMEM`, else 1
+    (d = 256, dv = 256: 264 KiB with two, 200 KiB with one; the producer then loads step i + 1 once step i's
+    dQ_i is staged, as FlashAttention-3 keeps one dO_i stage at d = 256)."""
+    return 2 if wide_smem(fs, 2) <= WIDE_SMEM else 1
+
+
+def knobs_checked(fs: FamilySpec) -> FamilySpec:
+    """``fs`` as the family's knob check sees it: the split tile's one stage (:func:`split_stages`) is taken
+    as the family's smallest choice (the knob's choices are 2 and 3 for every other tile)."""
+    from dataclasses import replace
+
+    knobs = dict(fs.knobs)
+    if split_dkv(fs) and knobs.get("stages") == 1 == split_stages(fs):
+        return replace(fs, knobs=tuple(sorted({**knobs, "stages": 2}.items())))
+    return fs
+
+
 def wide_reason(fs: FamilySpec) -> str | None:
-    """Why the wide tile cannot take the spec's head dims (the default stages)."""
-    stages = dict(fs.knobs).get("stages", 2)
+    """Why the wide tile cannot take the spec's head dims (its stages, else :func:`split_stages`)."""
+    stages = dict(fs.knobs).get("stages", split_stages(fs))
     if (need := wide_smem(fs, stages)) > WIDE_SMEM:
         return (f"head_dim={fs.head_dim}, head_dim_v={fs.dv}: the wgmma backward's 64 x 64 tile needs {need} bytes of "
-                f"shared memory (K_j, V_j, {stages} Q_i / dO_i stages, dS^T, the fp32 dQ_i staging), more than {WIDE_SMEM}")
+                f"shared memory (K_j, V_j, {stages} Q_i / dO_i stage{'s' if stages > 1 else ''}, dS^T, the fp32 dQ_i "
+                f"staging), more than {WIDE_SMEM}")
     return None
 
 
