@@ -231,7 +231,9 @@ def dv_early(fs: FamilySpec) -> bool:
 def constants(fs: FamilySpec) -> tuple[Constant, ...]:
     mt, cols = dq_split(fs)
     wide = (Constant("SPLIT_DKV", "bool", True, "warpgroup 0 holds dK~, warpgroup 1 dV~ and computes dQ_i "
-                     "(head dims past 128)"),) if split_dkv(fs) else ()
+                     "(head dims past 128)"),
+            Constant("DQ_LAG", "int", dq_lag(fs), "steps between a step's loads and the reduce-add of an earlier "
+                     "step's dQ_i")) if split_dkv(fs) else ()
     return wide + (
         Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
@@ -351,6 +353,13 @@ def knobs_checked(fs: FamilySpec) -> FamilySpec:
     if split_dkv(fs) and knobs.get("stages") == 1 == split_stages(fs):
         return replace(fs, knobs=tuple(sorted({**knobs, "stages": 2}.items())))
     return fs
+
+
+def dq_lag(fs: FamilySpec) -> int:
+    """Steps the split tile's producer is ahead of the dQ_i it reduce-adds: the family's stages - 1, but 1 with one
+    stage (the loads of step i + 1 are issued once step i's slot is read, then step i's dQ_i is added, so the loads
+    overlap step i's dQ_i)."""
+    return max(dict(fs.knobs).get("stages", split_stages(fs)) - 1, 1)
 
 
 def wide_reason(fs: FamilySpec) -> str | None:
