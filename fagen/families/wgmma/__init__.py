@@ -28,8 +28,8 @@ the backward's neighbouring gradients). The tile loops issue what they issue wit
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
 and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
-takes any pair of its head dims, the backward any pair of its own, 64 / 96 / 128 (V_j, dO_i, dV~ and
-D of dv; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared memory) and the
+takes any pair of its head dims, the backward too (V_j, dO_i, dV~ and D of dv; a dim past 128 on the
+split tile; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared memory) and the
 registers the accumulators hold (:data:`FWD_ACC_REGS`, ``bwd.BWD_ACC_REGS``): a tile that cannot
 fit is declined by name.
 
@@ -53,8 +53,8 @@ a thread quad). The forward's m, l and lse are the undropped P~'s, O accumulates
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
-backward is :mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256, attn_mask, bias. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem
 the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
 warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
 
-A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128): V_j, the dO_i slots and dV~ are
+A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
 dv wide, dP^T = V_w dO_i^T runs its k loop over dv, the pre kernel's D = rowsum(dO o O) over dv;
 S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r`), d = 64 with a
 wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
@@ -30,6 +30,13 @@ two shuffles), P^T o Z goes into dV~'s A fragments, the dropped dP^T are zeroed 
 scale of dS^T = P^T (dP^T o Z / (1 - p) - D), dV~ takes 1 / (1 - p) before its epilogue; no early dV~. The
 tile keeps :func:`acc_regs` within :data:`BWD_DROPOUT_REGS` (d = 64: 64 x 64 on one consumer warpgroup),
 with ALiBi within :data:`BWD_DROPOUT_ALIBI_REGS` (d = 96 and 128 are declined).
+
+Head dims past 128 (d = 192 / 256, or such a dv; :func:`split_dkv`): FlashAttention-3's 64 x 64 tile on two
+consumer warpgroups that both take the block's 64 K/V rows (``templates/wgmma/bwd_split.cu.j2``, selected by the
+``SPLIT_DKV`` constant): warpgroup 0 computes S^T, dP^T, dS^T (stored for dQ_i) and dK~ += dS^T Q_i, warpgroup 1
+S^T again, P^T, dV~ += P^T dO_i and all of dQ_i = dS K_j; each holds one accumulator (:func:`wide_regs` within
+:data:`WIDE_REGS`). Shared memory (:func:`wide_smem`) takes two Q_i / dO_i stages where they fit, else one
+(:func:`split_stages`: d = 256 with dv = 192 or 256).
 
 Packed sequences (``varlen``): K_j / V_j, Q_i / dO_i and the dQ_i reduce-add at the sequence's first
 token in maps over the packed tensors ([1, total, H, d]; the family's ``packed_view``); a K/V block
