@@ -237,7 +237,8 @@ class KernelSpec(BaseModel):
             return _field_error("knobs", "knob", f"impl={self.impl!r} has no knob {unknown[0]!r} (its knobs: {known})",
                                 self.knobs)
         fs0 = self._family_spec(None)
-        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, fam.knob_default(k, fs0))
+        default = getattr(fam, "knob_default", lambda k, _fs: k.default)  # a family outside FamilyBase: the knob's
+        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, default(k, fs0))
                                                         for k in fam.knobs}.items())))
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
