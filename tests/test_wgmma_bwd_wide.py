@@ -73,8 +73,9 @@ BWD_CASES = [
     # d = 256, dv = 128: rows that see no key (top-left, Nq > Nk), ALiBi
     dict(d=256, dv=128, dtype="float16", nw=8, B=1, Nq=90, Nk=50, H=2, Hkv=2, causal=True, align="top_left",
          alibi=True),
-    # a wide v head dim (dv = 256) under a narrow one, a window, MQA
-    dict(d=128, dv=256, dtype="bfloat16", nw=8, B=1, Nq=100, Nk=80, H=3, Hkv=1, window=(30, 5)),
+    # a wide v head dim (dv = 256) under a narrow, padded one (d = 96: dK~ and dQ_i on zero columns 96..127),
+    # a window, MQA
+    dict(d=96, dv=256, dtype="bfloat16", nw=8, B=1, Nq=100, Nk=80, H=3, Hkv=1, window=(30, 5)),
     dict(d=192, dtype="bfloat16", nw=8, B=1, Nq=65, Nk=129, H=1, Hkv=1, causal=True, softcap=True, alibi=True),
 ]
 
