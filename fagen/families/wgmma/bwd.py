@@ -297,7 +297,9 @@ def tile_work(fs: FamilySpec) -> dict[str, float]:
 #: holds a whole accumulator of d / 2 fp32 registers per thread, so neither holds both).
 WIDE_BLOCK = 64
 #: fp32 registers per consumer thread the wide tile's dK~ warpgroup may ask for (:func:`wide_regs`): S^T,
-#: dP^T (block_r / 2 each), the dS^T fragments (block_r / 4) and dK~ (padded head_dim / 2): 208 at d = 256.
+#: dP^T (block_r / 2 each), the dS^T fragments (block_r / 4) and dK~ (padded head_dim / 2): 208 at d = 256
+#: (benchmarks/sass_cost.py: no spill at d = 256 with causal, softcap, ALiBi, dropout, varlen, a window, key
+#: padding, each and softcap with ALiBi or dropout; 176 at d = 192, and the dV~ warpgroup's 176 at dv = 256).
 WIDE_REGS = 208
 #: The bound with dropout and ALiBi together (the keep bits and ALiBi's 64-bit distances beside them):
 #: d = 256's dK~ warpgroup (208) spills 32 bytes causal; d = 192's (176) and dv = 256's dV~ warpgroup
@@ -346,8 +348,9 @@ WIDE_SMEM = 227 * 1024 - 2048
 
 def split_stages(fs: FamilySpec) -> int:
     """The split tile's default Q_i / dO_i stages: the family's 2 where they fit :data:`WIDE_SMEM`, else 1
-    (d = 256, dv = 256: 264 KiB with two, 200 KiB with one; the producer then loads step i + 1 once step i's
-    dQ_i is staged, as FlashAttention-3 keeps one dO_i stage at d = 256)."""
+    (d = 256 with dv = 192 or 256: 264 KiB with two, 200 KiB with one at dv = 256; the producer then loads step
+    i + 1 once step i's slot is read, overlapping step i's dQ_i: :func:`dq_lag`; FlashAttention-3 keeps one dO_i
+    stage at d = 256)."""
     return 2 if wide_smem(fs, 2) <= WIDE_SMEM else 1
 
 
@@ -380,6 +383,7 @@ def wide_reason(fs: FamilySpec) -> str | None:
 
 
 def wide_config_reason(fs: FamilySpec) -> Reason | None:
+    """The split tile's rules: two consumer warpgroups, 64 x 64, the registers within their bound."""
     if fs.num_warps != 8:
         return Reason("num_warps", f"num_warps={fs.num_warps} must be 8 at head_dim={fs.head_dim}, head_dim_v={fs.dv} "
                                    f"(wgmma backward: a dK~ and a dV~ warpgroup)")
