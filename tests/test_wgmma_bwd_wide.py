@@ -8,6 +8,8 @@ own, Nq != Nk, lengths off the tiles, rows with no key); racecheck and AddressSa
 Sweeps past the first case are in the slow tier."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import fagen.functional as F
@@ -15,6 +17,7 @@ from fagen import renderer
 from fagen.families.wgmma import bwd as B
 from fagen.runtime import cpu
 
+import gates
 import wgmma_cases as W
 
 
@@ -149,3 +152,63 @@ def test_a_forward_and_backward_pair_at_the_ptx_level() -> None:
     assert {s for s, _, _ in record.launches} == {fwd.name, bwd.name}
     W.check_forward(c, t, o, lse)
     W.check_backward(c, t, grads, g64, g_pt)
+
+
+# --------------------------------------------------------------------------- synchronisation sites
+SPLIT_TEMPLATE = "wgmma/bwd_split.cu.j2"
+SYNC = re.compile(r"fa_mbarrier_wait_parity\([^;]*\);|fa_wgmma_wait_group<\d>\(\);|fa_named_barrier_sync\([^;]*\);|"
+                  r"fa_fence_proxy_async\(\);|__syncwarp\(\);")
+#: One Q_i / dO_i stage (d = 256), three steps per CTA: the producer refills the slot the warpgroups just read.
+RACE_SPLIT = dict(d=256, dtype="float16", nw=8, B=1, Nq=150, Nk=50, H=1, Hkv=1)
+
+
+def _split_sites() -> list[tuple[int, str]]:
+    """The waits, barriers and fences of the split tile's consumers (each site of the macros rendered for both
+    warpgroups where they share it)."""
+    text = (renderer.templates_dir() / SPLIT_TEMPLATE).read_text()
+    return [(m.start(), m.group(0)) for m in SYNC.finditer(text)]
+
+
+def test_the_split_tile_synchronises_at_these_sites() -> None:
+    kinds = [s for _, s in _split_sites()]
+    assert len(kinds) == 13, kinds
+    assert sum(k.startswith("fa_named_barrier_sync") for k in kinds) == 4, kinds  # BAR_DS, BAR_DQ in each branch
+
+
+_GATED: dict = {}
+
+
+def _gated(spec):
+    if spec not in _GATED:
+        text = (renderer.templates_dir() / SPLIT_TEMPLATE).read_text()
+        sites = [(off, call, i) for i, (off, call) in enumerate(_split_sites())]
+        _GATED[spec] = gates.mutated_module(spec, SPLIT_TEMPLATE, gates.gated(text, sites))
+    return _GATED[spec]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site", _split_sites(), ids=lambda s: f"{s[0]}:{s[1][:36]}")
+def test_removing_a_synchronisation_of_the_split_tile_is_reported(site, monkeypatch) -> None:
+    """Each wait, barrier and fence of the two warpgroups removed in turn: racecheck reports the run (or its
+    gradients fail the criterion)."""
+    from fagen.emulator import EmulatorError
+
+    i = _split_sites().index(site)
+    spec = W.spec("bwd", RACE_SPLIT)
+    assert spec.knob_values == {"stages": 1}
+    mod = _gated(spec)
+    emu = mod._build(sanitize=False, racecheck=True)
+    emu.race_gate(i)
+    real = cpu.cpu_module
+    monkeypatch.setattr(cpu, "cpu_module", lambda s: mod if s == spec else real(s))
+    t = W.inputs(RACE_SPLIT, seed=5)
+    err = None
+    try:
+        with cpu.racecheck():
+            grads, g64, g_pt = W.backward(RACE_SPLIT, t, spec)
+        W.check_backward(RACE_SPLIT, t, grads, g64, g_pt)
+    except (EmulatorError, AssertionError) as e:
+        err = e
+    finally:
+        emu.race_gate(-1)
+    assert err is not None, f"{site[1]} removed: not reported"
