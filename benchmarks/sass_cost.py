@@ -136,12 +136,35 @@ def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
     if work is None:  # a direction whose work the family does not state: no row
         print(f"sass_cost: the wgmma family states no tile work for direction={fs.direction}", file=sys.stderr)
         return None
+    from fagen.families.wgmma import bwd
+
+    if fs.direction == "bwd" and bwd.split_dkv(fs):
+        return _measure_split(text, kernel, fs, fam, diagonal)
     consumer = tile_loop(text, kernel, work, diagonal=diagonal)
     producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
     if consumer is None or producer is None:
         return None
     total = consumer.total() * fs.num_warps + producer.total() * fam.producer_warps(fs)
     return consumer, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)
+
+
+def _measure_split(text: str, kernel: str, fs, fam, diagonal: bool):
+    """measure_specialised of the backward's split tile (head dims past 128): its two consumer warpgroups run
+    loops of their own, each walked with its own HGMMA work (``bwd.split_tile_work``): the dK~ warpgroup's
+    (the loop holding the dS^T stmatrix, STSM) and the dV~ warpgroup's (the loop holding the dQ_i staging
+    stores, STS), four warps each. The consumer TileLoop returned is the dK~ warpgroup's, plus the dV~'s
+    instructions in the total."""
+    from fagen.autotune.sassloops import tile_loop
+    from fagen.families.wgmma import bwd
+
+    dk_work, dv_work = bwd.split_tile_work(fs)
+    dk = tile_loop(text, kernel, dk_work, diagonal=diagonal, anchor=("STSM",))
+    dv = tile_loop(text, kernel, dv_work, diagonal=diagonal, anchor=("STS",))
+    producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
+    if dk is None or dv is None or producer is None or dk is dv:
+        return None
+    total = (dk.total() + dv.total()) * 4 + producer.total() * fam.producer_warps(fs)
+    return dk, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)
 
 
 def row_of(name: str, loop, per_mflop: float, direction: str, head_dim: int, block_r: int, block_c: int,

@@ -237,7 +237,10 @@ class KernelSpec(BaseModel):
             known = [k.name for k in fam.knobs]
             return _field_error("knobs", "knob", f"impl={self.impl!r} has no knob {unknown[0]!r} (its knobs: {known})",
                                 self.knobs)
-        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, k.default) for k in fam.knobs}.items())))
+        fs0 = self._family_spec(None)
+        default = getattr(fam, "knob_default", lambda k, _fs: k.default)  # a family outside FamilyBase: the knob's
+        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, default(k, fs0))
+                                                        for k in fam.knobs}.items())))
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
             limit = fam.max_block_r if field == "block_r" else fam.max_block_c

@@ -51,7 +51,8 @@ def test_chosen_for_sm90a_backward() -> None:
     (dict(attn_mask=True), "attn_mask"),
     (dict(bias=True), "bias"),
     (dict(head_dim=128, deterministic=True, alibi=True), "deterministic and alibi"),  # ptxas would spill
-    (dict(head_dim=192), "head_dim=192: the wgmma backward takes head_dim in (64, 96, 128)"),
+    (dict(head_dim=256, dropout=True, alibi=True), "head_dim=256, head_dim_v=256 with dropout and alibi: 208 fp32"),
+    (dict(head_dim=160), "head_dim=160: the wgmma backward takes head_dim in (64, 96, 128, 192, 256)"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(arch="sm_90"), "arch=sm_90"),
 ])

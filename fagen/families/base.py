@@ -203,6 +203,9 @@ class Family(Protocol):
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         """Why this (tile, warps, knobs) is not accepted, or None."""
 
+    def knob_default(self, knob: Knob, fs: FamilySpec) -> int:
+        """The value of ``knob`` for a spec that does not set it (``knob.default`` unless the spec needs another)."""
+
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         """Exact dynamic-smem layout of the kernel that uses the most shared memory."""
 
@@ -297,6 +300,9 @@ class FamilyBase:
             if v not in knob.choices:
                 return Reason("knobs", f"{knob.name}={v} must be one of {knob.choices} ({self.name})")
         return None
+
+    def knob_default(self, knob: Knob, fs: FamilySpec) -> int:
+        return knob.default
 
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:  # pragma: no cover - every family has one
         raise NotImplementedError

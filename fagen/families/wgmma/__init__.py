@@ -28,8 +28,8 @@ the backward's neighbouring gradients). The tile loops issue what they issue wit
 A v head dim of its own (``head_dim_v``, MLA: d = 192, dv = 128) is taken natively: S = Q K_j^T
 has K = head_dim, O += P V_j has N = head_dim_v (the O accumulator, the V_j slots, their TMA boxes
 and the epilogue are dv wide; Q_i's tile is max(d, dv) wide, O goes out through it); the forward
-takes any pair of its head dims, the backward any pair of its own, 64 / 96 / 128 (V_j, dO_i, dV~ and
-D of dv; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared memory) and the
+takes any pair of its head dims, the backward too (V_j, dO_i, dV~ and D of dv; a dim past 128 on the
+split tile; :mod:`fagen.families.wgmma.bwd`). The tile counts both dims (shared memory) and the
 registers the accumulators hold (:data:`FWD_ACC_REGS`, ``bwd.BWD_ACC_REGS``): a tile that cannot
 fit is declined by name.
 
@@ -57,8 +57,8 @@ dQ_i's reduce-adds take turns in ascending K/V block order at per-(Q block, batc
 
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
-backward is :mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256, attn_mask, bias. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -117,15 +117,15 @@ FWD_TMA = (("q", "block_r"), ("k", "block_c"), ("v", "block_c"))
 WG_FWD_MAIN = Role("main", FWD_MAIN.params + tuple((TENSORMAP, f"tma_{t}") for t, _ in FWD_TMA), "q", "block_r")
 
 
-def register_split(num_warps: int, blocks_per_sm: int) -> tuple[int, int]:
+def register_split(num_warps: int, blocks_per_sm: int, producer: int = PRODUCER_REGS) -> tuple[int, int]:
     """(consumer, producer) registers per thread after ``setmaxnreg``: the producer keeps
-    PRODUCER_REGS, the consumers take what the launch leaves them (the registers one block owns,
-    ``REGS_PER_SM / blocks_per_sm``, over its threads; at most MAX_CONSUMER_REGS), multiples of 8."""
+    PRODUCER_REGS (or ``producer``), the consumers take what the launch leaves them (the registers one block
+    owns, ``REGS_PER_SM / blocks_per_sm``, over its threads; at most MAX_CONSUMER_REGS), multiples of 8."""
     consumers = 32 * num_warps
     threads = consumers + 128
     launch = min(255, REGS_PER_SM // (threads * blocks_per_sm)) // 8 * 8
-    consumer = min(MAX_CONSUMER_REGS, (launch * threads - PRODUCER_REGS * 128) // consumers // 8 * 8)
-    return consumer, PRODUCER_REGS
+    consumer = min(MAX_CONSUMER_REGS, (launch * threads - producer * 128) // consumers // 8 * 8)
+    return consumer, producer
 
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
@@ -183,7 +183,7 @@ class WgmmaFamily(FamilyBase):
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         if fs.direction == "bwd":
-            return super().config_reason(fs) or bwd.config_reason(fs)
+            return super().config_reason(bwd.knobs_checked(fs)) or bwd.config_reason(fs)
         bad = super().config_reason(fs.with_tile(fs.block_r, 64)) if fs.block_c % 16 == 0 else None
         if bad is not None:
             return bad
@@ -203,9 +203,16 @@ class WgmmaFamily(FamilyBase):
                                      f"({self.name}: ptxas would spill)")
         return None
 
+    def knob_default(self, knob: Knob, fs: FamilySpec) -> int:
+        """The knobs' defaults; the backward's split tile takes one Q_i / dO_i stage where two do not fit
+        (``bwd.split_stages``)."""
+        if knob is STAGES and fs.direction == "bwd" and bwd.split_dkv(fs):
+            return bwd.split_stages(fs)
+        return knob.default
+
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
         if fs.direction == "bwd":
-            return bwd.default_block_r(fs), 16 * fs.num_warps
+            return bwd.default_block_r(fs), bwd.default_block_c(fs)
         return 16 * fs.num_warps, self.max_block_c
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
@@ -281,7 +288,7 @@ class WgmmaFamily(FamilyBase):
 
         blocks = max(1, min(ARCHS[fs.arch].smem_per_sm // (layout.total_bytes + 1024),
                             REGS_PER_SM // (fs.num_threads * self.min_regs_per_thread)))
-        consumer, producer = register_split(fs.num_warps, blocks)
+        consumer, producer = register_split(fs.num_warps, blocks, *bwd.producer_regs(fs))
         # PANELS_V only with a v head dim of its own (the templates name it then; other specs render as before)
         panels_v = (Constant("PANELS_V", "int", padded_dim(fs.dv) // PANEL, "128-byte swizzle panels across the v "
                              "head dim (V, O, dO, dV)"),) if fs.dv != fs.head_dim else ()

@@ -12,7 +12,7 @@ dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem
 the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
 warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
 
-A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128): V_j, the dO_i slots and dV~ are
+A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
 dv wide, dP^T = V_w dO_i^T runs its k loop over dv, the pre kernel's D = rowsum(dO o O) over dv;
 S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r`), d = 64 with a
 wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
@@ -30,6 +30,13 @@ two shuffles), P^T o Z goes into dV~'s A fragments, the dropped dP^T are zeroed 
 scale of dS^T = P^T (dP^T o Z / (1 - p) - D), dV~ takes 1 / (1 - p) before its epilogue; no early dV~. The
 tile keeps :func:`acc_regs` within :data:`BWD_DROPOUT_REGS` (d = 64: 64 x 64 on one consumer warpgroup),
 with ALiBi within :data:`BWD_DROPOUT_ALIBI_REGS` (d = 96 and 128 are declined).
+
+Head dims past 128 (d = 192 / 256, or such a dv; :func:`split_dkv`): FlashAttention-3's 64 x 64 tile on two
+consumer warpgroups that both take the block's 64 K/V rows (``templates/wgmma/bwd_split.cu.j2``, selected by the
+``SPLIT_DKV`` constant): warpgroup 0 computes S^T, dP^T, dS^T (stored for dQ_i) and dK~ += dS^T Q_i, warpgroup 1
+S^T again, P^T, dV~ += P^T dO_i and all of dQ_i = dS K_j; each holds one accumulator (:func:`wide_regs` within
+:data:`WIDE_REGS`). Shared memory (:func:`wide_smem`) takes two Q_i / dO_i stages where they fit, else one
+(:func:`split_stages`: d = 256 with dv = 192 or 256).
 
 Packed sequences (``varlen``): K_j / V_j, Q_i / dO_i and the dQ_i reduce-add at the sequence's first
 token in maps over the packed tensors ([1, total, H, d]; the family's ``packed_view``); a K/V block
@@ -69,6 +76,8 @@ BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap",
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
+#: Head dims past 128 (Gemma's 256, MLA's 192 with head_dim_v 128): the split tile (:func:`split_dkv`).
+WIDE_HEAD_DIMS = (192, 256)
 #: The backward's tensor-map parameters: (parameter, tensor argument, rows of the box, smem swizzle).
 #: q, do: one panel (64 elements) x block_r rows; k, v: one panel x block_c rows; dq_accum (fp32):
 #: the staging tile, no swizzle, over :func:`dq_staging_view` (DQ_GROUP columns x block_r rows x
@@ -90,16 +99,20 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
     extra = sorted(fs.flags - BWD_FLAGS)
     if extra:
         return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
-    if fs.head_dim not in DEFAULT_BLOCK_R:
-        return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {tuple(DEFAULT_BLOCK_R)}"
-    if fs.dv not in DEFAULT_BLOCK_R:
-        return f"head_dim_v={fs.dv}: the wgmma backward takes head_dim_v in {tuple(DEFAULT_BLOCK_R)}"
+    if fs.head_dim not in (*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS):
+        return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {(*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS)}"
+    if fs.dv not in (*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS):
+        return f"head_dim_v={fs.dv}: the wgmma backward takes head_dim_v in {(*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS)}"
+    if split_dkv(fs):
+        return wide_reason(fs)
     return None
 
 
 def default_block_r(fs: FamilySpec) -> int:
     """The Q rows of the default tile: DEFAULT_BLOCK_R of the wider head dim (a v head dim of its own
     counts: its dO_i slots, dP^T's k loop and dV~'s registers)."""
+    if split_dkv(fs):
+        return WIDE_BLOCK
     br = min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
     if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
         return 64
@@ -108,7 +121,14 @@ def default_block_r(fs: FamilySpec) -> int:
     return br
 
 
+def default_block_c(fs: FamilySpec) -> int:
+    """The K/V rows of the default tile: 64 per consumer warpgroup, or the split tile's 64 (:func:`split_dkv`)."""
+    return WIDE_BLOCK if split_dkv(fs) else 16 * fs.num_warps
+
+
 def config_reason(fs: FamilySpec) -> Reason | None:
+    if split_dkv(fs):
+        return wide_config_reason(fs)
     if fs.block_c != 16 * fs.num_warps:
         return Reason("block_c", f"block_c={fs.block_c} must be 16 x num_warps={fs.num_warps} "
                                  f"(wgmma backward: each consumer warpgroup owns 64 K/V rows)")
@@ -180,6 +200,8 @@ def _acc_regs(fs: FamilySpec, block_r: int) -> int:
 def default_warps(fs: FamilySpec) -> int:
     """Two consumer warpgroups (the family's rule), but one where the default Q block (64 rows) at
     d = 64 leaves two warpgroups no 64-column share of dQ_i (d = 64 with a wider v head dim)."""
+    if split_dkv(fs):
+        return 8
     return 4 if padded_dim(fs.head_dim) == 64 and default_block_r(fs) == 64 else 8
 
 
@@ -187,6 +209,8 @@ def dq_split(fs: FamilySpec) -> tuple[int, int]:
     """(m64 tiles of dQ_i, head-dim columns) each consumer warpgroup computes: the Q rows are split
     between the warpgroups while there are enough m64 tiles, else the (padded) head dim."""
     wgs, mtiles, d = fs.num_warps // 4, fs.block_r // 64, padded_dim(fs.head_dim)
+    if split_dkv(fs):  # the dV~ warpgroup computes all of dQ_i
+        return mtiles, d
     if mtiles >= wgs:
         return mtiles // wgs, d
     return 1, d * mtiles // wgs
@@ -237,7 +261,11 @@ def dv_early(fs: FamilySpec) -> bool:
 
 def constants(fs: FamilySpec) -> tuple[Constant, ...]:
     mt, cols = dq_split(fs)
-    return (
+    wide = (Constant("SPLIT_DKV", "bool", True, "warpgroup 0 holds dK~, warpgroup 1 dV~ and computes dQ_i "
+                     "(head dims past 128)"),
+            Constant("DQ_LAG", "int", dq_lag(fs), "steps between a step's loads and the reduce-add of an earlier "
+                     "step's dQ_i")) if split_dkv(fs) else ()
+    return wide + (
         Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
         Constant("DQ_GROUP", "int", DQ_GROUP, "fp32 columns per dQ_i staging group (one TMA reduce-add box)"),
@@ -283,4 +311,122 @@ def tile_work(fs: FamilySpec) -> dict[str, float]:
     share) — every warp of a warpgroup issues each of its wgmmas."""
     d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
     mt, cols = dq_split(fs)
+    if split_dkv(fs):  # per warp of either warpgroup, on average: S^T twice, dP^T, dV~, dK~, dQ_i
+        return {"HGMMA": (2 * d + dv) / 32 + br / 16 + (cols // 64) * bc / 32}
     return {"HGMMA": (d + dv) / 16 + 2 * br / 16 + mt * (cols // 64) * bc / 16}
+
+
+# ---- the wide tile: head dims past 128 -------------------------------------------------------------
+#: Q rows x K/V rows of the wide tile (FlashAttention-3's 64 x 64 at d = 256; a consumer warpgroup
+#: holds a whole accumulator of d / 2 fp32 registers per thread, so neither holds both).
+WIDE_BLOCK = 64
+#: fp32 registers per consumer thread the wide tile's dK~ warpgroup may ask for (:func:`wide_regs`): S^T,
+#: dP^T (block_r / 2 each), the dS^T fragments (block_r / 4) and dK~ (padded head_dim / 2): 208 at d = 256
+#: (benchmarks/sass_cost.py: no spill at d = 256 with causal, softcap, ALiBi, dropout, varlen, a window, key
+#: padding, each and softcap with ALiBi or dropout; 176 at d = 192, and the dV~ warpgroup's 176 at dv = 256).
+WIDE_REGS = 208
+#: The bound with dropout and ALiBi together (the keep bits and ALiBi's 64-bit distances beside them):
+#: d = 256's dK~ warpgroup (208) spills 32 bytes causal; d = 192's (176) and dv = 256's dV~ warpgroup
+#: (176) none, with softcap and causal too. So d = 256 with both goes to ``mma``.
+WIDE_DROPOUT_ALIBI_REGS = 176
+
+
+#: Registers the split tile's producer warpgroup keeps after ``setmaxnreg.dec`` (the family's 24 spill 16 bytes
+#: in its lse_i / D_i loads at d = 192 causal); the consumers keep 232 (:func:`wide_regs` at most 208).
+SPLIT_PRODUCER_REGS = 32
+
+
+def producer_regs(fs: FamilySpec) -> tuple[int, ...]:
+    """The producer's registers where the backward's tile asks for its own (the split tile's
+    SPLIT_PRODUCER_REGS), else none (the family's PRODUCER_REGS)."""
+    return (SPLIT_PRODUCER_REGS,) if fs.direction == "bwd" and split_dkv(fs) else ()
+
+
+def split_dkv(fs: FamilySpec) -> bool:
+    """The wide tile: a head dim past 128, where dK~ and dV~ of 64 K/V rows (d / 2 + dv / 2 fp32 registers
+    per thread of a warpgroup, 256 at d = 256) do not fit one warpgroup beside S^T and dP^T. Two consumer
+    warpgroups share the block's 64 K/V rows: warpgroup 0 computes S^T, dP^T, dS^T (into shared memory)
+    and dK~ += dS^T Q_i; warpgroup 1 computes S^T again, P^T and dV~ += P^T dO_i, then dQ_i = dS K_j over
+    the whole head dim (S^T twice: no exchange of P^T through shared memory)."""
+    return max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128
+
+
+def wide_regs(fs: FamilySpec) -> tuple[int, int]:
+    """fp32 registers per thread of the wide tile's (dK~, dV~) warpgroups: S^T + dP^T + dS^T's fragments +
+    dK~, and S^T + P^T's fragments + dV~ (dQ_i's 32 once S^T and P^T are dead)."""
+    br = fs.block_r
+    return br + br // 4 + padded_dim(fs.head_dim) // 2, br // 2 + br // 4 + padded_dim(fs.dv) // 2
+
+
+def wide_smem(fs: FamilySpec, stages: int) -> int:
+    """Shared-memory bytes of the wide tile's big buffers (the layout adds < 2 KiB): K_j and V_j
+    (block_c x (d + dv)), ``stages`` slots of Q_i and dO_i (block_r x (d + dv)), dS^T (block_c x block_r) in
+    16 bits, the fp32 dQ_i staging tile (block_r x d)."""
+    d, dv, e = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize
+    return e * (WIDE_BLOCK * (d + dv) + stages * WIDE_BLOCK * (d + dv) + WIDE_BLOCK * WIDE_BLOCK) + 4 * WIDE_BLOCK * d
+
+
+#: Shared memory a CTA of the family may take (sm_90a's 227 KiB opt-in).
+WIDE_SMEM = 227 * 1024 - 2048
+
+
+def split_stages(fs: FamilySpec) -> int:
+    """The split tile's default Q_i / dO_i stages: the family's 2 where they fit :data:`WIDE_SMEM`, else 1
+    (d = 256 with dv = 192 or 256: 264 KiB with two, 200 KiB with one at dv = 256; the producer then loads step
+    i + 1 once step i's slot is read, overlapping step i's dQ_i: :func:`dq_lag`; FlashAttention-3 keeps one dO_i
+    stage at d = 256)."""
+    return 2 if wide_smem(fs, 2) <= WIDE_SMEM else 1
+
+
+def knobs_checked(fs: FamilySpec) -> FamilySpec:
+    """``fs`` as the family's knob check sees it: the split tile's one stage (:func:`split_stages`) is taken
+    as the family's smallest choice (the knob's choices are 2 and 3 for every other tile)."""
+    from dataclasses import replace
+
+    knobs = dict(fs.knobs)
+    if split_dkv(fs) and knobs.get("stages") == 1 == split_stages(fs):
+        return replace(fs, knobs=tuple(sorted({**knobs, "stages": 2}.items())))
+    return fs
+
+
+def dq_lag(fs: FamilySpec) -> int:
+    """Steps the split tile's producer is ahead of the dQ_i it reduce-adds: the family's stages - 1, but 1 with one
+    stage (the loads of step i + 1 are issued once step i's slot is read, then step i's dQ_i is added, so the loads
+    overlap step i's dQ_i)."""
+    return max(dict(fs.knobs).get("stages", split_stages(fs)) - 1, 1)
+
+
+def wide_reason(fs: FamilySpec) -> str | None:
+    """Why the wide tile cannot take the spec's head dims (its stages, else :func:`split_stages`)."""
+    stages = dict(fs.knobs).get("stages", split_stages(fs))
+    if (need := wide_smem(fs, stages)) > WIDE_SMEM:
+        return (f"head_dim={fs.head_dim}, head_dim_v={fs.dv}: the wgmma backward's 64 x 64 tile needs {need} bytes of "
+                f"shared memory (K_j, V_j, {stages} Q_i / dO_i stage{'s' if stages > 1 else ''}, dS^T, the fp32 dQ_i "
+                f"staging), more than {WIDE_SMEM}")
+    return None
+
+
+def wide_config_reason(fs: FamilySpec) -> Reason | None:
+    """The split tile's rules: two consumer warpgroups, 64 x 64, the registers within their bound."""
+    if fs.num_warps != 8:
+        return Reason("num_warps", f"num_warps={fs.num_warps} must be 8 at head_dim={fs.head_dim}, head_dim_v={fs.dv} "
+                                   f"(wgmma backward: a dK~ and a dV~ warpgroup)")
+    if fs.block_c != WIDE_BLOCK:
+        return Reason("block_c", f"block_c={fs.block_c} must be {WIDE_BLOCK} at head_dim={fs.head_dim}, "
+                                 f"head_dim_v={fs.dv} (wgmma backward: both warpgroups take the block's 64 K/V rows)")
+    if fs.block_r != WIDE_BLOCK:
+        return Reason("block_r", f"block_r={fs.block_r} must be {WIDE_BLOCK} at head_dim={fs.head_dim}, "
+                                 f"head_dim_v={fs.dv} (wgmma backward: registers of the dK~ warpgroup)")
+    cap = WIDE_DROPOUT_ALIBI_REGS if fs.has("dropout") and fs.has("alibi") else WIDE_REGS
+    if (regs := max(wide_regs(fs))) > cap:
+        what = " with dropout and alibi" if cap == WIDE_DROPOUT_ALIBI_REGS else ""
+        return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}{what}: {regs} "
+                                 f"fp32 registers per consumer thread, more than {cap} (wgmma backward: ptxas would spill)")
+    return None
+
+
+def split_tile_work(fs: FamilySpec) -> tuple[dict[str, float], dict[str, float]]:
+    """Per warp and tile pair of the split tile's (dK~, dV~) warpgroups: HGMMA of S^T (d / 16), dP^T (dv / 16)
+    and dK~ (block_r / 16); of S^T, dV~ (block_r / 16) and dQ_i (d / 64 chunks of block_c / 16)."""
+    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
+    return ({"HGMMA": (d + dv) / 16 + br / 16}, {"HGMMA": d / 16 + br / 16 + (padded_dim(d) // 64) * bc / 16})
