@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +45,7 @@ from fagen.families.mma.rules import (
 )
 
 __all__ = ["CODEGEN_KNOBS", "REGISTER_FILE", "TABLE_PATH", "CodegenConfig", "CodegenKnob", "KnobValue",
-           "class_key", "clear_table", "codegen_config", "illegal_reason", "knobs_for", "load_table",
+           "class_key", "clear_table", "codegen_config", "forcing", "illegal_reason", "knobs_for", "load_table",
            "nvrtc_major", "start_values"]
 
 #: Registers one thread can address (the launch bounds leave all of them to the mma kernels): fragments
@@ -87,6 +89,9 @@ class CodegenKnob:
     legal: Callable[[FamilySpec, int], str | None]
     start: Callable[[FamilySpec], int]
     help: str
+    #: Why the stored search leaves the knob at its starting point (None: it searches it): a choice
+    #: whose gain the tile-loop cost cannot see.
+    unsearched: str | None = None
 
 
 def _always(fs: FamilySpec, v: int) -> str | None:
@@ -175,7 +180,9 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
                 "each half of the threads copies one of K_j / V_j"),
     CodegenKnob("fwd_half_step", "FWD_HALF_STEP", "bool", "fwd", (0, 1), lambda fs: fs.direction == "fwd",
                 _half_step_legal, lambda fs: int(fwd_half_step(fs.block_c)),
-                "a block's last step over at most half the tile's keys steps that half alone"),
+                "a block's last step over at most half the tile's keys steps that half alone",
+                unsearched="its gain is the tensor-core work of a block's last step (causal diagonal, short "
+                           "sequences), which the steady-state tile loop does not run"),
 )
 _BY_NAME = {k.name: k for k in CODEGEN_KNOBS}
 
@@ -324,6 +331,29 @@ def _config(fs: FamilySpec, major: int | None, table_path: str) -> CodegenConfig
     return CodegenConfig(key, knobs, note)
 
 
-def codegen_config(fs: FamilySpec, *, table: Path | None = None) -> CodegenConfig:
-    """The spec's codegen config record (memoised per spec, NVRTC major and table)."""
-    return _config(fs, nvrtc_major(), str(TABLE_PATH if table is None else table))
+_FORCED: ContextVar[Mapping[str, int] | None] = ContextVar("fagen_codegen_forced", default=None)
+
+
+@contextmanager
+def forcing(values: Mapping[str, int]) -> Iterator[None]:
+    """Within the block, every spec's config takes ``values`` (knob -> value, the others at their
+    start; source ``"search"``): how the stored search renders a setting it tries. Memoised renders
+    and plans are not consulted by the search (``fagen.renderer.render_with``)."""
+    token = _FORCED.set(dict(values))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def codegen_config(fs: FamilySpec, *, table: Path | None = None, major: int | None | str = "current") -> CodegenConfig:
+    """The spec's codegen config record (memoised per spec, NVRTC major and table): ``table`` (default:
+    the shipped one), ``major`` the NVRTC major the lookup is for (default: the one compiles use)."""
+    forced = _FORCED.get()
+    if forced is not None:
+        start = start_values(fs)
+        return CodegenConfig(class_key(fs), tuple(
+            KnobValue(k.name, k.constant, int(forced.get(k.name, start[k.name])),
+                      "search" if k.name in forced else "start", start[k.name])
+            for k in CODEGEN_KNOBS if k.direction == fs.direction), "a setting the stored search tries")
+    return _config(fs, nvrtc_major() if major == "current" else major, str(TABLE_PATH if table is None else table))
