@@ -319,7 +319,10 @@ def _config(fs: FamilySpec, major: int | None, table_path: str) -> CodegenConfig
     if major is None:
         note = "no NVRTC found: starting points"
     elif entry is None:
-        note = f"class {key} not in the table: starting points"
+        rest = key.split("/", 1)[1]
+        others = sorted(k.split("/", 1)[0] for k in load_table(Path(table_path)) if k.split("/", 1)[1] == rest)
+        note = (f"class {key} not in the table" + (f" (searched with {', '.join(others)} only)" if others else "")
+                + ": starting points")
     else:
         found = {k: int(v) for k, v in entry.get("values", {}).items()}
         why = illegal_reason(fs, found)
