@@ -328,6 +328,8 @@ def _config(fs: FamilySpec, major: int | None, table_path: str) -> CodegenConfig
         why = illegal_reason(fs, found)
         if why is not None:
             note, found = f"the table's entry is illegal for this spec ({why}): starting points", {}
+        own = {k.name for k in knobs_for(fs)}  # a knob the kernel does not have: its start, said so
+        found = {k: v for k, v in found.items() if k in own}
     knobs = tuple(KnobValue(k.name, k.constant, found.get(k.name, start[k.name]),
                             "table" if k.name in found else "start", start[k.name])
                   for k in CODEGEN_KNOBS if k.direction == fs.direction)
