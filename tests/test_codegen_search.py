@@ -148,6 +148,8 @@ def test_search_picks_the_cheapest_clean_setting_and_stores_it(tmp_path):
     bad = next(t for t in failing.trials if t.values == qr)
     assert bad.cost == math.inf and "boom" in bad.rejected and failing.best.values == start
     assert "winner" in "\n".join(res.summary())
+    spilling_start = search_class(spec, evaluate=_fake({k(start): 100.0, k(qr): 2000.0}, spills={k(start)}), major=12)
+    assert spilling_start.best.values != start and spilling_start.best.evaluation.spill_bytes == 0
     path = write_table([res], tmp_path / "t.json")
     assert load_table(path)[res.key]["values"] == both
     cfg = codegen_config(fs, table=path, major=12)

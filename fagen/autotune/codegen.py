@@ -191,7 +191,7 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
             why = f"spills {ev.spill_bytes} bytes"
         elif base is not None and ev.local_bytes > base.evaluation.local_bytes:
             why = f"{ev.local_bytes} bytes of local memory"
-        elif base is not None and base.cost < math.inf:
+        elif base is not None and base.rejected is None:
             worse = [r for r, c in ev.rows.items() if c > base.evaluation.rows.get(r, math.inf) + 1e-9]
             if worse:
                 why = f"the {'/'.join(worse)} row costs more than the starting point's"
@@ -204,6 +204,7 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
 
     first = run(dict(start), None)
     best = first
+    best_cost = first.cost if first.rejected is None else math.inf  # a spilling start: any clean setting beats it
     changed = True
     while changed and len(order) < max_configs:
         changed = False
@@ -213,8 +214,8 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
             if tuple(sorted(cand.items())) in seen:
                 continue
             trial = run(cand, first)
-            if trial.rejected is None and trial.cost < best.cost - 1e-9:
-                best, changed = trial, True
+            if trial.rejected is None and trial.cost < best_cost - 1e-9:
+                best, best_cost, changed = trial, trial.cost, True
     return ClassResult(key, spec, start, tuple(order), best, time.perf_counter() - t0)
 
 
