@@ -23,5 +23,6 @@ setup(
         "fagen._templates": TEMPLATE_FILES,
         **{f"fagen._templates.{d}": TEMPLATE_FILES for d in TEMPLATE_DIRS},
         "fagen.emulator": ["*.h", "*.cpp"],
+        "fagen.families.mma": ["codegen_table.json"],  # the stored search's table (fagen tune-codegen)
     },
 )

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-HMMA_FLOPS = 2 * 16 * 8 * 16
+from fagen.autotune.sassloops import HMMA_FLOPS, measure, pair_flops, red_width  # noqa: F401 - the figures (re-exported)
+
 #: Columns of the table ("MMA": HMMA.16816 of the mma family, HGMMA of the wgmma family).
 COLUMNS = ("kernel", "d", "tile", "warps", "regs", "smem KiB", "spills", "instr/1e6 FLOPs", "FA3", "instr/MMA",
            "LDSM/MMA", "int+ctrl/MMA")
@@ -75,50 +76,6 @@ class Row:
                 smem, spill, f"{self.per_mflop:.0f}", "-" if self.fa3 is None else f"{self.fa3:.0f}",
                 f"{self.per_hmma:.2f}", f"{self.ldsm_per_hmma:.2f}",
                 f"{self.int_ctrl_per_hmma:.2f}"]
-
-
-def pair_flops(direction: str, head_dim: int, block_r: int, block_c: int, head_dim_v: int | None = None) -> float:
-    """Tensor-core FLOPs of one tile pair: 5 GEMMs backward, 2 forward, each 2 Br Bc d; with a v head
-    dim dv of its own, those whose K or N is v's (P V; dP = dO V^T, dV) take dv: 2 Br Bc (d + dv)
-    forward, 2 Br Bc (3 d + 2 dv) backward."""
-    dv = head_dim_v or head_dim
-    return 2 * block_r * block_c * ((3 * head_dim + 2 * dv) if direction == "bwd" else (head_dim + dv))
-
-
-def red_width(mnemonic: str) -> int:
-    """fp32 values one global reduction instruction adds (``REDG.E.ADD.F32x4...``: 4)."""
-    m = re.search(r"F32X(\d)|\.V(\d)\.|\.(64|128)\b", mnemonic.upper())
-    if not m:
-        return 1
-    if m.group(1) or m.group(2):
-        return int(m.group(1) or m.group(2))
-    return int(m.group(3)) // 32
-
-
-def measure(text: str, kernel: str, direction: str, head_dim: int, padded_dim: int, block_r: int, block_c: int,
-            num_warps: int, *, diagonal: bool = False, dq_atomics: bool = True, head_dim_v: int | None = None):
-    """(TileLoop, instructions per 1e6 FLOPs) of ``kernel`` in nvdisasm ``text``, or None. ``head_dim_v``:
-    v's head dim where it differs (its GEMMs and copies counted at its padded width)."""
-    from fagen import sass
-    from fagen.autotune.sassloops import tile_loop
-
-    w = num_warps
-    padded_v = -(-head_dim_v // 16) * 16 if head_dim_v else padded_dim
-    flops = pair_flops(direction, padded_dim, block_r, block_c, padded_v)
-    work: dict[str, float] = {"HMMA": flops / HMMA_FLOPS / w}
-    if direction == "bwd":
-        work["LDGSTS"] = block_r * (padded_dim + padded_v) / 8 / 32 / w  # Q_i and dO_i in 16-byte copies
-        if dq_atomics:
-            reds = [i for i in sass.parse(text).get(kernel, []) if i.opcode in ("RED", "REDG", "ATOM", "ATOMG")]
-            width = max((red_width(i.mnemonic) for i in reds), default=1)
-            op = reds[0].opcode if reds else "REDG"
-            work[op] = block_r * head_dim / width / 32 / w  # dQ_i += dS K_j, one add per element
-    else:
-        work["LDGSTS"] = block_c * (padded_dim + padded_v) / 8 / 32 / w  # K_j and V_j
-    loop = tile_loop(text, kernel, work, diagonal=diagonal)
-    if loop is None:
-        return None
-    return loop, loop.total() * w / (pair_flops(direction, head_dim, block_r, block_c, head_dim_v) / 1e6)
 
 
 def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):

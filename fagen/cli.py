@@ -198,6 +198,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return run(args, spec_from_args(args))
 
 
+def cmd_tune_codegen(args: argparse.Namespace) -> int:
+    from .autotune.codegen import run
+
+    if args.all and args.head_dim is not None:
+        raise UsageError("--all", "takes no --head-dim (every class of the default rows)")
+    if not args.all and args.head_dim is None:
+        raise UsageError("--head-dim", "required unless --all")
+    return run(args, None if args.all else spec_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fagen", description="Generate, inspect and compile specialised FlashAttention kernels.",
                      epilog="`fagen COMMAND --help` lists the options of a command, with their choices and defaults.")
@@ -233,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain_arguments(p)
     p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("tune-codegen", help="search the mma family's codegen knobs of a class (or --all) with NVRTC "
+                                            "and store the winners in its table")
+    _add_spec_options(p, head_dim_required=False)
+    from .autotune.codegen import add_arguments as tune_codegen_arguments
+
+    tune_codegen_arguments(p)
+    p.set_defaults(func=cmd_tune_codegen)
     return parser
 
 

@@ -211,7 +211,7 @@ def _templates_dir() -> Path:
 
 def source_digest(templates: Path | None = None, package: Path | None = None) -> str:
     """sha256 of the templates' contents and of (path, size, mtime) of the package's Python
-    files: what renders the source, computed without rendering."""
+    and data files (the codegen knob tables): what renders the source, computed without rendering."""
     import hashlib
 
     h = hashlib.sha256()
@@ -222,7 +222,7 @@ def source_digest(templates: Path | None = None, package: Path | None = None) ->
             data = f.read()
         h.update(f"T{e.path}\0{len(data)}\0".encode() + data)
     found = []
-    _walk(str(package if package is not None else _PACKAGE), (".py",), found)
+    _walk(str(package if package is not None else _PACKAGE), (".py", ".json"), found)  # .json: codegen tables
     for e in sorted(found, key=lambda e: e.path):
         st = e.stat()
         h.update(f"P{e.path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())

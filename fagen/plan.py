@@ -85,6 +85,13 @@ class ModulePlan:
         return tuple(self.family.templates(self.spec.direction))
 
     @functools.cached_property
+    def codegen(self) -> Any:
+        """The family's codegen config record of the spec (``codegen_config``: each code-shape knob's
+        value and its source), or None for a family without codegen knobs."""
+        make = getattr(self.family, "codegen_config", None)
+        return None if make is None else make(self.family_spec)
+
+    @functools.cached_property
     def tma_tensors(self) -> tuple[str, ...]:
         """The inputs the family reads through tensor maps (``Family.tma_tensors``)."""
         return tuple(self.family.tma_tensors(self.family_spec))

@@ -43,7 +43,7 @@ def test_bare_fagen_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err.startswith("usage: fagen")
 
 
-@pytest.mark.parametrize("command", ["inspect", "generate", "compile", "autotune"])
+@pytest.mark.parametrize("command", ["inspect", "generate", "compile", "autotune", "tune-codegen"])
 def test_every_option_has_help_with_its_default(command: str) -> None:
     p = _subparsers()[command]
     for action in p._actions:

@@ -560,7 +560,9 @@ def test_forward_default_tiles(arch: str, d: int, flags: dict, tile: tuple, q_re
     assert spec.impl == "mma" and (spec.tile.block_r, spec.tile.block_c, spec.num_warps) == tile
     consts = {c.name: c.value for c in MMA.template_context(spec.family_spec)["constants"]}
     assert consts["WARP_M_TILES"] == tile[0] // (16 * tile[2])
-    assert consts["Q_IN_REGS"] is q_regs
+    config = MMA.codegen_config(spec.family_spec)  # the rule is the starting point; a searched class takes its table's
+    assert bool(next(k.start for k in config.knobs if k.name == "fwd_q_in_regs")) is q_regs
+    assert consts["Q_IN_REGS"] is bool(config.value("fwd_q_in_regs"))
     assert consts["FWD_HALF_STEP"] is (tile[1] > 128)
 
 

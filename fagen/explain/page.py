@@ -337,6 +337,21 @@ def _smem_section(f: dict[str, Any]) -> str:
         f'<ul id="tile-reasons">{choice}</ul></section>')
 
 
+# --------------------------------------------------------------------------- codegen knobs
+def _codegen_section(f: dict[str, Any]) -> str:
+    """The family's codegen knobs: each one's value and where it came from (table, start, user)."""
+    cg = f.get("codegen")
+    if not cg:
+        return ""
+    rows = "".join(f'<tr><td><code>{_e(n)}</code></td><td><code>{_e(k["constant"])}</code></td>'
+                   f'<td class="num">{k["value"]}</td><td>{_e(k["source"])}</td><td class="num">{k["start"]}</td></tr>'
+                   for n, k in cg["knobs"].items())
+    note = f'<p class="note">{_e(cg["note"])}</p>' if cg.get("note") else ""
+    return (f'<section id="codegen"><h2>Codegen knobs (class <code>{_e(cg["class"])}</code>)</h2>{note}'
+            '<table id="codegen-table"><tr><th>knob</th><th>constant</th><th>value</th><th>source</th>'
+            f'<th>starting point</th></tr>{rows}</table></section>')
+
+
 # --------------------------------------------------------------------------- resources
 def _resources_section(f: dict[str, Any]) -> str:
     res, h = f["resources"], f["hbm"]
@@ -452,7 +467,7 @@ def render_html(f: dict[str, Any]) -> str:
 <p>{_e(f["direction"])} &middot; d = {f["head_dim"]} &middot; {_e(f["dtype"])} &middot; {_e(flags)} &middot; {_e(f["arch"])}
 &middot; {f["num_warps"]} warps &middot; N<sub>q</sub> = {f["seqlen_q"]}, N<sub>k</sub> = {f["seqlen_k"]} &middot;
 main kernel <code>{_e(f["kernel"])}</code></p></header>
-<nav><a href="#tiles">tiles</a><a href="#smem">shared memory</a><a href="#resources">resources</a><a href="#source">source</a></nav>
+<nav><a href="#tiles">tiles</a><a href="#smem">shared memory</a><a href="#resources">resources</a>{'<a href="#codegen">codegen knobs</a>' if f.get("codegen") else ""}<a href="#source">source</a></nav>
 <section id="tiles"><h2>Tiles: {f["grid"]["q_blocks"]} Q blocks &times; {f["grid"]["kv_blocks"]} K/V blocks of
 B<sub>r</sub> &times; B<sub>c</sub> = {f["block_r"]} &times; {f["block_c"]}</h2>
 <p id="tile-counts" data-total="{t["total"]}" data-visited="{t["visited"]}" data-skipped="{t["skipped"]}"
@@ -471,6 +486,7 @@ B<sub>r</sub> &times; B<sub>c</sub> = {f["block_r"]} &times; {f["block_c"]}</h2>
 {_fwd_note(f)}{_alg4_list(f)}</div></div></section>
 {_smem_section(f)}
 {_resources_section(f)}
+{_codegen_section(f)}
 <section id="source"><h2>Generated CUDA source ({len(f["source"].splitlines())} lines; Algorithm 4 comments link to the step view)</h2>
 <p id="kernel-links">{_kernel_links(f)}</p>
 <pre class="src"><code>{highlight(f["source"])}</code></pre></section>

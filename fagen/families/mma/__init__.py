@@ -32,17 +32,54 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import Role
-from fagen.families.base import DEFAULT_NUM_WARPS, Constant, FamilyBase, FamilySpec, Knob, PairCost, Reason
-from fagen.families.mma.cost import pair_cost
-from fagen.families.mma.rules import (BWD_RESIDENT_WARPS, BWD_SHORT_STREAM_ROWS, BWD_STREAM_ROWS, BWD_WIDE_WARPS, DQ_FRAG_REGS, FWD_MAX_DROPOUT_BLOCK_C,
-                                      FWD_WIDE_BLOCK_C, FWD_WIDE_WARP_EXCLUDED_FLAGS,
-                                      MASKED_SCORE_MOD_STEP_REGS,
-                                      MAX_REG_ACC_DIM, MAX_REG_KV_DIM, MAX_REG_Q_DIM, MAX_WIDE_WARP_Q_DIM, STAGES,
-                                      SUPPORTED_DTYPES, acc_in_smem, bwd_2d, bwd_2d_fresh, bwd_2d_pin, bwd_pin, bwd_chunk_sub, bwd_do_stages, bwd_chunk_unroll, bwd_split_mask, bwd_wide_warps, dq_key_chunk,
-                                      dq_kv_stages, dq_rows, ds_ld, fwd_default_block_c, fwd_half_step,
-                                      fwd_half_copy, fwd_m_tiles, fwd_q_in_regs, kv_in_regs, lse_now,
-                                      padded_dim, q_in_regs)
 from fagen.arch import ARCHS
+from fagen.families.base import (
+    DEFAULT_NUM_WARPS,
+    Constant,
+    FamilyBase,
+    FamilySpec,
+    Knob,
+    PairCost,
+    Reason,
+)
+from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config
+from fagen.families.mma.cost import pair_cost
+from fagen.families.mma.rules import (
+    BWD_RESIDENT_WARPS,
+    BWD_SHORT_STREAM_ROWS,
+    BWD_STREAM_ROWS,
+    BWD_WIDE_WARPS,
+    DQ_FRAG_REGS,
+    FWD_MAX_DROPOUT_BLOCK_C,
+    FWD_WIDE_BLOCK_C,
+    FWD_WIDE_WARP_EXCLUDED_FLAGS,
+    MASKED_SCORE_MOD_STEP_REGS,
+    MAX_REG_ACC_DIM,
+    MAX_REG_KV_DIM,
+    MAX_REG_Q_DIM,
+    MAX_WIDE_WARP_Q_DIM,
+    STAGES,
+    SUPPORTED_DTYPES,
+    acc_in_smem,
+    bwd_2d,
+    bwd_chunk_sub,
+    bwd_chunk_unroll,
+    bwd_do_stages,
+    bwd_split_mask,
+    bwd_wide_warps,
+    dq_key_chunk,
+    dq_kv_stages,
+    dq_rows,
+    ds_ld,
+    fwd_default_block_c,
+    fwd_half_step,
+    fwd_m_tiles,
+    fwd_q_in_regs,
+    kv_in_regs,
+    lse_now,
+    padded_dim,
+    q_in_regs,
+)
 from fagen.layout import SmemLayout, align_up, place
 
 __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX_REG_KV_DIM", "MAX_REG_Q_DIM",
@@ -52,6 +89,7 @@ __all__ = ["DQ_FRAG_REGS", "MASKED_SCORE_MOD_STEP_REGS", "MAX_REG_ACC_DIM", "MAX
            "pair_cost", "q_in_regs"]
 
 F32 = 4
+CODEGEN_KNOB = {k.name: k for k in CODEGEN_KNOBS}
 
 
 def _reg_dim(fs: FamilySpec) -> int:
@@ -227,6 +265,11 @@ class MmaFamily(FamilyBase):
             work["REDG" if sm90 else "RED"] = fs.block_r * fs.head_dim / (2 if vec else 1) / 32 / w
         return work
 
+    def codegen_config(self, fs: FamilySpec) -> CodegenConfig:
+        """The spec's codegen knobs (fagen.families.mma.codegen: the stored search's table for the
+        spec's class, else the starting points), one record per spec."""
+        return codegen_config(fs)
+
     def template_context(self, fs: FamilySpec) -> dict[str, Any]:
         """The smem row strides and the templates' decisions (Constant): which fragments and
         accumulators live in registers, when the next step's lse/delta are stored, and the
@@ -241,30 +284,29 @@ class MmaFamily(FamilyBase):
             strides["LD_V"] = padded_dim(fs.dv) + 8
             consts.append(Constant("DPAD_V", "int", padded_dim(fs.dv), "v head dim padded to the MMA k extent"))
         rd = _reg_dim(fs)  # the register rules' head dim: the wider of the two
+        config = self.codegen_config(fs)  # the codegen knobs: the stored search's table, else the rules
+
+        def knob(*names: str) -> list[Constant]:
+            out = []
+            for name in names:
+                k = CODEGEN_KNOB[name]
+                v = config.value(name)
+                out.append(Constant(k.constant, k.ctype, bool(v) if k.ctype == "bool" else v, k.help))
+            return out
+
         if fs.direction == "bwd":
             strides["DS_LD"] = ds_ld(t.block_r)
             two_d = bwd_2d(d, fs.flags, t.block_r, t.block_c, fs.num_warps, fs.dv)
             consts += [
                 Constant("BWD_2D", "bool", two_d,
                          "FlashAttention-2's two-dimensional warp layout (P and dS through shared memory)"),
-                Constant("BWD_2D_FRESH", "bool", two_d and bwd_2d_fresh(ARCHS[fs.arch].capability, fs.flags),
-                         "two-dimensional layout: the K/V and Q/dO k-major lane offsets derived afresh each step"),
-                Constant("BWD_2D_PIN", "bool", two_d and bwd_2d_pin(ARCHS[fs.arch].capability, fs.flags),
-                         "two-dimensional layout: the lanes' offsets and pointers pinned before the loop (fa_pin)"),
+                *knob("bwd_2d_fresh", "bwd_2d_pin"),
                 Constant("DO_STAGES", "int", self._do_stages(fs) if two_d else 0,
                          "two-dimensional layout: dO_i buffers (1: the next one copied after dV~)"),
                 Constant("ACC_IN_SMEM", "bool", acc_in_smem(d, fs.dv), "dK~/dV~ accumulators in smem instead of registers"),
                 Constant("KV_IN_REGS", "bool", kv_in_regs(rd), "K_j / V_j A-fragments held in registers"),
-                Constant("LSE_NOW", "bool", lse_now(fs.flags),
-                         "the next step's lse_i / D_i stored at once, not at the step's end"),
-                Constant("BWD_PIN", "bool", not two_d and not split and bwd_pin(d, fs.flags, ARCHS[fs.arch].capability),
-                         "the lanes' fragment offsets and dS^T pointer pinned before the loop (fa_pin)"),
-                Constant("BWD_SPLIT_MASK", "bool", bwd_split_mask(rd, fs.flags, t.block_r),
-                         "separate chunk code for fully visible and partial tiles"),
-                Constant("BWD_CHUNK_SUB", "int", bwd_chunk_sub(rd, fs.flags, t.block_r),
-                         "16-Q-row sub-chunks per chunk of the chunk loop"),
-                Constant("BWD_CHUNK_UNROLL", "int", bwd_chunk_unroll(rd, fs.flags, t.block_r, ARCHS[fs.arch].capability),
-                         "chunks per trip of the chunk loop"),
+                *knob("lse_now"),
+                *knob("bwd_pin", "bwd_split_mask", "bwd_chunk_sub", "bwd_chunk_unroll"),
             ]
             if fs.has("deterministic"):
                 stages = fs.knob_values.get(STAGES.name, STAGES.default)
@@ -279,12 +321,7 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
-                Constant("Q_IN_REGS", "bool", fwd_q_in_regs(d, t.block_r, fs.num_warps, t.block_c, fs.flags, fs.dv),
-                         "Q_i A-fragments held in registers"),
-                Constant("FWD_HALF_COPY", "bool", fwd_half_copy(d, fs.num_warps) and fwd_half_copy(fs.dv, fs.num_warps),
-                         "each half of the threads copies one of K_j / V_j"),
-                Constant("FWD_HALF_STEP", "bool", fwd_half_step(t.block_c),
-                         "a block's last step over at most half the tile's keys steps that half alone"),
+                *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step"),
             ]
         return {"strides": strides, "constants": tuple(consts)}
 

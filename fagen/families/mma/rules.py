@@ -1,6 +1,13 @@
 """The mma family's decisions, stated once: what lives in registers, the strides, the dq kernel's
 sub-steps. The family's ``template_context`` emits them as constants (templates/mma/ receives
-them), its smem layout and its cost model (fagen.families.mma.cost) use the same functions."""
+them), its smem layout and its cost model (fagen.families.mma.cost) use the same functions.
+
+The code-shape rules among them (``bwd_pin``, ``bwd_split_mask``, ``bwd_chunk_sub``,
+``bwd_chunk_unroll``, ``bwd_2d_fresh``, ``bwd_2d_pin``, ``lse_now``, ``fwd_q_in_regs``,
+``fwd_half_copy``, ``fwd_half_step``) are the starting points of the family's codegen knobs
+(fagen.families.mma.codegen): a class the stored search (``fagen tune-codegen``) has searched takes
+its table's setting instead. The spills and instruction counts their docstrings quote are
+measurements with the NVRTC they name, not legality."""
 from __future__ import annotations
 
 from fagen.families.base import Knob

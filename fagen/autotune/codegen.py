@@ -1,0 +1,301 @@
+"""The stored search of the mma family's codegen knobs (``fagen tune-codegen``; no GPU).
+
+For one class (:func:`fagen.families.mma.codegen.class_key`: NVRTC major, arch, dtype, padded head
+dims, direction, tile and warps, flags) the search starts from the knobs' starting points (the
+rules of fagen.families.mma.rules) and walks one knob at a time (coordinate descent): each other
+legal value of the knob, the others at the best setting so far, is rendered, NVRTC-compiled and
+scored; a cheaper setting becomes the best, and the passes repeat until one changes nothing or
+``max_configs`` settings were tried. A setting is rejected when a kernel of the module spills or
+uses local memory (more stack than the starting point's) or when one of its tile-loop rows (the
+interior, and a causal kernel's diagonal) costs more than the starting point's. The score is the
+warp instructions of the steady-state tile loop per 1e6 tensor-core FLOPs
+(:func:`fagen.autotune.sassloops.measure`, the figure of benchmarks/sass_cost.py), summed over the
+rows; a failing compile scores inf. The winners go to the table the family reads
+(``fagen/families/mma/codegen_table.json``).
+
+``evaluate`` is the seam: a callable (KernelSpec, values) -> :class:`Evaluation`; the default,
+:func:`nvrtc_evaluate`, compiles with NVRTC and reads the SASS with nvdisasm.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import FagenError, InputError
+from ..families.mma.codegen import (
+    TABLE_FORMAT,
+    TABLE_PATH,
+    class_key,
+    clear_table,
+    forcing,
+    illegal_reason,
+    knobs_for,
+    nvrtc_major,
+    start_values,
+)
+from ..spec import KernelSpec
+
+__all__ = ["DEFAULT_MAX_CONFIGS", "ClassResult", "Evaluation", "Trial", "default_classes", "nvrtc_evaluate",
+           "search_class", "write_table"]
+
+#: Settings tried per class at most (the starting point included).
+DEFAULT_MAX_CONFIGS = 16
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One compiled setting: its rows' costs (instructions per 1e6 FLOPs; "interior", "diag"), the
+    module's spilled bytes and local-memory (stack) bytes, or the error that stopped it."""
+
+    rows: Mapping[str, float] = field(default_factory=dict)
+    spill_bytes: int = 0
+    local_bytes: int = 0
+    error: str | None = None
+
+    @property
+    def cost(self) -> float:
+        """The score: the rows' sum; inf for a failed compile or a kernel whose loop was not found."""
+        if self.error is not None or not self.rows:
+            return math.inf
+        return float(sum(self.rows.values()))
+
+
+@dataclass(frozen=True)
+class Trial:
+    values: Mapping[str, int]
+    evaluation: Evaluation
+    rejected: str | None  # why the setting cannot win (None: it can)
+    seconds: float
+
+    @property
+    def cost(self) -> float:
+        return self.evaluation.cost
+
+
+@dataclass(frozen=True)
+class ClassResult:
+    key: str
+    spec: KernelSpec
+    start: Mapping[str, int]
+    trials: tuple[Trial, ...]
+    best: Trial
+    seconds: float
+
+    @property
+    def start_trial(self) -> Trial:
+        return self.trials[0]
+
+    def summary(self) -> list[str]:
+        """The lines ``fagen tune-codegen`` prints for the class."""
+        rejected = [t for t in self.trials if t.rejected]
+        out = [f"class {self.key}: {len(self.trials)} settings tried in {self.seconds:.0f} s, {len(rejected)} rejected"]
+        for t in rejected:
+            out.append(f"  rejected {_fmt(t.values, self.start)}: {t.rejected}")
+        s, b = self.start_trial, self.best
+        change = _fmt(b.values, self.start) if b is not s else "the starting point"
+        out.append(f"  winner: {change}: {_rows(b)} (starting point {_rows(s)})")
+        return out
+
+
+def _fmt(values: Mapping[str, int], start: Mapping[str, int]) -> str:
+    diff = {k: v for k, v in values.items() if start.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) or "the starting point"
+
+
+def _rows(t: Trial) -> str:
+    if t.cost == math.inf:
+        return "inf"
+    return " + ".join(f"{k} {v:.0f}" for k, v in t.evaluation.rows.items()) + " instructions per 1e6 FLOPs"
+
+
+# --------------------------------------------------------------------------- the NVRTC evaluation
+def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
+    """Render ``spec`` with the knob setting ``values``, compile it with NVRTC (no cache), and count
+    its tile loop's instructions per 1e6 FLOPs in the SASS (interior; a causal kernel's diagonal too)."""
+    from .. import nvrtc, sass
+    from ..arch import arch_info
+    from ..compiler import options_for, parse_ptxas
+    from ..errors import CompileError
+    from ..renderer import render_with
+    from .sassloops import measure
+
+    with forcing(values):
+        rendered = render_with(spec, {})
+    try:
+        res = nvrtc.compile_cubin(rendered.source, f"{spec.name}.cu", options_for(spec), arch_info(spec.arch).cubin_arch)
+    except (CompileError, nvrtc.NvrtcError) as e:
+        return Evaluation(error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    if not res.ok:
+        return Evaluation(error="NVRTC: " + next((ln for ln in res.log.splitlines() if "error" in ln), "compile failed"))
+    resources = parse_ptxas(res.log, {k.name: k.smem_bytes for k in rendered.kernels})
+    spill = sum(r.spill_bytes for r in resources)
+    local = sum(r.stack_frame_bytes for r in resources)
+    text = sass.disassemble(res.cubin)
+    if text is None:
+        raise CodegenSearchError("nvdisasm not found (pip install nvidia-cuda-nvdisasm): the search reads the SASS")
+    fs, kname = spec.family_spec, rendered.kernel("main").name
+    rows: dict[str, float] = {}
+    for variant, diag in [("interior", False)] + ([("diag", True)] if spec.causal else []):
+        got = measure(text, kname, spec.direction, spec.head_dim, -(-spec.head_dim // 16) * 16, fs.block_r, fs.block_c,
+                      fs.num_warps, diagonal=diag, dq_atomics=not spec.deterministic, head_dim_v=spec.head_dim_v)
+        if got is None:
+            return Evaluation(spill_bytes=spill, local_bytes=local, error=f"no {variant} tile loop found in the SASS")
+        rows[variant] = got[1]
+    return Evaluation(rows, spill, local)
+
+
+class CodegenSearchError(FagenError, RuntimeError):
+    """The stored search cannot run (no disassembler, a spec outside the mma family)."""
+
+
+# --------------------------------------------------------------------------- the search
+def _settings_one_knob(spec: KernelSpec, best: Mapping[str, int]) -> Iterable[dict[str, int]]:
+    fs = spec.family_spec
+    for k in knobs_for(fs):
+        if k.unsearched is not None:
+            continue
+        for v in k.values:
+            if v != best[k.name]:
+                cand = {**best, k.name: v}
+                if illegal_reason(fs, cand) is None:
+                    yield cand
+
+
+def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[str, int]], Evaluation] = nvrtc_evaluate,
+                 max_configs: int = DEFAULT_MAX_CONFIGS, major: int | None = None,
+                 log: Callable[[str], None] | None = None) -> ClassResult:
+    """Search the knobs of ``spec``'s class (coordinate descent from the starting points, at most
+    ``max_configs`` settings); ``evaluate`` compiles and scores one setting."""
+    if spec.impl != "mma":
+        raise InputError("impl", "a spec of the mma family (its codegen knobs)", spec.impl)
+    if max_configs < 1:
+        raise InputError("max_configs", "at least 1", max_configs)
+    fs = spec.family_spec
+    key = class_key(fs, major)
+    t0 = time.perf_counter()
+    start = start_values(fs)
+    seen: dict[tuple, Trial] = {}
+    order: list[Trial] = []
+
+    def run(values: dict[str, int], base: Trial | None) -> Trial:
+        t1 = time.perf_counter()
+        ev = evaluate(spec, values)
+        why = None
+        if ev.error is not None:
+            why = ev.error
+        elif ev.spill_bytes:
+            why = f"spills {ev.spill_bytes} bytes"
+        elif base is not None and ev.local_bytes > base.evaluation.local_bytes:
+            why = f"{ev.local_bytes} bytes of local memory"
+        elif base is not None and base.rejected is None:
+            worse = [r for r, c in ev.rows.items() if c > base.evaluation.rows.get(r, math.inf) + 1e-9]
+            if worse:
+                why = f"the {'/'.join(worse)} row costs more than the starting point's"
+        trial = Trial(dict(values), ev, why, time.perf_counter() - t1)
+        seen[tuple(sorted(values.items()))] = trial
+        order.append(trial)
+        if log is not None:
+            log(f"{key}: {_fmt(values, start)}: {'rejected, ' + why if why else _rows(trial)}")
+        return trial
+
+    first = run(dict(start), None)
+    best = first
+    best_cost = first.cost if first.rejected is None else math.inf  # a spilling start: any clean setting beats it
+    changed = True
+    while changed and len(order) < max_configs:
+        changed = False
+        for cand in list(_settings_one_knob(spec, best.values)):
+            if len(order) >= max_configs:
+                break
+            if tuple(sorted(cand.items())) in seen:
+                continue
+            trial = run(cand, first)
+            if trial.rejected is None and trial.cost < best_cost - 1e-9:
+                best, best_cost, changed = trial, trial.cost, True
+    return ClassResult(key, spec, start, tuple(order), best, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the table
+def write_table(results: Iterable[ClassResult], path: Path | None = None, *, major: int | None = None) -> Path:
+    """Merge the winners of ``results`` into the table at ``path`` (default: the one the family
+    reads) and return the path. A class whose winner is its starting point is stored too (the
+    search ran; nothing beat the rules)."""
+    p = TABLE_PATH if path is None else Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        data = {}
+    if data.get("format") != TABLE_FORMAT:
+        data = {"format": TABLE_FORMAT, "classes": {}}
+    for r in results:
+        b, s = r.best, r.start_trial
+        data["classes"][r.key] = {
+            "values": {k: int(v) for k, v in sorted(b.values.items())},
+            "cost": {k: round(v, 1) for k, v in b.evaluation.rows.items()},
+            "start_cost": {k: round(v, 1) for k, v in s.evaluation.rows.items()},
+            "tried": len(r.trials), "spec": r.spec.model_dump(mode="json", exclude_defaults=True),
+        }
+    data["classes"] = dict(sorted(data["classes"].items()))
+    try:
+        p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    except OSError as e:
+        raise InputError("table", "a writable file", f"{p} ({e.strerror or e})") from None
+    clear_table()
+    return p
+
+
+def default_classes() -> list[KernelSpec]:
+    """The mma family's specs of benchmarks/sass_cost.py's default rows: backward and forward, float16
+    and bfloat16, d = 64 and 128, sm_80 and sm_90, causal or not (sm_90a's rows are the wgmma family's)."""
+    return [KernelSpec(direction=dr, dtype=dt, head_dim=d, arch=a, causal=c)
+            for dr in ("bwd", "fwd") for a in ("sm_80", "sm_90") for dt in ("float16", "bfloat16")
+            for d in (64, 128) for c in (False, True)]
+
+
+def current_major() -> int:
+    major = nvrtc_major()
+    if major is None:
+        raise CodegenSearchError("no NVRTC found: the stored search compiles every setting (pip install 'fagen[cuda12]')")
+    return major
+
+
+# --------------------------------------------------------------------------- fagen tune-codegen
+def add_arguments(p) -> None:
+    g = p.add_argument_group("tune-codegen options")
+    g.add_argument("--all", action="store_true",
+                   help="every class of benchmarks/sass_cost.py's default mma rows instead of the spec's (default: off)")
+    g.add_argument("--max-configs", type=int, default=DEFAULT_MAX_CONFIGS, metavar="N",
+                   help=f"settings tried per class at most, the starting point included (default: {DEFAULT_MAX_CONFIGS})")
+    g.add_argument("--table", type=str, default=None, metavar="PATH",
+                   help="the table to merge the winners into (default: the one the mma family reads)")
+    g.add_argument("--dry-run", action="store_true", help="search and print, write no table (default: off)")
+
+
+def run(args, spec: KernelSpec | None) -> int:
+    """The body of ``fagen tune-codegen`` (``spec``: the class's spec; None with --all)."""
+    import logging
+
+    if args.max_configs < 1:
+        raise InputError("--max-configs", "at least 1", args.max_configs)
+    table = None if args.table is None else Path(args.table).expanduser()
+    if table is not None and not table.resolve().parent.is_dir():
+        raise InputError("--table", "a file in an existing directory", f"{table.resolve().parent} does not exist")
+    if spec is not None and spec.impl != "mma":
+        raise InputError("--impl", "a spec the mma family takes (tune-codegen searches its codegen knobs)", spec.impl)
+    specs = default_classes() if spec is None else [spec]
+    major = current_major()
+    log = logging.getLogger("fagen").info
+    results = []
+    for s in specs:
+        r = search_class(s, max_configs=args.max_configs, major=major, log=log)
+        results.append(r)
+        print("\n".join(r.summary()), flush=True)
+        if not args.dry_run:  # class by class: an interrupted --all keeps what it found
+            out = write_table([r], table, major=major)
+    if not args.dry_run:
+        print(f"wrote {len(results)} class(es) to {out}")
+    return 0
