@@ -403,6 +403,41 @@ FA_DEVICE unsigned fa_keep4(unsigned long long seed, unsigned long long offset, 
            ((unsigned)(r.z >= drop_threshold) << 2) | ((unsigned)(r.w >= drop_threshold) << 3);
 }
 
+// Dropout keep bits of a thread's m16n8 accumulator elements over NT n8 tiles: bit 4n + e is element
+// (n, e), at row row_g + 8 (e >> 1) and column col0 + 8n + 2 t4 + (e & 1), both global (row_g = the row
+// of the lane's group g, t4 = lane & 3; the caller adds row_offset / col_offset). That is mma.m16n8's
+// accumulator (templates/mma/warp.cuh) and each warp's 16 rows of wgmma's m64nN one (the forward's,
+// templates/wgmma). With col0 a multiple of 4 (warp-uniform) one Philox call covers keys 4c..4c+3 of
+// one row: lanes t4 = 2b and 2b + 1 of a quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows row_g and
+// row_g + 8, each computes one row's call (fa_keep4) and they swap the bits. Otherwise the 4-key
+// groups straddle calls: one call per element, in a rolled loop (the caller's fragments stay indexed
+// by constants, so they stay in registers). Word: an unsigned type of at least 4 NT bits.
+template <int NT, typename Word>
+FA_DEVICE Word fa_keep_bits_m16n8(unsigned long long seed, unsigned long long offset, unsigned bh, int row_g, int col0,
+                                  unsigned drop_threshold, int t4) {
+    static_assert(NT * 4 <= int(8 * sizeof(Word)), "keep bits of the NT tiles in one word");
+    Word kb = 0;
+    if ((col0 & 3) == 0) {  // warp-uniform
+        const int hsel = t4 & 1;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row_g + 8 * hsel), (unsigned)(col0 + 8 * n + 2 * t4),
+                                           drop_threshold);
+            const unsigned other = __shfl_xor_sync(0xffffffffu, mine, 1);
+            const unsigned lo = hsel ? other : mine, hi = hsel ? mine : other;  // rows row_g, row_g + 8
+            kb |= (Word)(((lo >> (2 * hsel)) & 3u) | (((hi >> (2 * hsel)) & 3u) << 2)) << (4 * n);
+        }
+    } else {
+        for (int x = 0; x < NT * 4; ++x) {
+            const int n = x >> 2, e = x & 3;
+            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row_g + 8 * (e >> 1)),
+                                (unsigned)(col0 + 8 * n + 2 * t4 + (e & 1)), drop_threshold))
+                kb |= (Word)1 << x;
+        }
+    }
+    return kb;
+}
+
 namespace fa {
 // ---- compile-time specialisation (from the KernelSpec) --------------------
 using T = __nv_bfloat16;
@@ -980,42 +1015,6 @@ FA_DEVICE float mma_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffff
 FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
 
-
-// Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
-// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + MmaAccLayout::row(lane, e) and
-// key col0 + n * 8 + MmaAccLayout::col(lane, e), both global (the caller adds row_offset / col_offset). With
-// col0 a multiple of 4 one Philox call covers keys 4c..4c+3 of one row: lanes 2b and 2b+1 of a
-// quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8, each computes one row's call and
-// they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a
-// rolled loop (the caller's fragments stay indexed by constants, so they stay in registers).
-template <int NT>
-FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned long long offset, unsigned bh, int row0,
-                                           int col0, unsigned drop_threshold, int lane) {
-    static_assert(NT * 4 <= 64, "keep bits of one fragment row pair in 64 bits");
-    const int g = lane >> 2, t4 = lane & 3;
-    unsigned long long kb = 0ull;
-    if ((col0 & 3) == 0) {  // warp-uniform
-        const int hsel = t4 & 1;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + g + hsel * 8),
-                                            (unsigned)(col0 + n * 8 + 2 * t4), drop_threshold);
-            const unsigned other = mma_shfl_xor_u(mine, 1);
-            const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                kb |= (unsigned long long)((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u) << (4 * n + e);
-        }
-    } else {
-        for (int x = 0; x < NT * 4; ++x) {
-            const int n = x >> 2, e = x & 3;
-            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + MmaAccLayout::row(lane, e)),
-                                (unsigned)(col0 + n * 8 + MmaAccLayout::col(lane, e)), drop_threshold))
-                kb |= 1ull << x;
-        }
-    }
-    return kb;
-}
 
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float mma_exp2(float x) { return fa_ex2_approx(x); }

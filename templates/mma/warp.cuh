@@ -92,42 +92,6 @@ FA_DEVICE unsigned mma_shfl_xor_u(unsigned x, int m) { return __shfl_xor_sync(0x
 FA_DEVICE unsigned mma_shfl_u(unsigned x, int src) { return __shfl_sync(0xffffffffu, x, src); }
 
 
-// Dropout keep bits of a warp's score fragment of 16 Q rows x NT * 8 keys (the m16n8 accumulator
-// layout, rows = Q): bit 4n + e is element (n, e), i.e. Q row row0 + MmaAccLayout::row(lane, e) and
-// key col0 + n * 8 + MmaAccLayout::col(lane, e), both global (the caller adds row_offset / col_offset). With
-// col0 a multiple of 4 one Philox call covers keys 4c..4c+3 of one row: lanes 2b and 2b+1 of a
-// quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows g and g + 8, each computes one row's call and
-// they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a
-// rolled loop (the caller's fragments stay indexed by constants, so they stay in registers).
-template <int NT>
-FA_DEVICE unsigned long long mma_keep_bits(unsigned long long seed, unsigned long long offset, unsigned bh, int row0,
-                                           int col0, unsigned drop_threshold, int lane) {
-    static_assert(NT * 4 <= 64, "keep bits of one fragment row pair in 64 bits");
-    const int g = lane >> 2, t4 = lane & 3;
-    unsigned long long kb = 0ull;
-    if ((col0 & 3) == 0) {  // warp-uniform
-        const int hsel = t4 & 1;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + g + hsel * 8),
-                                            (unsigned)(col0 + n * 8 + 2 * t4), drop_threshold);
-            const unsigned other = mma_shfl_xor_u(mine, 1);
-            const unsigned bits[2] = {hsel ? other : mine, hsel ? mine : other};  // rows g, g + 8
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                kb |= (unsigned long long)((bits[e >> 1] >> (2 * hsel + (e & 1))) & 1u) << (4 * n + e);
-        }
-    } else {
-        for (int x = 0; x < NT * 4; ++x) {
-            const int n = x >> 2, e = x & 3;
-            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + MmaAccLayout::row(lane, e)),
-                                (unsigned)(col0 + n * 8 + MmaAccLayout::col(lane, e)), drop_threshold))
-                kb |= 1ull << x;
-        }
-    }
-    return kb;
-}
-
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float mma_exp2(float x) { return fa_ex2_approx(x); }
 
