@@ -162,7 +162,7 @@ class WgmmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
-                                          "dropout", "varlen"})
+                                          "dropout", "varlen", "attn_mask", "bias", "bias_grad"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
