@@ -209,6 +209,8 @@ def dv_early(fs: FamilySpec) -> bool:
         return False
     if fs.has("dropout"):  # the keep bits and the Philox state beside them: ptxas would spill
         return False
+    if fs.has("attn_mask") or fs.has("bias"):  # the mask / bias / dBias pointers beside them: ptxas would spill
+        return False
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
 
