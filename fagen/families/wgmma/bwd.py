@@ -50,7 +50,7 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "BWD_MASK_BIAS_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -92,6 +92,8 @@ def default_block_r(fs: FamilySpec) -> int:
         return 64
     if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
         return 64
+    if (fs.has("attn_mask") or fs.has("bias")) and _acc_regs(fs, br) > BWD_MASK_BIAS_REGS:  # d = 64: 64 Q rows
+        return 64
     return br
 
 
@@ -115,6 +117,11 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
                                  f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
+    if (fs.has("attn_mask") or fs.has("bias")) and (regs := acc_regs(fs)) > BWD_MASK_BIAS_REGS:
+        what = " and ".join(f for f in ("attn_mask", "bias") if fs.has(f))
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and {what}: S^T, dP^T, their "
+                                 f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
+                                 f"{BWD_MASK_BIAS_REGS} beside the mask / bias pointers (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -136,6 +143,11 @@ BWD_DROPOUT_REGS = 224
 #: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
 #: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
+#: The bound with attn_mask or a bias (their per-key pointers, a step's reads, dBias's stores; no early dV~,
+#: :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 48 bytes with the mask, 64 x 64 on one warpgroup
+#: (160) none; d = 128's 64 x 128 (224) none with the mask (12 bytes with a bias, 56 with its gradient: a
+#: loop-invariant address or two reloaded per step, left as they are: no smaller Q block exists).
+BWD_MASK_BIAS_REGS = 224
 
 
 def dropout_regs(fs: FamilySpec) -> int:
