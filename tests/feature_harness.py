@@ -153,11 +153,9 @@ def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
     q, k, v = (t[n].float() for n in "qkv")
     if c.lens is None:
         return attention_oracle(q, k, v, mask=opt.get("attn_mask"), bias=opt.get("attn_bias"), **kw)[1]
+    assert c.mask is None and c.bias is None, "per-sequence mask/bias: not needed yet"
     cq, ck = opt["cu_seqlens_q"].tolist(), opt["cu_seqlens_k"].tolist()
     slopes = kw.pop("alibi")
-    # a mask / bias indexes [B, H, max_q, max_k] at the sequence's own rows and keys (fagen.reference)
-    full = (len(c.lens), c.heads, opt["max_seqlen_q"], opt["max_seqlen_k"])
-    mb = {n: torch.broadcast_to(opt[a], full) for n, a in (("mask", "attn_mask"), ("bias", "attn_bias")) if a in opt}
     out = []
     for b in range(len(c.lens)):
         qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]]
@@ -166,9 +164,7 @@ def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
         if ks.shape[1] == 0:
             out.append(torch.full((c.heads, qs.shape[1]), float("-inf")))
         else:
-            seq = {n: x[b:b + 1, :, :qs.shape[1], :ks.shape[1]].float() if n == "bias" else x[b:b + 1, :, :qs.shape[1], :ks.shape[1]]
-                   for n, x in mb.items()}
-            out.append(attention_oracle(qs, ks, vs, alibi=alibi, **seq, **kw)[1][0])
+            out.append(attention_oracle(qs, ks, vs, alibi=alibi, **kw)[1][0])
     return torch.cat(out, dim=1)
 
 

@@ -3,8 +3,8 @@ selection, the register bounds of their tiles, and both directions on the CPU em
 oracle with flash-attn's criterion through the public ``attention_forward`` / ``attention_backward``
 (``tests/feature_harness.py``'s check_case: fp16 / bf16, masks and biases broadcast over the batch, the
 heads, the rows or the keys, a broadcast bias's gradient reduced to its shape, rows every key of which the
-mask drops (zero output and dq, lse -inf), causal of both alignments, a window, GQA, packed sequences,
-softcap / ALiBi / dropout beside them, odd lengths, Nq != Nk, tiles whose mask / bias are read two keys
+mask drops (zero output and dq, lse -inf), causal of both alignments, a window, GQA, softcap / ALiBi /
+dropout beside them, odd lengths, Nq != Nk, tiles whose mask / bias are read two keys
 per load); torch's SDPA layout on CPU tensors taking ``wgmma`` under ``FAGEN_EMULATE_ARCH=sm_90a``;
 racecheck and AddressSanitizer of a backward (clean, bit-identical) and one forward / backward pair at
 the PTX level (opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case are in the slow tier."""
@@ -76,12 +76,12 @@ CASES = [
              mask=(1, 2, 150, 200), bias=(1, 2, 150, 200)),
     FeatCase("interior-d128", dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=140, seqlen_k=160, head_dim=128,
              causal=True, align="top_left", bias=(1, 1, 140, 160)),
-    # packed sequences (one of a single query): rows and keys of the mask / bias are the sequence's own
-    FeatCase("varlen", dtype="bfloat16", heads=2, heads_kv=1, head_dim=64, lens=((40, 50), (1, 3), (70, 64)),
-             mask=(3, 1, 70, 64), bias=(1, 2, 70, 64)),
-    # beside softcap, ALiBi and dropout (d = 96: d = 128's tiles)
-    FeatCase("score-mods", dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=61, head_dim=96,
+    # beside softcap, ALiBi and dropout
+    FeatCase("score-mods", dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=61, head_dim=64,
              softcap=4.0, alibi="bh", dropout_p=0.2, mask=(1, 2, 50, 61), bias=(1, 2, 50, 61), q_scale=2.0),
+    # beside softcap and dropout at d = 96 (d = 128's tiles), bf16
+    FeatCase("score-mods-d96", dtype="bfloat16", batch=2, heads=2, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=96,
+             softcap=4.0, dropout_p=0.1, mask=(2, 2, 45, 33), bias=(2, 1, 1, 33), q_scale=2.0),
 ]
 
 
