@@ -51,9 +51,21 @@ a thread quad). The forward's m, l and lse are the undropped P~'s, O accumulates
 :data:`FWD_DROPOUT_REGS` (d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward:
 :mod:`fagen.families.wgmma.bwd`.
 
+A bool mask and an additive bias (``attn_mask``, ``bias``; the backward's ``bias_grad``), both directions:
+``templates/wgmma/mask_bias.cuh`` reads ``partials/masking.cuh``'s data mask and ``partials/score_mod.cuh``'s
+bias per accumulator element at the positions inside the sequence (stride 0 = broadcast), never outside
+both sequences. The forward's elements 4n and 4n + 1 are two adjacent keys of one row: a tile inside the
+rows' bands and the sequences reads them with one 2-byte (mask) / 4-byte (bias) load where the key stride is 1
+and the rows aligned (a warp vote), without bounds tests; the mask joins the mask math of every tile (never
+full with a data mask: a row every key of which it drops is zero with lse -inf), the bias is the score
+modification s = q.k scale + bias (``score_fwd`` with softcap / ALiBi). The other tiles and layouts test and
+read per element in rolled loops (the tile's registers stay as they are). The reads beside S and O keep
+:func:`fwd_acc_regs` within :data:`FWD_MASK_REGS` / :data:`FWD_BIAS_REGS` / :data:`FWD_MASK_BIAS_MIX_REGS`
+(d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128), attn_mask, bias. The
+dims other than 64, 96, 128, 192 and 256 (the backward: 64, 96 and 128). The
 backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations

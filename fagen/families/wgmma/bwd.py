@@ -37,6 +37,15 @@ past len_k returns at once; lse_i / D_i of rows past len_q are -inf / 0 (not loa
 P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the next sequence's dq_accum
 rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
 
+A bool mask, a bias and its gradient (``attn_mask``, ``bias``, ``bias_grad``; ``templates/wgmma/mask_bias.cuh``):
+the thread's elements of S^T are two keys x the step's Q rows, so each is one read (the mask zeroes P^T, the
+bias joins ``score_fwd``), at a pointer per key plus 32-bit step offsets on a tile without mask math (rows and
+keys inside the sequences), per element with bounds tests in rolled loops otherwise. dBias = dL/ds = P^T (dP^T
+- D) (D staged unscaled, the softmax scale applied after it; through the softcap's 1 - tanh^2 after it) is
+stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
+(:func:`dv_early`); the tile keeps :func:`acc_regs` within :data:`BWD_MASK_BIAS_REGS` (d = 64: 64 x 64 on one
+consumer warpgroup).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
