@@ -44,7 +44,8 @@ keys inside the sequences), per element with bounds tests in rolled loops otherw
 - D) (D staged unscaled, the softmax scale applied after it; through the softcap's 1 - tanh^2 after it) is
 stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
 (:func:`dv_early`); the tile keeps :func:`acc_regs` within :data:`BWD_MASK_BIAS_REGS` (d = 64: 64 x 64 on one
-consumer warpgroup).
+consumer warpgroup) and, with another per-element feature beside it, within :data:`BWD_MASK_BIAS_MIX_REGS`
+(d = 96 and 128 with such a mix are declined, so they go to ``mma``).
 
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
@@ -59,7 +60,7 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "BWD_MASK_BIAS_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -101,7 +102,7 @@ def default_block_r(fs: FamilySpec) -> int:
         return 64
     if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
         return 64
-    if (fs.has("attn_mask") or fs.has("bias")) and _acc_regs(fs, br) > BWD_MASK_BIAS_REGS:  # d = 64: 64 Q rows
+    if (fs.has("attn_mask") or fs.has("bias")) and _acc_regs(fs, br) > mask_bias_regs(fs):  # d = 64: 64 Q rows
         return 64
     return br
 
@@ -126,11 +127,11 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
                                  f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
-    if (fs.has("attn_mask") or fs.has("bias")) and (regs := acc_regs(fs)) > BWD_MASK_BIAS_REGS:
-        what = " and ".join(f for f in ("attn_mask", "bias") if fs.has(f))
+    if (fs.has("attn_mask") or fs.has("bias")) and (regs := acc_regs(fs)) > (cap := mask_bias_regs(fs)):
+        what = " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and {what}: S^T, dP^T, their "
                                  f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
-                                 f"{BWD_MASK_BIAS_REGS} beside the mask / bias pointers (wgmma backward: ptxas would spill)")
+                                 f"{cap} beside the mask / bias pointers (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -158,6 +159,18 @@ BWD_DROPOUT_ALIBI_REGS = 160
 #: before the loops) and 56 with its gradient (three loop-invariant addresses reloaded once per step): left as
 #: they are, no smaller Q block exists and ``mma`` issues 2.6x the instructions.
 BWD_MASK_BIAS_REGS = 224
+#: The bound with attn_mask or a bias beside another per-element feature (the other of the two, softcap, ALiBi,
+#: dropout): d = 128's 64 x 128 tile (224) spills 124 bytes with the mask, a bias and its gradient, 436 with
+#: softcap beside them, 72 with dropout and a bias, 8 with dropout and the mask (d = 96 alike); d = 64's 64 x 64
+#: (160) none. So d = 96 and 128 with such a mix go to ``mma``.
+BWD_MASK_BIAS_MIX_REGS = 160
+
+
+def mask_bias_regs(fs: FamilySpec) -> int:
+    """The registers bound (:func:`acc_regs`) of a tile with attn_mask or a bias: BWD_MASK_BIAS_MIX_REGS with
+    another per-element feature beside it, else BWD_MASK_BIAS_REGS."""
+    mix = sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1
+    return BWD_MASK_BIAS_MIX_REGS if mix else BWD_MASK_BIAS_REGS
 
 
 def dropout_regs(fs: FamilySpec) -> int:
