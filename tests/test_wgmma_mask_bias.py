@@ -96,6 +96,12 @@ CASES = [
 @pytest.mark.parametrize("c", [pytest.param(c, id=c.name, marks=() if n == 0 else pytest.mark.slow)
                                for n, c in enumerate(CASES)])
 def test_forward_and_backward_match_float64(c) -> None:
+    for direction in ("fwd", "bwd"):  # the case's specs resolve to this family (impl=None)
+        spec = _spec(direction, head_dim=c.head_dim, dtype=c.dtype, causal=c.causal, causal_align=c.align,
+                     window=c.window is not None, softcap=c.softcap > 0, alibi=c.alibi is not None,
+                     dropout=c.dropout_p > 0, attn_mask=c.mask is not None, bias=c.bias is not None,
+                     **({"bias_grad": c.bias is not None} if direction == "bwd" else {}))
+        assert spec.impl == "wgmma", spec
     fwd, bwd = check_case(c, "wgmma", **SM90A)
     assert fwd.impl == bwd.impl == "wgmma" and bwd.bias_grad == (c.bias is not None)
 
