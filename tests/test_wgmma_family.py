@@ -51,7 +51,7 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
     (dict(head_dim=80), "head_dim=80"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(dtype="float32"), "dtype=float32"),
-    (dict(attn_mask=True), "attn_mask"),
+    (dict(head_dim=256, attn_mask=True), "block_c=64 with attn_mask"),  # ptxas would spill
     (dict(arch="sm_90"), "arch=sm_90"),
 ])
 def test_what_it_does_not_implement_is_declined_by_name(change, why) -> None:
@@ -335,7 +335,9 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
     for direction in ("fwd", "bwd"):  # dropout: this family's too
         drop = F._arch_specific_spec(direction, gpu, "sm_90", {**flags, "dropout": True})
         assert drop is not None and drop.impl == "wgmma" and drop.dropout
-    assert F._arch_specific_spec("fwd", gpu, "sm_90", {**flags, "attn_mask": True}) is None  # mma: the default path
+    for direction in ("fwd", "bwd"):  # attn_mask: this family's too (tests/test_wgmma_mask_bias.py)
+        masked = F._arch_specific_spec(direction, gpu, "sm_90", {**flags, "attn_mask": True})
+        assert masked is not None and masked.impl == "wgmma" and masked.attn_mask
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target

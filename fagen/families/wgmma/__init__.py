@@ -55,10 +55,21 @@ The deterministic backward (``deterministic``) keeps the backward's one main ker
 dQ_i's reduce-adds take turns in ascending K/V block order at per-(Q block, batch, q head) counters
 (``templates/wgmma/deterministic.cuh``; :mod:`fagen.families.wgmma.bwd`).
 
+A bool mask and an additive bias (``attn_mask``, ``bias``; the backward's ``bias_grad``), both directions:
+``templates/wgmma/mask_bias.cuh`` reads ``partials/masking.cuh``'s data mask and ``partials/score_mod.cuh``'s
+bias per accumulator element at the positions inside the sequence (stride 0 = broadcast), never outside
+both sequences. The forward's elements 4n and 4n + 1 are two adjacent keys of one row: a tile inside the
+rows' bands and the sequences reads them with one 2-byte (mask) / 4-byte (bias) load where the key stride is 1
+and the rows aligned (a warp vote), without bounds tests; the mask joins the mask math of every tile (never
+full with a data mask: a row every key of which it drops is zero with lse -inf), the bias is the score
+modification s = q.k scale + bias (``score_fwd`` with softcap / ALiBi). The other tiles and layouts test and
+read per element in rolled loops (the tile's registers stay as they are). The reads beside S and O keep
+:func:`fwd_acc_regs` within :data:`FWD_MASK_REGS` / :data:`FWD_BIAS_REGS` / :data:`FWD_MASK_BIAS_MIX_REGS`
+(d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
 ``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256, attn_mask, bias. The backward is
-:mod:`fagen.families.wgmma.bwd`.
+dims other than 64, 96, 128, 192 and 256. The backward is :mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -73,7 +84,7 @@ from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_DROPOUT_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
            "fwd_acc_regs", "fwd_regs_cap", "packed_view", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
@@ -106,6 +117,17 @@ FWD_SCORE_MOD_WIDE_REGS = 136
 #: (144) none; d = 64 x 192 keys (152) and d = 192 x 64 keys (136) none; d = 256 x 64 keys (168) spills 48,
 #: so d = 256 with dropout goes to ``mma``.
 FWD_DROPOUT_REGS = 160
+#: The bound with attn_mask (its row pointers and a tile's mask bytes, read two keys per load, beside S and O;
+#: benchmarks/sass_cost.py): d = 64 x 192 keys (152) does not spill, d = 128 x 192 keys (184) spills 108 bytes,
+#: x 128 keys (144) none.
+FWD_MASK_REGS = 160
+#: The bound with a bias (a tile's bias pairs beside S and O): d = 64 x 192 keys (152) spills 56 bytes, x 128
+#: keys (112) none; d = 128 x 192 keys (184) spills 100, x 128 keys (144) none.
+FWD_BIAS_REGS = 144
+#: The bound with attn_mask or a bias beside another per-element feature (the other of the two, softcap, ALiBi,
+#: dropout): d = 96 x 128 keys (144) spills 16 bytes with both, d = 64 x 192 keys (152) 100 with the mask,
+#: softcap and dropout; d = 64 x 128 keys (112), d = 128 x 64 keys (104) and d = 192 x 64 keys (136) none.
+FWD_MASK_BIAS_MIX_REGS = 136
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
@@ -130,9 +152,14 @@ def register_split(num_warps: int, blocks_per_sm: int, producer: int = PRODUCER_
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
     """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
-    ALiBi, FWD_DROPOUT_REGS with dropout (the tighter of those that apply), FWD_ACC_REGS with a v head dim
-    of its own, none otherwise (the plain tiles are as they were)."""
+    ALiBi, FWD_DROPOUT_REGS with dropout, FWD_MASK_REGS with attn_mask, FWD_BIAS_REGS with a bias (the
+    tighter of those that apply), FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles
+    are as they were)."""
     caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
+    caps += [FWD_MASK_REGS] if fs.has("attn_mask") else []
+    caps += [FWD_BIAS_REGS] if fs.has("bias") else []
+    if (fs.has("attn_mask") or fs.has("bias")) and sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1:
+        caps.append(FWD_MASK_BIAS_MIX_REGS)
     if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
         caps.append(FWD_SCORE_MOD_WIDE_REGS)
     elif fs.has("softcap") or fs.has("alibi"):
@@ -166,7 +193,7 @@ class WgmmaFamily(FamilyBase):
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
-                                          "dropout", "varlen", "deterministic"})
+                                          "dropout", "varlen", "deterministic", "attn_mask", "bias", "bias_grad"})
 
     def unsupported_reason(self, fs: FamilySpec) -> str | None:
         if fs.arch != ARCH:
@@ -198,6 +225,10 @@ class WgmmaFamily(FamilyBase):
             what = f"head_dim_v={fs.dv}" if cap == FWD_ACC_REGS else "softcap / alibi"
             if fs.has("dropout"):
                 what = "dropout" if not (fs.has("softcap") or fs.has("alibi")) else "softcap / alibi and dropout"
+            if fs.has("attn_mask") or fs.has("bias"):
+                what = " and ".join(([what] if cap != FWD_ACC_REGS and (fs.has("softcap") or fs.has("alibi")
+                                                                         or fs.has("dropout")) else [])
+                                    + [f for f in ("attn_mask", "bias") if fs.has(f)])
             return Reason("block_c", f"block_c={fs.block_c} with {what}: the O accumulator, S and P~ "
                                      f"take {regs} fp32 registers per consumer thread, more than {cap} "
                                      f"({self.name}: ptxas would spill)")

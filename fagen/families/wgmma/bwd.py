@@ -54,6 +54,16 @@ every run. A CTA waits only on lower K/V blocks of its (batch, kv head), i.e. lo
 indices, so the ascending launch order keeps it deadlock-free. The consumers' tile loop is the plain
 one. With ALiBi at d = 96 / 128 the tile would spill (:data:`BWD_DET_ALIBI_REGS`): declined.
 
+A bool mask, a bias and its gradient (``attn_mask``, ``bias``, ``bias_grad``; ``templates/wgmma/mask_bias.cuh``):
+the thread's elements of S^T are two keys x the step's Q rows, so each is one read (the mask zeroes P^T, the
+bias joins ``score_fwd``), at a pointer per key plus 32-bit step offsets on a tile without mask math (rows and
+keys inside the sequences), per element with bounds tests in rolled loops otherwise. dBias = dL/ds = P^T (dP^T
+- D) (D staged unscaled, the softmax scale applied after it; through the softcap's 1 - tanh^2 after it) is
+stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
+(:func:`dv_early`); the tile keeps :func:`acc_regs` within :data:`BWD_MASK_BIAS_REGS` (d = 64: 64 x 64 on one
+consumer warpgroup) and, with another per-element feature beside it, within :data:`BWD_MASK_BIAS_MIX_REGS`
+(d = 96 and 128 with such a mix are declined, so they go to ``mma``).
+
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
 """
@@ -67,12 +77,12 @@ from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.panels import packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen",
-                       "deterministic"})
+                       "deterministic", "attn_mask", "bias", "bias_grad"})
 #: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
 #: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
@@ -104,6 +114,9 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
     if fs.dv not in (*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS):
         return f"head_dim_v={fs.dv}: the wgmma backward takes head_dim_v in {(*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS)}"
     if split_dkv(fs):
+        if mb := [f for f in ("attn_mask", "bias") if fs.has(f)]:
+            return (f"{mb[0]}: the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: past 128) "
+                    f"does not implement it yet")
         return wide_reason(fs)
     return None
 
@@ -117,6 +130,8 @@ def default_block_r(fs: FamilySpec) -> int:
     if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
         return 64
     if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
+        return 64
+    if (fs.has("attn_mask") or fs.has("bias")) and _acc_regs(fs, br) > mask_bias_regs(fs):  # d = 64: 64 Q rows
         return 64
     return br
 
@@ -152,6 +167,11 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, deterministic and alibi: S^T, "
                                  f"dP^T, their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, "
                                  f"more than {BWD_DET_ALIBI_REGS} (wgmma backward: ptxas would spill)")
+    if (fs.has("attn_mask") or fs.has("bias")) and (regs := acc_regs(fs)) > (cap := mask_bias_regs(fs)):
+        what = " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
+        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and {what}: S^T, dP^T, their "
+                                 f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
+                                 f"{cap} beside the mask / bias pointers (wgmma backward: ptxas would spill)")
     if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
         return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
                                  f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
@@ -173,6 +193,24 @@ BWD_DROPOUT_REGS = 224
 #: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
 #: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
+#: The bound with attn_mask or a bias (their per-key pointers, a step's reads, dBias's stores; no early dV~,
+#: :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 48 bytes with the mask, 64 x 64 on one warpgroup
+#: (160) none; d = 128's 64 x 128 (224) none with the mask, 12 bytes with a bias (one value reloaded once per CTA,
+#: before the loops) and 56 with its gradient (three loop-invariant addresses reloaded once per step): left as
+#: they are, no smaller Q block exists and ``mma`` issues 2.6x the instructions.
+BWD_MASK_BIAS_REGS = 224
+#: The bound with attn_mask or a bias beside another per-element feature (the other of the two, softcap, ALiBi,
+#: dropout): d = 128's 64 x 128 tile (224) spills 124 bytes with the mask, a bias and its gradient, 436 with
+#: softcap beside them, 72 with dropout and a bias, 8 with dropout and the mask (d = 96 alike); d = 64's 64 x 64
+#: (160) none. So d = 96 and 128 with such a mix go to ``mma``.
+BWD_MASK_BIAS_MIX_REGS = 160
+
+
+def mask_bias_regs(fs: FamilySpec) -> int:
+    """The registers bound (:func:`acc_regs`) of a tile with attn_mask or a bias: BWD_MASK_BIAS_MIX_REGS with
+    another per-element feature beside it, else BWD_MASK_BIAS_REGS."""
+    mix = sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1
+    return BWD_MASK_BIAS_MIX_REGS if mix else BWD_MASK_BIAS_REGS
 
 
 #: The bound with the deterministic backward's dQ turns and ALiBi: d = 96's and d = 128's 64 x 128 (224) spill
@@ -255,6 +293,8 @@ def dv_early(fs: FamilySpec) -> bool:
     if fs.has("softcap"):  # P^T and dS^T in one pass once dP^T retired (dS^T needs q.k for 1 - tanh^2)
         return False
     if fs.has("dropout"):  # the keep bits and the Philox state beside them: ptxas would spill
+        return False
+    if fs.has("attn_mask") or fs.has("bias"):  # the mask / bias / dBias pointers beside them: ptxas would spill
         return False
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
