@@ -74,6 +74,9 @@ BWD_CASES = [
     dict(d=64, dv=128, dtype="bfloat16", nw=4, B=1, Nq=70, Nk=140, H=3, Hkv=1, softcap=True),
     dict(d=128, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True, softcap=True),
     dict(d=64, dtype="float16", nw=4, B=1, Nq=70, Nk=100, H=2, Hkv=1, kpm=True, alibi=True),  # d = 64 with ALiBi
+    # head dims past 128: the split tile (its producer's reduce-adds a step late take the same turns)
+    dict(d=256, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True),
+    dict(d=192, dv=128, dtype="bfloat16", nw=8, B=2, Nq=70, Nk=140, H=2, Hkv=2, window=(40, 10)),
 ]
 
 
@@ -133,15 +136,21 @@ def _order_run(c: dict, t: dict, spec: KernelSpec, kpm: torch.Tensor):
                                             lse64.float(), **opts))
 
 
-def test_dq_is_the_k_v_blocks_tiles_added_in_ascending_order() -> None:
+#: The same at d = 256: the split tile (64 x 64, two consumer warpgroups, one Q_i / dO_i stage, the producer's
+#: reduce-adds a step late), four Q blocks.
+ORDER_SPLIT = dict(ORDER, d=256, nw=8)
+
+
+@pytest.mark.parametrize("c, tile", [pytest.param(ORDER, (128, 64), id="d64"),
+                                     pytest.param(ORDER_SPLIT, (64, 64), id="d256-split", marks=pytest.mark.slow)])
+def test_dq_is_the_k_v_blocks_tiles_added_in_ascending_order(c, tile) -> None:
     """dq_accum of the deterministic backward equals, bit for bit, the per-K/V-block dQ tiles (the same kernel
     with every key outside block j padded: its dq_accum is block j's tile, the other blocks adding exact
     zeros) summed in fp32 in ascending block order; the descending order gives other bits."""
-    c = ORDER
     t = W.inputs(c, seed=7)
     t["kpm"] = torch.ones(1, c["Nk"], dtype=torch.bool)
     spec = _det(c)
-    assert spec.impl == "wgmma" and (spec.tile.block_r, spec.tile.block_c) == (128, 64)
+    assert spec.impl == "wgmma" and (spec.tile.block_r, spec.tile.block_c) == tile
     got, _ = _order_run(c, t, spec, t["kpm"])
     tiles = []
     for j in range(-(-c["Nk"] // 64)):

@@ -90,6 +90,9 @@ CASES = [
     # the mask and a bias beside causal and key broadcast at d = 64, bf16
     FeatCase("mask-bias-bf16", dtype="bfloat16", batch=2, heads=2, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=64,
              causal=True, mask=(2, 2, 45, 33), bias=(2, 1, 1, 33)),
+    # the deterministic backward (dQ_i's reduce-adds in turns) with both, GQA, causal
+    FeatCase("deterministic", dtype="float16", batch=2, heads=2, heads_kv=1, seqlen_q=70, seqlen_k=90, head_dim=64,
+             causal=True, deterministic=True, mask=(2, 1, 70, 90), bias=(1, 2, 70, 90)),
 ]
 
 
