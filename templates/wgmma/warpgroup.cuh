@@ -43,6 +43,13 @@ FA_DEVICE unsigned wg_pack(float lo, float hi) {
     memcpy(&uh, &h, 2);
     return (unsigned)ul | ((unsigned)uh << 16);
 }
+// One warp's 16 rows of the m64nNk16 accumulator (PTX ISA "wgmma .m64nNk16 register fragment"): per
+// 8-column group, element e of lane 4g + t at row g + 8 (e >> 1) and column 2t + (e & 1) of the warp's slice,
+// mma.m16n8's layout (partials/philox.cuh's fa_keep_bits_m16n8 takes it).
+struct WgWarpAccLayout {
+    static FA_DEVICE int row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+    static FA_DEVICE int col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+};
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
 }  // namespace fa
