@@ -44,6 +44,29 @@ def test_the_tiles_are_the_padded_head_dims() -> None:
     assert bwd.split_dkv(spec.family_spec) and (spec.tile.block_r, spec.tile.block_c) == (64, 64)
 
 
+@pytest.mark.parametrize("direction, d, feature", [
+    ("fwd", 40, "softcap"), ("bwd", 112, "softcap"), ("fwd", 80, "alibi"), ("fwd", 48, "alibi"), ("bwd", 16, "alibi"),
+    ("fwd", 16, "dropout"),
+])
+def test_a_padded_head_dim_that_costs_more_than_mma_is_declined_by_name(direction, d, feature) -> None:
+    """Per-score features cost the padding too (heads.MAX_PADDING, measured): where the padded kernel issues
+    more instructions per real FLOP than mma's, impl=None resolves to mma and impl=wgmma names why."""
+    fields = dict(direction=direction, head_dim=d, arch="sm_90a", dtype="float16", **{feature: True})
+    assert KernelSpec(**fields).impl == "mma"
+    with pytest.raises(ValueError, match=rf"head_dim={d}, head_dim_v={d} with {feature}: the padded wgmma"):
+        KernelSpec(**fields, impl="wgmma")
+    for native in (64, 96, 128):  # the panel widths and d = 96 take the features as before
+        assert KernelSpec(**{**fields, "head_dim": native}).impl == "wgmma"
+
+
+def test_padding_is_padded_over_real_flops() -> None:
+    from fagen.families.wgmma.heads import padding
+
+    fs = lambda direction, d, dv: KernelSpec(direction=direction, head_dim=d, head_dim_v=dv, arch="sm_90a").family_spec
+    assert padding(fs("fwd", 8, 8)) == 8 and padding(fs("bwd", 40, 40)) == 1.6 and padding(fs("fwd", 64, 64)) == 1
+    assert padding(fs("fwd", 160, 128)) == (192 + 128) / 288 and padding(fs("bwd", 160, 128)) == (3 * 192 + 256) / 736
+
+
 @pytest.fixture
 def on_sm90a(monkeypatch: pytest.MonkeyPatch):
     """CPU tensors take sm_90a's specs for the test (``fagen.settings``' emulate_arch); yields the specs
@@ -83,10 +106,11 @@ FWD_CASES = [
     # an odd number of 8-column groups (the last k16 step half zero fill), causal, GQA, Nq != Nk
     dict(d=40, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True),
     dict(d=32, dtype="float16", nw=4, B=2, Nq=70, Nk=90, H=2, Hkv=2),
-    dict(d=80, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=100, H=2, Hkv=1, causal=True, softcap=True),  # rows with no key
+    dict(d=80, dtype="bfloat16", nw=8, B=1, Nq=150, Nk=100, H=2, Hkv=1, causal=True, kpm=True),  # rows with no key
+    dict(d=112, dtype="float16", nw=8, B=2, Nq=90, Nk=130, H=2, Hkv=1, alibi=True),
     dict(d=160, dv=128, dtype="float16", nw=8, B=1, Nq=70, Nk=130, H=2, Hkv=1, causal=True, align="top_left"),
     dict(d=224, dtype="bfloat16", nw=8, B=1, Nq=90, Nk=70, H=1, Hkv=1, window=(30, 5)),
-    dict(d=8, dtype="float16", nw=8, B=1, Nq=100, Nk=200, H=2, Hkv=2, alibi=True),
+    dict(d=8, dtype="float16", nw=8, B=1, Nq=100, Nk=200, H=2, Hkv=2, causal=True, align="top_left"),
 ]
 
 
@@ -102,11 +126,11 @@ def test_forward_matches_float64(c) -> None:
 BWD_CASES = [
     dict(d=40, dtype="bfloat16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True),
     dict(d=32, dtype="float16", nw=8, B=2, Nq=70, Nk=100, H=2, Hkv=1, kpm=True),
-    dict(d=80, dtype="bfloat16", nw=8, B=1, Nq=130, Nk=100, H=2, Hkv=1, causal=True, softcap=True),
+    dict(d=80, dtype="bfloat16", B=1, Nq=130, Nk=100, H=2, Hkv=1, causal=True, alibi=True),
     # the split tile (past 128): d = 160 with a v head dim of its own, d = 224
     dict(d=160, dv=128, dtype="float16", nw=8, B=1, Nq=70, Nk=90, H=2, Hkv=1, causal=True),
     dict(d=224, dtype="bfloat16", nw=8, B=1, Nq=90, Nk=70, H=1, Hkv=1, causal=True, align="top_left"),
-    dict(d=16, dv=48, dtype="float16", nw=8, B=1, Nq=50, Nk=60, H=2, Hkv=2, alibi=True),
+    dict(d=16, dv=48, dtype="float16", nw=8, B=1, Nq=50, Nk=60, H=2, Hkv=2, window=(20, 3)),
 ]
 
 
