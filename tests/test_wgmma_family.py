@@ -48,8 +48,8 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 @pytest.mark.parametrize("change, why", [
     (dict(direction="bwd", head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
     (dict(head_dim=256, dropout=True), "block_c=64 with dropout"),
-    (dict(head_dim=80), "head_dim=80"),
-    (dict(head_dim=32), "head_dim=32"),
+    (dict(head_dim=80, alibi=True), "head_dim=80, head_dim_v=80 with alibi"),  # padded: mma is cheaper
+    (dict(head_dim=32, softcap=True), "head_dim=32, head_dim_v=32 with softcap"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(head_dim=256, attn_mask=True), "block_c=64 with attn_mask"),  # ptxas would spill
     (dict(arch="sm_90"), "arch=sm_90"),

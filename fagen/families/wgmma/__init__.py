@@ -67,9 +67,18 @@ read per element in rolled loops (the tile's registers stay as they are). The re
 :func:`fwd_acc_regs` within :data:`FWD_MASK_REGS` / :data:`FWD_BIAS_REGS` / :data:`FWD_MASK_BIAS_MIX_REGS`
 (d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
 
+Head dims: every multiple of 8 in 8..256, both directions, each computed in whole 128-byte panels
+(:func:`padded_dim`: 64, 128, 192, 256). The tensor maps end at the real head dim, so the TMA loads
+zero-fill the tiles' columns past it and the wgmmas at N = the padded dim compute exact zeros there; the
+k loops over the head dim take ceil(d / 16) k16 steps (``HEAD_K16`` where d is an odd number of 8-column
+groups: the last step's upper 8 columns are zero fill); O, dQ, dK and dV are stored for the real columns
+only, and the tiles, register bounds and shared memory are the padded dim's. A padded head dim with softcap,
+ALiBi or dropout is taken only where its kernel issues fewer instructions per real FLOP than ``mma``'s
+(:mod:`fagen.families.wgmma.heads`, measured), declined by name otherwise.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
-``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256. The backward is :mod:`fagen.families.wgmma.bwd`.
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -91,8 +100,9 @@ __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MAS
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-#: Head dims the forward takes (the backward: ``bwd.DEFAULT_BLOCK_R``). Each smem tile is whole
-#: 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
+#: Head dims taken whatever the features (``heads.NATIVE_HEAD_DIMS``); every other multiple of 8 in 8..256 is
+#: taken in its padded tiles where that is cheaper than ``mma`` (:mod:`fagen.families.wgmma.heads`). Each smem
+#: tile is whole 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
 #: d = 96 fills one and a half: its TMA loads zero-fill columns 96..127.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Keys per tile of the default forward (``default_tile``).

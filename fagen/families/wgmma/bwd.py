@@ -12,7 +12,7 @@ dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem
 the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
 warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
 
-A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
+A v head dim of its own (``head_dim_v``, any pair of multiples of 8 up to 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
 dv wide, dP^T = V_w dO_i^T runs its k loop over dv, the pre kernel's D = rowsum(dO o O) over dv;
 S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r`), d = 64 with a
 wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
@@ -84,8 +84,9 @@ __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen",
                        "deterministic", "attn_mask", "bias", "bias_grad"})
-#: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
-#: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
+#: Q rows per streamed block (block_r) by padded head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
+#: d = 96 and 128 (every head dim computes in its padded dim's tiles, padded_dim: d = 8 .. 64 as 64, 72 .. 128
+#: as 128; past 128 the split tile).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
 #: Head dims past 128 (Gemma's 256, MLA's 192 with head_dim_v 128): the split tile (:func:`split_dkv`).
 WIDE_HEAD_DIMS = (192, 256)
