@@ -339,7 +339,9 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
         masked = F._arch_specific_spec(direction, gpu, "sm_90", {**flags, "attn_mask": True})
         assert masked is not None and masked.impl == "wgmma" and masked.attn_mask
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
-    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
+    d80 = SimpleNamespace(**{**vars(gpu), "head_dim": 80})  # padded to 128 (tests/test_wgmma_head_dims.py)
+    assert F._arch_specific_spec("fwd", d80, "sm_90", flags) is not None
+    assert F._arch_specific_spec("fwd", d80, "sm_90", {**flags, "softcap": True}) is None  # mma is cheaper there
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90
