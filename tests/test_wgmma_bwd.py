@@ -51,8 +51,8 @@ def test_chosen_for_sm90a_backward() -> None:
     (dict(attn_mask=True, num_warps=8, block_r=128), "block_r=128 with head_dim=64 and attn_mask"),  # would spill
     (dict(head_dim=128, deterministic=True, alibi=True), "deterministic and alibi"),  # ptxas would spill
     (dict(head_dim=256, dropout=True, alibi=True), "head_dim=256, head_dim_v=256 with dropout and alibi: 208 fp32"),
-    (dict(head_dim=160), "head_dim=160: the wgmma backward takes head_dim in (64, 96, 128, 192, 256)"),
-    (dict(head_dim=32), "head_dim=32"),
+    (dict(head_dim=160, softcap=True), "head_dim=160, head_dim_v=160 with softcap: the padded wgmma bwd"),
+    (dict(head_dim=16, alibi=True), "head_dim=16, head_dim_v=16 with alibi"),  # padded: mma is cheaper
     (dict(arch="sm_90"), "arch=sm_90"),
 ])
 def test_what_the_backward_does_not_implement_is_declined_by_name(change, why) -> None:

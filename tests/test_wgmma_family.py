@@ -48,8 +48,8 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 @pytest.mark.parametrize("change, why", [
     (dict(direction="bwd", head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
     (dict(head_dim=256, dropout=True), "block_c=64 with dropout"),
-    (dict(head_dim=80), "head_dim=80"),
-    (dict(head_dim=32), "head_dim=32"),
+    (dict(head_dim=80, alibi=True), "head_dim=80, head_dim_v=80 with alibi"),  # padded: mma is cheaper
+    (dict(head_dim=32, softcap=True), "head_dim=32, head_dim_v=32 with softcap"),
     (dict(dtype="float32"), "dtype=float32"),
     (dict(head_dim=256, attn_mask=True), "block_c=64 with attn_mask"),  # ptxas would spill
     (dict(arch="sm_90"), "arch=sm_90"),
@@ -339,7 +339,9 @@ def test_a_capability_90_gpu_takes_sm90a_only_where_this_family_applies() -> Non
         masked = F._arch_specific_spec(direction, gpu, "sm_90", {**flags, "attn_mask": True})
         assert masked is not None and masked.impl == "wgmma" and masked.attn_mask
     assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 96}), "sm_90", flags) is not None
-    assert F._arch_specific_spec("fwd", SimpleNamespace(**{**vars(gpu), "head_dim": 80}), "sm_90", flags) is None
+    d80 = SimpleNamespace(**{**vars(gpu), "head_dim": 80})  # padded to 128 (tests/test_wgmma_head_dims.py)
+    assert F._arch_specific_spec("fwd", d80, "sm_90", flags) is not None
+    assert F._arch_specific_spec("fwd", d80, "sm_90", {**flags, "softcap": True}) is None  # mma is cheaper there
     assert F._arch_specific_spec("fwd", gpu, "sm_80", flags) is None  # no arch-specific target
     cpu_p = SimpleNamespace(**{**vars(gpu), "device": torch.device("cpu")})
     assert F._arch_specific_spec("fwd", cpu_p, "sm_90", flags) is None  # the emulator keeps sm_90

@@ -7,13 +7,25 @@ constexpr int PANEL_ELEMS = 64;  // elements per panel row (128 bytes)
 // HEAD_DIM (d = 96: columns 96..127) the TMA loads zero-fill (the tensor maps end at HEAD_DIM), so
 // a wgmma with N = PAD_DIM computes zeros there and the k loops stop at HEAD_DIM.
 constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
+{% if HEAD_K16 is defined %}
+// An odd number of 8-column groups (d = 40, 72, ...): the k loops take HEAD_K16 k16 steps, the last one's
+// upper 8 columns the TMA's zero fill.
+static_assert(HEAD_DIM % 8 == 0 && HEAD_K16 * 16 == HEAD_DIM + 8 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
+              "the head dim: k16 steps, PANELS panels");
+{% else %}
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
+{% endif %}
 {% if HEAD_DIM_V != HEAD_DIM %}
 // v's head dim of its own (HEAD_DIM_V: V, O, dO, dV), in whole panels as HEAD_DIM is.
 constexpr int PAD_DIM_V = PANEL_ELEMS * PANELS_V;
+{% if HEAD_K16_V is defined %}
+static_assert(HEAD_DIM_V % 8 == 0 && HEAD_K16_V * 16 == HEAD_DIM_V + 8 && HEAD_DIM_V <= PAD_DIM_V &&
+              PAD_DIM_V - HEAD_DIM_V < PANEL_ELEMS, "the v head dim: k16 steps, PANELS_V panels");
+{% else %}
 static_assert(HEAD_DIM_V % 16 == 0 && HEAD_DIM_V <= PAD_DIM_V && PAD_DIM_V - HEAD_DIM_V < PANEL_ELEMS,
               "the v head dim: k16 steps, PANELS_V panels");
+{% endif %}
 {% endif %}
 {% if IS_VARLEN %}
 // Packed sequences (varlen): the tensor maps are over each packed tensor as one batch ([1, total, H, d];

@@ -67,9 +67,18 @@ read per element in rolled loops (the tile's registers stay as they are). The re
 :func:`fwd_acc_regs` within :data:`FWD_MASK_REGS` / :data:`FWD_BIAS_REGS` / :data:`FWD_MASK_BIAS_MIX_REGS`
 (d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
 
+Head dims: every multiple of 8 in 8..256, both directions, each computed in whole 128-byte panels
+(:func:`padded_dim`: 64, 128, 192, 256). The tensor maps end at the real head dim, so the TMA loads
+zero-fill the tiles' columns past it and the wgmmas at N = the padded dim compute exact zeros there; the
+k loops over the head dim take ceil(d / 16) k16 steps (``HEAD_K16`` where d is an odd number of 8-column
+groups: the last step's upper 8 columns are zero fill); O, dQ, dK and dV are stored for the real columns
+only, and the tiles, register bounds and shared memory are the padded dim's. A padded head dim with softcap,
+ALiBi or dropout is taken only where its kernel issues fewer instructions per real FLOP than ``mma``'s
+(:mod:`fagen.families.wgmma.heads`, measured), declined by name otherwise.
+
 What the templates do not implement yet is declined by name (``unsupported_reason``,
-``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``: head
-dims other than 64, 96, 128, 192 and 256. The backward is :mod:`fagen.families.wgmma.bwd`.
+``features``), so ``KernelSpec(impl=None)`` resolves such specs to ``mma``. The backward is
+:mod:`fagen.families.wgmma.bwd`.
 """
 from __future__ import annotations
 
@@ -81,7 +90,8 @@ from fagen.abi import FWD_MAIN, TENSORMAP, Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
 from fagen.families.wgmma import bwd
 from fagen.families.wgmma.cost import pair_cost
-from fagen.families.wgmma.panels import PANEL, SWIZZLE, packed_view, padded_dim
+from fagen.families.wgmma.heads import padded_reason
+from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
@@ -90,8 +100,9 @@ __all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MAS
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-#: Head dims the forward takes (the backward: ``bwd.DEFAULT_BLOCK_R``). Each smem tile is whole
-#: 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
+#: Head dims taken whatever the features (``heads.NATIVE_HEAD_DIMS``); every other multiple of 8 in 8..256 is
+#: taken in its padded tiles where that is cheaper than ``mma`` (:mod:`fagen.families.wgmma.heads`). Each smem
+#: tile is whole 64-element (128-byte) swizzle panels wide (:func:`~fagen.families.wgmma.panels.padded_dim`);
 #: d = 96 fills one and a half: its TMA loads zero-fill columns 96..127.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Keys per tile of the default forward (``default_tile``).
@@ -202,11 +213,7 @@ class WgmmaFamily(FamilyBase):
             return why
         if fs.dtype not in SUPPORTED_DTYPES:
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
-        if fs.head_dim not in HEAD_DIMS:
-            return f"head_dim={fs.head_dim}: the templates take head_dim in {HEAD_DIMS}"
-        if fs.dv not in HEAD_DIMS:
-            return f"head_dim_v={fs.dv}: the templates take head_dim_v in {HEAD_DIMS}"
-        return None
+        return padded_reason(fs)
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         if fs.direction == "bwd":
@@ -277,7 +284,7 @@ class WgmmaFamily(FamilyBase):
             return None
         if fs.direction == "bwd":
             return bwd.tile_work(fs)
-        return {"HGMMA": fs.head_dim / 16 + fs.block_c / 16}  # N of O += P V_j: head_dim_v
+        return {"HGMMA": k16_steps(fs.head_dim) + fs.block_c / 16}  # N of O += P V_j: head_dim_v
 
     def producer_work(self, fs: FamilySpec) -> dict[str, float] | None:
         """Per tile pair, what the producer warp issues (``fagen.autotune.sassloops.tile_loop`` with
@@ -323,10 +330,15 @@ class WgmmaFamily(FamilyBase):
         # PANELS_V only with a v head dim of its own (the templates name it then; other specs render as before)
         panels_v = (Constant("PANELS_V", "int", padded_dim(fs.dv) // PANEL, "128-byte swizzle panels across the v "
                              "head dim (V, O, dO, dV)"),) if fs.dv != fs.head_dim else ()
+        # HEAD_K16 / HEAD_K16_V only at a head dim of an odd number of 8-column groups (other specs render as before)
+        k16 = tuple(Constant(name, "int", k16_steps(d), f"k16 wgmmas of the k loop over {what} (the last one half "
+                             "the TMA's zero fill)") for name, d, what in (("HEAD_K16", fs.head_dim, "the head dim"),
+                                                                           ("HEAD_K16_V", fs.dv, "the v head dim"))
+                    if d % 16 and (name == "HEAD_K16" or fs.dv != fs.head_dim))
         return {"strides": {}, "constants": (
             Constant("CONSUMER_WGS", "int", fs.num_warps // 4, "consumer warpgroups (64 Q rows each)"),
             Constant("PANELS", "int", padded_dim(fs.head_dim) // PANEL, "128-byte swizzle panels across the head dim"),
-        ) + panels_v + (
+        ) + panels_v + k16 + (
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
         ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}

@@ -12,7 +12,7 @@ dQ_i = dS K_j (wgmma, A = dS MN-major, B = K_j MN-major), staged in fp32 in smem
 the staged dQ_i to ``dq_accum`` with ``cp.reduce.async.bulk.tensor`` (no atomics in the compute
 warps). The pre and post roles are the standard ones (``templates/partials/bwd_prepost.cu.j2``).
 
-A v head dim of its own (``head_dim_v``, any pair of 64 / 96 / 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
+A v head dim of its own (``head_dim_v``, any pair of multiples of 8 up to 128; past 128 the split tile below): V_j, the dO_i slots and dV~ are
 dv wide, dP^T = V_w dO_i^T runs its k loop over dv, the pre kernel's D = rowsum(dO o O) over dv;
 S^T, dK~ and dQ_i keep d. The Q block is the wider dim's (:func:`default_block_r`), d = 64 with a
 wider dv takes one consumer warpgroup (:func:`default_warps`), and a tile whose S^T / dP^T /
@@ -74,7 +74,8 @@ from typing import Any
 
 from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, DQ_SEM, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
-from fagen.families.wgmma.panels import packed_view, padded_dim
+from fagen.families.wgmma.heads import padded_reason
+from fagen.families.wgmma.panels import k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs",
@@ -83,8 +84,9 @@ __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_
 #: Flags the backward template implements (everything else is declined by name).
 BWD_FLAGS = frozenset({"causal", "top_left", "window", "key_padding", "softcap", "alibi", "dropout", "varlen",
                        "deterministic", "attn_mask", "bias", "bias_grad"})
-#: Q rows per streamed block (block_r) by head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
-#: d = 96 and 128 (d = 96 computes in the d = 128 tiles, padded_dim).
+#: Q rows per streamed block (block_r) by padded head dim: FlashAttention-3's 128 x 128 at d = 64, 64 x 128 at
+#: d = 96 and 128 (every head dim computes in its padded dim's tiles, padded_dim: d = 8 .. 64 as 64, 72 .. 128
+#: as 128; past 128 the split tile).
 DEFAULT_BLOCK_R = {64: 128, 96: 64, 128: 64}
 #: Head dims past 128 (Gemma's 256, MLA's 192 with head_dim_v 128): the split tile (:func:`split_dkv`).
 WIDE_HEAD_DIMS = (192, 256)
@@ -109,10 +111,8 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
     extra = sorted(fs.flags - BWD_FLAGS)
     if extra:
         return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
-    if fs.head_dim not in (*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS):
-        return f"head_dim={fs.head_dim}: the wgmma backward takes head_dim in {(*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS)}"
-    if fs.dv not in (*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS):
-        return f"head_dim_v={fs.dv}: the wgmma backward takes head_dim_v in {(*DEFAULT_BLOCK_R, *WIDE_HEAD_DIMS)}"
+    if (why := padded_reason(fs)) is not None:
+        return why
     if split_dkv(fs):
         if mb := [f for f in ("attn_mask", "bias") if fs.has(f)]:
             return (f"{mb[0]}: the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: past 128) "
@@ -126,7 +126,7 @@ def default_block_r(fs: FamilySpec) -> int:
     counts: its dO_i slots, dP^T's k loop and dV~'s registers)."""
     if split_dkv(fs):
         return WIDE_BLOCK
-    br = min(DEFAULT_BLOCK_R.get(fs.head_dim, 64), DEFAULT_BLOCK_R.get(fs.dv, 64))
+    br = min(DEFAULT_BLOCK_R.get(padded_dim(fs.head_dim), 64), DEFAULT_BLOCK_R.get(padded_dim(fs.dv), 64))
     if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
         return 64
     if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
@@ -349,7 +349,7 @@ def tile_work(fs: FamilySpec) -> dict[str, float]:
     """Per consumer warp and tile pair: HGMMA instructions (S^T: d/16, dP^T: dv/16; dV and dK:
     block_r/16 each, per warpgroup; dQ_i: block_c/16 per m64 tile and 64 columns of the warpgroup's
     share) — every warp of a warpgroup issues each of its wgmmas."""
-    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
+    d, dv, br, bc = 16 * k16_steps(fs.head_dim), 16 * k16_steps(fs.dv), fs.block_r, fs.block_c
     mt, cols = dq_split(fs)
     if split_dkv(fs):  # per warp of either warpgroup, on average: S^T twice, dP^T, dV~, dK~, dQ_i
         return {"HGMMA": (2 * d + dv) / 32 + br / 16 + (cols // 64) * bc / 32}
@@ -468,5 +468,5 @@ def wide_config_reason(fs: FamilySpec) -> Reason | None:
 def split_tile_work(fs: FamilySpec) -> tuple[dict[str, float], dict[str, float]]:
     """Per warp and tile pair of the split tile's (dK~, dV~) warpgroups: HGMMA of S^T (d / 16), dP^T (dv / 16)
     and dK~ (block_r / 16); of S^T, dV~ (block_r / 16) and dQ_i (d / 64 chunks of block_c / 16)."""
-    d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
+    d, dv, br, bc = 16 * k16_steps(fs.head_dim), 16 * k16_steps(fs.dv), fs.block_r, fs.block_c
     return ({"HGMMA": (d + dv) / 16 + br / 16}, {"HGMMA": d / 16 + br / 16 + (padded_dim(d) // 64) * bc / 16})

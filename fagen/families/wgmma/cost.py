@@ -32,7 +32,7 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     producer warp issues (d + dv) / 64 TMA loads per pair (dv: the v head dim)."""
     d, dv, br, bc = fs.head_dim, fs.dv, fs.block_r, fs.block_c
     wgs = fs.num_warps // 4
-    hgmma = d // 16 + bc // 16  # per consumer warp: S = Q K^T (N = block_c), O += P~ V (N = head_dim_v)
+    hgmma = -(-d // 16) + bc // 16  # per consumer warp: S = Q K^T (N = block_c), O += P~ V (N = head_dim_v)
     scores = bc // 2  # per thread: 64 rows x block_c over the warpgroup's 128 threads
     if sass:
         per_warp = float(sum(sass.values()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PANEL", "SWIZZLE", "packed_view", "padded_dim"]
+__all__ = ["PANEL", "SWIZZLE", "k16_steps", "packed_view", "padded_dim"]
 
 #: The smem swizzle span (bytes) of every TMA box and wgmma descriptor: one panel row.
 SWIZZLE = 128
@@ -17,6 +17,13 @@ def padded_dim(head_dim: int) -> int:
     N of the wgmmas whose N is the head dim (O += P V; dV, dK, dQ), 128 for d = 96 (its TMA loads
     zero-fill columns 96..127: the tensor maps end at the head dim)."""
     return -(-head_dim // PANEL) * PANEL
+
+
+def k16_steps(head_dim: int) -> int:
+    """The k16 wgmmas of a k loop over the head dim (S = Q K^T, dP = dO V^T): whole steps of 16 columns,
+    the last one half zero fill where the head dim is an odd number of 8-column groups (d = 40, 72, ...;
+    the TMA loads zero-fill the panel past the head dim, so those columns add nothing)."""
+    return -(-head_dim // 16)
 
 
 def packed_view(x: Any) -> Any:
