@@ -404,34 +404,36 @@ FA_DEVICE unsigned fa_keep4(unsigned long long seed, unsigned long long offset, 
 }
 
 // Dropout keep bits of a thread's m16n8 accumulator elements over NT n8 tiles: bit 4n + e is element
-// (n, e), at row row_g + 8 (e >> 1) and column col0 + 8n + 2 t4 + (e & 1), both global (row_g = the row
-// of the lane's group g, t4 = lane & 3; the caller adds row_offset / col_offset). That is mma.m16n8's
-// accumulator (templates/mma/warp.cuh) and each warp's 16 rows of wgmma's m64nN one (the forward's,
-// templates/wgmma). With col0 a multiple of 4 (warp-uniform) one Philox call covers keys 4c..4c+3 of
-// one row: lanes t4 = 2b and 2b + 1 of a quad hold keys 4c..4c+1 and 4c+2..4c+3 of rows row_g and
-// row_g + 8, each computes one row's call (fa_keep4) and they swap the bits. Otherwise the 4-key
-// groups straddle calls: one call per element, in a rolled loop (the caller's fragments stay indexed
-// by constants, so they stay in registers). Word: an unsigned type of at least 4 NT bits.
-template <int NT, typename Word>
-FA_DEVICE Word fa_keep_bits_m16n8(unsigned long long seed, unsigned long long offset, unsigned bh, int row_g, int col0,
-                                  unsigned drop_threshold, int t4) {
+// (n, e), at row row0 + Layout::row(lane, e) and column col0 + 8n + Layout::col(lane, e), both global
+// (row0: the warp's first row; the caller adds row_offset / col_offset). Layout is the family's statement
+// of the m16n8 accumulator (templates/mma/warp.cuh's MmaAccLayout; each warp's 16 rows of wgmma's m64nN
+// one, templates/wgmma/warpgroup.cuh's WgWarpAccLayout): element e of lane 4g + t at row g + 8 (e >> 1),
+// columns 2t and 2t + 1 for e & 1. With col0 a multiple of 4 (warp-uniform) one Philox call covers keys
+// 4c..4c+3 of one row: lanes t = 2b and 2b + 1 of a quad hold keys 4c..4c+1 and 4c+2..4c+3 of the rows of
+// their elements 0 and 2, each computes one row's call (fa_keep4: lane t & 1's elements 2 (t & 1)) and
+// they swap the bits. Otherwise the 4-key groups straddle calls: one call per element, in a rolled loop
+// (the caller's fragments stay indexed by constants, so they stay in registers). Word: an unsigned type
+// of at least 4 NT bits.
+template <class Layout, int NT, typename Word>
+FA_DEVICE Word fa_keep_bits_m16n8(unsigned long long seed, unsigned long long offset, unsigned bh, int row0, int col0,
+                                  unsigned drop_threshold, int lane) {
     static_assert(NT * 4 <= int(8 * sizeof(Word)), "keep bits of the NT tiles in one word");
     Word kb = 0;
     if ((col0 & 3) == 0) {  // warp-uniform
-        const int hsel = t4 & 1;
+        const int c = Layout::col(lane, 0), hsel = (c >> 1) & 1;  // lane's first column; which row's call it makes
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row_g + 8 * hsel), (unsigned)(col0 + 8 * n + 2 * t4),
-                                           drop_threshold);
+            const unsigned mine = fa_keep4(seed, offset, bh, (unsigned)(row0 + Layout::row(lane, 2 * hsel)),
+                                           (unsigned)(col0 + 8 * n + c), drop_threshold);
             const unsigned other = __shfl_xor_sync(0xffffffffu, mine, 1);
-            const unsigned lo = hsel ? other : mine, hi = hsel ? mine : other;  // rows row_g, row_g + 8
+            const unsigned lo = hsel ? other : mine, hi = hsel ? mine : other;  // elements 0, 1 / 2, 3
             kb |= (Word)(((lo >> (2 * hsel)) & 3u) | (((hi >> (2 * hsel)) & 3u) << 2)) << (4 * n);
         }
     } else {
         for (int x = 0; x < NT * 4; ++x) {
             const int n = x >> 2, e = x & 3;
-            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row_g + 8 * (e >> 1)),
-                                (unsigned)(col0 + 8 * n + 2 * t4 + (e & 1)), drop_threshold))
+            if (fa_dropout_keep(seed, offset, bh, (unsigned)(row0 + Layout::row(lane, e)),
+                                (unsigned)(col0 + 8 * n + Layout::col(lane, e)), drop_threshold))
                 kb |= (Word)1 << x;
         }
     }
@@ -1646,6 +1648,13 @@ FA_DEVICE unsigned wg_pack(float lo, float hi) {
     memcpy(&uh, &h, 2);
     return (unsigned)ul | ((unsigned)uh << 16);
 }
+// One warp's 16 rows of the m64nNk16 accumulator (PTX ISA "wgmma .m64nNk16 register fragment"): per
+// 8-column group, element e of lane 4g + t at row g + 8 (e >> 1) and column 2t + (e & 1) of the warp's slice,
+// mma.m16n8's layout (partials/philox.cuh's fa_keep_bits_m16n8 takes it).
+struct WgWarpAccLayout {
+    static FA_DEVICE int row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+    static FA_DEVICE int col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+};
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
 }  // namespace fa
