@@ -1015,6 +1015,16 @@ inline bool elect_one(const char* file, int line) {
     return lane == 31u - unsigned(__builtin_clz(ballot));
 }
 
+// ------------------------------------------------------ tensor-map prefetch
+// prefetch.tensormap [a] (PTX ISA 9.7.9.15 "prefetch, prefetchu"): a hint that brings the tensor map
+// at generic address a (a __grid_constant__ kernel parameter) into the cache. Nothing to emulate
+// beyond a being a tensor map.
+inline void prefetch_tensormap(const FaTensorMap* m, const char* file, int line) {
+    if (m == nullptr || m->magic != kTensorMapMagic)
+        fail("fa_prefetch_tensormap at %s:%d: the address is not a tensor map (pack it with fagen.tma for the CPU)",
+             file, line);
+}
+
 // ------------------------------------------------------ named barriers
 // bar.sync / bar.arrive id, count (PTX ISA 9.7.12.1 "bar, barrier"): `count` threads (a
 // multiple of 32) meet at barrier `id`; sync waits for the count, arrive does not. The

@@ -1012,7 +1012,7 @@ def _fence(fn: _Fn, inst: Inst) -> str:
     return ";"
 
 
-@_handler("nanosleep / prefetch / pragma", "`nanosleep.u32`, `prefetch[.global .L1 .L2 ...]`",
+@_handler("nanosleep / prefetch / pragma", "`nanosleep.u32`, `prefetch[.global .L1 .L2 .tensormap ...]`",
           "no effect", "nanosleep", "prefetch", "prefetchu")
 def _noop(fn: _Fn, inst: Inst) -> str:
     return ";"

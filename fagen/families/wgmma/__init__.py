@@ -6,9 +6,13 @@ S = Q K_j^T with ``wgmma`` from shared memory (both operands K-major, 128-byte s
 the online softmax in registers and O += P V_j with ``wgmma`` taking P from registers and V_j
 (MN-major) from shared memory. The last warpgroup is the producer: it gives its registers to
 the consumers (``setmaxnreg``) and one elected lane of its first warp issues every TMA load:
-Q once, then K_j / V_j into ``stages`` slots, each slot with a "full" mbarrier (1 arrival + the
-slot's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma has
-retired). Rows past a sequence's end come from TMA's zero fill and are masked.
+Q once, then K_j / V_j into ``stages`` slots, K and V in pipelines of their own (FlashAttention-3's
+``pipeline_k`` / ``pipeline_v``): each K_j slot and each V_j slot has a "full" mbarrier (1 arrival + the
+tile's transaction bytes) and an "empty" one (every consumer thread arrives once its wgmma reading the
+tile has retired), so S = Q K_j^T starts once K_j has landed (not K_j and V_j) and a K_j slot is
+refilled once S has read it (not once P~ V_j has read V_j). The producer prefetches the three tensor
+maps (``prefetch.tensormap``) before its first load. Rows past a sequence's end come from TMA's zero
+fill and are masked.
 
 Packed sequences (``varlen``: cu_seqlens, the seqlen arguments the max lengths), both directions:
 the tensor maps are built per call over each packed tensor as one batch ([1, total, H, d],
@@ -309,7 +313,7 @@ class WgmmaFamily(FamilyBase):
             ("q", "T", fs.block_r * max(d, dv), e, 1024),  # Q_i, then O_i on its way out: the wider of the two
             ("k", "T", stages * fs.block_c * d, e, 1024),
             ("v", "T", stages * fs.block_c * dv, e, 1024),
-            ("bars", "unsigned long long", 1 + 2 * stages, 8),
+            ("bars", "unsigned long long", 1 + 4 * stages, 8),  # Q; K_j full, V_j full, K_j empty, V_j empty per slot
         ])
 
     def roles(self, fs: FamilySpec) -> tuple[Role, ...]:
