@@ -494,13 +494,13 @@ constexpr int SMEM_V_ALIGN = 1024;
 static_assert(SMEM_V_OFFSET == fa_align_up(SMEM_K_OFFSET + SMEM_K_COUNT * (int)sizeof(T), SMEM_V_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_V_OFFSET % SMEM_V_ALIGN == 0, "smem buffer misaligned");
 constexpr int SMEM_BARS_OFFSET = 114688;
-constexpr int SMEM_BARS_COUNT = 5;
+constexpr int SMEM_BARS_COUNT = 9;
 constexpr int SMEM_BARS_ALIGN = 16;
 static_assert(SMEM_BARS_OFFSET == fa_align_up(SMEM_V_OFFSET + SMEM_V_COUNT * (int)sizeof(T), SMEM_BARS_ALIGN), "smem layout drifted from fagen.layout");
 static_assert(SMEM_BARS_OFFSET % SMEM_BARS_ALIGN == 0, "smem buffer misaligned");
 constexpr int SMEM_BYTES = fa_align_up(SMEM_BARS_OFFSET + SMEM_BARS_COUNT * (int)sizeof(unsigned long long), 16);
 constexpr int SMEM_ALIGN = 1024;  // the dynamic smem base must be aligned this much
-static_assert(SMEM_BYTES == 114736, "smem footprint differs from fagen.layout");
+static_assert(SMEM_BYTES == 114768, "smem footprint differs from fagen.layout");
 static_assert(SMEM_BYTES <= SRAM_BYTES, "smem footprint exceeds M");
 
 struct Smem {
@@ -1598,10 +1598,32 @@ struct WgWarpAccLayout {
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
 }  // namespace fa
+// Tensor-map prefetch of the Hopper forward's producer (FlashAttention-3's prefetch_tma_descriptor).
+//
+// fa_prefetch_tensormap(tmap) (PTX ISA 9.7.9.15 "prefetch, prefetchu": prefetch.tensormap [a]):
+//   a hint that brings the tensor map at generic address `a` (a __grid_constant__ kernel parameter)
+//   into the cache before the first TMA load reads it; no effect on any value. The emulator checks
+//   that `tmap` is a tensor map (fagen/emulator/hopper.h).
+//
+// NOTE: rendered kernels pull this file in through a Jinja include, so it must not contain Jinja's
+// opening delimiters (a brace followed by % or #).
+#ifndef FAGEN_EMULATOR
+FA_DEVICE void fa_prefetch_tensormap(const FaTensorMap* tmap) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // PTX ISA: sm_90 and later
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(tmap)) : "memory");
+#endif
+}
+#else  // FAGEN_EMULATOR: fagen/emulator/hopper.h
+FA_DEVICE void fa_prefetch_tensormap(const FaTensorMap* tmap, FAGEN_EMU_SITE) {
+    fagen_emu::hopper::prefetch_tensormap(tmap, FAGEN_EMU_SITE_ARGS);
+}
+#endif
 namespace fa {
 // Forward on Hopper: one CTA per (Q block i, batch, head). Warpgroups 0..CONSUMER_WGS-1 consume
 // (64 Q rows each: S, P, the O accumulator and m, l in registers); warpgroup CONSUMER_WGS
-// produces: one elected lane issues every TMA load (Q_i once, K_j / V_j into STAGES slots).
+// produces: one elected lane issues every TMA load (Q_i once, K_j / V_j into STAGES slots, K and V
+// in pipelines of their own: S = Q K_j^T waits for K_j only, and a K_j slot is refilled once S has
+// read it, not once P~ V_j has read V_j).
 // Shared memory (fagen.families.wgmma.smem_layout, every tile 1024-byte aligned): a tile of R
 // rows x PAD_DIM is PANELS panels of R rows x 128 bytes (64 elements of the head dim), each
 // panel a TMA box written with the 128-byte swizzle that the wgmma descriptors read.
@@ -1610,12 +1632,13 @@ static_assert(BLOCK_R == 64 * CONSUMER_WGS && NUM_WARPS == 4 * CONSUMER_WGS, "64
 static_assert(BLOCK_C % 16 == 0 && BLOCK_C <= 256 && PAD_DIM <= 256, "wgmma N extents");
 static_assert(STAGES >= 2, "K_j / V_j pipeline depth (knob 'stages')");
 static_assert(SMEM_Q_COUNT == BLOCK_R * PAD_DIM && SMEM_K_COUNT == STAGES * BLOCK_C * PAD_DIM &&
-              SMEM_V_COUNT == STAGES * BLOCK_C * PAD_DIM && SMEM_BARS_COUNT == 1 + 2 * STAGES, "smem layout");
+              SMEM_V_COUNT == STAGES * BLOCK_C * PAD_DIM && SMEM_BARS_COUNT == 1 + 4 * STAGES, "smem layout");
 static_assert(SMEM_Q_OFFSET % 1024 == 0 && SMEM_K_OFFSET % 1024 == 0 && SMEM_V_OFFSET % 1024 == 0,
               "128-byte swizzled tiles start 1024-byte aligned");
 constexpr float LN2 = 0.6931471805599453f;
 constexpr int Q_BYTES = BLOCK_R * PAD_DIM * 2;                // complete_tx of Q_i (whole boxes)
-constexpr int KV_STAGE_BYTES = 2 * BLOCK_C * PAD_DIM * 2;     // complete_tx of one K_j + V_j slot
+constexpr int K_STAGE_BYTES = BLOCK_C * PAD_DIM * 2;         // complete_tx of one K_j slot
+constexpr int V_STAGE_BYTES = BLOCK_C * PAD_DIM * 2;  // complete_tx of one V_j slot
 constexpr int CONSUMERS = 128 * CONSUMER_WGS;                 // arrivals on an "empty" barrier
 
 // Row `row`'s allowed keys are one band (partials/masking.cuh's `allowed`): columns [lo, hi]
@@ -1704,8 +1727,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     T* sv = reinterpret_cast<T*>(base + SMEM_V_OFFSET);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(base + SMEM_BARS_OFFSET);
     unsigned long long* q_full = bars;                 // Q_i landed (1 arrival + Q_BYTES)
-    unsigned long long* kv_full = bars + 1;            // [STAGES]: slot landed (1 arrival + KV_STAGE_BYTES)
-    unsigned long long* kv_empty = bars + 1 + STAGES;  // [STAGES]: slot read (CONSUMERS arrivals)
+    unsigned long long* k_full = bars + 1;                // [STAGES]: K_j landed (1 arrival + K_STAGE_BYTES)
+    unsigned long long* v_full = bars + 1 + STAGES;       // [STAGES]: V_j landed (1 arrival + V_STAGE_BYTES)
+    unsigned long long* k_empty = bars + 1 + 2 * STAGES;  // [STAGES]: K_j read by S (CONSUMERS arrivals)
+    unsigned long long* v_empty = bars + 1 + 3 * STAGES;  // [STAGES]: V_j read by P~ V (CONSUMERS arrivals)
 
     const MaskParams mp = make_mask_params(seqlen_q, seqlen_k, window_left, window_right);
     int j_begin, j_end;  // only the K/V blocks whose tiles with this Q block are not all masked
@@ -1715,8 +1740,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     if (tid == 0) {
         fa_mbarrier_init(q_full, 1);
         for (int st = 0; st < STAGES; ++st) {
-            fa_mbarrier_init(&kv_full[st], 1);
-            fa_mbarrier_init(&kv_empty[st], CONSUMERS);
+            fa_mbarrier_init(&k_full[st], 1);
+            fa_mbarrier_init(&v_full[st], 1);
+            fa_mbarrier_init(&k_empty[st], CONSUMERS);
+            fa_mbarrier_init(&v_empty[st], CONSUMERS);
         }
         fa_fence_barrier_init();
     }
@@ -1725,22 +1752,29 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     if (wg == CONSUMER_WGS) {  // ---- producer warpgroup
         fa_setmaxnreg_dec<PRODUCER_REGS>();
         if (tid % 128 < 32 && fa_elect_one()) {
+            fa_prefetch_tensormap(&tma_q);
+            fa_prefetch_tensormap(&tma_k);
+            fa_prefetch_tensormap(&tma_v);
             fa_mbarrier_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
             for (int p = 0; p < PANELS; ++p)
                 fa_tma_load_4d(sq + p * BLOCK_R * PANEL_ELEMS, &tma_q, q_full, p * PANEL_ELEMS, h, i0, b);
             for (int j0 = j_begin, it = 0; j0 < j_end; j0 += BLOCK_C, ++it) {
                 const int st = it % STAGES;
-                // Round 0 waits on the phase before the first, which counts as complete.
-                fa_mbarrier_wait_parity(&kv_empty[st], ((it / STAGES) & 1) ^ 1);
-                fa_mbarrier_arrive_expect_tx(&kv_full[st], KV_STAGE_BYTES);
+                const unsigned free_phase = ((it / STAGES) & 1) ^ 1;  // round 0: the phase before the first, complete
                 T* kst = sk + st * BLOCK_C * PAD_DIM;
                 T* vst = sv + st * BLOCK_C * PAD_DIM;
+                // K_j first (S = Q K_j^T waits for it alone), then V_j
+                fa_mbarrier_wait_parity(&k_empty[st], free_phase);
+                fa_mbarrier_arrive_expect_tx(&k_full[st], K_STAGE_BYTES);
 #pragma unroll
-                for (int p = 0; p < PANELS; ++p) {
-                    fa_tma_load_4d(kst + p * BLOCK_C * PANEL_ELEMS, &tma_k, &kv_full[st], p * PANEL_ELEMS, hk, j0, b);
-                    fa_tma_load_4d(vst + p * BLOCK_C * PANEL_ELEMS, &tma_v, &kv_full[st], p * PANEL_ELEMS, hk, j0, b);
-                }
+                for (int p = 0; p < PANELS; ++p)
+                    fa_tma_load_4d(kst + p * BLOCK_C * PANEL_ELEMS, &tma_k, &k_full[st], p * PANEL_ELEMS, hk, j0, b);
+                fa_mbarrier_wait_parity(&v_empty[st], free_phase);
+                fa_mbarrier_arrive_expect_tx(&v_full[st], V_STAGE_BYTES);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    fa_tma_load_4d(vst + p * BLOCK_C * PANEL_ELEMS, &tma_v, &v_full[st], p * PANEL_ELEMS, hk, j0, b);
             }
         }
         return;
@@ -1777,9 +1811,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     const unsigned long long dq_hi = dq & ~0xffffffffull, dk_hi = dk & ~0xffffffffull, dv_hi = dv & ~0xffffffffull;
     constexpr unsigned STAGE_UNITS = BLOCK_C * PAD_DIM * 2 / 16;  // one K_j (or V_j) slot, in 16-byte units
 
-    // Intra-warpgroup overlap: trip `it` issues S_it = Q_i K_it^T and O += P~_{it-1} V_{it-1} back
-    // to back, waits for S_it only (wgmma.wait_group 1), runs tile it's softmax while the tensor
-    // cores still compute P~V, then waits for that too (wait_group 0), frees slot it-1 and rescales O.
+    // Intra-warpgroup overlap: trip `it` issues S_it = Q_i K_it^T (once K_it has landed) and
+    // O += P~_{it-1} V_{it-1} (once V_{it-1} has) back to back, waits for S_it only (wgmma.wait_group 1)
+    // and frees K_it's slot, runs tile it's softmax while the tensor cores still compute P~V, then waits
+    // for that too (wait_group 0), frees V_{it-1}'s slot and rescales O.
     float s_acc[BLOCK_C / 2];
     unsigned pa[BLOCK_C / 16][4];  // P~ of the previous tile: A of O += P~ V (16 keys per k step)
 
@@ -1903,33 +1938,37 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     fa_mbarrier_wait_parity(q_full, 0);
     if (j_begin < j_end) {
         // tile 0: S, its softmax (O is still 0: no rescale), P~
-        fa_mbarrier_wait_parity(&kv_full[0], 0);
+        fa_mbarrier_wait_parity(&k_full[0], 0);
         issue_s(0);
         fa_wgmma_wait_group<0>();
+        fa_mbarrier_arrive(&k_empty[0]);  // this thread's reads of K_0 have retired
         float alpha[2];
         softmax(j_begin, alpha);
         pack_p();
         int it = 1;
         for (int j0 = j_begin + BLOCK_C; j0 < j_end; j0 += BLOCK_C, ++it) {
             const int st = it % STAGES, prev = (it - 1) % STAGES;
-            fa_mbarrier_wait_parity(&kv_full[st], (it / STAGES) & 1);
+            fa_mbarrier_wait_parity(&k_full[st], (it / STAGES) & 1);
             issue_s(st * STAGE_UNITS);
+            fa_mbarrier_wait_parity(&v_full[prev], ((it - 1) / STAGES) & 1);
             issue_pv(prev * STAGE_UNITS);
             fa_wgmma_wait_group<1>();  // S_it has landed; P~_{it-1} V_{it-1} may still run
+            fa_mbarrier_arrive(&k_empty[st]);  // this thread's reads of K_it have retired
             softmax(j0, alpha);
             fa_wgmma_wait_group<0>();
             pv_retired();
-            fa_mbarrier_arrive(&kv_empty[prev]);  // this thread's reads of slot it-1 have retired
+            fa_mbarrier_arrive(&v_empty[prev]);  // this thread's reads of V_{it-1} have retired
 #pragma unroll
             for (int x = 0; x < HEAD_DIM / 2; ++x) o_acc[x] *= alpha[(x >> 1) & 1];
             pack_p();
         }
         // the last tile's O += P~ V
         const int last = (it - 1) % STAGES;
+        fa_mbarrier_wait_parity(&v_full[last], ((it - 1) / STAGES) & 1);
         issue_pv(last * STAGE_UNITS);
         fa_wgmma_wait_group<0>();
         pv_retired();
-        fa_mbarrier_arrive(&kv_empty[last]);
+        fa_mbarrier_arrive(&v_empty[last]);
     }
 
     // O_i = diag(l_i)^-1 O_i; lse_i = m_i scale + log l_i. A row with no allowed key is zero with
