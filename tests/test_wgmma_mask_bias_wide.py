@@ -72,7 +72,7 @@ def _check(c: FeatCase, dv: int | None = None, bwd_impl: str = "wgmma") -> tuple
         t["v"] = torch.randn(*t["v"].shape[:-1], dv, generator=g).to(DT[c.dtype])
         t["do"] = torch.randn(*t["do"].shape[:-1], dv, generator=g).to(DT[c.dtype])
     flags = dict(head_dim=c.head_dim, head_dim_v=dv or c.head_dim, dtype=c.dtype, causal=c.causal,
-                 dropout=c.dropout_p > 0, window=c.window is not None, softcap=c.softcap > 0,
+                 causal_align=c.align, dropout=c.dropout_p > 0, window=c.window is not None, softcap=c.softcap > 0,
                  alibi=c.alibi is not None, attn_mask=c.mask is not None, bias=c.bias is not None)
     sf = _spec("fwd", impl="wgmma", **flags)
     sb = _spec("bwd", impl=bwd_impl, deterministic=c.deterministic, bias_grad=c.bias is not None, **flags)
