@@ -64,7 +64,7 @@ stored per element with plain stores: each (b, h, row, key) is one step of one C
 consumer warpgroup) and, with another per-element feature beside it, within :data:`BWD_MASK_BIAS_MIX_REGS`
 (d = 96 and 128 with such a mix are declined, so they go to ``mma``). The split tile (head dims past 128) takes them too:
 both warpgroups apply the mask / bias to S^T before P^T, warpgroup 0 stores dBias beside dS^T; within
-:data:`WIDE_MASK_BIAS_REGS` (d = 192, and dv up to 256 with the mask: :data:`WIDE_BIAS_DV_REGS`; d = 256 is
+:data:`WIDE_MASK_BIAS_REGS` (d = 192; dv = 256 with the mask only, :data:`WIDE_BIAS_DV_REGS`; d = 256 is
 declined), the mask and a bias together, either with dropout and ALiBi, and dBias with softcap declined by name.
 
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
