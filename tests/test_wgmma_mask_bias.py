@@ -51,7 +51,8 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert _spec("fwd", head_dim=64, bias=True).tile.block_c == 128
     assert _spec("fwd", head_dim=128, attn_mask=True, bias=True).tile.block_c == 64
     assert _spec("fwd", head_dim=192, attn_mask=True, bias=True).tile.block_c == 64
-    assert _spec("fwd", head_dim=256, attn_mask=True).impl == "mma"
+    assert _spec("fwd", head_dim=256, attn_mask=True).tile.block_c == 64  # d = 256: 64 keys (168 registers)
+    assert _spec("fwd", head_dim=256, bias=True).impl == "mma"  # 64 keys would spill beside a bias
     with pytest.raises(ValueError, match=r"block_c=192 with attn_mask: .* 184 fp32 registers"):
         _spec("fwd", head_dim=128, attn_mask=True, block_c=192, impl="wgmma")
     with pytest.raises(ValueError, match=r"block_c=128 with softcap / alibi and attn_mask and bias: .* 144 fp32"):

@@ -69,7 +69,8 @@ full with a data mask: a row every key of which it drops is zero with lse -inf),
 modification s = q.k scale + bias (``score_fwd`` with softcap / ALiBi). The other tiles and layouts test and
 read per element in rolled loops (the tile's registers stay as they are). The reads beside S and O keep
 :func:`fwd_acc_regs` within :data:`FWD_MASK_REGS` / :data:`FWD_BIAS_REGS` / :data:`FWD_MASK_BIAS_MIX_REGS`
-(d = 128: 128 keys; d = 256 is declined, so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
+(d = 128: 128 keys; d = 256: 64 keys with the mask alone, a bias or the mask beside another feature declined,
+so it goes to ``mma``). The backward: :mod:`fagen.families.wgmma.bwd`.
 
 Head dims: every multiple of 8 in 8..256, both directions, each computed in whole 128-byte panels
 (:func:`padded_dim`: 64, 128, 192, 256). The tensor maps end at the real head dim, so the TMA loads
@@ -134,8 +135,9 @@ FWD_SCORE_MOD_WIDE_REGS = 136
 FWD_DROPOUT_REGS = 160
 #: The bound with attn_mask (its row pointers and a tile's mask bytes, read two keys per load, beside S and O;
 #: benchmarks/sass_cost.py): d = 64 x 192 keys (152) does not spill, d = 128 x 192 keys (184) spills 108 bytes,
-#: x 128 keys (144) none.
-FWD_MASK_REGS = 160
+#: x 128 keys (144) none; d = 256 x 64 keys (168, causal, key padding and varlen too) none, as d = 64, 128 and
+#: 192 with dv = 256 x 64 keys (168).
+FWD_MASK_REGS = 168
 #: The bound with a bias (a tile's bias pairs beside S and O): d = 64 x 192 keys (152) spills 56 bytes, x 128
 #: keys (112) none; d = 128 x 192 keys (184) spills 100, x 128 keys (144) none.
 FWD_BIAS_REGS = 144

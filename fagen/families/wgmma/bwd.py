@@ -62,7 +62,10 @@ keys inside the sequences), per element with bounds tests in rolled loops otherw
 stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
 (:func:`dv_early`); the tile keeps :func:`acc_regs` within :data:`BWD_MASK_BIAS_REGS` (d = 64: 64 x 64 on one
 consumer warpgroup) and, with another per-element feature beside it, within :data:`BWD_MASK_BIAS_MIX_REGS`
-(d = 96 and 128 with such a mix are declined, so they go to ``mma``).
+(d = 96 and 128 with such a mix are declined, so they go to ``mma``). The split tile (head dims past 128) takes them too:
+both warpgroups apply the mask / bias to S^T before P^T, warpgroup 0 stores dBias beside dS^T; within
+:data:`WIDE_MASK_BIAS_REGS` (d = 192; dv = 256 with the mask only, :data:`WIDE_BIAS_DV_REGS`; d = 256 is
+declined), the mask and a bias together, either with dropout and ALiBi, and dBias with softcap declined by name.
 
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
@@ -79,6 +82,7 @@ from fagen.families.wgmma.panels import k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs",
+           "WIDE_BIAS_DV_REGS", "WIDE_MASK_BIAS_REGS",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -114,9 +118,17 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
     if (why := padded_reason(fs)) is not None:
         return why
     if split_dkv(fs):
-        if mb := [f for f in ("attn_mask", "bias") if fs.has(f)]:
-            return (f"{mb[0]}: the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: past 128) "
-                    f"does not implement it yet")
+        if fs.has("attn_mask") and fs.has("bias"):
+            return (f"attn_mask with bias: the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: "
+                    f"past 128) would spill (both operands' pointers beside S^T, dP^T and dK~)")
+        if (fs.has("attn_mask") or fs.has("bias")) and fs.has("dropout") and fs.has("alibi"):
+            mb = "attn_mask" if fs.has("attn_mask") else "bias"
+            return (f"{mb} with dropout and alibi: the wgmma backward's split tile (head_dim={fs.head_dim}, "
+                    f"head_dim_v={fs.dv}: past 128) would spill (60 bytes at head_dim=192, head_dim_v=128)")
+        if fs.has("bias_grad") and fs.has("softcap"):
+            return (f"bias_grad with softcap: the wgmma backward's split tile (head_dim={fs.head_dim}, "
+                    f"head_dim_v={fs.dv}: past 128) does not implement it yet (its dV~ warpgroup's P^T pass would "
+                    f"store dBias)")
         return wide_reason(fs)
     return None
 
@@ -371,6 +383,21 @@ WIDE_REGS = 208
 WIDE_DROPOUT_ALIBI_REGS = 176
 
 
+#: The bound with attn_mask or a bias (their per-key pointers, a step's reads, dBias's stores in the dK~
+#: warpgroup; benchmarks/sass_cost.py): d = 192's dK~ warpgroup (176) does not spill with the mask, a bias or a
+#: bias with its gradient, causal, a window, key padding, varlen, deterministic, or beside softcap, ALiBi or
+#: dropout (d = 192, dv = 128); dv = 256's dV~ warpgroup (176) neither with the mask (a bias:
+#: :data:`WIDE_BIAS_DV_REGS`); d = 256's dK~
+#: warpgroup (208) spills 64 bytes with the mask causal, 48 with a bias. So d = 256 with either goes to ``mma``.
+#: Declined by name (:func:`unsupported_reason`): the mask and a bias together (24 bytes at d = 192, dv = 128
+#: with dBias, 212 at d = 128, dv = 256), either beside dropout and ALiBi (60 bytes at d = 192, dv = 128), and
+#: dBias with softcap (the dV~ warpgroup's P^T pass would store it).
+WIDE_MASK_BIAS_REGS = 176
+#: The dV~ warpgroup's bound with a bias (:func:`wide_regs`, its second): dv = 256's 176 spills 8 bytes at
+#: d = 128 and 444 at d = 192 with the bias and its gradient (with the mask, causal: none); dv = 192's 144 none.
+WIDE_BIAS_DV_REGS = 144
+
+
 #: Registers the split tile's producer warpgroup keeps after ``setmaxnreg.dec`` (the family's 24 spill 16 bytes
 #: in its lse_i / D_i loads at d = 192 causal); the consumers keep 232 (:func:`wide_regs` at most 208).
 SPLIT_PRODUCER_REGS = 32
@@ -458,8 +485,15 @@ def wide_config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} must be {WIDE_BLOCK} at head_dim={fs.head_dim}, "
                                  f"head_dim_v={fs.dv} (wgmma backward: registers of the dK~ warpgroup)")
     cap = WIDE_DROPOUT_ALIBI_REGS if fs.has("dropout") and fs.has("alibi") else WIDE_REGS
+    what = " with dropout and alibi" if cap == WIDE_DROPOUT_ALIBI_REGS else ""
+    if fs.has("attn_mask") or fs.has("bias"):
+        cap = min(cap, WIDE_MASK_BIAS_REGS)
+        what = " with " + " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
+    if fs.has("bias") and (regs := wide_regs(fs)[1]) > WIDE_BIAS_DV_REGS:
+        return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}{what}: the dV~ "
+                                 f"warpgroup's {regs} fp32 registers per thread, more than {WIDE_BIAS_DV_REGS} beside the "
+                                 f"bias (wgmma backward: ptxas would spill)")
     if (regs := max(wide_regs(fs))) > cap:
-        what = " with dropout and alibi" if cap == WIDE_DROPOUT_ALIBI_REGS else ""
         return Reason("block_r", f"block_r={fs.block_r} at head_dim={fs.head_dim}, head_dim_v={fs.dv}{what}: {regs} "
                                  f"fp32 registers per consumer thread, more than {cap} (wgmma backward: ptxas would spill)")
     return None
