@@ -1298,6 +1298,58 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
     }
 }
 }  // namespace fa
+namespace fa {
+// ---- mma backward: stages ---------------------------------------------------
+// A fragment view: the caller's accumulator tiles as one index space. Element (n, e) is element e
+// (MmaAccLayout) of the caller's n-th m16n8 tile of S (or P) and of dP (or dS); at(n, e) returns the
+// pair's inputs (MmaPdsIn) in the caller's (thread, value) -> (Q row, key) layout: the 1-D kernel's
+// transposed tiles (S^T: rows are keys), the 2-D kernel's and the dq kernel's S tiles.
+struct MmaPdsIn {
+    int row, col;     // the pair's Q row and key (the score modifications' and the bias gradient's)
+    bool ok;          // an allowed pair (always true where the caller zeroes masked pairs after)
+    bool keep;        // Z_ij (dropout's keep bit)
+    float lse2, dlt;  // lse in the exp2 domain and D (or ds_scale x D) of the pair's Q row
+    float lo;         // the row's lse_lo (EXACT only)
+    float* dbias;     // dL/ds of the pair, or nullptr
+};
+
+// Algorithm 4 lines 13-20 over a warp's NT score tiles, the one S -> P -> dS of the family:
+// P = exp2(s log2 e - lse2) (with the score modifications, from the final score), dropped by Z,
+// dS = P (dP Z / (1 - p) - D) through the softcap, times ds_scale (mma_pds, per element). S(n, e) and
+// DP(n, e) return the caller's registers (float&): S in, P out; dP in, dS out.
+template <bool EXACT, int NT, class SAt, class DpAt, class In>
+FA_DEVICE void mma_bwd_pds(SAt&& S, DpAt&& DP, In&& at, float scale_log2, float ds_scale, float rp_keep,
+                           const ScoreParams& sp) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const MmaPdsIn x = at(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            const MmaPds r = mma_pds<EXACT>(s, dp, x.ok, x.keep, x.lse2, x.dlt, scale_log2, ds_scale, rp_keep, x.row, x.col,
+                                            sp, x.dbias, x.lo);
+            s = r.p;
+            dp = r.ds;
+        }
+}
+
+// Algorithm 4 line 12 for the plain score: masked pairs take no part, P and dS exactly 0 whatever dP or
+// D hold (ok(n, e): the pair is allowed; the caller's band or the whole rule).
+template <int NT, class SAt, class DpAt, class Ok>
+FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool o = ok(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            s = o ? s : 0.f;
+            dp = o ? dp : 0.f;
+        }
+}
+}  // namespace fa
 
 // ===========================================================================
 // Preprocess (eq. 6/13): D = rowsum(dO o O), one warp per row; zero the fp32
@@ -1657,6 +1709,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
                 }
             // a step with a huge row (exact): P from lse2 and the row's lse_lo (common.cuh), in code of its own
+            // S -> P -> dS (mma/bwd_stages.cuh) over the warp's 2 x 4 tiles as one index n = 4 m + n8
+            auto s_at = [&](int n, int e) -> float& { return sacc[n / 4][n % 4][e]; };
+            auto dp_at = [&](int n, int e) -> float& { return dpacc[n / 4][n % 4][e]; };
             auto pds = [&](auto ex_t) {
                 constexpr bool EX = decltype(ex_t)::value;
                 float lo[2][2] = {};
@@ -1670,18 +1725,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                                 ? lse_lo[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] : 0.f;
                         }
                 }
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int n = 0; n < 4; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const MmaPds pd = mma_pds<EX>(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][e >> 1],
-                                                          dl[m][e >> 1], scale_log2, scale, 1.f, 0, 0, sp, nullptr,
-                                                          lo[m][e >> 1]);
-                            sacc[m][n][e] = pd.p;
-                            dpacc[m][n][e] = pd.ds;
-                        }
+                mma_bwd_pds<EX, 8>(s_at, dp_at, [&](int n, int e) {  // element (n, e): tile [n / 4][n % 4]
+                    return MmaPdsIn{0, 0, true, true, l2[n / 4][e >> 1], dl[n / 4][e >> 1], lo[n / 4][e >> 1], nullptr};
+                }, scale_log2, scale, 1.f, sp);
             };
             if (exact) pds(FaBool<true>{});
             else pds(FaBool<false>{});

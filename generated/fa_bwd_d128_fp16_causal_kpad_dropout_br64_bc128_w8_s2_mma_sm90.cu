@@ -1296,6 +1296,58 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
     }
 }
 }  // namespace fa
+namespace fa {
+// ---- mma backward: stages ---------------------------------------------------
+// A fragment view: the caller's accumulator tiles as one index space. Element (n, e) is element e
+// (MmaAccLayout) of the caller's n-th m16n8 tile of S (or P) and of dP (or dS); at(n, e) returns the
+// pair's inputs (MmaPdsIn) in the caller's (thread, value) -> (Q row, key) layout: the 1-D kernel's
+// transposed tiles (S^T: rows are keys), the 2-D kernel's and the dq kernel's S tiles.
+struct MmaPdsIn {
+    int row, col;     // the pair's Q row and key (the score modifications' and the bias gradient's)
+    bool ok;          // an allowed pair (always true where the caller zeroes masked pairs after)
+    bool keep;        // Z_ij (dropout's keep bit)
+    float lse2, dlt;  // lse in the exp2 domain and D (or ds_scale x D) of the pair's Q row
+    float lo;         // the row's lse_lo (EXACT only)
+    float* dbias;     // dL/ds of the pair, or nullptr
+};
+
+// Algorithm 4 lines 13-20 over a warp's NT score tiles, the one S -> P -> dS of the family:
+// P = exp2(s log2 e - lse2) (with the score modifications, from the final score), dropped by Z,
+// dS = P (dP Z / (1 - p) - D) through the softcap, times ds_scale (mma_pds, per element). S(n, e) and
+// DP(n, e) return the caller's registers (float&): S in, P out; dP in, dS out.
+template <bool EXACT, int NT, class SAt, class DpAt, class In>
+FA_DEVICE void mma_bwd_pds(SAt&& S, DpAt&& DP, In&& at, float scale_log2, float ds_scale, float rp_keep,
+                           const ScoreParams& sp) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const MmaPdsIn x = at(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            const MmaPds r = mma_pds<EXACT>(s, dp, x.ok, x.keep, x.lse2, x.dlt, scale_log2, ds_scale, rp_keep, x.row, x.col,
+                                            sp, x.dbias, x.lo);
+            s = r.p;
+            dp = r.ds;
+        }
+}
+
+// Algorithm 4 line 12 for the plain score: masked pairs take no part, P and dS exactly 0 whatever dP or
+// D hold (ok(n, e): the pair is allowed; the caller's band or the whole rule).
+template <int NT, class SAt, class DpAt, class Ok>
+FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool o = ok(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            s = o ? s : 0.f;
+            dp = o ? dp : 0.f;
+        }
+}
+}  // namespace fa
 
 // ===========================================================================
 // Preprocess (eq. 6/13): D = rowsum(dO o O), one warp per row; zero the fp32
@@ -1611,56 +1663,40 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dlt[n][0] = d2.x;
                     dlt[n][1] = d2.y;
                 }
+                auto st_at = [&](int n, int e) -> float& { return st[n][e]; };
+                auto dpt_at = [&](int n, int e) -> float& { return dpt[n][e]; };
                 if constexpr (HAS_SCORE_MOD) {
                     // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
                     // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
                     // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
-                            const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
-                            if constexpr (HAS_BIAS_GRAD) {
-                                if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
-                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
-                            }
-                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
-                            st[n][e] = r.p;
-                            dpt[n][e] = r.ds;
+                    mma_bwd_pds<false, 2 * CS>(st_at, dpt_at, [&](int n, int e) {
+                        const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
+                        const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                        float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
+                        if constexpr (HAS_BIAS_GRAD) {
+                            if (row < mp.seqlen_q && col < mp.seqlen_k)
+                                dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
+                                            (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
                         }
-                } else {
-#pragma unroll
-                for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
                         const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                 scale, rp_keep, 0, 0, sp);
-                        st[n][e] = r.p;
-                        dpt[n][e] = r.ds;
-                    }
-                if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            bool ok;
+                        return MmaPdsIn{row, col, ok, keep, lse2[n][e & 1], dlt[n][e & 1], 0.f, dbias_out};
+                    }, scale_log2, scale, rp_keep, sp);  // D staged as is here
+                } else {
+                    // tau dS in one FMA: D staged as tau D
+                    mma_bwd_pds<false, 2 * CS>(st_at, dpt_at, [&](int n, int e) {
+                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                        return MmaPdsIn{0, 0, true, keep, lse2[n][e & 1], dlt[n][e & 1], 0.f, nullptr};
+                    }, scale_log2, scale, rp_keep, sp);
+                    if (masked)  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+                        mma_bwd_zero_masked<2 * CS>(st_at, dpt_at, [&](int n, int e) {
                             if constexpr (HAS_DATA_MASK || !BWD_SPLIT_MASK) {  // the whole rule per element
-                                ok = mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
-                                                 mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                                return mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
+                                                   mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
                             } else {
                                 const int u = n * 8 + (e & 1);  // the row within the chunk; the band is shifted by c0
-                                ok = u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
+                                return u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
                             }
-                            st[n][e] = ok ? st[n][e] : 0.f;
-                            dpt[n][e] = ok ? dpt[n][e] : 0.f;
-                        }
-                }
+                        });
                 }
                 unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
 #pragma unroll
