@@ -1347,6 +1347,130 @@ FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
             dp = o ? dp : 0.f;
         }
 }
+
+// Algorithm 4 line 21 in the 1-D main kernel (dQ~_i += tau dS K_j, fp32 atomics into dQ~ rows of
+// (b, h): dq_bh, row stride dq_rs): A = tau dS via ldmatrix.trans of dS^T (sds, tau folded in), B = K_j
+// (sk) via ldmatrix.trans; the warps share the output tiles. A fully masked row (lse = -inf, stored as
+// +inf in slse) keeps dQ exactly 0 (no 0 * NaN from K). DQ_2D: one (32 Q rows x 32 columns) block
+// per warp. Otherwise item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
+// (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds its columns,
+// DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of the tile) with constant
+// offsets. A fully visible tile (rows inside the sequence, every row with an allowed key) at a head dim
+// of whole k16 steps adds with no guard at all; otherwise the row guards are computed once per item.
+FA_DEVICE void mma_bwd_dq_add(const T* sds, const T* sk, const float* slse, float* dq_bh, long long dq_rs, int i0,
+                              int len_q, bool full, int warp, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+    const bool dq_unguarded = HEAD_DIM == DPAD && full;
+    if constexpr (DQ_2D) {
+        const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
+        float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+        bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], sds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                unsigned bk[4];
+                mma_load_b_kmajor(bk, sk, LD, kk * 16, nc0 + 16 * c, lane);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                    mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+                }
+            }
+        }
+        // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+        float* dq_row[4];
+        dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+#pragma unroll
+        for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+        if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (row_ok[q]) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                }
+            }
+        }
+    } else
+#pragma unroll
+    for (int k = 0; k < DQ_PER_WARP; ++k) {
+        const int it = warp + k * NUM_WARPS;
+        if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
+        const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
+        unsigned af[BLOCK_C / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], sds, DS_LD, mt * 16, kk * 16, lane);
+        const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
+        bool row_ok[2] = {true, true};
+        if (!dq_unguarded) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
+        }
+        float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
+        float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
+#pragma unroll
+        for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
+            float acc[2 * DQ_NCC][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_C / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < DQ_NCC; ++c) {
+                    unsigned bk[4];
+                    mma_load_b_kmajor(bk, sk, LD, kk * 16, (nc0 + cc + c) * 16, lane);
+                    mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
+                    mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+                }
+            if (dq_unguarded) {
+#pragma unroll
+                for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                continue;
+            }
+            if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (row_ok[r]) {
+#pragma unroll
+                        for (int c = 0; c < 2 * DQ_NCC; ++c)
+                            fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                    }
+                continue;
+            }
+#pragma unroll
+            for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
+                    if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
+                        if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
+                            fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
+                    } else {
+#pragma unroll
+                        for (int x = 0; x < 2; ++x)
+                            if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
+                                fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
+                    }
+                }
+        }
+    }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1770,125 +1894,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
             fa_sync();  // dS^T complete
 
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS via ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans;
-            // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
-            // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-            // Item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
-            // (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds
-            // its columns, DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of
-            // the tile) with constant offsets. A fully visible tile (rows inside the sequence, every
-            // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
-            // otherwise the row guards are computed once per item.
-            const bool dq_unguarded = HEAD_DIM == DPAD && full;
-            if constexpr (DQ_2D) {
-                const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
-                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-                bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                    unsigned af[2][4];
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        unsigned bk[4];
-                        mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
-#pragma unroll
-                        for (int m = 0; m < 2; ++m) {
-                            mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
-                            mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
-                        }
-                    }
-                }
-                // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
-                float* dq_row[4];
-                dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
-#pragma unroll
-                for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
-                if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (row_ok[q]) {
-#pragma unroll
-                            for (int c = 0; c < 4; ++c)
-                                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                        }
-                    }
-                }
-            } else
-#pragma unroll
-            for (int k = 0; k < DQ_PER_WARP; ++k) {
-                const int it = warp + k * NUM_WARPS;
-                if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
-                const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
-                unsigned af[BLOCK_C / 16][4];
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
-                const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
-                bool row_ok[2] = {true, true};
-                if (!dq_unguarded) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
-                }
-                float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
-                float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
-#pragma unroll
-                for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
-                    float acc[2 * DQ_NCC][4] = {};
-#pragma unroll
-                    for (int kk = 0; kk < BLOCK_C / 16; ++kk)
-#pragma unroll
-                        for (int c = 0; c < DQ_NCC; ++c) {
-                            unsigned bk[4];
-                            mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
-                            mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
-                            mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
-                        }
-                    if (dq_unguarded) {
-#pragma unroll
-                        for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-                                fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                        continue;
-                    }
-                    if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
-#pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            if (row_ok[r]) {
-#pragma unroll
-                                for (int c = 0; c < 2 * DQ_NCC; ++c)
-                                    fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                            }
-                        continue;
-                    }
-#pragma unroll
-                    for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
-                            if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
-                                if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
-                                    fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
-                            } else {
-#pragma unroll
-                                for (int x = 0; x < 2; ++x)
-                                    if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
-                                        fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
-                            }
-                        }
-                }
-            }
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (fp32 atomics: A = tau dS^T from smem, B = K_j; mma_bwd_dq_add)
+            mma_bwd_dq_add(s.ds, s.k, slse, dq_bh, dq_rs, i0, len_q, full, warp, lane);
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
