@@ -1126,7 +1126,6 @@ constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
 // fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above read 5 per 8 at 16 x 64).
 constexpr bool DQ_2D = HEAD_DIM == DPAD && BLOCK_R % 32 == 0 && DPAD % 32 == 0 &&
                        (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS;
-static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
 
 // The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
 template <bool B> struct MmaBool { static constexpr bool value = B; };
@@ -1348,127 +1347,163 @@ FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
         }
 }
 
-// Algorithm 4 line 21 in the 1-D main kernel (dQ~_i += tau dS K_j, fp32 atomics into dQ~ rows of
-// (b, h): dq_bh, row stride dq_rs): A = tau dS via ldmatrix.trans of dS^T (sds, tau folded in), B = K_j
-// (sk) via ldmatrix.trans; the warps share the output tiles. A fully masked row (lse = -inf, stored as
-// +inf in slse) keeps dQ exactly 0 (no 0 * NaN from K). DQ_2D: one (32 Q rows x 32 columns) block
-// per warp. Otherwise item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
-// (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds its columns,
-// DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of the tile) with constant
-// offsets. A fully visible tile (rows inside the sequence, every row with an allowed key) at a head dim
-// of whole k16 steps adds with no guard at all; otherwise the row guards are computed once per item.
-FA_DEVICE void mma_bwd_dq_add(const T* sds, const T* sk, const float* slse, float* dq_bh, long long dq_rs, int i0,
-                              int len_q, bool full, int warp, int lane) {
-    const int g = lane >> 2, t4 = lane & 3;
-    const bool dq_unguarded = HEAD_DIM == DPAD && full;
-    if constexpr (DQ_2D) {
-        const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
-        float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-        bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+// Algorithm 4 line 8: dK~, dV~ of a warp's 16 K/V rows (fp32 m16n8 tiles: NTK across the head dim, NTV
+// across the v head dim), at home in registers (MmaKvAccRegs) or in shared memory in fragment order
+// (MmaKvAccSmem, ACC_IN_SMEM: [NT][4][32] floats per warp, element (n, e) of a lane at (4 n + e) 32 + lane).
+// One interface: make(s, warp, lane, active) gives the zeroed accumulator, add_vk / add_v / add_k add the
+// n16 step nd (tiles 2 nd, 2 nd + 1) of A B (b: the four B registers of the step), dk(n, e, lane) and
+// dv(n, e, lane) read an element at the end.
+template <int NTK, int NTV>
+struct MmaKvAccRegs {
+    float dk_[NTK][4], dv_[NTV][4];
+    template <class S>
+    static FA_DEVICE MmaKvAccRegs make(const S&, int, int, bool) {
+        MmaKvAccRegs a;
+        if constexpr (NTK == NTV) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-            row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+            for (int n = 0; n < NTK; ++n)
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-            unsigned af[2][4];
-#pragma unroll
-            for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], sds, DS_LD, mr0 + 16 * m, kk * 16, lane);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                unsigned bk[4];
-                mma_load_b_kmajor(bk, sk, LD, kk * 16, nc0 + 16 * c, lane);
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
-                    mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
-                }
-            }
-        }
-        // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
-        float* dq_row[4];
-        dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
-#pragma unroll
-        for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
-        if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                for (int e = 0; e < 4; ++e) { a.dk_[n][e] = 0.f; a.dv_[n][e] = 0.f; }
         } else {
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                if (row_ok[q]) {
+            for (int n = 0; n < NTK; ++n)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                for (int e = 0; e < 4; ++e) a.dk_[n][e] = 0.f;
+#pragma unroll
+            for (int n = 0; n < NTV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a.dv_[n][e] = 0.f;
+        }
+        return a;
+    }
+    // dV~ += P^T dO_i and dK~ += tau dS^T Q_i, step nd of both (the head dims alike)
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int) {
+        mma_tile(dv_[2 * nd], ap, bdo[0], bdo[1]);
+        mma_tile(dv_[2 * nd + 1], ap, bdo[2], bdo[3]);
+        mma_tile(dk_[2 * nd], ads, bq[0], bq[1]);
+        mma_tile(dk_[2 * nd + 1], ads, bq[2], bq[3]);
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dv_[2 * nd], a, b[0], b[1]);
+        mma_tile(dv_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dk_[2 * nd], a, b[0], b[1]);
+        mma_tile(dk_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE float dk(int n, int e, int) const { return dk_[n][e]; }
+    FA_DEVICE float dv(int n, int e, int) const { return dv_[n][e]; }
+};
+template <int NTK, int NTV>
+struct MmaKvAccSmem {
+    float* dk_;  // the warp's [NTK][4][32]
+    float* dv_;  // [NTV][4][32]
+    template <class S>
+    static FA_DEVICE MmaKvAccSmem make(const S& s, int warp, int lane, bool active) {
+        MmaKvAccSmem a{s.dk + warp * 16 * (8 * NTK), s.dv + warp * 16 * (8 * NTV)};
+        if constexpr (NTK == NTV) {
+            if (active)
+                for (int x = lane; x < 16 * (8 * NTK); x += 32) { a.dk_[x] = 0.f; a.dv_[x] = 0.f; }
+        } else if (active) {
+            for (int x = lane; x < 16 * (8 * NTK); x += 32) a.dk_[x] = 0.f;
+            for (int x = lane; x < 16 * (8 * NTV); x += 32) a.dv_[x] = 0.f;
+        }
+        return a;
+    }
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int lane) {
+        float tv[2][4], tk[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tv[n][e] = dv_[((2 * nd + n) * 4 + e) * 32 + lane];
+                tk[n][e] = dk_[((2 * nd + n) * 4 + e) * 32 + lane];
+            }
+        mma_tile(tv[0], ap, bdo[0], bdo[1]);
+        mma_tile(tv[1], ap, bdo[2], bdo[3]);
+        mma_tile(tk[0], ads, bq[0], bq[1]);
+        mma_tile(tk[1], ads, bq[2], bq[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                dv_[((2 * nd + n) * 4 + e) * 32 + lane] = tv[n][e];
+                dk_[((2 * nd + n) * 4 + e) * 32 + lane] = tk[n][e];
+            }
+    }
+    static FA_DEVICE void add_to(float* sm, int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) {
+        float t[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[n][e] = sm[((2 * nd + n) * 4 + e) * 32 + lane];
+        mma_tile(t[0], a, b[0], b[1]);
+        mma_tile(t[1], a, b[2], b[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sm[((2 * nd + n) * 4 + e) * 32 + lane] = t[n][e];
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dv_, nd, a, b, lane); }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dk_, nd, a, b, lane); }
+    FA_DEVICE float dk(int n, int e, int lane) const { return dk_[(n * 4 + e) * 32 + lane]; }
+    FA_DEVICE float dv(int n, int e, int lane) const { return dv_[(n * 4 + e) * 32 + lane]; }
+};
+// The main kernel's accumulator home (ACC_IN_SMEM, fagen.families.mma: the head dim too wide for registers).
+template <bool B, class A, class C> struct MmaPick { using type = A; };
+template <class A, class C> struct MmaPick<false, A, C> { using type = C; };
+using MmaKvAcc = typename MmaPick<ACC_IN_SMEM, MmaKvAccSmem<NT_D, NT_D>, MmaKvAccRegs<NT_D, NT_D>>::type;
+
+// Algorithm 4 line 24 in the 1-D main kernel: dK_j = dK~ (tau already folded into dS), dV_j = dV~
+// dv_scale (1 / (1 - p) with dropout), the warp's keys col0 + wrow + row(lane, e) inside the sequence,
+// columns inside the head dims (DK, DV); a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot
+// leak in). JOINT: one pass over both (the same head dim), else dK then dV.
+template <bool JOINT, int NTK, int NTV, int DK, int DV, class Acc>
+FA_DEVICE void mma_bwd_store_dkdv(const Acc& acc, T* dk, T* dv, const SeqInfo& si, int b, int hk, long long stride_dk_b,
+                                  long long stride_dk_s, long long stride_dk_h, long long stride_dv_b,
+                                  long long stride_dv_s, long long stride_dv_h, int col0, int wrow, int lane,
+                                  bool active, int len_k, const unsigned char* kpm_b, float dv_scale) {
+    if constexpr (JOINT) {
+#pragma unroll
+        for (int n = 0; n < NTK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane), dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
                 }
             }
-        }
-    } else
+    } else {
 #pragma unroll
-    for (int k = 0; k < DQ_PER_WARP; ++k) {
-        const int it = warp + k * NUM_WARPS;
-        if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
-        const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
-        unsigned af[BLOCK_C / 16][4];
+        for (int n = 0; n < NTK; ++n)
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], sds, DS_LD, mt * 16, kk * 16, lane);
-        const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
-        bool row_ok[2] = {true, true};
-        if (!dq_unguarded) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
-        }
-        float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
-        float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
-#pragma unroll
-        for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
-            float acc[2 * DQ_NCC][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_C / 16; ++kk)
-#pragma unroll
-                for (int c = 0; c < DQ_NCC; ++c) {
-                    unsigned bk[4];
-                    mma_load_b_kmajor(bk, sk, LD, kk * 16, (nc0 + cc + c) * 16, lane);
-                    mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
-                    mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
                 }
-            if (dq_unguarded) {
-#pragma unroll
-                for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                continue;
-            }
-            if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    if (row_ok[r]) {
-#pragma unroll
-                        for (int c = 0; c < 2 * DQ_NCC; ++c)
-                            fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                    }
-                continue;
             }
 #pragma unroll
-            for (int c = 0; c < 2 * DQ_NCC; ++c)
+        for (int n = 0; n < NTV; ++n)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
-                    if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
-                        if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
-                            fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
-                    } else {
-#pragma unroll
-                        for (int x = 0; x < 2; ++x)
-                            if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
-                                fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
-                    }
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DV) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
                 }
-        }
+            }
     }
 }
 }  // namespace fa
@@ -1623,12 +1658,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, len_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
     fa_cp_async_commit();
 
-    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order)
-    float dk_acc[ACC_IN_SMEM ? 1 : NT_D][4], dv_acc[ACC_IN_SMEM ? 1 : NT_D][4];
-#pragma unroll
-    for (int n = 0; n < (ACC_IN_SMEM ? 1 : NT_D); ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) { dk_acc[n][e] = 0.f; dv_acc[n][e] = 0.f; }
+    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order: MmaKvAcc)
+    auto acc = MmaKvAcc::make(s, warp, lane, active);
 
     // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
     // the lane's dS^T element (row wrow + g, column 2 t4); pinned with BWD_PIN (rules.bwd_pin: ptxas
@@ -1853,13 +1884,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
                     fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
                     fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
-                    if constexpr (!ACC_IN_SMEM) {
-                        mma_tile(dv_acc[2 * nd], ap[sc], bdo[0], bdo[1]);
-                        mma_tile(dv_acc[2 * nd + 1], ap[sc], bdo[2], bdo[3]);
-                        mma_tile(dk_acc[2 * nd], ads[sc], bq[0], bq[1]);
-                        mma_tile(dk_acc[2 * nd + 1], ads[sc], bq[2], bq[3]);
-                    } else {
-                    }
+                    acc.add_vk(nd, ap[sc], bdo, ads[sc], bq, lane);
                 }
             };
             if (active) {
@@ -1894,33 +1919,134 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             }
             fa_sync();  // dS^T complete
 
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (fp32 atomics: A = tau dS^T from smem, B = K_j; mma_bwd_dq_add)
-            mma_bwd_dq_add(s.ds, s.k, slse, dq_bh, dq_rs, i0, len_q, full, warp, lane);
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS via ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans;
+            // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
+            // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
+            // Item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
+            // (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds
+            // its columns, DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of
+            // the tile) with constant offsets. A fully visible tile (rows inside the sequence, every
+            // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
+            // otherwise the row guards are computed once per item.
+            const bool dq_unguarded = HEAD_DIM == DPAD && full;
+            if constexpr (DQ_2D) {
+                const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
+                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+                bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+                    unsigned af[2][4];
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        unsigned bk[4];
+                        mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
+#pragma unroll
+                        for (int m = 0; m < 2; ++m) {
+                            mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                            mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+                        }
+                    }
+                }
+                // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+                float* dq_row[4];
+                dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+#pragma unroll
+                for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+                if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (row_ok[q]) {
+#pragma unroll
+                            for (int c = 0; c < 4; ++c)
+                                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+                        }
+                    }
+                }
+            } else
+#pragma unroll
+            for (int k = 0; k < DQ_PER_WARP; ++k) {
+                const int it = warp + k * NUM_WARPS;
+                if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
+                const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
+                unsigned af[BLOCK_C / 16][4];
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+                const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
+                bool row_ok[2] = {true, true};
+                if (!dq_unguarded) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
+                }
+                float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
+                float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
+#pragma unroll
+                for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
+                    float acc[2 * DQ_NCC][4] = {};
+#pragma unroll
+                    for (int kk = 0; kk < BLOCK_C / 16; ++kk)
+#pragma unroll
+                        for (int c = 0; c < DQ_NCC; ++c) {
+                            unsigned bk[4];
+                            mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
+                            mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
+                            mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+                        }
+                    if (dq_unguarded) {
+#pragma unroll
+                        for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+                                fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                        continue;
+                    }
+                    if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
+#pragma unroll
+                        for (int r = 0; r < 2; ++r)
+                            if (row_ok[r]) {
+#pragma unroll
+                                for (int c = 0; c < 2 * DQ_NCC; ++c)
+                                    fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                            }
+                        continue;
+                    }
+#pragma unroll
+                    for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
+                            if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
+                                if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
+                                    fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
+                            } else {
+#pragma unroll
+                                for (int x = 0; x < 2; ++x)
+                                    if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
+                                        fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
+                            }
+                        }
+                }
+            }
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
     // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS; dV = dV~ / (1 - p))
     const float dv_scale = HAS_DROPOUT ? rp_keep : 1.f;
-#pragma unroll
-    for (int n = 0; n < NT_D; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = col0 + wrow + MmaAccLayout::row(lane, e);
-            const int x = n * 8 + MmaAccLayout::col(lane, e);
-            float dkv, dvv;
-            if constexpr (ACC_IN_SMEM) {
-            } else {
-                dkv = dk_acc[n][e];
-                dvv = dv_acc[n][e];
-            }
-            if (active && col < len_k && x < HEAD_DIM) {
-                // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
-                const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
-                dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
-            }
-        }
+    mma_bwd_store_dkdv<true, NT_D, NT_D, HEAD_DIM, HEAD_DIM>(
+        acc, dk, dv, si, b, hk, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, col0, wrow, lane,
+        active, len_k, kpm_b, dv_scale);
 }
 
 // ===========================================================================
