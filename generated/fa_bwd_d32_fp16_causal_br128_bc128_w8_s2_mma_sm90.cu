@@ -482,6 +482,10 @@ constexpr bool BWD_PIN = false;  // the lanes' fragment offsets and dS^T pointer
 constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
 constexpr int BWD_CHUNK_SUB = 1;  // 16-Q-row sub-chunks per chunk of the chunk loop
 constexpr int BWD_CHUNK_UNROLL = 2;  // chunks per trip of the chunk loop
+constexpr bool DQ_2D = false;  // dQ_i += dS K_j in 32 x 32 blocks, one per warp
+constexpr int DQ_WPM = 1;  // dQ_i tiles otherwise: warps sharing a 16-row tile
+constexpr int DQ_NCC = 2;  // dQ_i tiles otherwise: 16-column tiles accumulated at a time
+constexpr bool DO_LATE = false;  // two-dimensional layout: the next dO_i copied after dV~
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1116,16 +1120,16 @@ static_assert(DO_FROM_Q * (int)sizeof(T) == SMEM_DO__OFFSET - SMEM_Q_OFFSET &&
 // Q-row tile when the warps outnumber the row tiles (each takes DQ_NCW of its column tiles), else a
 // warp takes whole row tiles; DQ_NCC column tiles are accumulated at a time (2 DQ_NCC x 4 fp32).
 constexpr int DQ_MT = BLOCK_R / 16, DQ_NCT = DPAD / 16;
-constexpr int DQ_WPM = NUM_WARPS > DQ_MT && NUM_WARPS % DQ_MT == 0 && DQ_NCT % (NUM_WARPS / DQ_MT) == 0
-                           ? NUM_WARPS / DQ_MT : 1;
+// DQ_WPM, DQ_NCC: decided by fagen.families.mma.rules (dq_warps_per_row_tile, dq_cols_at_once; header).
+static_assert(DQ_WPM == 1 || DQ_MT * DQ_WPM == NUM_WARPS, "DQ_WPM: the warps split the row tiles evenly");
 constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
 constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
-constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
-// DQ_2D: the warps tile dQ_i in (32 Q rows x 32 columns) blocks, one per warp (BLOCK_R / 32 x DPAD / 32
-// of them, a head dim of whole k16 steps): per k16 step of the keys a warp reads two dS and two K_j
-// fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above read 5 per 8 at 16 x 64).
-constexpr bool DQ_2D = HEAD_DIM == DPAD && BLOCK_R % 32 == 0 && DPAD % 32 == 0 &&
-                       (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS;
+static_assert(DQ_NCT % DQ_WPM == 0 && DQ_NCW % DQ_NCC == 0, "DQ_NCC: whole column groups of a warp's share");
+// DQ_2D (fagen.families.mma.rules.dq_2d, header): the warps tile dQ_i in (32 Q rows x 32 columns)
+// blocks, one per warp (BLOCK_R / 32 x DPAD / 32 of them, a head dim of whole k16 steps): per k16 step of
+// the keys a warp reads two dS and two K_j fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above
+// read 5 per 8 at 16 x 64).
+static_assert(!DQ_2D || (HEAD_DIM == DPAD && (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS), "DQ_2D: 32 x 32 blocks tile dQ_i");
 
 // The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
 template <bool B> struct MmaBool { static constexpr bool value = B; };
