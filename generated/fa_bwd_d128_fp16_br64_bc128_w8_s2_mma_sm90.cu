@@ -484,6 +484,10 @@ constexpr bool BWD_PIN = false;  // the lanes' fragment offsets and dS^T pointer
 constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
 constexpr int BWD_CHUNK_SUB = 2;  // 16-Q-row sub-chunks per chunk of the chunk loop
 constexpr int BWD_CHUNK_UNROLL = 1;  // chunks per trip of the chunk loop
+constexpr bool DQ_2D = true;  // dQ_i += dS K_j in 32 x 32 blocks, one per warp
+constexpr int DQ_WPM = 2;  // dQ_i tiles otherwise: warps sharing a 16-row tile
+constexpr int DQ_NCC = 4;  // dQ_i tiles otherwise: 16-column tiles accumulated at a time
+constexpr bool DO_LATE = false;  // two-dimensional layout: the next dO_i copied after dV~
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1120,17 +1124,16 @@ static_assert(DO_FROM_Q * (int)sizeof(T) == SMEM_DO__OFFSET - SMEM_Q_OFFSET &&
 // Q-row tile when the warps outnumber the row tiles (each takes DQ_NCW of its column tiles), else a
 // warp takes whole row tiles; DQ_NCC column tiles are accumulated at a time (2 DQ_NCC x 4 fp32).
 constexpr int DQ_MT = BLOCK_R / 16, DQ_NCT = DPAD / 16;
-constexpr int DQ_WPM = NUM_WARPS > DQ_MT && NUM_WARPS % DQ_MT == 0 && DQ_NCT % (NUM_WARPS / DQ_MT) == 0
-                           ? NUM_WARPS / DQ_MT : 1;
+// DQ_WPM, DQ_NCC: decided by fagen.families.mma.rules (dq_warps_per_row_tile, dq_cols_at_once; header).
+static_assert(DQ_WPM == 1 || DQ_MT * DQ_WPM == NUM_WARPS, "DQ_WPM: the warps split the row tiles evenly");
 constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
 constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
-constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
-// DQ_2D: the warps tile dQ_i in (32 Q rows x 32 columns) blocks, one per warp (BLOCK_R / 32 x DPAD / 32
-// of them, a head dim of whole k16 steps): per k16 step of the keys a warp reads two dS and two K_j
-// fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above read 5 per 8 at 16 x 64).
-constexpr bool DQ_2D = HEAD_DIM == DPAD && BLOCK_R % 32 == 0 && DPAD % 32 == 0 &&
-                       (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS;
-static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
+static_assert(DQ_NCT % DQ_WPM == 0 && DQ_NCW % DQ_NCC == 0, "DQ_NCC: whole column groups of a warp's share");
+// DQ_2D (fagen.families.mma.rules.dq_2d, header): the warps tile dQ_i in (32 Q rows x 32 columns)
+// blocks, one per warp (BLOCK_R / 32 x DPAD / 32 of them, a head dim of whole k16 steps): per k16 step of
+// the keys a warp reads two dS and two K_j fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above
+// read 5 per 8 at 16 x 64).
+static_assert(!DQ_2D || (HEAD_DIM == DPAD && (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS), "DQ_2D: 32 x 32 blocks tile dQ_i");
 
 // The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
 template <bool B> struct MmaBool { static constexpr bool value = B; };
@@ -1300,6 +1303,218 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
     }
 }
 }  // namespace fa
+namespace fa {
+// ---- mma backward: stages ---------------------------------------------------
+// A fragment view: the caller's accumulator tiles as one index space. Element (n, e) is element e
+// (MmaAccLayout) of the caller's n-th m16n8 tile of S (or P) and of dP (or dS); at(n, e) returns the
+// pair's inputs (MmaPdsIn) in the caller's (thread, value) -> (Q row, key) layout: the 1-D kernel's
+// transposed tiles (S^T: rows are keys), the 2-D kernel's and the dq kernel's S tiles.
+struct MmaPdsIn {
+    int row, col;     // the pair's Q row and key (the score modifications' and the bias gradient's)
+    bool ok;          // an allowed pair (always true where the caller zeroes masked pairs after)
+    bool keep;        // Z_ij (dropout's keep bit)
+    float lse2, dlt;  // lse in the exp2 domain and D (or ds_scale x D) of the pair's Q row
+    float lo;         // the row's lse_lo (EXACT only)
+    float* dbias;     // dL/ds of the pair, or nullptr
+};
+
+// Algorithm 4 lines 13-20 over a warp's NT score tiles, the one S -> P -> dS of the family:
+// P = exp2(s log2 e - lse2) (with the score modifications, from the final score), dropped by Z,
+// dS = P (dP Z / (1 - p) - D) through the softcap, times ds_scale (mma_pds, per element). S(n, e) and
+// DP(n, e) return the caller's registers (float&): S in, P out; dP in, dS out.
+template <bool EXACT, int NT, class SAt, class DpAt, class In>
+FA_DEVICE void mma_bwd_pds(SAt&& S, DpAt&& DP, In&& at, float scale_log2, float ds_scale, float rp_keep,
+                           const ScoreParams& sp) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const MmaPdsIn x = at(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            const MmaPds r = mma_pds<EXACT>(s, dp, x.ok, x.keep, x.lse2, x.dlt, scale_log2, ds_scale, rp_keep, x.row, x.col,
+                                            sp, x.dbias, x.lo);
+            s = r.p;
+            dp = r.ds;
+        }
+}
+
+// Algorithm 4 line 12 for the plain score: masked pairs take no part, P and dS exactly 0 whatever dP or
+// D hold (ok(n, e): the pair is allowed; the caller's band or the whole rule).
+template <int NT, class SAt, class DpAt, class Ok>
+FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool o = ok(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            s = o ? s : 0.f;
+            dp = o ? dp : 0.f;
+        }
+}
+
+// Algorithm 4 line 8: dK~, dV~ of a warp's 16 K/V rows (fp32 m16n8 tiles: NTK across the head dim, NTV
+// across the v head dim), at home in registers (MmaKvAccRegs) or in shared memory in fragment order
+// (MmaKvAccSmem, ACC_IN_SMEM: [NT][4][32] floats per warp, element (n, e) of a lane at (4 n + e) 32 + lane).
+// One interface: make(s, warp, lane, active) gives the zeroed accumulator, add_vk / add_v / add_k add the
+// n16 step nd (tiles 2 nd, 2 nd + 1) of A B (b: the four B registers of the step), dk(n, e, lane) and
+// dv(n, e, lane) read an element at the end.
+template <int NTK, int NTV>
+struct MmaKvAccRegs {
+    float dk_[NTK][4], dv_[NTV][4];
+    template <class S>
+    static FA_DEVICE MmaKvAccRegs make(const S&, int, int, bool) {
+        MmaKvAccRegs a;
+        if constexpr (NTK == NTV) {
+#pragma unroll
+            for (int n = 0; n < NTK; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) { a.dk_[n][e] = 0.f; a.dv_[n][e] = 0.f; }
+        } else {
+#pragma unroll
+            for (int n = 0; n < NTK; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a.dk_[n][e] = 0.f;
+#pragma unroll
+            for (int n = 0; n < NTV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a.dv_[n][e] = 0.f;
+        }
+        return a;
+    }
+    // dV~ += P^T dO_i and dK~ += tau dS^T Q_i, step nd of both (the head dims alike)
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int) {
+        mma_tile(dv_[2 * nd], ap, bdo[0], bdo[1]);
+        mma_tile(dv_[2 * nd + 1], ap, bdo[2], bdo[3]);
+        mma_tile(dk_[2 * nd], ads, bq[0], bq[1]);
+        mma_tile(dk_[2 * nd + 1], ads, bq[2], bq[3]);
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dv_[2 * nd], a, b[0], b[1]);
+        mma_tile(dv_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dk_[2 * nd], a, b[0], b[1]);
+        mma_tile(dk_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE float dk(int n, int e, int) const { return dk_[n][e]; }
+    FA_DEVICE float dv(int n, int e, int) const { return dv_[n][e]; }
+};
+template <int NTK, int NTV>
+struct MmaKvAccSmem {
+    float* dk_;  // the warp's [NTK][4][32]
+    float* dv_;  // [NTV][4][32]
+    template <class S>
+    static FA_DEVICE MmaKvAccSmem make(const S& s, int warp, int lane, bool active) {
+        MmaKvAccSmem a{s.dk + warp * 16 * (8 * NTK), s.dv + warp * 16 * (8 * NTV)};
+        if constexpr (NTK == NTV) {
+            if (active)
+                for (int x = lane; x < 16 * (8 * NTK); x += 32) { a.dk_[x] = 0.f; a.dv_[x] = 0.f; }
+        } else if (active) {
+            for (int x = lane; x < 16 * (8 * NTK); x += 32) a.dk_[x] = 0.f;
+            for (int x = lane; x < 16 * (8 * NTV); x += 32) a.dv_[x] = 0.f;
+        }
+        return a;
+    }
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int lane) {
+        float tv[2][4], tk[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tv[n][e] = dv_[((2 * nd + n) * 4 + e) * 32 + lane];
+                tk[n][e] = dk_[((2 * nd + n) * 4 + e) * 32 + lane];
+            }
+        mma_tile(tv[0], ap, bdo[0], bdo[1]);
+        mma_tile(tv[1], ap, bdo[2], bdo[3]);
+        mma_tile(tk[0], ads, bq[0], bq[1]);
+        mma_tile(tk[1], ads, bq[2], bq[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                dv_[((2 * nd + n) * 4 + e) * 32 + lane] = tv[n][e];
+                dk_[((2 * nd + n) * 4 + e) * 32 + lane] = tk[n][e];
+            }
+    }
+    static FA_DEVICE void add_to(float* sm, int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) {
+        float t[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[n][e] = sm[((2 * nd + n) * 4 + e) * 32 + lane];
+        mma_tile(t[0], a, b[0], b[1]);
+        mma_tile(t[1], a, b[2], b[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sm[((2 * nd + n) * 4 + e) * 32 + lane] = t[n][e];
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dv_, nd, a, b, lane); }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dk_, nd, a, b, lane); }
+    FA_DEVICE float dk(int n, int e, int lane) const { return dk_[(n * 4 + e) * 32 + lane]; }
+    FA_DEVICE float dv(int n, int e, int lane) const { return dv_[(n * 4 + e) * 32 + lane]; }
+};
+// The main kernel's accumulator home (ACC_IN_SMEM, fagen.families.mma: the head dim too wide for registers).
+template <bool B, class A, class C> struct MmaPick { using type = A; };
+template <class A, class C> struct MmaPick<false, A, C> { using type = C; };
+using MmaKvAcc = typename MmaPick<ACC_IN_SMEM, MmaKvAccSmem<NT_D, NT_D>, MmaKvAccRegs<NT_D, NT_D>>::type;
+
+// Algorithm 4 line 24 in the 1-D main kernel: dK_j = dK~ (tau already folded into dS), dV_j = dV~
+// dv_scale (1 / (1 - p) with dropout), the warp's keys col0 + wrow + row(lane, e) inside the sequence,
+// columns inside the head dims (DK, DV); a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot
+// leak in). JOINT: one pass over both (the same head dim), else dK then dV.
+template <bool JOINT, int NTK, int NTV, int DK, int DV, class Acc>
+FA_DEVICE void mma_bwd_store_dkdv(const Acc& acc, T* dk, T* dv, const SeqInfo& si, int b, int hk, long long stride_dk_b,
+                                  long long stride_dk_s, long long stride_dk_h, long long stride_dv_b,
+                                  long long stride_dv_s, long long stride_dv_h, int col0, int wrow, int lane,
+                                  bool active, int len_k, const unsigned char* kpm_b, float dv_scale) {
+    if constexpr (JOINT) {
+#pragma unroll
+        for (int n = 0; n < NTK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane), dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int n = 0; n < NTK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
+                }
+            }
+#pragma unroll
+        for (int n = 0; n < NTV; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DV) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                }
+            }
+    }
+}
+}  // namespace fa
 
 // ===========================================================================
 // Preprocess (eq. 6/13): D = rowsum(dO o O), one warp per row; zero the fp32
@@ -1368,7 +1583,7 @@ static_assert(SMEM_K_COUNT == BLOCK_C * LD && SMEM_V_COUNT == BLOCK_C * LD, "K_j
 static_assert(SMEM_Q_COUNT == STAGES * BLOCK_R * LD && SMEM_DO__COUNT == DO_STAGES * BLOCK_R * LD, "Q_i / dO_i buffers");
 static_assert(SMEM_P_COUNT == BLOCK_R * LDP && SMEM_DS_COUNT == BLOCK_R * LDP, "P and tau dS tiles");
 static_assert(SMEM_LSE_COUNT == STAGES * BLOCK_R && SMEM_DELTA_COUNT == STAGES * BLOCK_R, "lse_i, D_i stages");
-constexpr bool DO_LATE = STAGES > 1 && DO_STAGES == 1;  // the next dO_i copied after dV~
+static_assert(DO_LATE == (STAGES > 1 && DO_STAGES == 1), "DO_LATE (header): the next dO_i copied after dV~");
 // The lane offset of thread tid's K_j / V_j B fragments in its S / dP block (sn0 * LD + ..).
 FA_DEVICE int mma2d_b_kv(int tid) { return ((tid / 32) % S_WN) * S_KEYS * LD + mma_lane_nm(tid % 32, LD); }
 // The lane offset of thread tid's Q_i / dO_i B fragments, k-major, in its dK~ / dV~ block (vd0 + ..).
@@ -1659,6 +1874,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
                 }
             // a step with a huge row (exact): P from lse2 and the row's lse_lo (common.cuh), in code of its own
+            // S -> P -> dS (mma/bwd_stages.cuh) over the warp's 2 x 4 tiles as one index n = 4 m + n8
+            auto s_at = [&](int n, int e) -> float& { return sacc[n / 4][n % 4][e]; };
+            auto dp_at = [&](int n, int e) -> float& { return dpacc[n / 4][n % 4][e]; };
             auto pds = [&](auto ex_t) {
                 constexpr bool EX = decltype(ex_t)::value;
                 float lo[2][2] = {};
@@ -1672,18 +1890,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                                 ? lse_lo[fa_lse_index(si, b, h, row, stride_lse_b, stride_lse_h)] : 0.f;
                         }
                 }
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int n = 0; n < 4; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const MmaPds pd = mma_pds<EX>(sacc[m][n][e], dpacc[m][n][e], true, true, l2[m][e >> 1],
-                                                          dl[m][e >> 1], scale_log2, scale, 1.f, 0, 0, sp, nullptr,
-                                                          lo[m][e >> 1]);
-                            sacc[m][n][e] = pd.p;
-                            dpacc[m][n][e] = pd.ds;
-                        }
+                mma_bwd_pds<EX, 8>(s_at, dp_at, [&](int n, int e) {  // element (n, e): tile [n / 4][n % 4]
+                    return MmaPdsIn{0, 0, true, true, l2[n / 4][e >> 1], dl[n / 4][e >> 1], lo[n / 4][e >> 1], nullptr};
+                }, scale_log2, scale, 1.f, sp);
             };
             if (exact) pds(FaBool<true>{});
             else pds(FaBool<false>{});

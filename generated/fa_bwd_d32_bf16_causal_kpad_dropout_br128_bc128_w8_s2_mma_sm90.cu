@@ -484,6 +484,10 @@ constexpr bool BWD_PIN = false;  // the lanes' fragment offsets and dS^T pointer
 constexpr bool BWD_SPLIT_MASK = true;  // separate chunk code for fully visible and partial tiles
 constexpr int BWD_CHUNK_SUB = 1;  // 16-Q-row sub-chunks per chunk of the chunk loop
 constexpr int BWD_CHUNK_UNROLL = 1;  // chunks per trip of the chunk loop
+constexpr bool DQ_2D = false;  // dQ_i += dS K_j in 32 x 32 blocks, one per warp
+constexpr int DQ_WPM = 1;  // dQ_i tiles otherwise: warps sharing a 16-row tile
+constexpr int DQ_NCC = 2;  // dQ_i tiles otherwise: 16-column tiles accumulated at a time
+constexpr bool DO_LATE = false;  // two-dimensional layout: the next dO_i copied after dV~
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1118,17 +1122,16 @@ static_assert(DO_FROM_Q * (int)sizeof(T) == SMEM_DO__OFFSET - SMEM_Q_OFFSET &&
 // Q-row tile when the warps outnumber the row tiles (each takes DQ_NCW of its column tiles), else a
 // warp takes whole row tiles; DQ_NCC column tiles are accumulated at a time (2 DQ_NCC x 4 fp32).
 constexpr int DQ_MT = BLOCK_R / 16, DQ_NCT = DPAD / 16;
-constexpr int DQ_WPM = NUM_WARPS > DQ_MT && NUM_WARPS % DQ_MT == 0 && DQ_NCT % (NUM_WARPS / DQ_MT) == 0
-                           ? NUM_WARPS / DQ_MT : 1;
+// DQ_WPM, DQ_NCC: decided by fagen.families.mma.rules (dq_warps_per_row_tile, dq_cols_at_once; header).
+static_assert(DQ_WPM == 1 || DQ_MT * DQ_WPM == NUM_WARPS, "DQ_WPM: the warps split the row tiles evenly");
 constexpr int DQ_NCW = DQ_NCT / DQ_WPM, DQ_ITEMS = DQ_MT * DQ_WPM;
 constexpr int DQ_PER_WARP = (DQ_ITEMS + NUM_WARPS - 1) / NUM_WARPS;  // items per warp (the last ones may idle)
-constexpr int DQ_NCC = DQ_NCW % 4 == 0 ? 4 : DQ_NCW % 2 == 0 ? 2 : 1;
-// DQ_2D: the warps tile dQ_i in (32 Q rows x 32 columns) blocks, one per warp (BLOCK_R / 32 x DPAD / 32
-// of them, a head dim of whole k16 steps): per k16 step of the keys a warp reads two dS and two K_j
-// fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above read 5 per 8 at 16 x 64).
-constexpr bool DQ_2D = HEAD_DIM == DPAD && BLOCK_R % 32 == 0 && DPAD % 32 == 0 &&
-                       (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS;
-static_assert(!ACC_IN_SMEM, "dK~/dV~ in registers");
+static_assert(DQ_NCT % DQ_WPM == 0 && DQ_NCW % DQ_NCC == 0, "DQ_NCC: whole column groups of a warp's share");
+// DQ_2D (fagen.families.mma.rules.dq_2d, header): the warps tile dQ_i in (32 Q rows x 32 columns)
+// blocks, one per warp (BLOCK_R / 32 x DPAD / 32 of them, a head dim of whole k16 steps): per k16 step of
+// the keys a warp reads two dS and two K_j fragments for 8 HMMAs (0.5 ldmatrix per HMMA; the tiles above
+// read 5 per 8 at 16 x 64).
+static_assert(!DQ_2D || (HEAD_DIM == DPAD && (BLOCK_R / 32) * (DPAD / 32) == NUM_WARPS), "DQ_2D: 32 x 32 blocks tile dQ_i");
 
 // The main kernel's chunk step is masked or not: a compile-time flag (MmaBool) or the tile's (MmaMasked).
 template <bool B> struct MmaBool { static constexpr bool value = B; };
@@ -1298,6 +1301,218 @@ FA_DEVICE MmaPds mma_pds(float qk, float dp, bool ok, bool keep, float lse2, flo
     }
 }
 }  // namespace fa
+namespace fa {
+// ---- mma backward: stages ---------------------------------------------------
+// A fragment view: the caller's accumulator tiles as one index space. Element (n, e) is element e
+// (MmaAccLayout) of the caller's n-th m16n8 tile of S (or P) and of dP (or dS); at(n, e) returns the
+// pair's inputs (MmaPdsIn) in the caller's (thread, value) -> (Q row, key) layout: the 1-D kernel's
+// transposed tiles (S^T: rows are keys), the 2-D kernel's and the dq kernel's S tiles.
+struct MmaPdsIn {
+    int row, col;     // the pair's Q row and key (the score modifications' and the bias gradient's)
+    bool ok;          // an allowed pair (always true where the caller zeroes masked pairs after)
+    bool keep;        // Z_ij (dropout's keep bit)
+    float lse2, dlt;  // lse in the exp2 domain and D (or ds_scale x D) of the pair's Q row
+    float lo;         // the row's lse_lo (EXACT only)
+    float* dbias;     // dL/ds of the pair, or nullptr
+};
+
+// Algorithm 4 lines 13-20 over a warp's NT score tiles, the one S -> P -> dS of the family:
+// P = exp2(s log2 e - lse2) (with the score modifications, from the final score), dropped by Z,
+// dS = P (dP Z / (1 - p) - D) through the softcap, times ds_scale (mma_pds, per element). S(n, e) and
+// DP(n, e) return the caller's registers (float&): S in, P out; dP in, dS out.
+template <bool EXACT, int NT, class SAt, class DpAt, class In>
+FA_DEVICE void mma_bwd_pds(SAt&& S, DpAt&& DP, In&& at, float scale_log2, float ds_scale, float rp_keep,
+                           const ScoreParams& sp) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const MmaPdsIn x = at(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            const MmaPds r = mma_pds<EXACT>(s, dp, x.ok, x.keep, x.lse2, x.dlt, scale_log2, ds_scale, rp_keep, x.row, x.col,
+                                            sp, x.dbias, x.lo);
+            s = r.p;
+            dp = r.ds;
+        }
+}
+
+// Algorithm 4 line 12 for the plain score: masked pairs take no part, P and dS exactly 0 whatever dP or
+// D hold (ok(n, e): the pair is allowed; the caller's band or the whole rule).
+template <int NT, class SAt, class DpAt, class Ok>
+FA_DEVICE void mma_bwd_zero_masked(SAt&& S, DpAt&& DP, Ok&& ok) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool o = ok(n, e);
+            float& s = S(n, e);
+            float& dp = DP(n, e);
+            s = o ? s : 0.f;
+            dp = o ? dp : 0.f;
+        }
+}
+
+// Algorithm 4 line 8: dK~, dV~ of a warp's 16 K/V rows (fp32 m16n8 tiles: NTK across the head dim, NTV
+// across the v head dim), at home in registers (MmaKvAccRegs) or in shared memory in fragment order
+// (MmaKvAccSmem, ACC_IN_SMEM: [NT][4][32] floats per warp, element (n, e) of a lane at (4 n + e) 32 + lane).
+// One interface: make(s, warp, lane, active) gives the zeroed accumulator, add_vk / add_v / add_k add the
+// n16 step nd (tiles 2 nd, 2 nd + 1) of A B (b: the four B registers of the step), dk(n, e, lane) and
+// dv(n, e, lane) read an element at the end.
+template <int NTK, int NTV>
+struct MmaKvAccRegs {
+    float dk_[NTK][4], dv_[NTV][4];
+    template <class S>
+    static FA_DEVICE MmaKvAccRegs make(const S&, int, int, bool) {
+        MmaKvAccRegs a;
+        if constexpr (NTK == NTV) {
+#pragma unroll
+            for (int n = 0; n < NTK; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) { a.dk_[n][e] = 0.f; a.dv_[n][e] = 0.f; }
+        } else {
+#pragma unroll
+            for (int n = 0; n < NTK; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a.dk_[n][e] = 0.f;
+#pragma unroll
+            for (int n = 0; n < NTV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a.dv_[n][e] = 0.f;
+        }
+        return a;
+    }
+    // dV~ += P^T dO_i and dK~ += tau dS^T Q_i, step nd of both (the head dims alike)
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int) {
+        mma_tile(dv_[2 * nd], ap, bdo[0], bdo[1]);
+        mma_tile(dv_[2 * nd + 1], ap, bdo[2], bdo[3]);
+        mma_tile(dk_[2 * nd], ads, bq[0], bq[1]);
+        mma_tile(dk_[2 * nd + 1], ads, bq[2], bq[3]);
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dv_[2 * nd], a, b[0], b[1]);
+        mma_tile(dv_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int) {
+        mma_tile(dk_[2 * nd], a, b[0], b[1]);
+        mma_tile(dk_[2 * nd + 1], a, b[2], b[3]);
+    }
+    FA_DEVICE float dk(int n, int e, int) const { return dk_[n][e]; }
+    FA_DEVICE float dv(int n, int e, int) const { return dv_[n][e]; }
+};
+template <int NTK, int NTV>
+struct MmaKvAccSmem {
+    float* dk_;  // the warp's [NTK][4][32]
+    float* dv_;  // [NTV][4][32]
+    template <class S>
+    static FA_DEVICE MmaKvAccSmem make(const S& s, int warp, int lane, bool active) {
+        MmaKvAccSmem a{s.dk + warp * 16 * (8 * NTK), s.dv + warp * 16 * (8 * NTV)};
+        if constexpr (NTK == NTV) {
+            if (active)
+                for (int x = lane; x < 16 * (8 * NTK); x += 32) { a.dk_[x] = 0.f; a.dv_[x] = 0.f; }
+        } else if (active) {
+            for (int x = lane; x < 16 * (8 * NTK); x += 32) a.dk_[x] = 0.f;
+            for (int x = lane; x < 16 * (8 * NTV); x += 32) a.dv_[x] = 0.f;
+        }
+        return a;
+    }
+    FA_DEVICE void add_vk(int nd, const unsigned (&ap)[4], const unsigned (&bdo)[4], const unsigned (&ads)[4],
+                          const unsigned (&bq)[4], int lane) {
+        float tv[2][4], tk[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                tv[n][e] = dv_[((2 * nd + n) * 4 + e) * 32 + lane];
+                tk[n][e] = dk_[((2 * nd + n) * 4 + e) * 32 + lane];
+            }
+        mma_tile(tv[0], ap, bdo[0], bdo[1]);
+        mma_tile(tv[1], ap, bdo[2], bdo[3]);
+        mma_tile(tk[0], ads, bq[0], bq[1]);
+        mma_tile(tk[1], ads, bq[2], bq[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                dv_[((2 * nd + n) * 4 + e) * 32 + lane] = tv[n][e];
+                dk_[((2 * nd + n) * 4 + e) * 32 + lane] = tk[n][e];
+            }
+    }
+    static FA_DEVICE void add_to(float* sm, int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) {
+        float t[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[n][e] = sm[((2 * nd + n) * 4 + e) * 32 + lane];
+        mma_tile(t[0], a, b[0], b[1]);
+        mma_tile(t[1], a, b[2], b[3]);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sm[((2 * nd + n) * 4 + e) * 32 + lane] = t[n][e];
+    }
+    FA_DEVICE void add_v(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dv_, nd, a, b, lane); }
+    FA_DEVICE void add_k(int nd, const unsigned (&a)[4], const unsigned (&b)[4], int lane) { add_to(dk_, nd, a, b, lane); }
+    FA_DEVICE float dk(int n, int e, int lane) const { return dk_[(n * 4 + e) * 32 + lane]; }
+    FA_DEVICE float dv(int n, int e, int lane) const { return dv_[(n * 4 + e) * 32 + lane]; }
+};
+// The main kernel's accumulator home (ACC_IN_SMEM, fagen.families.mma: the head dim too wide for registers).
+template <bool B, class A, class C> struct MmaPick { using type = A; };
+template <class A, class C> struct MmaPick<false, A, C> { using type = C; };
+using MmaKvAcc = typename MmaPick<ACC_IN_SMEM, MmaKvAccSmem<NT_D, NT_D>, MmaKvAccRegs<NT_D, NT_D>>::type;
+
+// Algorithm 4 line 24 in the 1-D main kernel: dK_j = dK~ (tau already folded into dS), dV_j = dV~
+// dv_scale (1 / (1 - p) with dropout), the warp's keys col0 + wrow + row(lane, e) inside the sequence,
+// columns inside the head dims (DK, DV); a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot
+// leak in). JOINT: one pass over both (the same head dim), else dK then dV.
+template <bool JOINT, int NTK, int NTV, int DK, int DV, class Acc>
+FA_DEVICE void mma_bwd_store_dkdv(const Acc& acc, T* dk, T* dv, const SeqInfo& si, int b, int hk, long long stride_dk_b,
+                                  long long stride_dk_s, long long stride_dk_h, long long stride_dv_b,
+                                  long long stride_dv_s, long long stride_dv_h, int col0, int wrow, int lane,
+                                  bool active, int len_k, const unsigned char* kpm_b, float dv_scale) {
+    if constexpr (JOINT) {
+#pragma unroll
+        for (int n = 0; n < NTK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane), dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int n = 0; n < NTK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dkv = acc.dk(n, e, lane);
+                if (active && col < len_k && x < DK) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
+                }
+            }
+#pragma unroll
+        for (int n = 0; n < NTV; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + wrow + MmaAccLayout::row(lane, e);
+                const int x = n * 8 + MmaAccLayout::col(lane, e);
+                const float dvv = acc.dv(n, e, lane);
+                if (active && col < len_k && x < DV) {
+                    const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
+                    dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
+                }
+            }
+    }
+}
+}  // namespace fa
 
 // ===========================================================================
 // Preprocess (eq. 6/13): D = rowsum(dO o O), one warp per row; zero the fp32
@@ -1449,12 +1664,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     mma_copy_tile<BLOCK_C>(s.v, v_bh, col0, len_k, stride_v_s, mma_vec_ok(v_bh, stride_v_s), kpm_b);
     fa_cp_async_commit();
 
-    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order)
-    float dk_acc[ACC_IN_SMEM ? 1 : NT_D][4], dv_acc[ACC_IN_SMEM ? 1 : NT_D][4];
-#pragma unroll
-    for (int n = 0; n < (ACC_IN_SMEM ? 1 : NT_D); ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) { dk_acc[n][e] = 0.f; dv_acc[n][e] = 0.f; }
+    // Algorithm 4 line 8: initialise dK~_j = dV~_j = 0 on SRAM (registers, or smem in fragment order: MmaKvAcc)
+    auto acc = MmaKvAcc::make(s, warp, lane, active);
 
     // Lane offsets of mma_load_b_nmajor / mma_load_b_kmajor at (0, 0) in a tile of row stride LD, and
     // the lane's dS^T element (row wrow + g, column 2 t4); pinned with BWD_PIN (rules.bwd_pin: ptxas
@@ -1613,56 +1824,40 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     dlt[n][0] = d2.x;
                     dlt[n][1] = d2.y;
                 }
+                auto st_at = [&](int n, int e) -> float& { return st[n][e]; };
+                auto dpt_at = [&](int n, int e) -> float& { return dpt[n][e]; };
                 if constexpr (HAS_SCORE_MOD) {
                     // One pass per element: the mask, the final score s = score_fwd(q.k) (no bias read
                     // for masked pairs), P, dS w.r.t. s -> dBias (plain stores: each pair is visited
                     // once), then dS through the softcap. Masked pairs: P and dS exactly 0.
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
-                            const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
-                            float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
-                            if constexpr (HAS_BIAS_GRAD) {
-                                if (row < mp.seqlen_q && col < mp.seqlen_k)
-                                    dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
-                                                (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
-                            }
-                            const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                            const MmaPds r = mma_pds(st[n][e], dpt[n][e], ok, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                     scale, rp_keep, row, col, sp, dbias_out);  // D staged as is here
-                            st[n][e] = r.p;
-                            dpt[n][e] = r.ds;
+                    mma_bwd_pds<false, 2 * CS>(st_at, dpt_at, [&](int n, int e) {
+                        const int row = i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col = col0 + wrow + MmaAccLayout::row(lane, e);
+                        const bool ok = !masked || mma_allowed(row, col, mp, kpm_b, mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                        float* dbias_out = nullptr;  // dBias: plain stores (each pair is visited once)
+                        if constexpr (HAS_BIAS_GRAD) {
+                            if (row < mp.seqlen_q && col < mp.seqlen_k)
+                                dbias_out = dbias + (long long)b * stride_dbias_b + (long long)h * stride_dbias_h +
+                                            (long long)row * stride_dbias_q + (long long)col * stride_dbias_k;
                         }
-                } else {
-#pragma unroll
-                for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {  // tau dS in one FMA: D staged as tau D
                         const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
-                        const MmaPds r = mma_pds(st[n][e], dpt[n][e], true, keep, lse2[n][e & 1], dlt[n][e & 1], scale_log2,
-                                                 scale, rp_keep, 0, 0, sp);
-                        st[n][e] = r.p;
-                        dpt[n][e] = r.ds;
-                    }
-                if (masked) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            bool ok;
+                        return MmaPdsIn{row, col, ok, keep, lse2[n][e & 1], dlt[n][e & 1], 0.f, dbias_out};
+                    }, scale_log2, scale, rp_keep, sp);  // D staged as is here
+                } else {
+                    // tau dS in one FMA: D staged as tau D
+                    mma_bwd_pds<false, 2 * CS>(st_at, dpt_at, [&](int n, int e) {
+                        const bool keep = ((keep_bits >> (4 * n + e)) & 1u) != 0u;
+                        return MmaPdsIn{0, 0, true, keep, lse2[n][e & 1], dlt[n][e & 1], 0.f, nullptr};
+                    }, scale_log2, scale, rp_keep, sp);
+                    if (masked)  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
+                        mma_bwd_zero_masked<2 * CS>(st_at, dpt_at, [&](int n, int e) {
                             if constexpr (HAS_DATA_MASK || !BWD_SPLIT_MASK) {  // the whole rule per element
-                                ok = mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
-                                                 mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
+                                return mma_allowed(i0 + c0 + n * 8 + MmaAccLayout::col(lane, e), col0 + wrow + MmaAccLayout::row(lane, e), mp, kpm_b,
+                                                   mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h, stride_mask_q, stride_mask_k);
                             } else {
                                 const int u = n * 8 + (e & 1);  // the row within the chunk; the band is shifted by c0
-                                ok = u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
+                                return u >= band_lo[e >> 1] && (!HAS_WINDOW || u <= band_hi[e >> 1]);
                             }
-                            st[n][e] = ok ? st[n][e] : 0.f;
-                            dpt[n][e] = ok ? dpt[n][e] : 0.f;
-                        }
-                }
+                        });
                 }
                 unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
 #pragma unroll
@@ -1695,13 +1890,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
                     fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
                     fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
-                    if constexpr (!ACC_IN_SMEM) {
-                        mma_tile(dv_acc[2 * nd], ap[sc], bdo[0], bdo[1]);
-                        mma_tile(dv_acc[2 * nd + 1], ap[sc], bdo[2], bdo[3]);
-                        mma_tile(dk_acc[2 * nd], ads[sc], bq[0], bq[1]);
-                        mma_tile(dk_acc[2 * nd + 1], ads[sc], bq[2], bq[3]);
-                    } else {
-                    }
+                    acc.add_vk(nd, ap[sc], bdo, ads[sc], bq, lane);
                 }
             };
             if (active) {
@@ -1861,25 +2050,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 
     // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS; dV = dV~ / (1 - p))
     const float dv_scale = HAS_DROPOUT ? rp_keep : 1.f;
-#pragma unroll
-    for (int n = 0; n < NT_D; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = col0 + wrow + MmaAccLayout::row(lane, e);
-            const int x = n * 8 + MmaAccLayout::col(lane, e);
-            float dkv, dvv;
-            if constexpr (ACC_IN_SMEM) {
-            } else {
-                dkv = dk_acc[n][e];
-                dvv = dv_acc[n][e];
-            }
-            if (active && col < len_k && x < HEAD_DIM) {
-                // a padded key's gradients are exactly 0 (0 * NaN in q or dO cannot leak in)
-                const bool padded = HAS_KEY_PADDING && kpm_b[col] == 0;
-                dk[fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x] = fa_from_float<T>(padded ? 0.f : dkv);
-                dv[fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x] = fa_from_float<T>(padded ? 0.f : dvv * dv_scale);
-            }
-        }
+    mma_bwd_store_dkdv<true, NT_D, NT_D, HEAD_DIM, HEAD_DIM>(
+        acc, dk, dv, si, b, hk, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, col0, wrow, lane,
+        active, len_k, kpm_b, dv_scale);
 }
 
 // ===========================================================================

@@ -67,7 +67,10 @@ from fagen.families.mma.rules import (
     bwd_do_stages,
     bwd_split_mask,
     bwd_wide_warps,
+    dq_2d,
+    dq_cols_at_once,
     dq_key_chunk,
+    dq_warps_per_row_tile,
     dq_kv_stages,
     dq_rows,
     ds_ld,
@@ -307,6 +310,14 @@ class MmaFamily(FamilyBase):
                 Constant("KV_IN_REGS", "bool", kv_in_regs(rd), "K_j / V_j A-fragments held in registers"),
                 *knob("lse_now"),
                 *knob("bwd_pin", "bwd_split_mask", "bwd_chunk_sub", "bwd_chunk_unroll"),
+                Constant("DQ_2D", "bool", dq_2d(d, t.block_r, fs.num_warps),
+                         "dQ_i += dS K_j in 32 x 32 blocks, one per warp"),
+                Constant("DQ_WPM", "int", dq_warps_per_row_tile(d, t.block_r, fs.num_warps),
+                         "dQ_i tiles otherwise: warps sharing a 16-row tile"),
+                Constant("DQ_NCC", "int", dq_cols_at_once(d, t.block_r, fs.num_warps),
+                         "dQ_i tiles otherwise: 16-column tiles accumulated at a time"),
+                Constant("DO_LATE", "bool", two_d and fs.knob_values.get(STAGES.name, STAGES.default) > 1
+                         and self._do_stages(fs) == 1, "two-dimensional layout: the next dO_i copied after dV~"),
             ]
             if fs.has("deterministic"):
                 stages = fs.knob_values.get(STAGES.name, STAGES.default)

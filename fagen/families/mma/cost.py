@@ -5,7 +5,7 @@ import math
 from collections.abc import Mapping
 
 from fagen.families.base import FamilySpec, PairCost
-from fagen.families.mma.rules import (bwd_2d, bwd_chunk_sub, dq_key_chunk, fwd_half_copy, fwd_m_tiles, fwd_q_in_regs,
+from fagen.families.mma.rules import (bwd_2d, bwd_chunk_sub, dq_2d, dq_key_chunk, fwd_half_copy, fwd_m_tiles, fwd_q_in_regs,
                                       kv_in_regs, padded_dim)
 
 def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost:
@@ -64,8 +64,7 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
             return PairCost(lds_wavefronts=4.0 * total_ldsm, warp_instructions=float(instr),
                             warp_iterations=float(total_hmma), busiest_warp_iterations=float(busiest), atomics=0.0)
         dq_hmma, dq_ldsm = units * 2 * (block_c // 16), units * 2 * (block_c // 16)
-        if (fs.head_dim == dp and block_r % 32 == 0 and dp % 32 == 0
-                and (block_r // 32) * (dp // 32) == w):  # DQ_2D: 32 x 32 per warp, 2 + 2 ldmatrix per 8 HMMAs
+        if dq_2d(fs.head_dim, block_r, w):  # DQ_2D: 32 x 32 per warp, 2 + 2 ldmatrix per 8 HMMAs
             dq_ldsm = dq_hmma // 2
         busiest = hmma + math.ceil(units / w) * 2 * (block_c // 16)
         stores = active * chunks * 4  # dS^T, 4 x 32-bit per lane per chunk

@@ -347,3 +347,25 @@ def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
     """K_j / V_j stages of the dq kernel: stage 1 lives in the Q_i / dO_i stage 1 buffers, so two
     only with two stages and a K/V block no taller than the Q block."""
     return 2 if stages > 1 and block_c <= block_r else 1
+
+
+def dq_2d(head_dim: int, block_r: int, num_warps: int) -> bool:
+    """The 1-D main kernel's dQ_i += dS K_j in (32 Q rows x 32 columns) blocks, one per warp (DQ_2D): where
+    the Q block and a head dim of whole k16 steps tile the warps that way (per k16 step of the keys a warp
+    reads two dS and two K_j fragments for 8 HMMAs: 0.5 ldmatrix per HMMA, against 5 per 8 at 16 x 64)."""
+    dp = padded_dim(head_dim)
+    return head_dim == dp and block_r % 32 == 0 and dp % 32 == 0 and (block_r // 32) * (dp // 32) == num_warps
+
+
+def dq_warps_per_row_tile(head_dim: int, block_r: int, num_warps: int) -> int:
+    """The 1-D main kernel's dQ tiles otherwise (DQ_WPM): warps sharing one 16-row tile of dQ_i when the warps
+    outnumber the row tiles and split its 16-column tiles evenly, else 1 (a warp takes whole row tiles)."""
+    mt, nct = block_r // 16, padded_dim(head_dim) // 16
+    return num_warps // mt if num_warps > mt and num_warps % mt == 0 and nct % (num_warps // mt) == 0 else 1
+
+
+def dq_cols_at_once(head_dim: int, block_r: int, num_warps: int) -> int:
+    """16-column tiles of dQ_i a warp accumulates at a time (DQ_NCC, 2 DQ_NCC x 4 fp32 registers): 4, 2 or 1,
+    the largest dividing its share of a row tile."""
+    ncw = padded_dim(head_dim) // 16 // dq_warps_per_row_tile(head_dim, block_r, num_warps)
+    return 4 if ncw % 4 == 0 else 2 if ncw % 2 == 0 else 1
