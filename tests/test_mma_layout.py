@@ -45,12 +45,16 @@ def test_layout_matches_the_isa_model() -> None:
 
 def test_pds_step_is_written_once() -> None:
     """The per-element P/dS step (exp2 of the final score, dropout, dS through the softcap, dBias) is
-    one device function of the backward, used by its main and dq kernels."""
+    one device function of the backward (mma_pds), run over a warp's tiles by one stage (mma_bwd_pds of
+    templates/mma/bwd_stages.cuh) that the main, two-dimensional and dq kernels call."""
     bwd = re.sub(r"//[^\n]*", "", (TEMPLATES / "mma" / "bwd.cu.j2").read_text())  # code only
-    assert bwd.count("FA_DEVICE MmaPds mma_pds(") == 1
+    stages = re.sub(r"//[^\n]*", "", (TEMPLATES / "mma" / "bwd_stages.cuh").read_text())
+    two_d = re.sub(r"//[^\n]*", "", (TEMPLATES / "mma" / "bwd_2d.cu.j2").read_text())
+    assert bwd.count("FA_DEVICE MmaPds mma_pds(") == 1 and "mma_pds(" not in two_d
+    assert re.search(r"mma_pds(<\w+>)?\(", stages)  # the stage runs the step
     main = bwd[bwd.index('{{ entry(kernels["main"]) }}'):bwd.index('{{ entry(kernels["dq"]) }}')]
     dq = bwd[bwd.index('{{ entry(kernels["dq"]) }}'):bwd.index('{{ prepost.post_kernel(kernels) }}')]
-    called = re.compile(r"mma_pds(<\w+>)?\(")  # (the dq kernel's exact path instantiates it: mma_pds<EX>)
-    assert called.search(main) and called.search(dq)
-    for text in (main, dq):  # nothing of the step is written out again in a kernel
+    called = re.compile(r"mma_bwd_pds<")
+    assert called.search(main) and called.search(dq) and called.search(two_d)
+    for text in (main, dq, two_d):  # nothing of the step is written out again in a kernel
         assert "score_grad_raw<" not in text and "score_fwd<" not in text and "mma_exp2(" not in text

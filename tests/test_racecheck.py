@@ -528,6 +528,10 @@ def _hand_picked() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
     # the Hopper backward (one consumer warpgroup, 64 Q rows per block; tests/test_wgmma_bwd.py has more)
     out.append((KernelSpec(direction="bwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
                            impl="wgmma", num_warps=4, block_r=64), PROBLEMS))
+    # the Hopper backward past head dim 128 (the split tile, templates/wgmma/bwd_split.cu.j2: two consumer
+    # warpgroups on 64 K/V rows; its epilogue's warp readback)
+    out.append((KernelSpec(direction="bwd", arch="sm_90a", head_dim=192, dtype="float16", causal=True,
+                           impl="wgmma"), (dict(nq=70, nk=64, heads=2, heads_kv=1),)))
     # the deterministic dq kernel's later passes (block_r > 16 x num_warps rows: a pass per 32 rows)
     out.append((KernelSpec(direction="bwd", deterministic=True, head_dim=16, dtype="float16", impl="mma",
                            causal=True, key_padding=True, num_warps=2, block_r=128, block_c=16,
