@@ -76,7 +76,9 @@ from fagen.families.mma.rules import (
     ds_ld,
     fwd_default_block_c,
     fwd_half_step,
+    fwd_hold,
     fwd_m_tiles,
+    fwd_s_split,
     fwd_q_in_regs,
     kv_in_regs,
     lse_now,
@@ -332,6 +334,10 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
+                Constant("FWD_S_SPLIT", "bool", fwd_s_split(t.block_r, fs.num_warps),
+                         "S one m16 tile after the other (32-row warps)"),
+                Constant("FWD_HOLD", "bool", fwd_hold(t.block_r, fs.num_warps, fs.flags),
+                         "lane offsets and flags held over the K/V loop"),
                 *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step"),
             ]
         return {"strides": strides, "constants": tuple(consts)}

@@ -369,3 +369,19 @@ def dq_cols_at_once(head_dim: int, block_r: int, num_warps: int) -> int:
     the largest dividing its share of a row tile."""
     ncw = padded_dim(head_dim) // 16 // dq_warps_per_row_tile(head_dim, block_r, num_warps)
     return 4 if ncw % 4 == 0 else 2 if ncw % 2 == 0 else 1
+
+
+def fwd_s_split(block_r: int, num_warps: int) -> bool:
+    """Forward: 32-row warps (``WARP_M_TILES`` 2) compute S one m16 tile after the other (``FWD_S_SPLIT``:
+    each Q fragment read from smem per k step, the K fragments the same for both, which ptxas keeps), so
+    the first tile's scores are complete before the second's start and the live S fragments fit 255
+    registers beside O."""
+    return fwd_m_tiles(block_r, num_warps) == 2
+
+
+def fwd_hold(block_r: int, num_warps: int, flags: frozenset[str]) -> bool:
+    """Forward: the lane offsets and flags held in registers over the K/V loop (``FWD_HOLD``, fwd_opaque:
+    not re-derived every step) only where the registers allow it, 16-row warps without a score
+    modification. Elsewhere the compiler places them (held, ptxas spilled 40 bytes at d = 64 with
+    32-row warps, 184-296 at d = 256 with a bias on sm_80)."""
+    return fwd_m_tiles(block_r, num_warps) == 1 and not flags & SCORE_MOD_FLAGS
