@@ -61,3 +61,88 @@ def test_dq_tiling_is_decided_in_python(d, block_r, warps) -> None:
     spec = KernelSpec(direction="bwd", impl="mma", head_dim=64)
     src = render(spec).source
     assert "constexpr bool DQ_2D = true;" in src and "constexpr int DQ_WPM = 1;" in src
+
+
+# ------------------------------------------------------------------ the kernel bodies as orchestration
+#: At most this many lines in the body of each mma kernel (the rest: named device functions).
+MAX_BODY_LINES = 250
+
+
+def _bodies(src: str) -> dict[str, list[str]]:
+    """The body lines of every __global__ function of a rendered source, by its role (name suffix)."""
+    lines = src.splitlines()
+    out = {}
+    for i, line in enumerate(lines):
+        m = re.match(r'extern "C" __global__ .* (\w+)\($', line)
+        if not m:
+            continue
+        j = next(k for k in range(i, len(lines)) if lines[k] == "{")
+        depth, k = 0, j
+        while True:
+            depth += lines[k].count("{") - lines[k].count("}")
+            if depth == 0 and k > j:
+                break
+            k += 1
+        out[m.group(1).rsplit("_", 1)[1]] = lines[j + 1:k]
+    return out
+
+
+#: The stage functions each kernel calls (Algorithm 4 / the forward's step as named device functions).
+STAGES = {
+    "bwd_1d": ("mma_bwd_hold_kv(", "mma_bwd_prefetch(", "mma_bwd_chunk_sdp<", "mma_bwd_chunk_keep_bits<",
+               "mma_bwd_chunk_rows<", "mma_bwd_pds<", "mma_bwd_chunk_pack<", "mma_bwd_chunk_dkdv<", "mma_bwd_store_dkdv<"),
+    "bwd_2d": ("mma2d_sdp(", "mma2d_rows(", "mma_bwd_pds<", "mma2d_zero_masked(", "mma2d_store_pds(", "mma2d_kv(",
+               "mma2d_dq_add(", "mma2d_store_dkdv("),
+    "dq": ("mma_dq_rows(", "mma_dq_sdp(", "mma_bwd_pds<", "mma_dq_add(", "mma_dq_store("),
+    "fwd": ("fwd_s<", "fwd_mask<", "fwd_keep_bits<", "fwd_row_max<", "fwd_softmax<", "fwd_pv<"),
+}
+
+
+@pytest.mark.parametrize("fields,kinds", [
+    (dict(direction="bwd", head_dim=64, arch="sm_80"), {"main": "bwd_1d"}),
+    (dict(direction="bwd", head_dim=64, dropout=True, bias=True, bias_grad=True), {"main": "bwd_1d"}),
+    (dict(direction="bwd", head_dim=96, head_dim_v=64, arch="sm_80"), {"main": "bwd_1d"}),
+    (dict(direction="bwd", head_dim=192), {"main": "bwd_1d"}),
+    (dict(direction="bwd", head_dim=64, deterministic=True, dropout=True, softcap=True), {"main": "bwd_1d", "dq": "dq"}),
+    (dict(direction="bwd", head_dim=128, arch="sm_80"), {"main": "bwd_2d"}),
+    (dict(direction="fwd", head_dim=64, arch="sm_80"), {"main": "fwd"}),
+    (dict(direction="fwd", head_dim=128, dropout=True, softcap=True, attn_mask=True), {"main": "fwd"}),
+    (dict(direction="fwd", head_dim=64, head_dim_v=32, arch="sm_80"), {"main": "fwd"}),
+])
+def test_kernel_bodies_are_orchestration_over_named_stages(fields, kinds) -> None:
+    spec = KernelSpec(impl="mma", **fields)
+    bodies = _bodies(render(spec).source)
+    assert set(kinds) <= set(bodies), bodies.keys()
+    for role, kind in kinds.items():
+        body = "\n".join(bodies[role])
+        assert len(bodies[role]) <= MAX_BODY_LINES, (role, len(bodies[role]))
+        missing = [f for f in STAGES[kind] if f not in body]
+        assert not missing, (role, missing)
+    if "dq" in kinds:  # the deterministic main kernel keeps no dQ block
+        assert "mma_bwd_dq_" not in "\n".join(bodies["main"])
+    elif kinds["main"] == "bwd_1d":
+        assert re.search(r"mma_bwd_dq_(blocks|tiles)\(", "\n".join(bodies["main"]))
+
+
+def test_no_mma_template_computes_a_decision() -> None:
+    """The forward's FWD_HOLD / FWD_S_SPLIT come from Python (rules.fwd_hold, fwd_s_split) as the backward's
+    DQ_* do; the templates' Jinja assignments only name the v head dim's symbols."""
+    from fagen.families.mma.rules import SCORE_MOD_FLAGS, fwd_hold, fwd_m_tiles, fwd_s_split
+
+    for path in TEMPLATES.iterdir():
+        text = path.read_text()
+        assert not re.search(r"constexpr bool (FWD_HOLD|FWD_S_SPLIT) =", text), path.name
+        names = set(re.findall(r"\{%-? *set ([\w, ]+?) *=", text))
+        assert names <= {"VD", "TILE_DIMS", "LDV, DPV, HDV, NTV", "VARGS"}, (path.name, names)
+    for block_r, warps in ((128, 8), (128, 4), (64, 4), (64, 8)):
+        assert fwd_s_split(block_r, warps) == (fwd_m_tiles(block_r, warps) == 2)
+        for flags in (frozenset(), frozenset({"causal"}), *(frozenset({f}) for f in SCORE_MOD_FLAGS)):
+            assert fwd_hold(block_r, warps, flags) == (fwd_m_tiles(block_r, warps) == 1 and not flags & SCORE_MOD_FLAGS)
+    for fields in (dict(head_dim=64, arch="sm_80"), dict(head_dim=64, block_r=128, num_warps=4), dict(head_dim=64, softcap=True)):
+        spec = KernelSpec(direction="fwd", impl="mma", **fields)
+        src = render(spec).source
+        t = spec.tile
+        hold = fwd_hold(t.block_r, spec.num_warps, spec.family_spec.flags)
+        split = fwd_s_split(t.block_r, spec.num_warps)
+        assert f"constexpr bool FWD_HOLD = {'true' if hold else 'false'};" in src
+        assert f"constexpr bool FWD_S_SPLIT = {'true' if split else 'false'};" in src
