@@ -1512,6 +1512,318 @@ FA_DEVICE void mma_bwd_store_dkdv(const Acc& acc, T* dk, T* dv, const SeqInfo& s
             }
     }
 }
+
+// ---- the 1-D main kernel's blocks (16 K/V rows per warp, transposed fragments) -------------------------
+// Algorithm 4 line 7, the warp's K_j / V_j A-fragments held in registers over the Q loop (KV_IN_REGS:
+// after the K/V copy has landed for every thread; warps past the block hold none).
+template <int NK, int NV>
+FA_DEVICE void mma_bwd_hold_kv(unsigned (&kf)[NK][4], unsigned (&vf)[NV][4], const Smem& s, int wrow, int lane, bool active) {
+    if constexpr (KV_IN_REGS) {
+        fa_cp_async_wait_all();
+        fa_sync();
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            if (!active) break;
+            mma_load_a(kf[kk], s.k, LD, wrow, kk * 16, lane);
+            mma_load_a(vf[kk], s.v, LD, wrow, kk * 16, lane);
+        }
+    }
+}
+
+// Algorithm 4 line 10 for the next step (two stages): Q_i / dO_i of rows [row0, row0 + BLOCK_R) into stage
+// nxt, and its lse_i / D_i rows: stored now with LSE_NOW (stage nxt is free: no registers held), else
+// loaded into next_lse / next_delta for mma_bwd_stage_lse_late after the step.
+FA_DEVICE void mma_bwd_prefetch(const Smem& s, MmaStepCopy& q_cp, MmaStepCopy& do_cp, int nxt, int row0, int len_q,
+                                const float* lse_bh, const float* delta_bh, float d_stage, int tid, float& next_lse,
+                                float& next_delta) {
+    mma_step_copy(s.q + nxt * BLOCK_R * LD, q_cp, row0, len_q);
+    mma_step_copy(s.do_ + nxt * BLOCK_R * LD, do_cp, row0, len_q);
+    const int row = row0 + tid;
+    if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
+        if (tid < BLOCK_R) {
+            s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+            s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+        }
+    } else if (tid < BLOCK_R && row < len_q) {
+        next_lse = lse_bh[row];
+        next_delta = delta_bh[row] * d_stage;
+    }
+}
+// The next step's lse_i / D_i rows loaded by mma_bwd_prefetch (without LSE_NOW), into stage nxt.
+FA_DEVICE void mma_bwd_stage_lse_late(const Smem& s, int nxt, int row0, int len_q, int tid, float next_lse,
+                                      float next_delta) {
+    if (tid < BLOCK_R) {
+        s.lse[nxt * BLOCK_R + tid] = row0 + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
+        s.delta[nxt * BLOCK_R + tid] = next_delta;
+    }
+}
+
+// A chunk's lane addresses: its B fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows
+// wrow + g, columns 2 t4; they advance by CHUNK_ROWS rows / columns per chunk (next).
+struct MmaChunkPtrs {
+    const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+    const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+    const float* lse;  // lse_i at the lane's Q rows c0 + 2 t4 (D_i's: + DELTA_FROM_LSE)
+    T* ds;  // dS^T at (wrow + g, c0 + 2 t4)
+    FA_DEVICE void next() {
+        nm += CHUNK_ROWS * LD;
+        km += CHUNK_ROWS * LD;
+        lse += CHUNK_ROWS;
+        ds += CHUNK_ROWS;
+    }
+};
+
+// Algorithm 4 lines 11 and 17 for a chunk (transposed: S^T = K_j Q_i^T, dP^T = V_j dO_i^T, the warp's 16
+// K/V rows x CHUNK_ROWS Q rows), added into st / dpt: A = K_j / V_j (kf / vf with KV_IN_REGS, else from
+// smem at the warp's rows), B = Q_i / dO_i at the chunk's pointers.
+template <int CS, int NK, int NV>
+FA_DEVICE void mma_bwd_chunk_sdp(float (&st)[2 * CS][4], float (&dpt)[2 * CS][4], const unsigned (&kf)[NK][4],
+                                 const unsigned (&vf)[NV][4], const Smem& s, const MmaChunkPtrs& cq, int wrow, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+        unsigned ak[4], av[4], bq[4], bdo[4];
+        if constexpr (KV_IN_REGS) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
+        } else {
+            mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
+            mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
+        }
+#pragma unroll
+        for (int sc = 0; sc < CS; ++sc) {  // mma_load_b_nmajor(bq, sq, LD, c0 + 16 sc, kk * 16, lane)
+            fa_ldmatrix_x4(bq, cq.nm + sc * 16 * LD + kk * 16);
+            fa_ldmatrix_x4(bdo, cq.nm + sc * 16 * LD + DO_FROM_Q + kk * 16);
+            mma_tile(st[2 * sc], ak, bq[0], bq[1]);
+            mma_tile(st[2 * sc + 1], ak, bq[2], bq[3]);
+            mma_tile(dpt[2 * sc], av, bdo[0], bdo[1]);
+            mma_tile(dpt[2 * sc + 1], av, bdo[2], bdo[3]);
+        }
+    }
+}
+
+// Algorithm 4 line 14 for a chunk: Z_ij of the lane's transposed elements, bit 4n + e for element (n, e)
+// (Q row i0 + c0 + n*8 + MmaAccLayout::col(lane, e), key col0 + wrow + MmaAccLayout::row(lane, e); global (row, col) =
+// (row_offset + row, col_offset + col)). One Philox call covers keys 4c..4c+3 of one Q row: the 4 lanes
+// g = 4a..4a+3 (same t) hold those keys for 2 Q rows x 2 key groups, each computes one call and the four
+// share the keep bits. 0 without dropout.
+template <int CS>
+FA_DEVICE unsigned mma_bwd_chunk_keep_bits(unsigned long long seed, unsigned long long offset, long long bh,
+                                           int row_offset, int col_offset, int i0, int c0, int col0, int wrow,
+                                           unsigned drop_threshold, int lane, int g, int t4) {
+    unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
+    static_assert(8 * CS <= 32, "keep bits of a chunk in one word");
+    if constexpr (HAS_DROPOUT) {
+        const int m = g & 3;
+        if ((col_offset & 3) == 0) {
+#pragma unroll
+            for (int n = 0; n < 2 * CS; ++n) {
+                const unsigned mine = fa_keep4(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
+                                               (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8), drop_threshold);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
+                    keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
+            }
+        } else {  // the 4-key groups straddle Philox calls: one call per element
+            for (int n = 0; n < 2 * CS; ++n)
+                for (int e = 0; e < 4; ++e)
+                    keep_bits |= (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
+                                                  (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u)
+                                 << (4 * n + e);
+        }
+    }
+    return keep_bits;
+}
+
+// lse_i (exp2 domain) and D_i of the lane's Q rows c0 + 8n + 2t4 + {0, 1} of a chunk (lse: the chunk's
+// pointer; D_i DELTA_FROM_LSE past it).
+template <int CS>
+FA_DEVICE void mma_bwd_chunk_rows(float (&lse2)[2 * CS][2], float (&dlt)[2 * CS][2], const float* lse) {
+#pragma unroll
+    for (int n = 0; n < 2 * CS; ++n) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8);
+        const float2 d2 = *reinterpret_cast<const float2*>(lse + DELTA_FROM_LSE + n * 8);
+        lse2[n][0] = l2.x;
+        lse2[n][1] = l2.y;
+        dlt[n][0] = d2.x;
+        dlt[n][1] = d2.y;
+    }
+}
+
+// Two fp32 m16n8 accumulator tiles (n8 tiles n, n + 1: 16 x 16) as the 16-bit A fragment of the next GEMM.
+FA_DEVICE void mma_pack_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = mma_pack(lo[0], lo[1]);
+    a[1] = mma_pack(lo[2], lo[3]);
+    a[2] = mma_pack(hi[0], hi[1]);
+    a[3] = mma_pack(hi[2], hi[3]);
+}
+
+// A chunk's P^T and tau dS^T as A fragments (sub-chunk sc: 16 K/V rows x 16 Q rows), and dS^T -> smem for
+// dQ (row = K/V row, column = Q row) unless IS_DETERMINISTIC (the dq kernel recomputes it).
+template <int CS>
+FA_DEVICE void mma_bwd_chunk_pack(unsigned (&ap)[CS][4], unsigned (&ads)[CS][4], const float (&st)[2 * CS][4],
+                                  const float (&dpt)[2 * CS][4], T* ds) {
+#pragma unroll
+    for (int sc = 0; sc < CS; ++sc) {
+        mma_pack_a(ap[sc], st[2 * sc], st[2 * sc + 1]);
+        mma_pack_a(ads[sc], dpt[2 * sc], dpt[2 * sc + 1]);
+    }
+    if constexpr (!IS_DETERMINISTIC) {
+#pragma unroll
+        for (int sc = 0; sc < CS; ++sc) {
+            unsigned* ds_lo = reinterpret_cast<unsigned*>(ds + 16 * sc);  // rows wrow + g, wrow + g + 8
+            unsigned* ds_hi = reinterpret_cast<unsigned*>(ds + 16 * sc + 8 * DS_LD);
+            ds_lo[0] = ads[sc][0];
+            ds_hi[0] = ads[sc][1];
+            ds_lo[4] = ads[sc][2];
+            ds_hi[4] = ads[sc][3];
+        }
+    }
+}
+
+// Algorithm 4 lines 16 and 22 for a chunk: dV~ += P^T dO_i (A = P^T from registers, B = dO_i via
+// ldmatrix.trans) and dK~ += tau dS^T Q_i (A = tau dS^T, B = Q_i via ldmatrix.trans: tau folded into dS).
+template <int CS, class Acc>
+FA_DEVICE void mma_bwd_chunk_dkdv(Acc& acc, const unsigned (&ap)[CS][4], const unsigned (&ads)[CS][4],
+                                  const MmaChunkPtrs& cq, int lane) {
+#pragma unroll
+    for (int sc = 0; sc < CS; ++sc)
+#pragma unroll
+    for (int nd = 0; nd < DPAD / 16; ++nd) {
+        unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
+        fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
+        fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
+        acc.add_vk(nd, ap[sc], bdo, ads[sc], bq, lane);
+    }
+}
+
+// Algorithm 4 line 21 in the 1-D main kernel, DQ_2D: dQ~_i += tau dS K_j (fp32 atomics into the dQ~ rows
+// of (b, h) in dq_accum, fp32 [tokens, heads, HEAD_DIM]) in (32 Q rows x 32 columns) blocks, one per warp: A = tau dS via
+// ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans. A fully masked row (lse = -inf,
+// stored as +inf in slse) keeps dQ exactly 0 (no 0 * NaN from K); a fully visible tile inside the sequence
+// (unguarded) adds with no guard at all.
+FA_DEVICE void mma_bwd_dq_blocks(const Smem& s, const float* slse, float* dq_accum, const SeqInfo& si, int heads, int h, int i0, int len_q,
+                                 bool full, bool unguarded, int warp, int lane, int g, int t4) {
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
+    float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
+    const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
+    float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+    bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            unsigned bk[4];
+            mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+            }
+        }
+    }
+    // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+    float* dq_row[4];
+    dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+#pragma unroll
+    for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+    if (unguarded) {  // a fully visible tile inside the sequence: no guard at all
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (row_ok[q]) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+            }
+        }
+    }
+}
+
+// Algorithm 4 line 21 in the 1-D main kernel otherwise: the warps share (16 Q rows x 16 columns) output
+// tiles. Item `it` of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from (it % DQ_WPM) *
+// DQ_NCW: a warp loads its tile's dS fragments once per step and adds its columns, DQ_NCC at a time, from
+// two row pointers computed once (rows g, g + 8 of the tile) with constant offsets; the row guards (as
+// mma_bwd_dq_blocks) computed once per item, none where unguarded.
+FA_DEVICE void mma_bwd_dq_tiles(const Smem& s, const float* slse, float* dq_accum, const SeqInfo& si, int heads, int h, int i0, int len_q,
+                                bool full, bool unguarded, int warp, int lane, int g, int t4) {
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
+    float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
+#pragma unroll
+    for (int k = 0; k < DQ_PER_WARP; ++k) {
+        const int it = warp + k * NUM_WARPS;
+        if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
+        const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
+        unsigned af[BLOCK_C / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+        const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
+        bool row_ok[2] = {true, true};
+        if (!unguarded) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
+        }
+        float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
+        float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
+#pragma unroll
+        for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
+            float acc[2 * DQ_NCC][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_C / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < DQ_NCC; ++c) {
+                    unsigned bk[4];
+                    mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
+                    mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
+                    mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+                }
+            if (unguarded) {
+#pragma unroll
+                for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                continue;
+            }
+            if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (row_ok[r]) {
+#pragma unroll
+                        for (int c = 0; c < 2 * DQ_NCC; ++c)
+                            fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                    }
+                continue;
+            }
+#pragma unroll
+            for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
+                    if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
+                        if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
+                            fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
+                    } else {
+#pragma unroll
+                        for (int x = 0; x < 2; ++x)
+                            if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
+                                fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
+                    }
+                }
+        }
+    }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1646,7 +1958,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     // D_i staged as tau D_i where the plain score's tau dS = P (tau dP - tau D) is one FMA (tau, the
     // softmax scale, folded into dS: dQ~ and dK~ need no scaling); as D_i with score modifications.
     const float d_stage = HAS_SCORE_MOD ? 1.f : scale;
-    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
 
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
@@ -1674,16 +1985,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int lane_km = fa_pin_if<BWD_PIN>(mma_lane_km(lane, LD));
     T* const ds_l = fa_pin_if<BWD_PIN>(s.ds + (wrow + MmaAccLayout::row(lane, 0)) * DS_LD + MmaAccLayout::col(lane, 0));
     unsigned kf[KV_IN_REGS ? DPAD / 16 : 1][4], vf[KV_IN_REGS ? DPAD / 16 : 1][4];
-    if constexpr (KV_IN_REGS) {
-        fa_cp_async_wait_all();
-        fa_sync();
-#pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk) {
-            if (!active) break;
-            mma_load_a(kf[kk], s.k, LD, wrow, kk * 16, lane);
-            mma_load_a(vf[kk], s.v, LD, wrow, kk * 16, lane);
-        }
-    }
+    mma_bwd_hold_kv(kf, vf, s, wrow, lane, active);  // KV_IN_REGS: the warp's A fragments of K_j / V_j
 
     // Every q head of the group adds to this K/V head's dK~, dV~.
     for (int h = hk * group; h < hk * group + group; ++h) {
@@ -1693,7 +1995,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         MmaStepCopy q_cp = mma_step_copy_plan(q_bh, stride_q_s, i_begin), do_cp = mma_step_copy_plan(do_bh, stride_do_s, i_begin);
         const float* lse_bh = lse + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
-        float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         // softcap / ALiBi / bias of (b, h) (partials/masking.cuh, score_mod.cuh).
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
@@ -1719,20 +2020,9 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             fa_sync();  // stage cur has landed for every thread; step i-1 is done with stage nxt and dS^T
             const bool has_next = STAGES > 1 && i0 + BLOCK_R < i_end;
             float next_lse = 0.f, next_delta = 0.f;
-            if (has_next) {
-                mma_step_copy(s.q + nxt * BLOCK_R * LD, q_cp, i0 + BLOCK_R, len_q);
-                mma_step_copy(s.do_ + nxt * BLOCK_R * LD, do_cp, i0 + BLOCK_R, len_q);
-                const int row = i0 + BLOCK_R + tid;
-                if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
-                    if (tid < BLOCK_R) {
-                        s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
-                        s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
-                    }
-                } else if (tid < BLOCK_R && row < len_q) {
-                    next_lse = lse_bh[row];
-                    next_delta = delta_bh[row] * d_stage;
-                }
-            }
+            // the next step's Q_i, dO_i, lse_i, D_i (line 10)
+            if (has_next)
+                mma_bwd_prefetch(s, q_cp, do_cp, nxt, i0 + BLOCK_R, len_q, lse_bh, delta_bh, d_stage, tid, next_lse, next_delta);
             fa_cp_async_commit();
 
             const T* sq = s.q + cur * BLOCK_R * LD;
@@ -1750,80 +2040,23 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 
             // CHUNK_ROWS Q rows (2 CS n8 tiles of S^T) at a time: S^T, P^T, dP^T, dS^T stay in registers. With
             // BWD_SPLIT_MASK one chunk code for fully visible tiles (no mask code) and one for partial
-            // tiles, BWD_CHUNK_UNROLL chunks per trip. The chunk's lane addresses (ChunkPtrs: its B
-            // fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows wrow + g,
-            // columns 2 t4) advance by CHUNK_ROWS rows / columns per chunk: constant offsets within a trip.
-            struct ChunkPtrs {
-                const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
-                const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
-                const float* lse;  // lse_i at the lane's Q rows c0 + 2 t4 (D_i's: + DELTA_FROM_LSE)
-                T* ds;  // dS^T at (wrow + g, c0 + 2 t4)
-            };
-            auto chunk = [&](const int c0, const ChunkPtrs& cq, auto masked_t) {
+            // tiles, BWD_CHUNK_UNROLL chunks per trip; the chunk's lane addresses (MmaChunkPtrs) advance by
+            // CHUNK_ROWS rows / columns per chunk: constant offsets within a trip.
+            auto chunk = [&](const int c0, const MmaChunkPtrs& cq, auto masked_t) {
                 const bool masked = masked_t.value;  // a constant with MmaBool, the tile's !full with MmaMasked
                 // Algorithm 4 line 11: S_ij = tau Q_i K_j^T (transposed: S^T = K_j Q_i^T, the warp's 16 K/V rows x CHUNK_ROWS Q rows)
                 // Algorithm 4 line 17: dP_ij^dropped = dO_i V_j^T (dP^T = V_j dO_i^T)
                 float st[2 * CS][4] = {}, dpt[2 * CS][4] = {};
-#pragma unroll
-                for (int kk = 0; kk < DPAD / 16; ++kk) {
-                    unsigned ak[4], av[4], bq[4], bdo[4];
-                    if constexpr (KV_IN_REGS) {
-#pragma unroll
-                        for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
-                    } else {
-                        mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
-                        mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
-                    }
-#pragma unroll
-                    for (int sc = 0; sc < CS; ++sc) {  // mma_load_b_nmajor(bq, sq, LD, c0 + 16 sc, kk * 16, lane)
-                        fa_ldmatrix_x4(bq, cq.nm + sc * 16 * LD + kk * 16);
-                        fa_ldmatrix_x4(bdo, cq.nm + sc * 16 * LD + DO_FROM_Q + kk * 16);
-                        mma_tile(st[2 * sc], ak, bq[0], bq[1]);
-                        mma_tile(st[2 * sc + 1], ak, bq[2], bq[3]);
-                        mma_tile(dpt[2 * sc], av, bdo[0], bdo[1]);
-                        mma_tile(dpt[2 * sc + 1], av, bdo[2], bdo[3]);
-                    }
-                }
+                mma_bwd_chunk_sdp<CS>(st, dpt, kf, vf, s, cq, wrow, lane);
                 // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
                 // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
                 // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
                 // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i)
-                // Z_ij: one Philox call covers keys 4c..4c+3 of one Q row. The 4 lanes g = 4a..4a+3
-                // (same t) hold those keys for 2 Q rows x 2 key groups: each computes one call and
-                // the four share the keep bits.
-                unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
-                static_assert(8 * CS <= 32, "keep bits of a chunk in one word");
-                if constexpr (HAS_DROPOUT) {
-                    const int m = g & 3;
-                    if ((col_offset & 3) == 0) {  // global (row, col) = (row_offset + row, col_offset + col)
-#pragma unroll
-                    for (int n = 0; n < 2 * CS; ++n) {
-                        const unsigned mine = fa_keep4(seed, offset, (unsigned)bh,
-                                                        (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
-                                                        (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8),
-                                                        drop_threshold);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
-                            keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
-                    }
-                    } else {  // the 4-key groups straddle Philox calls: one call per element
-                        for (int n = 0; n < 2 * CS; ++n)
-                            for (int e = 0; e < 4; ++e)  // Q row c0 + n*8 + MmaAccLayout::col(lane, e), key wrow + MmaAccLayout::row(lane, e)
-                                keep_bits |= (fa_dropout_keep(
-                                    seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
-                                    (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u) << (4 * n + e);
-                    }
-                }
+                // Z_ij (line 14) of the chunk's elements, and lse_i, D_i at the lane's Q rows
+                const unsigned keep_bits = mma_bwd_chunk_keep_bits<CS>(seed, offset, bh, row_offset, col_offset, i0, c0, col0, wrow,
+                                                                       drop_threshold, lane, g, t4);
                 float lse2[2 * CS][2], dlt[2 * CS][2];  // this lane's Q rows c0 + 8n + 2t + {0, 1}
-#pragma unroll
-                for (int n = 0; n < 2 * CS; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(cq.lse + n * 8);
-                    const float2 d2 = *reinterpret_cast<const float2*>(cq.lse + DELTA_FROM_LSE + n * 8);
-                    lse2[n][0] = l2.x;
-                    lse2[n][1] = l2.y;
-                    dlt[n][0] = d2.x;
-                    dlt[n][1] = d2.y;
-                }
+                mma_bwd_chunk_rows<CS>(lse2, dlt, cq.lse);
                 auto st_at = [&](int n, int e) -> float& { return st[n][e]; };
                 auto dpt_at = [&](int n, int e) -> float& { return dpt[n][e]; };
                 if constexpr (HAS_SCORE_MOD) {
@@ -1860,47 +2093,14 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                         });
                 }
                 unsigned ap[CS][4], ads[CS][4];  // A fragments of sub-chunk sc: P^T, tau dS^T (16 K/V rows x 16 Q rows)
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc) {
-                    ap[sc][0] = mma_pack(st[2 * sc][0], st[2 * sc][1]);
-                    ap[sc][1] = mma_pack(st[2 * sc][2], st[2 * sc][3]);
-                    ap[sc][2] = mma_pack(st[2 * sc + 1][0], st[2 * sc + 1][1]);
-                    ap[sc][3] = mma_pack(st[2 * sc + 1][2], st[2 * sc + 1][3]);
-                    ads[sc][0] = mma_pack(dpt[2 * sc][0], dpt[2 * sc][1]);
-                    ads[sc][1] = mma_pack(dpt[2 * sc][2], dpt[2 * sc][3]);
-                    ads[sc][2] = mma_pack(dpt[2 * sc + 1][0], dpt[2 * sc + 1][1]);
-                    ads[sc][3] = mma_pack(dpt[2 * sc + 1][2], dpt[2 * sc + 1][3]);
-                }
-                // dS^T -> smem for dQ (row = K/V row, column = Q row).
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc) {
-                    unsigned* ds_lo = reinterpret_cast<unsigned*>(cq.ds + 16 * sc);  // rows wrow + g, wrow + g + 8
-                    unsigned* ds_hi = reinterpret_cast<unsigned*>(cq.ds + 16 * sc + 8 * DS_LD);
-                    ds_lo[0] = ads[sc][0];
-                    ds_hi[0] = ads[sc][1];
-                    ds_lo[4] = ads[sc][2];
-                    ds_hi[4] = ads[sc][3];
-                }
+                mma_bwd_chunk_pack<CS>(ap, ads, st, dpt, cq.ds);  // and dS^T -> smem for dQ
                 // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T from registers, B = dO_i via ldmatrix.trans)
                 // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T from registers, B = Q_i via ldmatrix.trans: tau folded into dS)
-#pragma unroll
-                for (int sc = 0; sc < CS; ++sc)
-#pragma unroll
-                for (int nd = 0; nd < DPAD / 16; ++nd) {
-                    unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
-                    fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
-                    fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
-                    acc.add_vk(nd, ap[sc], bdo, ads[sc], bq, lane);
-                }
+                mma_bwd_chunk_dkdv<CS>(acc, ap, ads, cq, lane);
             };
             if (active) {
-                ChunkPtrs cq{sq + lane_nm, sq + lane_km, slse + MmaAccLayout::col(lane, 0), ds_l};
-                auto next = [&]() {
-                    cq.nm += CHUNK_ROWS * LD;
-                    cq.km += CHUNK_ROWS * LD;
-                    cq.lse += CHUNK_ROWS;
-                    cq.ds += CHUNK_ROWS;
-                };
+                MmaChunkPtrs cq{sq + lane_nm, sq + lane_km, slse + MmaAccLayout::col(lane, 0), ds_l};
+                auto next = [&]() { cq.next(); };
                 auto next_band = [&]() {  // the band relative to the next chunk's first row
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
@@ -1919,131 +2119,14 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                     for (int c0 = 0; c0 < BLOCK_R; c0 += CHUNK_ROWS) { chunk(c0, cq, MmaBool<true>{}); next(); next_band(); }
                 }
             }
-            if (!LSE_NOW && has_next && tid < BLOCK_R) {
-                s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
-                s.delta[nxt * BLOCK_R + tid] = next_delta;
-            }
+            if (!LSE_NOW && has_next) mma_bwd_stage_lse_late(s, nxt, i0 + BLOCK_R, len_q, tid, next_lse, next_delta);
             fa_sync();  // dS^T complete
 
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS via ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans;
-            // the warps share the (16 Q rows x 16 columns) output tiles. A fully masked row
-            // (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K).
-            // Item it of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from
-            // (it % DQ_WPM) * DQ_NCW: a warp loads its tile's dS fragments once per step and adds
-            // its columns, DQ_NCC at a time, from two row pointers computed once (rows g, g + 8 of
-            // the tile) with constant offsets. A fully visible tile (rows inside the sequence, every
-            // row with an allowed key) at a head dim of whole k16 steps adds with no guard at all;
-            // otherwise the row guards are computed once per item.
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (A = tau dS via ldmatrix.trans of dS^T, B = K_j via ldmatrix.trans): the warps share
+            // dQ_i's tiles, a fully visible tile at a head dim of whole k16 steps with no row guard.
             const bool dq_unguarded = HEAD_DIM == DPAD && full;
-            if constexpr (DQ_2D) {
-                const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
-                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-                bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                    unsigned af[2][4];
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        unsigned bk[4];
-                        mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
-#pragma unroll
-                        for (int m = 0; m < 2; ++m) {
-                            mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
-                            mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
-                        }
-                    }
-                }
-                // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
-                float* dq_row[4];
-                dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
-#pragma unroll
-                for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
-                if (dq_unguarded) {  // a fully visible tile inside the sequence: no guard at all
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (row_ok[q]) {
-#pragma unroll
-                            for (int c = 0; c < 4; ++c)
-                                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                        }
-                    }
-                }
-            } else
-#pragma unroll
-            for (int k = 0; k < DQ_PER_WARP; ++k) {
-                const int it = warp + k * NUM_WARPS;
-                if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
-                const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
-                unsigned af[BLOCK_C / 16][4];
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
-                const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
-                bool row_ok[2] = {true, true};
-                if (!dq_unguarded) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
-                }
-                float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
-                float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
-#pragma unroll
-                for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
-                    float acc[2 * DQ_NCC][4] = {};
-#pragma unroll
-                    for (int kk = 0; kk < BLOCK_C / 16; ++kk)
-#pragma unroll
-                        for (int c = 0; c < DQ_NCC; ++c) {
-                            unsigned bk[4];
-                            mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
-                            mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
-                            mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
-                        }
-                    if (dq_unguarded) {
-#pragma unroll
-                        for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-                                fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                        continue;
-                    }
-                    if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
-#pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            if (row_ok[r]) {
-#pragma unroll
-                                for (int c = 0; c < 2 * DQ_NCC; ++c)
-                                    fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
-                            }
-                        continue;
-                    }
-#pragma unroll
-                    for (int c = 0; c < 2 * DQ_NCC; ++c)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
-                            if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
-                                if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
-                                    fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
-                            } else {
-#pragma unroll
-                                for (int x = 0; x < 2; ++x)
-                                    if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
-                                        fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
-                            }
-                        }
-                }
-            }
+            if constexpr (DQ_2D) mma_bwd_dq_blocks(s, slse, dq_accum, si, heads, h, i0, len_q, full, dq_unguarded, warp, lane, g, t4);
+            else mma_bwd_dq_tiles(s, slse, dq_accum, si, heads, h, i0, len_q, full, dq_unguarded, warp, lane, g, t4);
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits

@@ -1514,6 +1514,318 @@ FA_DEVICE void mma_bwd_store_dkdv(const Acc& acc, T* dk, T* dv, const SeqInfo& s
             }
     }
 }
+
+// ---- the 1-D main kernel's blocks (16 K/V rows per warp, transposed fragments) -------------------------
+// Algorithm 4 line 7, the warp's K_j / V_j A-fragments held in registers over the Q loop (KV_IN_REGS:
+// after the K/V copy has landed for every thread; warps past the block hold none).
+template <int NK, int NV>
+FA_DEVICE void mma_bwd_hold_kv(unsigned (&kf)[NK][4], unsigned (&vf)[NV][4], const Smem& s, int wrow, int lane, bool active) {
+    if constexpr (KV_IN_REGS) {
+        fa_cp_async_wait_all();
+        fa_sync();
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            if (!active) break;
+            mma_load_a(kf[kk], s.k, LD, wrow, kk * 16, lane);
+            mma_load_a(vf[kk], s.v, LD, wrow, kk * 16, lane);
+        }
+    }
+}
+
+// Algorithm 4 line 10 for the next step (two stages): Q_i / dO_i of rows [row0, row0 + BLOCK_R) into stage
+// nxt, and its lse_i / D_i rows: stored now with LSE_NOW (stage nxt is free: no registers held), else
+// loaded into next_lse / next_delta for mma_bwd_stage_lse_late after the step.
+FA_DEVICE void mma_bwd_prefetch(const Smem& s, MmaStepCopy& q_cp, MmaStepCopy& do_cp, int nxt, int row0, int len_q,
+                                const float* lse_bh, const float* delta_bh, float d_stage, int tid, float& next_lse,
+                                float& next_delta) {
+    mma_step_copy(s.q + nxt * BLOCK_R * LD, q_cp, row0, len_q);
+    mma_step_copy(s.do_ + nxt * BLOCK_R * LD, do_cp, row0, len_q);
+    const int row = row0 + tid;
+    if constexpr (LSE_NOW) {  // stage nxt is free (step i-1 is done with it): no registers held
+        if (tid < BLOCK_R) {
+            s.lse[nxt * BLOCK_R + tid] = row < len_q ? mma_lse2(lse_bh[row]) : -fa_neg_inf();
+            s.delta[nxt * BLOCK_R + tid] = row < len_q ? delta_bh[row] * d_stage : 0.f;
+        }
+    } else if (tid < BLOCK_R && row < len_q) {
+        next_lse = lse_bh[row];
+        next_delta = delta_bh[row] * d_stage;
+    }
+}
+// The next step's lse_i / D_i rows loaded by mma_bwd_prefetch (without LSE_NOW), into stage nxt.
+FA_DEVICE void mma_bwd_stage_lse_late(const Smem& s, int nxt, int row0, int len_q, int tid, float next_lse,
+                                      float next_delta) {
+    if (tid < BLOCK_R) {
+        s.lse[nxt * BLOCK_R + tid] = row0 + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
+        s.delta[nxt * BLOCK_R + tid] = next_delta;
+    }
+}
+
+// A chunk's lane addresses: its B fragments of Q_i / dO_i, lse / D at its Q rows 2 t4, 2 t4 + 1, dS^T at rows
+// wrow + g, columns 2 t4; they advance by CHUNK_ROWS rows / columns per chunk (next).
+struct MmaChunkPtrs {
+    const T* nm;  // mma_load_b_nmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+    const T* km;  // mma_load_b_kmajor(.., sq, LD, c0, 0, lane) (dO_i's: + DO_FROM_Q)
+    const float* lse;  // lse_i at the lane's Q rows c0 + 2 t4 (D_i's: + DELTA_FROM_LSE)
+    T* ds;  // dS^T at (wrow + g, c0 + 2 t4)
+    FA_DEVICE void next() {
+        nm += CHUNK_ROWS * LD;
+        km += CHUNK_ROWS * LD;
+        lse += CHUNK_ROWS;
+        ds += CHUNK_ROWS;
+    }
+};
+
+// Algorithm 4 lines 11 and 17 for a chunk (transposed: S^T = K_j Q_i^T, dP^T = V_j dO_i^T, the warp's 16
+// K/V rows x CHUNK_ROWS Q rows), added into st / dpt: A = K_j / V_j (kf / vf with KV_IN_REGS, else from
+// smem at the warp's rows), B = Q_i / dO_i at the chunk's pointers.
+template <int CS, int NK, int NV>
+FA_DEVICE void mma_bwd_chunk_sdp(float (&st)[2 * CS][4], float (&dpt)[2 * CS][4], const unsigned (&kf)[NK][4],
+                                 const unsigned (&vf)[NV][4], const Smem& s, const MmaChunkPtrs& cq, int wrow, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+        unsigned ak[4], av[4], bq[4], bdo[4];
+        if constexpr (KV_IN_REGS) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) { ak[x] = kf[kk][x]; av[x] = vf[kk][x]; }
+        } else {
+            mma_load_a(ak, s.k, LD, wrow, kk * 16, lane);
+            mma_load_a(av, s.v, LD, wrow, kk * 16, lane);
+        }
+#pragma unroll
+        for (int sc = 0; sc < CS; ++sc) {  // mma_load_b_nmajor(bq, sq, LD, c0 + 16 sc, kk * 16, lane)
+            fa_ldmatrix_x4(bq, cq.nm + sc * 16 * LD + kk * 16);
+            fa_ldmatrix_x4(bdo, cq.nm + sc * 16 * LD + DO_FROM_Q + kk * 16);
+            mma_tile(st[2 * sc], ak, bq[0], bq[1]);
+            mma_tile(st[2 * sc + 1], ak, bq[2], bq[3]);
+            mma_tile(dpt[2 * sc], av, bdo[0], bdo[1]);
+            mma_tile(dpt[2 * sc + 1], av, bdo[2], bdo[3]);
+        }
+    }
+}
+
+// Algorithm 4 line 14 for a chunk: Z_ij of the lane's transposed elements, bit 4n + e for element (n, e)
+// (Q row i0 + c0 + n*8 + MmaAccLayout::col(lane, e), key col0 + wrow + MmaAccLayout::row(lane, e); global (row, col) =
+// (row_offset + row, col_offset + col)). One Philox call covers keys 4c..4c+3 of one Q row: the 4 lanes
+// g = 4a..4a+3 (same t) hold those keys for 2 Q rows x 2 key groups, each computes one call and the four
+// share the keep bits. 0 without dropout.
+template <int CS>
+FA_DEVICE unsigned mma_bwd_chunk_keep_bits(unsigned long long seed, unsigned long long offset, long long bh,
+                                           int row_offset, int col_offset, int i0, int c0, int col0, int wrow,
+                                           unsigned drop_threshold, int lane, int g, int t4) {
+    unsigned keep_bits = 0u;  // bit 4n + e: element (n, e) kept
+    static_assert(8 * CS <= 32, "keep bits of a chunk in one word");
+    if constexpr (HAS_DROPOUT) {
+        const int m = g & 3;
+        if ((col_offset & 3) == 0) {
+#pragma unroll
+            for (int n = 0; n < 2 * CS; ++n) {
+                const unsigned mine = fa_keep4(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + 2 * t4 + (m & 1)),
+                                               (unsigned)(col_offset + col0 + wrow + (g & ~3) + (m >> 1) * 8), drop_threshold);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // element e: key half e >> 1, Q column e & 1
+                    keep_bits |= ((mma_shfl_u(mine, (lane & ~12) | (((e >> 1) * 2 + (e & 1)) << 2)) >> m) & 1u) << (4 * n + e);
+            }
+        } else {  // the 4-key groups straddle Philox calls: one call per element
+            for (int n = 0; n < 2 * CS; ++n)
+                for (int e = 0; e < 4; ++e)
+                    keep_bits |= (fa_dropout_keep(seed, offset, (unsigned)bh, (unsigned)(row_offset + i0 + c0 + n * 8 + MmaAccLayout::col(lane, e)),
+                                                  (unsigned)(col_offset + col0 + wrow + MmaAccLayout::row(lane, e)), drop_threshold) ? 1u : 0u)
+                                 << (4 * n + e);
+        }
+    }
+    return keep_bits;
+}
+
+// lse_i (exp2 domain) and D_i of the lane's Q rows c0 + 8n + 2t4 + {0, 1} of a chunk (lse: the chunk's
+// pointer; D_i DELTA_FROM_LSE past it).
+template <int CS>
+FA_DEVICE void mma_bwd_chunk_rows(float (&lse2)[2 * CS][2], float (&dlt)[2 * CS][2], const float* lse) {
+#pragma unroll
+    for (int n = 0; n < 2 * CS; ++n) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + n * 8);
+        const float2 d2 = *reinterpret_cast<const float2*>(lse + DELTA_FROM_LSE + n * 8);
+        lse2[n][0] = l2.x;
+        lse2[n][1] = l2.y;
+        dlt[n][0] = d2.x;
+        dlt[n][1] = d2.y;
+    }
+}
+
+// Two fp32 m16n8 accumulator tiles (n8 tiles n, n + 1: 16 x 16) as the 16-bit A fragment of the next GEMM.
+FA_DEVICE void mma_pack_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = mma_pack(lo[0], lo[1]);
+    a[1] = mma_pack(lo[2], lo[3]);
+    a[2] = mma_pack(hi[0], hi[1]);
+    a[3] = mma_pack(hi[2], hi[3]);
+}
+
+// A chunk's P^T and tau dS^T as A fragments (sub-chunk sc: 16 K/V rows x 16 Q rows), and dS^T -> smem for
+// dQ (row = K/V row, column = Q row) unless IS_DETERMINISTIC (the dq kernel recomputes it).
+template <int CS>
+FA_DEVICE void mma_bwd_chunk_pack(unsigned (&ap)[CS][4], unsigned (&ads)[CS][4], const float (&st)[2 * CS][4],
+                                  const float (&dpt)[2 * CS][4], T* ds) {
+#pragma unroll
+    for (int sc = 0; sc < CS; ++sc) {
+        mma_pack_a(ap[sc], st[2 * sc], st[2 * sc + 1]);
+        mma_pack_a(ads[sc], dpt[2 * sc], dpt[2 * sc + 1]);
+    }
+    if constexpr (!IS_DETERMINISTIC) {
+#pragma unroll
+        for (int sc = 0; sc < CS; ++sc) {
+            unsigned* ds_lo = reinterpret_cast<unsigned*>(ds + 16 * sc);  // rows wrow + g, wrow + g + 8
+            unsigned* ds_hi = reinterpret_cast<unsigned*>(ds + 16 * sc + 8 * DS_LD);
+            ds_lo[0] = ads[sc][0];
+            ds_hi[0] = ads[sc][1];
+            ds_lo[4] = ads[sc][2];
+            ds_hi[4] = ads[sc][3];
+        }
+    }
+}
+
+// Algorithm 4 lines 16 and 22 for a chunk: dV~ += P^T dO_i (A = P^T from registers, B = dO_i via
+// ldmatrix.trans) and dK~ += tau dS^T Q_i (A = tau dS^T, B = Q_i via ldmatrix.trans: tau folded into dS).
+template <int CS, class Acc>
+FA_DEVICE void mma_bwd_chunk_dkdv(Acc& acc, const unsigned (&ap)[CS][4], const unsigned (&ads)[CS][4],
+                                  const MmaChunkPtrs& cq, int lane) {
+#pragma unroll
+    for (int sc = 0; sc < CS; ++sc)
+#pragma unroll
+    for (int nd = 0; nd < DPAD / 16; ++nd) {
+        unsigned bdo[4], bq[4];  // mma_load_b_kmajor(bdo, sdo, LD, c0 + 16 sc, nd * 16, lane)
+        fa_ldmatrix_x4_trans(bdo, cq.km + sc * 16 * LD + DO_FROM_Q + nd * 16);
+        fa_ldmatrix_x4_trans(bq, cq.km + sc * 16 * LD + nd * 16);
+        acc.add_vk(nd, ap[sc], bdo, ads[sc], bq, lane);
+    }
+}
+
+// Algorithm 4 line 21 in the 1-D main kernel, DQ_2D: dQ~_i += tau dS K_j (fp32 atomics into the dQ~ rows
+// of (b, h) in dq_accum, fp32 [tokens, heads, HEAD_DIM]) in (32 Q rows x 32 columns) blocks, one per warp: A = tau dS via
+// ldmatrix.trans of dS^T (tau folded in), B = K_j via ldmatrix.trans. A fully masked row (lse = -inf,
+// stored as +inf in slse) keeps dQ exactly 0 (no 0 * NaN from K); a fully visible tile inside the sequence
+// (unguarded) adds with no guard at all.
+FA_DEVICE void mma_bwd_dq_blocks(const Smem& s, const float* slse, float* dq_accum, const SeqInfo& si, int heads, int h, int i0, int len_q,
+                                 bool full, bool unguarded, int warp, int lane, int g, int t4) {
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
+    float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
+    const int mr0 = (warp / (DPAD / 32)) * 32, nc0 = (warp % (DPAD / 32)) * 32;  // the warp's block
+    float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+    bool row_ok[4];  // the lane's rows mr0 + g + 8 q: inside the sequence, some allowed key
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        row_ok[q] = i0 + mr0 + g + 8 * q < len_q && (full || slse[mr0 + g + 8 * q] != -fa_neg_inf());
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) mma_load_a_trans(af[m], s.ds, DS_LD, mr0 + 16 * m, kk * 16, lane);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            unsigned bk[4];
+            mma_load_b_kmajor(bk, s.k, LD, kk * 16, nc0 + 16 * c, lane);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+            }
+        }
+    }
+    // the lane's rows mr0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+    float* dq_row[4];
+    dq_row[0] = dq_bh + (long long)(i0 + mr0 + g) * dq_rs + nc0 + 2 * t4;
+#pragma unroll
+    for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+    if (unguarded) {  // a fully visible tile inside the sequence: no guard at all
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (row_ok[q]) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+            }
+        }
+    }
+}
+
+// Algorithm 4 line 21 in the 1-D main kernel otherwise: the warps share (16 Q rows x 16 columns) output
+// tiles. Item `it` of DQ_ITEMS is Q-row tile it / DQ_WPM with the DQ_NCW column tiles from (it % DQ_WPM) *
+// DQ_NCW: a warp loads its tile's dS fragments once per step and adds its columns, DQ_NCC at a time, from
+// two row pointers computed once (rows g, g + 8 of the tile) with constant offsets; the row guards (as
+// mma_bwd_dq_blocks) computed once per item, none where unguarded.
+FA_DEVICE void mma_bwd_dq_tiles(const Smem& s, const float* slse, float* dq_accum, const SeqInfo& si, int heads, int h, int i0, int len_q,
+                                bool full, bool unguarded, int warp, int lane, int g, int t4) {
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
+    float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
+#pragma unroll
+    for (int k = 0; k < DQ_PER_WARP; ++k) {
+        const int it = warp + k * NUM_WARPS;
+        if (DQ_ITEMS % NUM_WARPS != 0 && it >= DQ_ITEMS) break;  // warp-uniform
+        const int mt = it / DQ_WPM, nc0 = (it % DQ_WPM) * DQ_NCW;
+        unsigned af[BLOCK_C / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_C / 16; ++kk) mma_load_a_trans(af[kk], s.ds, DS_LD, mt * 16, kk * 16, lane);
+        const int r0 = mt * 16 + g;  // this lane's rows r0 and r0 + 8 of the Q block
+        bool row_ok[2] = {true, true};
+        if (!unguarded) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                row_ok[r] = i0 + r0 + 8 * r < len_q && (full || slse[r0 + 8 * r] != -fa_neg_inf());
+        }
+        float* dq_r0 = dq_bh + (long long)(i0 + r0) * dq_rs + nc0 * 16 + 2 * t4;
+        float* const dq_row[2] = {dq_r0, dq_r0 + 8 * dq_rs};
+#pragma unroll
+        for (int cc = 0; cc < DQ_NCW; cc += DQ_NCC) {
+            float acc[2 * DQ_NCC][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_C / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < DQ_NCC; ++c) {
+                    unsigned bk[4];
+                    mma_load_b_kmajor(bk, s.k, LD, kk * 16, (nc0 + cc + c) * 16, lane);
+                    mma_tile(acc[2 * c], af[kk], bk[0], bk[1]);
+                    mma_tile(acc[2 * c + 1], af[kk], bk[2], bk[3]);
+                }
+            if (unguarded) {
+#pragma unroll
+                for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                continue;
+            }
+            if constexpr (HEAD_DIM == DPAD) {  // one guard per row over its 2 DQ_NCC reductions
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (row_ok[r]) {
+#pragma unroll
+                        for (int c = 0; c < 2 * DQ_NCC; ++c)
+                            fa_red_add_f32x2(dq_row[r] + (cc * 2 + c) * 8, acc[c][2 * r], acc[c][2 * r + 1]);
+                    }
+                continue;
+            }
+#pragma unroll
+            for (int c = 0; c < 2 * DQ_NCC; ++c)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int off = (cc * 2 + c) * 8;  // column (nc0 * 16 + off + 2 t4) of dQ
+                    if constexpr (HEAD_DIM % 2 == 0) {  // both columns in or both past the head dim
+                        if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, 0) < HEAD_DIM)
+                            fa_red_add_f32x2(dq_row[r] + off, acc[c][2 * r], acc[c][2 * r + 1]);
+                    } else {
+#pragma unroll
+                        for (int x = 0; x < 2; ++x)
+                            if (row_ok[r] && nc0 * 16 + off + MmaAccLayout::col(lane, x) < HEAD_DIM)
+                                fa_atomic_add(dq_row[r] + off + x, acc[c][2 * r + x]);
+                    }
+                }
+        }
+    }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1645,6 +1957,193 @@ FA_DEVICE void mma2d_step_copy(T* const (&stage)[N], MmaStepCopy* const (&cp)[N]
         }
     }
 }
+
+// ---- the kernel's blocks -----------------------------------------------------------------------------
+// Algorithm 4 lines 11 and 17 for the warp's 32 Q rows x 32 keys, one product after the other (the fragments
+// of one operand pair in flight at a time): S = Q_i K_j^T into sacc, then dP = dO_i V_j^T into dpacc
+// ([m16 tile][n8 tile][fragment]); A = Q_i / dO_i (sq / sdo at the lane's offset a_q), B = K_j / V_j (b_kv:
+// the lane's offset). between() runs after S (the next step's lse_i / D_i, their load behind S).
+template <class Between>
+FA_DEVICE void mma2d_sdp(float (&sacc)[2][4][4], float (&dpacc)[2][4][4], const T* sq, const T* sdo, const Smem& s,
+                         int b_kv, int a_q, Between&& between) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {  // x = 0: S = Q_i K_j^T; x = 1: dP = dO_i V_j^T
+        const T* const a_src = x == 0 ? sq : sdo;
+        const T* const b_src = (x == 0 ? s.k : s.v) + b_kv;
+        float (&acc)[2][4][4] = x == 0 ? sacc : dpacc;
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)  // mma_load_a(a[m], sq / sdo, LD, sm0 + 16 m, kk * 16, lane)
+                fa_ldmatrix_x4(a[m], a_src + a_q + 16 * m * LD + kk * 16);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {  // mma_load_b_nmajor(b, s.k / s.v, LD, sn0 + 16 c, kk * 16, lane)
+                unsigned bf[4];
+                fa_ldmatrix_x4(bf, b_src + 16 * c * LD + kk * 16);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_tile(acc[m][2 * c], a[m], bf[0], bf[1]);
+                    mma_tile(acc[m][2 * c + 1], a[m], bf[2], bf[3]);
+                }
+            }
+        }
+        if (x == 0) between();
+    }
+}
+
+// The next step's lse_i / D_i (loaded before the step) into stage nxt; staged_exact: a huge row among them.
+FA_DEVICE void mma2d_stage_lse_late(const Smem& s, int nxt, int row0, int len_q, int tid, float next_lse, float next_delta,
+                                    bool& staged_exact) {
+    s.lse[nxt * BLOCK_R + tid] = row0 + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
+    s.delta[nxt * BLOCK_R + tid] = next_delta;
+    staged_exact = fa_exact_row(s.lse[nxt * BLOCK_R + tid]);
+}
+
+// lse_i and tau D_i at the lane's rows row_l + 16 m + 8 r of the stage (slse; D_i DELTA_FROM_LSE past it).
+FA_DEVICE void mma2d_rows(float (&l2)[2][2], float (&dl)[2][2], const float* slse, int row_l) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            l2[m][r] = slse[row_l + 16 * m + 8 * r];
+            dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
+        }
+}
+
+// Algorithm 4 line 12 on a partial tile: masked pairs take no part, P and dS exactly 0 whatever dP or D hold
+// (the lane's band bd, mma2d_band; the lane's row sm0 + 16 m + g + 8 r holds elements e = 2 r + x).
+FA_DEVICE void mma2d_zero_masked(float (&sacc)[2][4][4], float (&dpacc)[2][4][4], const Mma2dBand& bd) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int vlo = bd.lo + 16 * m + 8 * r, vhi = min(bd.hi + 16 * m + 8 * r, bd.kmax);
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int v = 8 * n + x, e = 2 * r + x;  // the key within the lane's: a constant
+                    const bool ok = v >= vlo && v <= vhi;
+                    sacc[m][n][e] = ok ? sacc[m][n][e] : 0.f;
+                    dpacc[m][n][e] = ok ? dpacc[m][n][e] : 0.f;
+                }
+        }
+}
+
+// P and tau dS -> shared memory (row = Q row, column = key) at the lane's elements p_l / ds_l, one 32-bit
+// pair of 16-bit values per store.
+FA_DEVICE void mma2d_store_pds(T* p_l, T* ds_l, const float (&sacc)[2][4][4], const float (&dpacc)[2][4][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int off = (16 * m + 8 * r) * LDP + 8 * n;
+                *reinterpret_cast<unsigned*>(p_l + off) = mma_pack(sacc[m][n][2 * r], sacc[m][n][2 * r + 1]);
+                *reinterpret_cast<unsigned*>(ds_l + off) = mma_pack(dpacc[m][n][2 * r], dpacc[m][n][2 * r + 1]);
+            }
+}
+
+// Algorithm 4 line 16 (dV~ += P^T dO_i) or 22 (dK~ += tau dS^T Q_i) for the warp's 32 keys x KV_COLS columns:
+// A = P^T / tau dS^T via ldmatrix.trans of P / tau dS (a: the lane's address), B = dO_i / Q_i via
+// ldmatrix.trans (b: the lane's k-major address).
+FA_DEVICE void mma2d_kv(float (&acc)[2][KV_COLS / 8][4], const T* a, const T* b) {
+#pragma unroll
+    for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)  // mma_load_a_trans(af[m], s.p / s.ds, LDP, vk0 + 16 m, kq * 16, lane)
+            fa_ldmatrix_x4_trans(af[m], a + kq * 16 * LDP + 16 * m);
+#pragma unroll
+        for (int c = 0; c < KV_COLS / 16; ++c) {  // mma_load_b_kmajor(bf, sdo / sq, LD, kq * 16, vd0 + 16 c, lane)
+            unsigned bf[4];
+            fa_ldmatrix_x4_trans(bf, b + kq * 16 * LD + 16 * c);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                mma_tile(acc[m][2 * c], af[m], bf[0], bf[1]);
+                mma_tile(acc[m][2 * c + 1], af[m], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// Algorithm 4 line 21: dQ~_i += tau dS K_j (fp32 atomics into the dQ~ rows of (b, h) in dq_accum, [tokens,
+// heads, HEAD_DIM]) for the warp's 32 Q rows x 32 columns, the rows of its S block (row_l, col_l: the lane's
+// first row and column; lse_i in l2): A = tau dS (a_ds, row-major), B = K_j via ldmatrix.trans (b_kq). A
+// fully masked row (lse = -inf, stored as +inf) keeps dQ exactly 0 (no 0 * NaN from K); a fully visible
+// tile inside the sequence adds with no guard at all.
+FA_DEVICE void mma2d_dq_add(const T* a_ds, const T* b_kq, float* dq_accum, const SeqInfo& si, int heads, int h, int i0,
+                            int row_l, int col_l, int len_q, bool full, const float (&l2)[2][2]) {
+    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
+    float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
+    float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) fa_ldmatrix_x4(af[m], a_ds + 16 * m * LDP + kk * 16);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // mma_load_b_kmajor(bk, s.k, LD, kk * 16, sn0 + 16 c, lane)
+            unsigned bk[4];
+            fa_ldmatrix_x4_trans(bk, b_kq + kk * 16 * LD + 16 * c);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
+                mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
+            }
+        }
+    }
+    // the lane's rows sm0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
+    float* dq_row[4];
+    dq_row[0] = dq_bh + (long long)(i0 + row_l) * dq_rs + col_l;
+#pragma unroll
+    for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
+    if (full) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (i0 + row_l + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf()) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
+            }
+        }
+    }
+}
+
+// Algorithm 4 line 24 (dK~ already carries tau, folded into dS): the lane's block of dK_j, dV_j, derived
+// afresh from the thread index (nothing of it held over the loop); keys past the sequence are not stored.
+FA_DEVICE void mma2d_store_dkdv(const float (&dk_acc)[2][KV_COLS / 8][4], const float (&dv_acc)[2][KV_COLS / 8][4], T* dk,
+                                T* dv, const SeqInfo& si, int b, int hk, long long stride_dk_b, long long stride_dk_s,
+                                long long stride_dk_h, long long stride_dv_b, long long stride_dv_s, long long stride_dv_h,
+                                int col0, int len_k) {
+    const int tid_e = (int)fa_mov_b32(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
+    const int key_e = col0 + (warp_e % KV_WK) * KV_ROWS + (lane_e >> 2), col_e = (warp_e / KV_WK) * KV_COLS + 2 * (lane_e & 3);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < KV_COLS / 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int col = key_e + 16 * m + 8 * r;  // col0 + vk0 + g + 16 m + 8 r
+                const int x = col_e + n * 8;  // vd0 + 2 t4 + 8 n
+                if (col < len_k) {
+                    T* const dk_p = dk + fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x;
+                    T* const dv_p = dv + fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x;
+                    dk_p[0] = fa_from_float<T>(dk_acc[m][n][2 * r]);
+                    dk_p[1] = fa_from_float<T>(dk_acc[m][n][2 * r + 1]);
+                    dv_p[0] = fa_from_float<T>(dv_acc[m][n][2 * r]);
+                    dv_p[1] = fa_from_float<T>(dv_acc[m][n][2 * r + 1]);
+                }
+            }
+}
 }  // namespace fa
 
 // ===========================================================================
@@ -1731,7 +2230,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
     const int len_q = si.len_q, len_k = si.len_k;
     const Smem s = smem_carve();
     const float scale_log2 = scale * LOG2E;
-    const long long dq_rs = (long long)heads * HEAD_DIM;  // dQ~ row stride (fp32 [tokens, heads, HEAD_DIM])
     const T* k_bh = k + fa_row_offset(si.k_tok0, b, 0, hk, stride_k_b, stride_k_s, stride_k_h);
     const T* v_bh = v + fa_row_offset(si.k_tok0, b, 0, hk, stride_v_b, stride_v_s, stride_v_h);
 
@@ -1781,7 +2279,6 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         const float* delta_bh = delta + fa_lse_index(si, b, h, 0, stride_lse_b, stride_lse_h);
         const float* const lse_h = fa_hold(lse_bh);  // the next step's loads: held over the loop
         const float* const delta_h = fa_hold(delta_bh);
-        float* const dq_bh = dq_accum + ((long long)si.q_tok0 * heads + h) * HEAD_DIM;  // dQ~ row 0 of (b, h)
         const ScoreParams sp = make_score_params(scale, softcap, alibi_slopes, stride_alibi_b, bias, stride_bias_b,
                                                  stride_bias_h, stride_bias_q, stride_bias_k, b, h, mp);
         if (h != hk * group) fa_sync();  // the previous head's last step is done with the buffers
@@ -1831,48 +2328,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             // K_j / V_j B fragments (S, dP): with BWD_2D_FRESH the lane offset derived afresh as below
             const int b_kv = BWD_2D_FRESH ? mma2d_b_kv((int)fa_mov_b32(threadIdx.x)) : b_kv_held;
             float sacc[2][4][4] = {}, dpacc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-            // one product after the other: the fragments of one operand pair in flight at a time
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {  // x = 0: S = Q_i K_j^T; x = 1: dP = dO_i V_j^T
-                const T* const a_src = x == 0 ? sq : sdo;
-                const T* const b_src = (x == 0 ? s.k : s.v) + b_kv;
-                float (&acc)[2][4][4] = x == 0 ? sacc : dpacc;
-#pragma unroll
-                for (int kk = 0; kk < DPAD / 16; ++kk) {
-                    unsigned a[2][4];
-#pragma unroll
-                    for (int m = 0; m < 2; ++m)  // mma_load_a(a[m], sq / sdo, LD, sm0 + 16 m, kk * 16, lane)
-                        fa_ldmatrix_x4(a[m], a_src + a_q + 16 * m * LD + kk * 16);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {  // mma_load_b_nmajor(b, s.k / s.v, LD, sn0 + 16 c, kk * 16, lane)
-                        unsigned bf[4];
-                        fa_ldmatrix_x4(bf, b_src + 16 * c * LD + kk * 16);
-#pragma unroll
-                        for (int m = 0; m < 2; ++m) {
-                            mma_tile(acc[m][2 * c], a[m], bf[0], bf[1]);
-                            mma_tile(acc[m][2 * c + 1], a[m], bf[2], bf[3]);
-                        }
-                    }
-                }
-                if (x == 0 && has_next && tid < BLOCK_R) {  // the next step's lse_i / D_i, their load behind S
-                    s.lse[nxt * BLOCK_R + tid] = i0 + BLOCK_R + tid < len_q ? mma_lse2(next_lse) : -fa_neg_inf();
-                    s.delta[nxt * BLOCK_R + tid] = next_delta;
-                    staged_exact = fa_exact_row(s.lse[nxt * BLOCK_R + tid]);
-                }
-            }
+            mma2d_sdp(sacc, dpacc, sq, sdo, s, b_kv, a_q, [&]() {  // after S: the next step's lse_i / D_i
+                if (has_next && tid < BLOCK_R) mma2d_stage_lse_late(s, nxt, i0 + BLOCK_R, len_q, tid, next_lse, next_delta, staged_exact);
+            });
             // Algorithm 4 line 13: P_ij = diag(l_i)^-1 exp(S_ij^masked - m_i) = exp(S_ij - lse_i) (exp2 with log2 e folded into scale and lse)
             // Algorithm 4 line 14: Z_ij = Philox keep-mask (replayed, not stored)
             // Algorithm 4 line 18: dP_ij = dP_ij^dropped o Z_ij / (1 - p)
             // Algorithm 4 line 20: dS_ij = P_ij o (dP_ij - D_i) (tau dS in one FMA: D staged as tau D)
             // lse_i and tau D_i at the lane's rows sm0 + 16 m + g + 8 r.
             float l2[2][2], dl[2][2];
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    l2[m][r] = slse[row_l + 16 * m + 8 * r];
-                    dl[m][r] = slse[DELTA_FROM_LSE + row_l + 16 * m + 8 * r];
-                }
+            mma2d_rows(l2, dl, slse, row_l);
             // a step with a huge row (exact): P from lse2 and the row's lse_lo (common.cuh), in code of its own
             // S -> P -> dS (mma/bwd_stages.cuh) over the warp's 2 x 4 tiles as one index n = 4 m + n8
             auto s_at = [&](int n, int e) -> float& { return sacc[n / 4][n % 4][e]; };
@@ -1896,35 +2361,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             };
             if (exact) pds(FaBool<true>{});
             else pds(FaBool<false>{});
-            if (!full) {  // masked pairs take no part: P and dS exactly 0, whatever dP or D hold
-                const Mma2dBand bd = mma2d_band(i0 + row_l, col0 + col_l, mp);
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {  // the lane's row sm0 + 16 m + g + 8 r: elements e = 2 r + x
-                        const int vlo = bd.lo + 16 * m + 8 * r, vhi = min(bd.hi + 16 * m + 8 * r, bd.kmax);
-#pragma unroll
-                        for (int n = 0; n < 4; ++n)
-#pragma unroll
-                            for (int x = 0; x < 2; ++x) {
-                                const int v = 8 * n + x, e = 2 * r + x;  // the key within the lane's: a constant
-                                const bool ok = v >= vlo && v <= vhi;
-                                sacc[m][n][e] = ok ? sacc[m][n][e] : 0.f;
-                                dpacc[m][n][e] = ok ? dpacc[m][n][e] : 0.f;
-                            }
-                    }
-            }
-            // P and tau dS -> shared memory (row = Q row, column = key), one 32-bit pair per store.
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int n = 0; n < 4; ++n)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int off = (16 * m + 8 * r) * LDP + 8 * n;
-                        *reinterpret_cast<unsigned*>(p_l + off) = mma_pack(sacc[m][n][2 * r], sacc[m][n][2 * r + 1]);
-                        *reinterpret_cast<unsigned*>(ds_l + off) = mma_pack(dpacc[m][n][2 * r], dpacc[m][n][2 * r + 1]);
-                    }
+            if (!full) mma2d_zero_masked(sacc, dpacc, mma2d_band(i0 + row_l, col0 + col_l, mp));  // masked pairs: P, dS exactly 0
+            mma2d_store_pds(p_l, ds_l, sacc, dpacc);  // P and tau dS -> shared memory (row = Q row, column = key)
             fa_sync();  // P and tau dS complete
 
             // Q_i / dO_i B fragments, k-major (dV~, dK~). BWD_2D_FRESH (fagen.families.mma.rules.bwd_2d_fresh):
@@ -1932,115 +2370,24 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_bwd_
             // spills it on sm_80, where dO_i's late copy takes registers of the S / dP phase).
             const int b_qd = BWD_2D_FRESH ? mma2d_b_qd((int)fa_mov_b32(threadIdx.x)) : b_qd_held;
             // Algorithm 4 line 16: dV~_j += (P_ij^dropped)^T dO_i (A = P^T via ldmatrix.trans of P, B = dO_i via ldmatrix.trans)
-#pragma unroll
-            for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
-                unsigned ap[2][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m)  // mma_load_a_trans(ap[m], s.p, LDP, vk0 + 16 m, kq * 16, lane)
-                    fa_ldmatrix_x4_trans(ap[m], a_p + kq * 16 * LDP + 16 * m);
-#pragma unroll
-                for (int c = 0; c < KV_COLS / 16; ++c) {  // mma_load_b_kmajor(bdo, sdo, LD, kq * 16, vd0 + 16 c, lane)
-                    unsigned bdo[4];
-                    fa_ldmatrix_x4_trans(bdo, sdo + b_qd + kq * 16 * LD + 16 * c);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        mma_tile(dv_acc[m][2 * c], ap[m], bdo[0], bdo[1]);
-                        mma_tile(dv_acc[m][2 * c + 1], ap[m], bdo[2], bdo[3]);
-                    }
-                }
-            }
+            mma2d_kv(dv_acc, a_p, sdo + b_qd);
             if constexpr (DO_LATE) {  // every warp is done with dO_i: copy the next one into its buffer
                 fa_sync();
                 if (has_next) mma2d_step_copy<1>({s.do_}, {&do_cp}, pair_vec, i0 + BLOCK_R, len_q);
                 fa_cp_async_commit();
             }
             // Algorithm 4 line 22: dK~_j += tau dS_ij^T Q_i (A = tau dS^T via ldmatrix.trans of tau dS, B = Q_i via ldmatrix.trans: tau folded into dS)
-#pragma unroll
-            for (int kq = 0; kq < BLOCK_R / 16; ++kq) {
-                unsigned ads[2][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m) fa_ldmatrix_x4_trans(ads[m], a_ds_t + kq * 16 * LDP + 16 * m);
-#pragma unroll
-                for (int c = 0; c < KV_COLS / 16; ++c) {
-                    unsigned bq[4];
-                    fa_ldmatrix_x4_trans(bq, sq + b_qd + kq * 16 * LD + 16 * c);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        mma_tile(dk_acc[m][2 * c], ads[m], bq[0], bq[1]);
-                        mma_tile(dk_acc[m][2 * c + 1], ads[m], bq[2], bq[3]);
-                    }
-                }
-            }
+            mma2d_kv(dk_acc, a_ds_t, sq + b_qd);
 
-            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM): A = tau dS (row-major), B = K_j via ldmatrix.trans; the warp's 32 Q rows x
-            // 32 columns, the rows of its S block (lse_i in l2). A fully masked row (lse = -inf, stored as
-            // +inf) keeps dQ exactly 0 (no 0 * NaN from K); a fully visible tile inside the sequence adds
-            // with no guard at all.
-            {
-                float acc[2][4][4] = {};  // [m16 tile][n8 tile][fragment]
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-                    unsigned af[2][4];
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) fa_ldmatrix_x4(af[m], a_ds + 16 * m * LDP + kk * 16);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {  // mma_load_b_kmajor(bk, s.k, LD, kk * 16, sn0 + 16 c, lane)
-                        unsigned bk[4];
-                        fa_ldmatrix_x4_trans(bk, b_kq + kk * 16 * LD + 16 * c);
-#pragma unroll
-                        for (int m = 0; m < 2; ++m) {
-                            mma_tile(acc[m][2 * c], af[m], bk[0], bk[1]);
-                            mma_tile(acc[m][2 * c + 1], af[m], bk[2], bk[3]);
-                        }
-                    }
-                }
-                // the lane's rows sm0 + g + 8 q (q < 4) of the Q block: one pointer, constant 8-row steps
-                float* dq_row[4];
-                dq_row[0] = dq_bh + (long long)(i0 + row_l) * dq_rs + col_l;
-#pragma unroll
-                for (int q = 1; q < 4; ++q) dq_row[q] = dq_row[q - 1] + 8 * dq_rs;
-                if (full) {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (i0 + row_l + 8 * q < len_q && l2[q >> 1][q & 1] != -fa_neg_inf()) {
-#pragma unroll
-                            for (int c = 0; c < 4; ++c)
-                                fa_red_add_f32x2(dq_row[q] + 8 * c, acc[q >> 1][c][2 * (q & 1)], acc[q >> 1][c][2 * (q & 1) + 1]);
-                        }
-                    }
-                }
-            }
+            // Algorithm 4 line 21: dQ_i += tau dS_ij K_j (fp32 atomics in HBM) (A = tau dS, B = K_j via ldmatrix.trans): the warp's 32 Q rows x 32 columns
+            mma2d_dq_add(a_ds, b_kq, dq_accum, si, heads, h, i0, row_l, col_l, len_q, full, l2);
         }
     }  // q heads of the group
     fa_cp_async_wait_all();  // nothing in flight when the block exits
 
     // Algorithm 4 line 24: write dK_j, dV_j to HBM (dK~ already carries tau, folded into dS)
-    // The lane's block, derived afresh from the thread index (nothing of it held over the loop).
-    const int tid_e = (int)fa_mov_b32(threadIdx.x), lane_e = tid_e % 32, warp_e = tid_e / 32;
-    const int key_e = col0 + (warp_e % KV_WK) * KV_ROWS + (lane_e >> 2), col_e = (warp_e / KV_WK) * KV_COLS + 2 * (lane_e & 3);
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int n = 0; n < KV_COLS / 8; ++n)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int col = key_e + 16 * m + 8 * r;  // col0 + vk0 + g + 16 m + 8 r
-                const int x = col_e + n * 8;  // vd0 + 2 t4 + 8 n
-                if (col < len_k) {
-                    T* const dk_p = dk + fa_row_offset(si.k_tok0, b, col, hk, stride_dk_b, stride_dk_s, stride_dk_h) + x;
-                    T* const dv_p = dv + fa_row_offset(si.k_tok0, b, col, hk, stride_dv_b, stride_dv_s, stride_dv_h) + x;
-                    dk_p[0] = fa_from_float<T>(dk_acc[m][n][2 * r]);
-                    dk_p[1] = fa_from_float<T>(dk_acc[m][n][2 * r + 1]);
-                    dv_p[0] = fa_from_float<T>(dv_acc[m][n][2 * r]);
-                    dv_p[1] = fa_from_float<T>(dv_acc[m][n][2 * r + 1]);
-                }
-            }
+    mma2d_store_dkdv(dk_acc, dv_acc, dk, dv, si, b, hk, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s,
+                     stride_dv_h, col0, len_k);
 }
 
 // ===========================================================================

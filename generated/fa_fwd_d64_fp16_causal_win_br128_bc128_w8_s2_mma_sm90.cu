@@ -473,6 +473,8 @@ constexpr int LD = 72;  // padded smem row stride (elements)
 // Decisions of the mma family (fagen.families.mma: Family.template_context)
 constexpr int DPAD = 64;  // head dim padded to the MMA k extent (zero columns)
 constexpr int WARP_M_TILES = 1;  // m16 tiles of Q rows per warp (2: 32-row warps)
+constexpr bool FWD_S_SPLIT = false;  // S one m16 tile after the other (32-row warps)
+constexpr bool FWD_HOLD = true;  // lane offsets and flags held over the K/V loop
 constexpr bool Q_IN_REGS = true;  // Q_i A-fragments held in registers
 constexpr bool FWD_HALF_COPY = true;  // each half of the threads copies one of K_j / V_j
 constexpr bool FWD_HALF_STEP = false;  // a block's last step over at most half the tile's keys steps that half alone
@@ -1211,10 +1213,9 @@ static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stage
 // WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY, FWD_HALF_STEP: decided by fagen.families.mma (header).
 constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
-// 32-row warps compute S one m16 tile after the other (each Q fragment read from smem per k step,
-// the K fragments the same for both: ptxas keeps them), so the first tile's scores are complete
-// before the second's are started and the live S fragments fit 255 registers beside O.
-constexpr bool FWD_S_SPLIT = MT == 2;
+// FWD_S_SPLIT (fagen.families.mma.rules.fwd_s_split, header): 32-row warps compute S one m16 tile after
+// the other, so the live S fragments fit 255 registers beside O.
+static_assert(FWD_S_SPLIT == (MT == 2), "FWD_S_SPLIT: 32-row warps");
 constexpr int NT_D = DPAD / 8, NT_C = BLOCK_C / 8;
 static_assert(BLOCK_R <= WROWS * NUM_WARPS && (MT == 1 || BLOCK_R % WROWS == 0),
               "mma forward: 16 or 32 Q rows per warp (warps past BLOCK_R only copy)");
@@ -1255,11 +1256,10 @@ FA_DEVICE void fwd_full_range(int i0, const MaskParams& mp, int* f0, int* f1) {
 
 // x, as a value the compiler cannot re-derive from its inputs: a loop-invariant held in a register
 // over the K/V loop instead of recomputed (rematerialised) every step. Only where the registers
-// allow: FWD_HOLD (16-row warps without a score modification) for the lane offsets and flags,
+// allow: FWD_HOLD (fagen.families.mma.rules.fwd_hold, header) for the lane offsets and flags,
 // `always` (every kernel without a score modification) for the two uniform bounds of the full-tile
-// range. Elsewhere the compiler places them (held, ptxas spilled 40 bytes at d = 64 with 32-row
-// warps, 184-296 at d = 256 with a bias on sm_80).
-constexpr bool FWD_HOLD = WARP_M_TILES == 1 && !HAS_SCORE_MOD;
+// range. Elsewhere the compiler places them.
+static_assert(!FWD_HOLD || (WARP_M_TILES == 1 && !HAS_SCORE_MOD), "FWD_HOLD: 16-row warps without a score modification");
 FA_DEVICE int fwd_opaque(int x, bool always = false) {
     if (always ? HAS_SCORE_MOD : !FWD_HOLD) return x;
     return (int)fa_mov_b32((unsigned)x);  // partials/mma.cuh: mov.b32 (the emulator: x)
@@ -1270,6 +1270,230 @@ template <int N> struct FwdKeys { static constexpr int value = N; };
 static_assert(!FWD_HALF_STEP || BLOCK_C % 32 == 0, "FWD_HALF_STEP: half a tile is whole k16 chunks");
 
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
+
+// ---- the kernel's blocks (one step over NC keys of a K/V stage) ---------------------------------------
+// S = Q_i K_j^T on the fp32 accumulator (zeroed here) for the warp's MT m16 tiles x NC keys: A = Q_i (qf with
+// Q_IN_REGS, else from smem at the lane's offset q_lane), B = K_j at the stage sk (the lane's offset k_lane);
+// each K fragment feeds the MT tiles, or with FWD_S_SPLIT one m16 tile after the other.
+template <int NC, int NQ>
+FA_DEVICE void fwd_s(float (&sacc)[MT][NC / 8][4], const unsigned (&qf)[NQ][4], const T* sq, const T* sk, int q_lane,
+                     int k_lane) {
+    constexpr int NT_C = NC / 8;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
+    if constexpr (FWD_S_SPLIT) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < DPAD / 16; ++kk) {
+                unsigned a[4];
+                fa_ldmatrix_x4(a, sq + q_lane + 16 * mt * LD + kk * 16);
+#pragma unroll
+                for (int n2 = 0; n2 < NT_C / 2; ++n2) {
+                    unsigned bk[4];
+                    fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
+                    mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
+                    mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
+                }
+            }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
+                } else {
+                    fa_ldmatrix_x4(a[mt], sq + q_lane + 16 * mt * LD + kk * 16);
+                }
+            }
+#pragma unroll
+            for (int n2 = 0; n2 < NT_C / 2; ++n2) {
+                unsigned bk[4];
+                fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
+                    mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+}
+
+// Z_ij of the step (fa_keep_bits_m16n8: bit 4n + e is element (n, e) of m16 tile mt) at the global (row, col) =
+// (row_offset + row, col_offset + col) (a ring step's block); all kept (~0) without dropout.
+template <int NC>
+FA_DEVICE void fwd_keep_bits(unsigned long long (&kb)[MT], unsigned long long seed, unsigned long long offset, long long bh,
+                             int row_offset, int col_offset, int i0, int wrow, int j0, unsigned drop_threshold, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (HAS_DROPOUT)  // (NC / 8: not instantiated without dropout)
+            kb[mt] = fa_keep_bits_m16n8<MmaAccLayout, NC / 8, unsigned long long>(
+                seed, offset, (unsigned)bh, row_offset + i0 + wrow + 16 * mt, col_offset + j0, drop_threshold, lane);
+        else
+            kb[mt] = ~0ull;
+    }
+}
+
+// The online softmax's new row maxima (the 4 lanes of a quad share a row): m_new = max(m, rowmax S), NaN
+// scores skipped (fmaxf). Returns whether a row of this lane is huge (|m sl2| >= 2^10: the exact exponent).
+template <int NC>
+FA_DEVICE bool fwd_row_max(float (&m_new)[MT][2], const float (&sacc)[MT][NC / 8][4], const float (&m_r)[MT][2], float sl2) {
+    bool exact = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // (from the first pair, not from -inf: fmaxf of all-NaN is NaN, which the shuffles and
+            // m_new's fmaxf skip as they skip -inf)
+            float mx = fmaxf(sacc[mt][0][2 * r], sacc[mt][0][2 * r + 1]);
+#pragma unroll
+            for (int n = 1; n < NC / 8; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
+            mx = fmaxf(mx, mma_shfl_xor(mx, 1));
+            mx = fmaxf(mx, mma_shfl_xor(mx, 2));
+            m_new[mt][r] = fmaxf(m_r[mt][r], mx);
+            exact |= fa_exact_row(m_new[mt][r] * sl2);
+        }
+    return exact;
+}
+
+// O_i += P~ V_j: A = P~ from registers (pa), B = V_j via ldmatrix.trans at the stage sv (the lane's offset
+// v_lane); each V fragment feeds the warp's MT m16 tiles. Without dropout also l += rowsum(P~), P~ times a
+// ones column (l_acc).
+template <int NC>
+FA_DEVICE void fwd_pv(float (&o_acc)[MT][NT_D][4], float (&l_acc)[MT][4], const unsigned (&pa)[MT][NC / 16][4], const T* sv,
+                      int v_lane, unsigned ones) {
+#pragma unroll
+    for (int kc = 0; kc < NC / 16; ++kc) {
+#pragma unroll
+        for (int nd = 0; nd < DPAD / 16; ++nd) {
+            unsigned bv[4];
+            fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);
+                mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
+            }
+        }
+        if constexpr (!HAS_DROPOUT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_tile(l_acc[mt], pa[mt][kc], ones, ones);  // l += rowsum(P~)
+        }
+    }
+}
+
+// The step's mask on its scores (the fp32 accumulator): with a score modification the final
+// score s = score_fwd(q.k) first (sl2 = log2 e takes it to log2; elements outside the sequences read no bias);
+// masked entries -inf, mask math only on tiles that are not fully visible (full). With a data mask, bit
+// 2 mt + r of seen records that row (mt, r) has an allowed key in this lane's columns.
+template <int NC>
+FA_DEVICE void fwd_mask(float (&sacc)[MT][NC / 8][4], unsigned& seen, bool full, int i0, int wrow, int j0, const MaskParams& mp,
+                        const ScoreParams& sp, const unsigned char* kpm_b, const unsigned char* mask, int b, int h,
+                        long long stride_mask_b, long long stride_mask_h, long long stride_mask_q, long long stride_mask_k,
+                        int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int row0 = i0 + wrow + 16 * mt;
+        if constexpr (HAS_SCORE_MOD) {
+            // The final score s = score_fwd(q.k) on the fp32 accumulator (sl2 = log2 e takes it to log2);
+            // elements outside the sequences (masked below) read no bias.
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
+                    if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
+                        sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp);
+                }
+        }
+        if (HAS_DATA_MASK && !full) {
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = mma_allowed(row0 + MmaAccLayout::row(lane, e), j0 + n * 8 + MmaAccLayout::col(lane, e), mp, kpm_b,
+                                                mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
+                                                stride_mask_q, stride_mask_k);
+                    seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
+                    if (!ok) sacc[mt][n][e] = fa_neg_inf();
+                }
+        } else if (!full) {
+            // Structural rule only: each row's allowed keys are one range, found once per row; an
+            // element then costs a compare (two with a window) and a select, at its column
+            // n * 8 + x relative to this lane's first, j0 + 2 t4.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                fwd_row_keys(row0 + g + 8 * r, mp, &lo, &hi);
+                lo -= j0 + 2 * t4;
+                hi -= j0 + 2 * t4;
+#pragma unroll
+                for (int n = 0; n < NC / 8; ++n)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int c = n * 8 + x;
+                        const bool ok = HAS_WINDOW ? (c >= lo && c < hi) : c < hi;  // lo <= 0 without a window
+                        if (!ok) sacc[mt][n][2 * r + x] = fa_neg_inf();
+                    }
+            }
+        } else if constexpr (HAS_DATA_MASK) {
+            seen |= 3u << (2 * mt);
+        }
+    }
+}
+
+// The online softmax's update of a step for the rows of this lane (m_new: fwd_row_max): P~ = 2^(sl2 (S -
+// m_new)) (one FFMA and one exp2 per score; EXACT: 2^(fmaf(S, sl2, -hi) - lo) with m sl2 = hi + lo exactly),
+// l = 2^(sl2 (m - m_new)) l + rowsum(P~), O = 2^(sl2 (m - m_new)) O, m = m_new. P~ Z (dropped entries 0) is packed
+// at once into the A fragments of O += P~ V: pa[mt][kc] = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1),
+// (g + 8, 2kc + 1).
+template <bool EXACT, int NC>
+FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][NC / 16][4], float (&l_r)[MT][2], float (&m_r)[MT][2], float (&l_acc)[MT][4],
+                           float (&o_acc)[MT][NT_D][4], const float (&sacc)[MT][NC / 8][4], const float (&m_new)[MT][2],
+                           const unsigned long long (&kb)[MT], float sl2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float mn = m_new[mt][r];
+            const float base = mn == fa_neg_inf() ? 0.f : mn * sl2;  // no allowed key yet: P = 0, not NaN
+            const float lo = EXACT && mn != fa_neg_inf() ? fa_exp_lo(mn, sl2, base) : 0.f;
+            const float alpha = mma_exp2(EXACT ? fmaf(m_r[mt][r], sl2, -base) - lo : fmaf(m_r[mt][r], sl2, -base));
+            m_r[mt][r] = mn;
+            float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n) {
+                float pz[2];
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int e = 2 * r + x;
+                    const float p = mma_exp2(EXACT ? fmaf(sacc[mt][n][e], sl2, -base) - lo
+                                                   : fmaf(sacc[mt][n][e], sl2, -base));
+                    sum = n == 0 && x == 0 ? p : sum + p;
+                    pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
+                }
+                pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
+            }
+            l_r[mt][r] = alpha * l_r[mt][r] + sum;
+            // l_acc: only column 0 of the ones product is read (every column holds the same sum);
+            // the other columns accumulate unscaled and stay unread.
+            if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < NT_D; ++n) {
+                o_acc[mt][n][2 * r] *= alpha;
+                o_acc[mt][n][2 * r + 1] *= alpha;
+            }
+        }
+}
+
 }  // namespace fa
 
 // ===========================================================================
@@ -1478,115 +1702,16 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             constexpr int NC = decltype(keys_t)::value, NT_C = NC / 8;
             // S = Q_i K_j^T on the fp32 accumulator; each K fragment feeds the warp's MT m16 tiles.
             float sacc[MT][NT_C][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sacc[mt][n][e] = 0.f;
-            if constexpr (FWD_S_SPLIT) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int kk = 0; kk < DPAD / 16; ++kk) {
-                        unsigned a[4];
-                        fa_ldmatrix_x4(a, s.q + q_lane + 16 * mt * LD + kk * 16);
-#pragma unroll
-                        for (int n2 = 0; n2 < NT_C / 2; ++n2) {
-                            unsigned bk[4];
-                            fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
-                            mma_tile(sacc[mt][2 * n2], a, bk[0], bk[1]);
-                            mma_tile(sacc[mt][2 * n2 + 1], a, bk[2], bk[3]);
-                        }
-                    }
-            } else {
-#pragma unroll
-                for (int kk = 0; kk < DPAD / 16; ++kk) {
-                    unsigned a[MT][4];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        if constexpr (Q_IN_REGS) {
-#pragma unroll
-                            for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
-                        } else {
-                            fa_ldmatrix_x4(a[mt], s.q + q_lane + 16 * mt * LD + kk * 16);
-                        }
-                    }
-#pragma unroll
-                    for (int n2 = 0; n2 < NT_C / 2; ++n2) {
-                        unsigned bk[4];
-                        fa_ldmatrix_x4(bk, sk + k_lane + n2 * 16 * LD + kk * 16);
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma_tile(sacc[mt][2 * n2], a[mt], bk[0], bk[1]);
-                            mma_tile(sacc[mt][2 * n2 + 1], a[mt], bk[2], bk[3]);
-                        }
-                    }
-                }
-            }
+            fwd_s<NC>(sacc, qf, s.q, sk, q_lane, k_lane);
             // Masked entries -inf, mask math only on tiles that are not fully visible.
             const bool full = j0 >= jf0 && j0 < jf1;  // tile_kind(i0, j0, mp) == TILE_FULL
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const int row0 = i0 + wrow + 16 * mt;
-                if constexpr (HAS_SCORE_MOD) {
-                    // The final score s = score_fwd(q.k) on the fp32 accumulator (sl2 = log2 e takes it to log2);
-                    // elements outside the sequences (masked below) read no bias.
-#pragma unroll
-                    for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = row0 + MmaAccLayout::row(lane, e), col = j0 + n * 8 + MmaAccLayout::col(lane, e);
-                            if (full || (row < mp.seqlen_q && col < mp.seqlen_k))
-                                sacc[mt][n][e] = score_fwd<float>(sacc[mt][n][e], row, col, sp);
-                        }
-                }
-                if (HAS_DATA_MASK && !full) {
-#pragma unroll
-                    for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const bool ok = mma_allowed(row0 + MmaAccLayout::row(lane, e), j0 + n * 8 + MmaAccLayout::col(lane, e), mp, kpm_b,
-                                                        mask + (long long)b * stride_mask_b + (long long)h * stride_mask_h,
-                                                        stride_mask_q, stride_mask_k);
-                            seen |= ok ? 1u << (2 * mt + (e >> 1)) : 0u;
-                            if (!ok) sacc[mt][n][e] = NEG_INF;
-                        }
-                } else if (!full) {
-                    // Structural rule only: each row's allowed keys are one range, found once per row; an
-                    // element then costs a compare (two with a window) and a select, at its column
-                    // n * 8 + x relative to this lane's first, j0 + 2 t4.
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        int lo, hi;
-                        fwd_row_keys(row0 + g + 8 * r, mp, &lo, &hi);
-                        lo -= j0 + 2 * t4;
-                        hi -= j0 + 2 * t4;
-#pragma unroll
-                        for (int n = 0; n < NT_C; ++n)
-#pragma unroll
-                            for (int x = 0; x < 2; ++x) {
-                                const int c = n * 8 + x;
-                                const bool ok = HAS_WINDOW ? (c >= lo && c < hi) : c < hi;  // lo <= 0 without a window
-                                if (!ok) sacc[mt][n][2 * r + x] = NEG_INF;
-                            }
-                    }
-                } else if constexpr (HAS_DATA_MASK) {
-                    seen |= 3u << (2 * mt);
-                }
-            }
+            fwd_mask<NC>(sacc, seen, full, i0, wrow, j0, mp, sp, kpm_b, mask, b, h, stride_mask_b, stride_mask_h, stride_mask_q,
+                         stride_mask_k, lane);
 
             // Z_ij (fa_keep_bits_m16n8: bit 4n + e is element (n, e)) at the global (row, col) =
             // (row_offset + row, col_offset + col) (a ring step's block); 1/(1-p): at the end.
             unsigned long long kb[MT];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if constexpr (HAS_DROPOUT)  // (NT_C depends on the lambda's tag: not instantiated without dropout)
-                    kb[mt] = fa_keep_bits_m16n8<MmaAccLayout, NT_C, unsigned long long>(
-                        seed, offset, (unsigned)bh, row_offset + i0 + wrow + 16 * mt, col_offset + j0, drop_threshold, lane);
-                else
-                    kb[mt] = ~0ull;
-            }
+            fwd_keep_bits<NC>(kb, seed, offset, bh, row_offset, col_offset, i0, wrow, j0, drop_threshold, lane);
 
             // Online softmax per row (the 4 lanes of a quad share a row): m_new = max(m, rowmax S),
             // P~ = 2^(sl2 (S - m_new)) (one FFMA and one exp2 per score), l = 2^(sl2 (m - m_new)) l +
@@ -1595,80 +1720,13 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
             unsigned pa[MT][NC / 16][4];
             float m_new[MT][2];
-            bool exact = false;  // a row of this warp with |m sl2| >= 2^10: the exact exponent (common.cuh)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    // (from the first pair, not from -inf: fmaxf of all-NaN is NaN, which the shuffles and
-                    // m_new's fmaxf skip as they skip -inf)
-                    float mx = fmaxf(sacc[mt][0][2 * r], sacc[mt][0][2 * r + 1]);
-#pragma unroll
-                    for (int n = 1; n < NT_C; ++n) mx = fmaxf(mx, fmaxf(sacc[mt][n][2 * r], sacc[mt][n][2 * r + 1]));
-                    mx = fmaxf(mx, mma_shfl_xor(mx, 1));
-                    mx = fmaxf(mx, mma_shfl_xor(mx, 2));
-                    m_new[mt][r] = fmaxf(m_r[mt][r], mx);
-                    exact |= fa_exact_row(m_new[mt][r] * sl2);
-                }
+            const bool exact = fwd_row_max<NC>(m_new, sacc, m_r, sl2);  // a huge row of this lane: the exact exponent (common.cuh)
             // EXACT: P~ = 2^(fmaf(S, sl2, -hi) - lo) with m sl2 = hi + lo exactly; else one FFMA per score.
-            auto softmax = [&](auto exact_t) {
-                constexpr bool EXACT = decltype(exact_t)::value;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const float mn = m_new[mt][r];
-                        const float base = mn == NEG_INF ? 0.f : mn * sl2;  // no allowed key yet: P = 0, not NaN
-                        const float lo = EXACT && mn != NEG_INF ? fa_exp_lo(mn, sl2, base) : 0.f;
-                        const float alpha = mma_exp2(EXACT ? fmaf(m_r[mt][r], sl2, -base) - lo : fmaf(m_r[mt][r], sl2, -base));
-                        m_r[mt][r] = mn;
-                        float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
-#pragma unroll
-                        for (int n = 0; n < NT_C; ++n) {
-                            float pz[2];
-#pragma unroll
-                            for (int x = 0; x < 2; ++x) {
-                                const int e = 2 * r + x;
-                                const float p = mma_exp2(EXACT ? fmaf(sacc[mt][n][e], sl2, -base) - lo
-                                                               : fmaf(sacc[mt][n][e], sl2, -base));
-                                sum = n == 0 && x == 0 ? p : sum + p;
-                                pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
-                            }
-                            pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
-                        }
-                        l_r[mt][r] = alpha * l_r[mt][r] + sum;
-                        // l_acc: only column 0 of the ones product is read (every column holds the same sum);
-                        // the other columns accumulate unscaled and stay unread.
-                        if constexpr (!HAS_DROPOUT) l_acc[mt][2 * r] *= alpha;
-#pragma unroll
-                        for (int n = 0; n < NT_D; ++n) {
-                            o_acc[mt][n][2 * r] *= alpha;
-                            o_acc[mt][n][2 * r + 1] *= alpha;
-                        }
-                    }
-            };
-            if (fa_warp_any(exact)) softmax(FaBool<true>{});
-            else softmax(FaBool<false>{});
+            if (fa_warp_any(exact)) fwd_softmax<true, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2);
+            else fwd_softmax<false, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2);
 
-            // O_i += P~ V_j: A = P~ from registers, B = V_j via ldmatrix.trans (each V fragment feeds the
-            // warp's MT m16 tiles).
-#pragma unroll
-            for (int kc = 0; kc < NC / 16; ++kc) {
-#pragma unroll
-                for (int nd = 0; nd < DPAD / 16; ++nd) {
-                    unsigned bv[4];
-                    fa_ldmatrix_x4_trans(bv, sv + v_lane + kc * 16 * LD + nd * 16);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_tile(o_acc[mt][2 * nd], pa[mt][kc], bv[0], bv[1]);
-                        mma_tile(o_acc[mt][2 * nd + 1], pa[mt][kc], bv[2], bv[3]);
-                    }
-                }
-                if constexpr (!HAS_DROPOUT) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) mma_tile(l_acc[mt], pa[mt][kc], ones, ones);  // l += rowsum(P~)
-                }
-            }
+            // O_i += P~ V_j (A = P~ from registers, B = V_j via ldmatrix.trans)
+            fwd_pv<NC>(o_acc, l_acc, pa, sv, v_lane, ones);
         };
         // The block's last keys (causal's diagonal, a sequence's tail) within the tile's first half: a
         // half step, so no more tensor-core work than a tile of BLOCK_C / 2 keys there.
