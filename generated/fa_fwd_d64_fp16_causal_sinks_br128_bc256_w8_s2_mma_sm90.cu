@@ -1368,7 +1368,7 @@ FA_DEVICE bool fwd_row_max(float (&m_new)[MT][2], const float (&sacc)[MT][NC / 8
 // v_lane); each V fragment feeds the warp's MT m16 tiles. Without dropout also l += rowsum(P~), P~ times a
 // ones column (l_acc).
 template <int NC>
-FA_DEVICE void fwd_pv(float (&o_acc)[MT][NT_D][4], float (&l_acc)[MT][4], const unsigned (&pa)[MT][NC / 16][4], const T* sv,
+FA_DEVICE void fwd_pv(float (&o_acc)[MT][NT_D][4], float (&l_acc)[MT][4], const unsigned (&pa)[MT][(NC + 15) / 16][4], const T* sv,
                       int v_lane, unsigned ones) {
 #pragma unroll
     for (int kc = 0; kc < NC / 16; ++kc) {
@@ -1456,7 +1456,7 @@ FA_DEVICE void fwd_mask(float (&sacc)[MT][NC / 8][4], unsigned& seen, bool full,
 // at once into the A fragments of O += P~ V: pa[mt][kc] = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1),
 // (g + 8, 2kc + 1).
 template <bool EXACT, int NC>
-FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][NC / 16][4], float (&l_r)[MT][2], float (&m_r)[MT][2], float (&l_acc)[MT][4],
+FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][(NC + 15) / 16][4], float (&l_r)[MT][2], float (&m_r)[MT][2], float (&l_acc)[MT][4],
                            float (&o_acc)[MT][NT_D][4], const float (&sacc)[MT][NC / 8][4], const float (&m_new)[MT][2],
                            const unsigned long long (&kb)[MT], float sl2) {
 #pragma unroll
@@ -1718,7 +1718,7 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             // rowsum(P~), O = 2^(sl2 (m - m_new)) O. The max skips NaN scores (fmaxf); they reach l and O
             // through P~ = NaN. P~ Z (dropped entries 0) is packed at once into the A fragments of
             // O += P~ V: a[0..3] of key chunk kc = (row g, n8 tile 2kc), (g + 8, 2kc), (g, 2kc + 1), (g + 8, 2kc + 1).
-            unsigned pa[MT][NC / 16][4];
+            unsigned pa[MT][(NC + 15) / 16][4];  // (a step of 8 keys, instantiated but never run: one chunk)
             float m_new[MT][2];
             const bool exact = fwd_row_max<NC>(m_new, sacc, m_r, sl2);  // a huge row of this lane: the exact exponent (common.cuh)
             // EXACT: P~ = 2^(fmaf(S, sl2, -hi) - lo) with m sl2 = hi + lo exactly; else one FFMA per score.
