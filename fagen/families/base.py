@@ -110,6 +110,9 @@ class Knob:
     default: int
     choices: tuple[int, ...]  # accepted values; the autotuner tries each
     help: str = ""
+    #: True: a spec at the default value does not list the knob (``KernelSpec.knobs``: not in its name, its
+    #: source's header or its cache key), so the specs a knob added later leaves at its default keep what they were.
+    elided: bool = False
 
 
 class Reason(NamedTuple):
