@@ -178,7 +178,7 @@ def test_the_sites() -> None:
                                                       "fa_named_barrier_arrive", "fa_named_barrier_sync"]
 
 
-@pytest.mark.parametrize("site", [pytest.param(s, id=f"{s[0]}:{s[1][:40]}", marks=() if i < 2 else pytest.mark.slow)
+@pytest.mark.parametrize("site", [pytest.param(s, id=f"{s[0]}:{s[1][:40]}", marks=())
                                   for i, s in enumerate(_sites())])
 def test_removing_a_barrier_call_is_caught(site, monkeypatch) -> None:
     i = _sites().index(site)
@@ -227,3 +227,27 @@ def test_a_forward_at_the_ptx_level() -> None:
         o, lse = F.run_forward(spec, t["q"], t["k"], t["v"], **W.options(c, t))
     assert {s for s, _, _ in record.launches} == {spec.name}
     W.check_forward(c, t, o, lse)
+
+
+@pytest.mark.slow
+def test_the_autotuner_times_both_values_beside_each_candidate_it_times() -> None:
+    """The model cannot see what the ping-pong buys (``Knob.model_blind``): each timed candidate's twin with the
+    other value is timed too, and a timing that favours the ping-pong picks it."""
+    from fagen.autotune.timing import DeviceInfo
+    from fagen.autotune.tuner import tune
+
+    spec = W.spec("fwd", dict(d=64, dtype="float16"))
+    calls: list[KernelSpec] = []
+
+    def timer(s: KernelSpec, p) -> float:
+        calls.append(s)
+        return 1.0 if s.knob_values.get("pingpong") else 2.0
+
+    dev = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, "sm_90a")
+    r = tune(spec, batch=2, heads=4, seqlen=4096, dry_run=False, top=1, timer=timer, device=dev, persist=False,
+             sizes=(64, 128), warps=(8,), progress=False)
+    timed = {(c.impl, c.block_r, c.block_c, c.num_warps, c.knobs) for c in r.candidates if c.measured_ms is not None}
+    for k in (k for k in timed if k[0] == "wgmma"):
+        other = {kv for kv in k[4] if kv[0] != "pingpong"}
+        assert {(*k[:4], tuple(sorted(other | x))) for x in (set(), {("pingpong", 1)})} <= timed, timed
+    assert r.best.impl == "wgmma" and dict(r.best.knobs).get("pingpong") == 1, r.best

@@ -158,7 +158,7 @@ STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mba
 #: FlashAttention-3's ping-pong of the two consumer warpgroups (:func:`pingpong_reason` says where it is legal);
 #: elided at its default, so the specs that do not take it keep their names and sources.
 PINGPONG = Knob("pingpong", "pp", 0, (0, 1), "the forward's two consumer warpgroups take turns issuing their GEMMs "
-                "(named barriers; FlashAttention-3's UsePingPong)", elided=True)
+                "(named barriers; FlashAttention-3's UsePingPong)", elided=True, model_blind=True)
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
 MAX_CONSUMER_REGS = 240
