@@ -69,7 +69,8 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
          persist: bool = True, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
          workers: int | None = None, progress: bool | None = None) -> TuneResult:
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
-    default; beside each, its twins in the knobs the model cannot rank, ``Knob.model_blind``) and record the fastest for ``device`` (the current CUDA device when None).
+    default; beside each, its twins in the knobs the model cannot rank, ``Knob.model_blind``) and record
+    the fastest for ``device`` (the current CUDA device when None).
 
     ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in
     1..``fagen.spec.SEQLEN_MAX`` (the kernels' int32 lengths), ``heads_kv`` (GQA / MQA: K/V
