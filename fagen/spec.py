@@ -100,7 +100,8 @@ class KernelSpec(BaseModel):
     block_r: int | None = Field(None, description="override of B_r (rows of Q per tile)")
     block_c: int | None = Field(None, description="override of B_c (rows of K/V per tile)")
     num_warps: int | None = Field(None, description="warps per block (wgmma: consumer warps); default: the family's choice")
-    #: Resolved at validation (never None on a built spec): the family, and its knobs with defaults filled in.
+    #: Resolved at validation (never None on a built spec): the family, and its knobs with defaults filled in
+    #: (a ``Knob.elided`` knob at its default is left out).
     impl: str | None = Field(None, description="kernel family; default: the preferred family that supports the spec")
     knobs: Knobs | None = Field(None, description="the family's extra knobs (name -> int); default: the family's defaults")
 
@@ -239,8 +240,9 @@ class KernelSpec(BaseModel):
                                 self.knobs)
         fs0 = self._family_spec(None)
         default = getattr(fam, "knob_default", lambda k, _fs: k.default)  # a family outside FamilyBase: the knob's
-        object.__setattr__(self, "knobs", tuple(sorted({k.name: given.get(k.name, default(k, fs0))
-                                                        for k in fam.knobs}.items())))
+        values = {k.name: given.get(k.name, default(k, fs0)) for k in fam.knobs}
+        object.__setattr__(self, "knobs", tuple(sorted((k.name, values[k.name]) for k in fam.knobs  # Knob.elided
+                                                       if not (getattr(k, "elided", False) and values[k.name] == k.default))))
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
             limit = fam.max_block_r if field == "block_r" else fam.max_block_c
@@ -319,7 +321,7 @@ class KernelSpec(BaseModel):
 
     @property
     def knob_values(self) -> dict[str, int]:
-        """The family's knobs with their values (defaults filled in)."""
+        """The family's knobs with their values (defaults filled in; a ``Knob.elided`` knob at its default absent)."""
         return dict(self.knobs or ())
 
     @property
@@ -358,7 +360,7 @@ class KernelSpec(BaseModel):
         t = self.tile
         m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
         values = self.knob_values
-        knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in self.family.knobs)
+        knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in self.family.knobs if k.name in values)
         return (
             f"fa_{self.direction}_d{self.head_dim}{f'_dv{self.head_dim_v}' if self.head_dim_v else ''}"
             f"_{DTYPE_SHORT[self.dtype]}{flag_part}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InputError
+from ..families import families
 from ..spec import KernelSpec
 from .. import choices as store
 from .candidates import WARPS, Candidate, build_candidates
@@ -68,7 +69,8 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
          persist: bool = True, sizes: Sequence[int] | None = None, warps: Sequence[int] = WARPS,
          workers: int | None = None, progress: bool | None = None) -> TuneResult:
     """Rank ``spec``'s candidates by the cost model; unless ``dry_run``, time the top ``top`` (and the
-    default) and record the fastest for ``device`` (the current CUDA device when None).
+    default; beside each, its twins in the knobs the model cannot rank, ``Knob.model_blind``) and record
+    the fastest for ``device`` (the current CUDA device when None).
 
     ``batch`` and ``heads`` must be in 1..65535 (the grid's y and z), the seqlens in
     1..``fagen.spec.SEQLEN_MAX`` (the kernels' int32 lengths), ``heads_kv`` (GQA / MQA: K/V
@@ -88,6 +90,7 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
 
     timer = timer or CudaTimer()
     chosen = {c.key for c in ok[:max(0, top)]} | {c.key for c in ok if c.is_default}
+    chosen |= _blind_twins(ok, chosen)
     measured: dict[tuple, float] = {}
     for c in ok:
         if c.key in chosen and c.spec is not None:
@@ -102,6 +105,18 @@ def tune(spec: KernelSpec, *, batch: int, heads: int, seqlen: int, seqlen_k: int
                      capability=device.capability, batch=batch, heads=heads, measured_ms=best.measured_ms,
                      predicted_ms=best.predicted_ms, default_ms=default.measured_ms if default else None)
     return result
+
+
+def _blind_twins(ok: Sequence[Candidate], chosen: set[tuple]) -> set[tuple]:
+    """The keys of the candidates that differ from a chosen one in ``Knob.model_blind`` knobs only (the model
+    cannot rank those values: each is timed)."""
+    blind = {k.name for fam in families() for k in fam.knobs if getattr(k, "model_blind", False)}
+
+    def base(c: Candidate) -> tuple:
+        return (c.impl, c.block_r, c.block_c, c.num_warps, tuple(kv for kv in c.knobs if kv[0] not in blind))
+
+    picked = {base(c) for c in ok if c.key in chosen}
+    return {c.key for c in ok if base(c) in picked}
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:

@@ -1088,6 +1088,9 @@ inline void describe_named() {
 // A thread that returns with a bulk store / reduce it has not waited for: the CTA's shared
 // memory may be reused before the copy has read its source (CUDA C++ Programming Guide, TMA: wait
 // for the bulk async-group to finish reading shared memory before the thread exits).
+// The block's last thread: a named barrier with an open phase (arrivals that no sync / arrive completed)
+// ends with the block; a kernel's arrivals are to be matched (e.g. the ping-pong's hand-overs,
+// templates/wgmma/pingpong.cuh), so one left over is an arrive without its sync (or a sync's partner missing).
 inline void check_exit() {
     Quiet quiet;
     if (H.block != g.block_serial) return;
@@ -1096,6 +1099,12 @@ inline void check_exit() {
         fail("the thread exits with the bulk store / reduce issued at %s:%d not waited for "
              "(fa_bulk_wait_group[_read]): its shared source may be reused before the copy reads it",
              ts.bulk[0].file, ts.bulk[0].line);
+    if (g.live == 1)
+        for (unsigned id = 1; id < 16; ++id)
+            if (H.named[id].arrived != 0)
+                fail("the block ends with named barrier %u's phase open: %u of %u thread(s) arrived (first at %s:%d), "
+                     "an arrive without its matching sync", id, H.named[id].arrived, H.named[id].count,
+                     H.named[id].file, H.named[id].line);
 }
 
 inline int register_check_exit = (thread_exit_extra = &check_exit, 0);

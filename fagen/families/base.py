@@ -110,6 +110,12 @@ class Knob:
     default: int
     choices: tuple[int, ...]  # accepted values; the autotuner tries each
     help: str = ""
+    #: True: a spec at the default value does not list the knob (``KernelSpec.knobs``: not in its name, its
+    #: source's header or its cache key), so the specs a knob added later leaves at its default keep what they were.
+    elided: bool = False
+    #: True: the cost model cannot see what the knob buys (only a GPU timing can): the runtime autotuner times
+    #: each of its values beside every candidate it picks to time (``fagen.autotune.tuner.tune``).
+    model_blind: bool = False
 
 
 class Reason(NamedTuple):

@@ -14,6 +14,15 @@ refilled once S has read it (not once P~ V_j has read V_j). The producer prefetc
 maps (``prefetch.tensormap``) before its first load. Rows past a sequence's end come from TMA's zero
 fill and are masked.
 
+Ping-pong (knob ``pingpong``, :data:`PINGPONG`; FlashAttention-3's ``UsePingPong``): with 1 the two consumer
+warpgroups take turns issuing their GEMMs (``templates/wgmma/pingpong.cuh``: named barriers ``BAR_PP + wg``), so one
+warpgroup's softmax runs under the other's S = Q K_j^T and P~ V_j. Each tile loop trip waits for its warpgroup's turn
+before S and hands the turn over once P~ V is issued; warpgroup 1 hands it to warpgroup 0 before the loop, and
+warpgroup 0 takes that last hand-over after it, so every barrier's arrivals are matched when the CTA ends. The two
+warpgroups run the same trips (the K/V range is the CTA's Q block's, :func:`pingpong_reason`'s condition: two
+consumer warpgroups, the forward). It reorders issue only (the outputs keep their bits); what it buys is a GPU
+timing, so its default stays 0 (the runtime autotuner times both values). An elided knob: a spec at 0 does not list it.
+
 Packed sequences (``varlen``: cu_seqlens, the seqlen arguments the max lengths), both directions:
 the tensor maps are built per call over each packed tensor as one batch ([1, total, H, d],
 :func:`packed_view`; one map per tensor, not per sequence) and a CTA places its boxes at its
@@ -99,8 +108,8 @@ from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
-           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "pingpong_reason", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -146,6 +155,10 @@ FWD_BIAS_REGS = 144
 #: softcap and dropout; d = 64 x 128 keys (112), d = 128 x 64 keys (104) and d = 192 x 64 keys (136) none.
 FWD_MASK_BIAS_MIX_REGS = 136
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
+#: FlashAttention-3's ping-pong of the two consumer warpgroups (:func:`pingpong_reason` says where it is legal);
+#: elided at its default, so the specs that do not take it keep their names and sources.
+PINGPONG = Knob("pingpong", "pp", 0, (0, 1), "the forward's two consumer warpgroups take turns issuing their GEMMs "
+                "(named barriers; FlashAttention-3's UsePingPong)", elided=True, model_blind=True)
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
 MAX_CONSUMER_REGS = 240
@@ -165,6 +178,16 @@ def register_split(num_warps: int, blocks_per_sm: int, producer: int = PRODUCER_
     launch = min(255, REGS_PER_SM // (threads * blocks_per_sm)) // 8 * 8
     consumer = min(MAX_CONSUMER_REGS, (launch * threads - producer * 128) // consumers // 8 * 8)
     return consumer, producer
+
+
+def pingpong_reason(fs: FamilySpec) -> Reason | None:
+    """Why the spec's ``pingpong`` value is illegal, or None: 1 needs the forward (``direction == "fwd"``) with
+    two consumer warpgroups (``num_warps == 8``), the warpgroups whose GEMM phases it orders."""
+    v = fs.knob_values.get(PINGPONG.name, PINGPONG.default)
+    if v and (fs.direction != "fwd" or fs.num_warps != 8):
+        return Reason("knobs", f"pingpong={v} needs the forward with two consumer warpgroups (direction='fwd', "
+                               f"num_warps=8), got direction={fs.direction!r}, num_warps={fs.num_warps}")
+    return None
 
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
@@ -206,7 +229,7 @@ class WgmmaFamily(FamilyBase):
     max_block_r: int = 128
     max_block_c: int = 256  # wgmma's N of S = Q K_j^T
     warp_choices: tuple[int, ...] = (4, 8)  # consumer warps: one or two warpgroups (the producer's is added)
-    knobs: tuple[Knob, ...] = (STAGES,)
+    knobs: tuple[Knob, ...] = (STAGES, PINGPONG)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
@@ -222,6 +245,8 @@ class WgmmaFamily(FamilyBase):
         return padded_reason(fs)
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
+        if (bad := pingpong_reason(fs)) is not None:
+            return bad
         if fs.direction == "bwd":
             return super().config_reason(bwd.knobs_checked(fs)) or bwd.config_reason(fs)
         bad = super().config_reason(fs.with_tile(fs.block_r, 64)) if fs.block_c % 16 == 0 else None
