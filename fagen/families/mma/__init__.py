@@ -136,7 +136,8 @@ class MmaFamily(FamilyBase):
         """Register budget of the backward: its dK~/dV~ accumulators live in registers up to
         MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
         modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
-        ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
+        ``min_regs_per_thread`` (the registers the launch bounds leave a thread) the step's state
+        does not fit, so the spec takes SIMT (impl=None) instead."""
         dp = (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2  # dK~ / dV~: DPAD / 2 + DPAD_V / 2 registers
         score_mod = fs.has("softcap") or fs.has("alibi") or fs.has("bias")
         dims = f"head_dim={fs.head_dim}" + (f", head_dim_v={fs.dv}" if fs.dv != fs.head_dim else "")
@@ -198,8 +199,8 @@ class MmaFamily(FamilyBase):
         if fs.direction != "bwd":
             return self.tile_caps(fs)
         if fs.dv != fs.head_dim:
-            # a v head dim of its own: the Q block of the wider dim's spec (the registers' measure: 128
-            # rows at d = 128 beside dv = 64 spill 80-92 bytes on sm_90), shrunk then to fit this one
+            # a v head dim of its own: the Q block of the wider dim's spec (the registers' measure),
+            # shrunk then to fit this one
             return self.default_tile(dataclasses.replace(fs, head_dim=_reg_dim(fs), head_dim_v=0), sram_bytes)
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
@@ -207,12 +208,11 @@ class MmaFamily(FamilyBase):
         return (BWD_STREAM_ROWS if blocks * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
 
     def default_warps(self, fs: FamilySpec) -> int:
-        """Forward: FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared
-        memory beside its default K/V step (each K_j / V_j tile copied once for twice the rows;
-        benchmarks/sass_cost.py at d = 96 / 128 / 192 / 256 on sm_90: 1129 / 934 / 1011 / 859 ->
-        1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the 128-row block would shrink (its warps would idle) and with the
-        per-element features of FWD_WIDE_WARP_EXCLUDED_FLAGS (ptxas spills their state beside the
-        8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: BWD_WIDE_WARPS where
+        """The starting point of the warps (the runtime autotuner's search decides). Forward:
+        FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared memory beside
+        its default K/V step (each K_j / V_j tile copied once for twice the rows); 4 where the 128-row
+        block would shrink (its warps would idle) and with the per-element features of
+        FWD_WIDE_WARP_EXCLUDED_FLAGS (their state takes registers beside the 8-warp tile). Backward: BWD_WIDE_WARPS where
         ``bwd_wide_warps`` says (128 K/V rows per CTA: each Q_i / dO_i tile copied, and each dQ_i
         row reduced, once for twice the keys: FlashAttention-2's 128 x 128 / 8 warps at d = 64,
         64 x 128 / 8 at d = 128) and their block of BWD_SHORT_STREAM_ROWS Q rows fits the arch's
@@ -222,7 +222,7 @@ class MmaFamily(FamilyBase):
                 return DEFAULT_NUM_WARPS
             fits = self._fits_arch(fs, BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)
             return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
-        if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
+        if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state beside 8 warps' tile
             return DEFAULT_NUM_WARPS
         fits = self._fits_arch(fs, 16 * FWD_WIDE_WARPS, self._fwd_block_c(fs))
         return FWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
