@@ -42,7 +42,7 @@ from fagen.families.base import (
     PairCost,
     Reason,
 )
-from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config
+from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config, override_reason
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (
     BWD_RESIDENT_WARPS,
@@ -267,6 +267,11 @@ class MmaFamily(FamilyBase):
             vec = sm90 and fs.head_dim % 2 == 0
             work["REDG" if sm90 else "RED"] = fs.block_r * fs.head_dim / (2 if vec else 1) / 32 / w
         return work
+
+    def codegen_reason(self, fs: FamilySpec) -> str | None:
+        """Why the spec's codegen knob settings (``KernelSpec.codegen``) are not accepted (the knob
+        named, and why), or None (fagen.families.mma.codegen.override_reason)."""
+        return override_reason(fs, dict(fs.codegen)) if fs.codegen else None
 
     def codegen_config(self, fs: FamilySpec) -> CodegenConfig:
         """The spec's codegen knobs (fagen.families.mma.codegen: the stored search's table for the

@@ -8,8 +8,9 @@ facts of the kernel's structure, not of one compiler) and a starting point (the 
 of :mod:`fagen.families.mma.rules`). :func:`codegen_config` makes the spec's
 :class:`CodegenConfig` once: each knob's value and where it came from -- ``"table"`` (the stored
 search's winner for the spec's :func:`class_key`, ``codegen_table.json``, written by
-``fagen tune-codegen``) or ``"start"`` (the starting point: no table entry for the class, another
-NVRTC major, or an entry illegal for this spec). A knob that does not apply to the spec's kernel
+``fagen tune-codegen``), ``"start"`` (the starting point: no table entry for the class, another
+NVRTC major, or an entry illegal for this spec) or ``"user"`` (``KernelSpec.codegen``, checked by
+:func:`override_reason`, before the table and the start). A knob that does not apply to the spec's kernel
 (the two-dimensional layout's knobs on the one-dimensional backward, ...) stays at its starting
 point.
 """
@@ -46,7 +47,7 @@ from fagen.families.mma.rules import (
 
 __all__ = ["CODEGEN_KNOBS", "REGISTER_FILE", "TABLE_PATH", "CodegenConfig", "CodegenKnob", "KnobValue",
            "class_key", "clear_table", "codegen_config", "forcing", "illegal_reason", "knobs_for", "load_table",
-           "nvrtc_major", "start_values"]
+           "nvrtc_major", "override_reason", "start_values"]
 
 #: Registers one thread can address (the launch bounds leave all of them to the mma kernels): fragments
 #: a knob holds in registers beyond this cannot live there.
@@ -226,6 +227,22 @@ def illegal_reason(fs: FamilySpec, values: Mapping[str, int]) -> str | None:
     return _chunk_joint(fs, full) if fs.direction == "bwd" else None
 
 
+def override_reason(fs: FamilySpec, values: Mapping[str, int]) -> str | None:
+    """Why the user's knob setting ``values`` (``KernelSpec.codegen``; the other knobs at their start)
+    is not accepted for ``fs``, naming the knob, or None: a name that is no knob of the spec's
+    direction (the list of those), a knob its kernel does not have, a value outside the knob's
+    values, or a value illegal for the spec (why)."""
+    own = [k.name for k in CODEGEN_KNOBS if k.direction == fs.direction]
+    for name in values:
+        if name not in own:
+            return f"{name!r} is not a codegen knob of the {fs.direction} kernels (those: {own})"
+    have = {k.name for k in knobs_for(fs)}
+    for name, v in values.items():
+        if name not in have:
+            return f"{name}={v}: the spec's kernel has no such choice (its knobs: {sorted(have)})"
+    return illegal_reason(fs, values)
+
+
 def nvrtc_major() -> int | None:
     """The CUDA major of the NVRTC compiles use (None when none is found), without compiling."""
     from fagen import nvrtc
@@ -283,7 +300,7 @@ class KnobValue:
     name: str
     constant: str
     value: int
-    source: str  # "table" or "start"
+    source: str  # "table", "start" or "user"
     start: int
 
 
@@ -330,8 +347,13 @@ def _config(fs: FamilySpec, major: int | None, table_path: str) -> CodegenConfig
             note, found = f"the table's entry is illegal for this spec ({why}): starting points", {}
         own = {k.name for k in knobs_for(fs)}  # a knob the kernel does not have: its start, said so
         found = {k: v for k, v in found.items() if k in own}
-    knobs = tuple(KnobValue(k.name, k.constant, found.get(k.name, start[k.name]),
-                            "table" if k.name in found else "start", start[k.name])
+    user = dict(fs.codegen)  # checked by KernelSpec (override_reason): before the table and the start
+    if user and found and illegal_reason(fs, {**found, **user}) is not None:
+        why = illegal_reason(fs, {**found, **user})
+        note, found = f"the table's entry is illegal beside the user's settings ({why}): starting points", {}
+    found = {k: v for k, v in found.items() if k not in user}
+    knobs = tuple(KnobValue(k.name, k.constant, user.get(k.name, found.get(k.name, start[k.name])),
+                            "user" if k.name in user else "table" if k.name in found else "start", start[k.name])
                   for k in CODEGEN_KNOBS if k.direction == fs.direction)
     return CodegenConfig(key, knobs, note)
 
