@@ -247,8 +247,8 @@ class MmaFamily(FamilyBase):
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
-        2 forward, of 2 Br Bc DPAD FLOPs each; the forward without dropout one more per 16 x 16 of P~
-        for its row sums), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        2 forward, of 2 Br Bc DPAD FLOPs each; the forward one more per 16 x 16 of P~ for its row sums,
+        two with dropout), 16-byte cp.async of the streamed tiles (Q_i and dO_i
         backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
         per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
         if role != "main":
@@ -258,8 +258,8 @@ class MmaFamily(FamilyBase):
         # GEMMs over the head dim / over the v head dim (S, dK~, dQ / O, dP, dV~)
         gemms, gemms_v = (1, 1) if fs.direction == "fwd" else (2 if det else 3, 2)
         hmma = (gemms * dp + gemms_v * dpv) * 2 * fs.block_r * fs.block_c / 4096
-        if fs.direction == "fwd" and not fs.has("dropout"):
-            hmma += fs.block_r * fs.block_c / 256  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16
+        if fs.direction == "fwd":  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16 (dropout: per row half)
+            hmma += fs.block_r * fs.block_c / 256 * (2 if fs.has("dropout") else 1)
         work = {"HMMA": hmma / w,
                 "LDGSTS": (fs.block_c if fs.direction == "fwd" else fs.block_r) * (dp + dpv) / 8 / 32 / w}
         if fs.direction == "bwd" and not det:
@@ -337,7 +337,7 @@ class MmaFamily(FamilyBase):
             consts += [
                 Constant("WARP_M_TILES", "int", fwd_m_tiles(t.block_r, fs.num_warps),
                          "m16 tiles of Q rows per warp (2: 32-row warps)"),
-                *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step"),
+                *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step", "fwd_dropout_16bit_sum"),
             ]
         return {"strides": strides, "constants": tuple(consts)}
 

@@ -37,6 +37,7 @@ from fagen.families.mma.rules import (
     bwd_chunk_unroll,
     bwd_pin,
     bwd_split_mask,
+    fwd_dropout_16bit_sum,
     fwd_half_copy,
     fwd_half_step,
     fwd_m_tiles,
@@ -184,6 +185,12 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
                 "a block's last step over at most half the tile's keys steps that half alone",
                 unsearched="its gain is the tensor-core work of a block's last step (causal diagonal, short "
                            "sequences), which the steady-state tile loop does not run"),
+    CodegenKnob("fwd_dropout_16bit_sum", "FWD_DROPOUT_L16", "bool", "fwd", (0, 1),
+                lambda fs: fs.direction == "fwd" and fs.has("dropout"), _always,
+                lambda fs: int(fwd_dropout_16bit_sum(_reg_dim(fs), fs.flags, _cap(fs))),
+                "dropout: O divided by the row sum of the 16-bit P~ of every key (not the fp32 sum)",
+                unsearched="it chooses O's normaliser (the 16-bit gradients' accuracy), not only speed: a search "
+                           "ranked by cost would always take the fp32 sum"),
 )
 _BY_NAME = {k.name: k for k in CODEGEN_KNOBS}
 

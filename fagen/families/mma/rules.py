@@ -175,6 +175,18 @@ def fwd_half_copy(head_dim: int, num_warps: int) -> bool:
     return num_warps % 2 == 0 and (threads // 2) % (padded_dim(head_dim) // 8) == 0
 
 
+def fwd_dropout_16bit_sum(head_dim: int, flags: frozenset[str], capability: tuple[int, int] | None = None) -> bool:
+    """Forward with dropout: O divided by the row sum of the 16-bit P~ that P~ V reads, every key's
+    (``FWD_DROPOUT_L16``: each row half's P~ packed a second time before the keep mask, times a ones
+    column), as without dropout, rather than by the fp32 sum; lse keeps the fp32 sum either way. The
+    starting point of the knob ``fwd_dropout_16bit_sum``: on, except before sm_90 with a window and varlen
+    past d = 64 (the second pack beside the window's bounds and the sequence's offsets)."""
+    if "dropout" not in flags:
+        return False
+    return not (capability is not None and capability < (9, 0) and {"window", "varlen"} <= flags
+                and padded_dim(head_dim) > 64)
+
+
 #: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
 #: accumulator of a 16-row warp take at most this many registers per lane together.
 FWD_FRAG_REGS = 128
