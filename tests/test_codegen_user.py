@@ -66,6 +66,10 @@ def test_an_illegal_value_says_why():
     with pytest.raises(ValidationError, match=r"bwd_chunk_unroll=2"):
         KernelSpec(direction="bwd", head_dim=64, arch="sm_80", impl="mma", block_r=32, block_c=64, num_warps=4,
                    codegen={"bwd_chunk_sub": 2, "bwd_chunk_unroll": 2})
+    # dq_2d: 32 x 32 blocks, one per warp, must tile dQ_i (4 blocks of a 64 x 64 tile, 2 warps)
+    with pytest.raises(ValidationError, match=r"dq_2d=1: 32 x 32 blocks, one per warp, do not tile dQ_i"):
+        KernelSpec(direction="bwd", head_dim=64, arch="sm_80", impl="mma", block_r=64, block_c=32, num_warps=2,
+                   codegen={"dq_2d": 1})
     # a family without codegen knobs
     with pytest.raises(ValidationError, match="impl='simt' has no codegen knobs"):
         KernelSpec(**FWD, impl="simt", codegen={"fwd_q_in_regs": 0})

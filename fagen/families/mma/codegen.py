@@ -37,6 +37,7 @@ from fagen.families.mma.rules import (
     bwd_chunk_unroll,
     bwd_pin,
     bwd_split_mask,
+    dq_2d,
     fwd_dropout_16bit_sum,
     fwd_half_copy,
     fwd_half_step,
@@ -122,6 +123,13 @@ def _unroll_legal(fs: FamilySpec, v: int) -> str | None:
     return None
 
 
+def _dq_2d_legal(fs: FamilySpec, v: int) -> str | None:
+    if v and not dq_2d(fs.head_dim, fs.block_r, fs.num_warps):
+        return (f"32 x 32 blocks, one per warp, do not tile dQ_i ({fs.block_r} Q rows, head dim {fs.head_dim}, "
+                f"{fs.num_warps} warps: whole k16 steps, 32-row blocks, as many blocks as warps)")
+    return None
+
+
 def _q_regs_legal(fs: FamilySpec, v: int) -> str | None:
     if not v:
         return None
@@ -173,6 +181,9 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
     CodegenKnob("bwd_chunk_unroll", "BWD_CHUNK_UNROLL", "int", "bwd", (1, 2), _one_d, _unroll_legal,
                 lambda fs: bwd_chunk_unroll(_reg_dim(fs), fs.flags, fs.block_r, _cap(fs)),
                 "chunks per trip of the chunk loop"),
+    CodegenKnob("dq_2d", "DQ_2D", "bool", "bwd", (0, 1), lambda fs: _one_d(fs) and not fs.has("deterministic"),
+                _dq_2d_legal, lambda fs: int(dq_2d(fs.head_dim, fs.block_r, fs.num_warps)),
+                "dQ_i += dS K_j in 32 x 32 blocks, one per warp"),
     CodegenKnob("fwd_q_in_regs", "Q_IN_REGS", "bool", "fwd", (0, 1), lambda fs: fs.direction == "fwd", _q_regs_legal,
                 lambda fs: int(fwd_q_in_regs(fs.head_dim, fs.block_r, fs.num_warps, fs.block_c, fs.flags, fs.dv)),
                 "Q_i A-fragments held in registers"),

@@ -358,7 +358,9 @@ def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
 def dq_2d(head_dim: int, block_r: int, num_warps: int) -> bool:
     """The 1-D main kernel's dQ_i += dS K_j in (32 Q rows x 32 columns) blocks, one per warp (DQ_2D): where
     the Q block and a head dim of whole k16 steps tile the warps that way (per k16 step of the keys a warp
-    reads two dS and two K_j fragments for 8 HMMAs: 0.5 ldmatrix per HMMA, against 5 per 8 at 16 x 64)."""
+    reads two dS and two K_j fragments for 8 HMMAs: 0.5 ldmatrix per HMMA, against 5 per 8 at 16 x 64). The
+    starting point of the knob ``dq_2d`` (the one-dimensional, non-deterministic main kernel's); its legality
+    is that tiling."""
     dp = padded_dim(head_dim)
     return head_dim == dp and block_r % 32 == 0 and dp % 32 == 0 and (block_r // 32) * (dp // 32) == num_warps
 
