@@ -5,9 +5,10 @@ them), its smem layout and its cost model (fagen.families.mma.cost) use the same
 Each rule is one of two kinds. A legality fact (the register file, shared memory, divisibility, the
 layout a kernel has) says what a kernel can be. A starting point says where a search begins: the
 code-shape rules (``bwd_pin``, ``bwd_split_mask``, ``bwd_chunk_sub``, ``bwd_chunk_unroll``,
-``bwd_2d_fresh``, ``bwd_2d_pin``, ``lse_now``, ``fwd_q_in_regs``, ``fwd_half_copy``,
-``fwd_half_step``) start the family's codegen knobs (fagen.families.mma.codegen: the stored search,
-``fagen tune-codegen``, decides per class), the default tile and warps (``bwd_wide_warps``,
+``bwd_2d_fresh``, ``bwd_2d_pin``, ``lse_now``, ``dq_2d``, ``fwd_q_in_regs``, ``fwd_half_copy``,
+``fwd_half_step``, ``fwd_dropout_16bit_sum``) start the family's codegen knobs
+(fagen.families.mma.codegen: the stored search, ``fagen tune-codegen``, decides per class, a user
+setting, ``KernelSpec.codegen``, before it), the default tile and warps (``bwd_wide_warps``,
 ``fwd_default_block_c``) start the runtime autotuner's search. The measurements behind the starting
 points are in docs/autotune.md ("Starting points and why")."""
 from __future__ import annotations
