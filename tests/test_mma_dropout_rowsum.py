@@ -51,8 +51,8 @@ def test_bf16_causal_dropout_gradients_meet_torch_criterion(n: int, d: int) -> N
 
 
 def test_the_16bit_sum_is_a_codegen_knob_of_the_dropout_forward():
-    """``fwd_dropout_16bit_sum`` starts on with dropout (off before sm_90 with a window and varlen
-    past d = 64), is no choice of a forward without dropout, and a user setting renders either."""
+    """``fwd_dropout_16bit_sum`` starts on with dropout (off on sm_80 with a window and varlen at
+    padded d = 128), is no choice of a forward without dropout, and a user setting renders either."""
     from fagen.plan import plan_of
     from fagen.renderer import render
 
@@ -65,6 +65,7 @@ def test_the_16bit_sum_is_a_codegen_knob_of_the_dropout_forward():
     assert "constexpr bool FWD_DROPOUT_L16 = true;" in render(on).source
     assert knob(KernelSpec(**base, dropout=True, window=True, varlen=True)).value == 0
     assert knob(KernelSpec(**{**base, "arch": "sm_90"}, dropout=True, window=True, varlen=True)).value == 1
+    assert knob(KernelSpec(**{**base, "head_dim": 96}, dropout=True, window=True, varlen=True)).value == 1
     assert knob(KernelSpec(**base)).value == 0
     off = KernelSpec(**base, dropout=True, codegen={"fwd_dropout_16bit_sum": 0})
     assert (knob(off).value, knob(off).source) == (0, "user")

@@ -180,12 +180,12 @@ def fwd_dropout_16bit_sum(head_dim: int, flags: frozenset[str], capability: tupl
     """Forward with dropout: O divided by the row sum of the 16-bit P~ that P~ V reads, every key's
     (``FWD_DROPOUT_L16``: each row half's P~ packed a second time before the keep mask, times a ones
     column), as without dropout, rather than by the fp32 sum; lse keeps the fp32 sum either way. The
-    starting point of the knob ``fwd_dropout_16bit_sum``: on, except before sm_90 with a window and varlen
-    past d = 64 (the second pack beside the window's bounds and the sequence's offsets)."""
+    starting point of the knob ``fwd_dropout_16bit_sum``: on, except on compute capability 8.0 with a
+    window and varlen at padded head dim 128 (the second pack beside the window's bounds, the
+    sequence's offsets and that head dim's fragments)."""
     if "dropout" not in flags:
         return False
-    return not (capability is not None and capability < (9, 0) and {"window", "varlen"} <= flags
-                and padded_dim(head_dim) > 64)
+    return not (capability == (8, 0) and {"window", "varlen"} <= flags and padded_dim(head_dim) == 128)
 
 
 #: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
