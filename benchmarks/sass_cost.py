@@ -3,6 +3,7 @@
     python benchmarks/sass_cost.py                         # fagen's default kernels, bwd and fwd
     python benchmarks/sass_cost.py --direction bwd --arch sm_90 --dtype float16
     python benchmarks/sass_cost.py --spec 'direction=bwd,head_dim=128,block_r=64,block_c=128,num_warps=8,knobs=stages:1'
+    python benchmarks/sass_cost.py --spec 'direction=fwd,head_dim=128,arch=sm_80,codegen=fwd_q_in_regs:0'
     python benchmarks/sass_cost.py --reference PATH        # + FlashAttention-2 kernels of a binary
     python benchmarks/sass_cost.py --json
 
@@ -145,7 +146,7 @@ def parse_spec(text: str) -> dict[str, Any]:
             out[key] = val.lower() == "true"
         elif re.fullmatch(r"-?\d+", val):
             out[key] = int(val)
-        elif key == "knobs":  # knobs=stages:1;other:2
+        elif key in ("knobs", "codegen"):  # knobs=stages:1;other:2, codegen=fwd_q_in_regs:0
             out[key] = {k: int(v) for k, v in (kv.split(":") for kv in val.split(";") if kv)}
         else:
             out[key] = val

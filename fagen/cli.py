@@ -29,7 +29,7 @@ SPEC_OPTIONS = {
     "block_r": "--block-r", "block_c": "--block-c", "num_warps": "--num-warps", "impl": "--impl",
     "causal_align": "--causal-align", "window": "--window", "softcap": "--softcap", "alibi": "--alibi",
     "attn_mask": "--attn-mask", "bias": "--bias", "bias_grad": "--bias-grad", "varlen": "--varlen",
-    "deterministic": "--deterministic", "sinks": "--sinks",
+    "deterministic": "--deterministic", "sinks": "--sinks", "codegen": "--codegen",
 }
 
 
@@ -89,6 +89,10 @@ def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = T
     g.add_argument("--impl", default=field["impl"].default, metavar="FAMILY",
                    help=f"kernel family, one of {one_of(family_names())} "
                         f"(default: the preferred family that implements the spec)")
+    g.add_argument("--codegen", action="append", default=None, metavar="KNOB=VALUE",
+                   help="set a codegen knob of the family (the mma family's, e.g. fwd_q_in_regs=0), before the "
+                        "stored search's table and the starting points; repeat for more "
+                        "(default: none, `fagen explain` shows each knob's value and source)")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -99,6 +103,7 @@ def spec_from_args(args: argparse.Namespace):
         raise UsageError("--head-dim", "required")
     if fields["sram_bytes"] is None:
         del fields["sram_bytes"]
+    fields["codegen"] = parse_codegen(fields["codegen"] or [])
     try:
         return KernelSpec(**fields)
     except ValidationError as e:
@@ -106,6 +111,20 @@ def spec_from_args(args: argparse.Namespace):
         field = str(err["loc"][0]) if err["loc"] else "head_dim"
         msg = err["msg"].removeprefix("Value error, ")
         raise UsageError(SPEC_OPTIONS.get(field, field), msg) from None
+
+
+def parse_codegen(items: Iterable[str]) -> dict[str, int]:
+    """``--codegen KNOB=VALUE`` (repeated, or comma-separated) as KernelSpec.codegen's name -> int."""
+    out: dict[str, int] = {}
+    for item in items:
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            name, eq, value = part.partition("=")
+            if not eq or not name.strip() or not value.strip().lstrip("-").isdigit():
+                raise UsageError("--codegen", f"expects KNOB=VALUE with an integer value, got {part!r}")
+            if name.strip() in out:
+                raise UsageError("--codegen", f"knob {name.strip()!r} given twice")
+            out[name.strip()] = int(value)
+    return out
 
 
 def _print_table(rows: list[tuple[str, Any]]) -> None:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .arch import ARCHS, arch_for_capability  # noqa: F401 - re-exported
@@ -104,6 +104,9 @@ class KernelSpec(BaseModel):
     #: (a ``Knob.elided`` knob at its default is left out).
     impl: str | None = Field(None, description="kernel family; default: the preferred family that supports the spec")
     knobs: Knobs | None = Field(None, description="the family's extra knobs (name -> int); default: the family's defaults")
+    codegen: Knobs | None = Field(None, description="the family's codegen knobs set by the user (name -> int), before "
+                                  "the stored search's table and the starting points; default: none (in the name "
+                                  "and the cache key only when given)")
 
     # ----------------------------------------------------------------- fields
     @field_validator("head_dim")
@@ -174,6 +177,30 @@ class KernelSpec(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"knobs must name each knob once, got {names}")
         return tuple(sorted(v))
+
+    @field_validator("codegen", mode="before")
+    @classmethod
+    def _codegen_as_pairs(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):
+            v = tuple(sorted(v.items()))
+        return v or None  # none given: the field is absent (name, cache key and JSON as without it)
+
+    @field_validator("codegen")
+    @classmethod
+    def _check_codegen(cls, v: Knobs | None) -> Knobs | None:
+        if v is None:
+            return v
+        names = [k for k, _ in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"codegen must name each knob once, got {names}")
+        return tuple(sorted(v))
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_codegen(self, handler: Any) -> Any:
+        out = handler(self)
+        if self.codegen is None and isinstance(out, dict):
+            out.pop("codegen", None)  # a spec without codegen settings dumps (and hashes) as before the field
+        return out
 
     @model_validator(mode="after")
     def _check_flags(self) -> "KernelSpec":
@@ -259,6 +286,11 @@ class KernelSpec(BaseModel):
         bad = fam.config_reason(self._family_spec(tile))
         if bad is not None:
             return _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
+        if self.codegen is not None:
+            check = getattr(fam, "codegen_reason", None)  # a family outside FamilyBase: no codegen knobs
+            why = check(self._family_spec(tile)) if check is not None else f"impl={self.impl!r} has no codegen knobs"
+            if why is not None:
+                return _field_error("codegen", "codegen", f"codegen: {why}", dict(self.codegen))
         return None
 
     def _resolve_warps(self, fam: Family, given: int | None) -> None:
@@ -285,7 +317,7 @@ class KernelSpec(BaseModel):
         if self.causal_align == "top_left":
             flags.add("top_left")
         return FamilySpec(self.direction, self.head_dim, self.dtype, self.arch, frozenset(flags), tile, self.num_warps,
-                          tuple(self.knobs or ()), head_dim_v=self.head_dim_v or 0)
+                          tuple(self.knobs or ()), head_dim_v=self.head_dim_v or 0, codegen=tuple(self.codegen or ()))
 
     @property
     def itemsize(self) -> int:
@@ -351,7 +383,8 @@ class KernelSpec(BaseModel):
     @property
     def name(self) -> str:
         """Procedural name, e.g. fa_bwd_d64_fp16_causal_dropout_br64_bc128_w4_simt_sm90; a family's
-        knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``). Feature flags add
+        knobs follow the warps as ``_{abbrev}{value}`` (e.g. ``_w4_s2_mma``), then codegen knobs the spec
+        sets as ``_cg_{name}{value}`` (e.g. ``_s2_cg_fwd_q_in_regs0_mma``). Feature flags add
         ``_tl _win _softcap _alibi _mask _bias _dbias _varlen _det _sinks`` after ``_causal _kpad _dropout``."""
         flags = [abbrev for field, abbrev in NAME_FLAGS if getattr(self, field)]
         if self.causal_align == "top_left":
@@ -361,6 +394,7 @@ class KernelSpec(BaseModel):
         m = "" if self.sram_bytes == ARCH_SMEM_OPTIN[self.arch] else f"_m{self.sram_bytes}"
         values = self.knob_values
         knob_part = "".join(f"_{k.abbrev}{values[k.name]}" for k in self.family.knobs if k.name in values)
+        knob_part += "".join(f"_cg_{k}{v}" for k, v in self.codegen or ())  # the user's codegen settings
         return (
             f"fa_{self.direction}_d{self.head_dim}{f'_dv{self.head_dim_v}' if self.head_dim_v else ''}"
             f"_{DTYPE_SHORT[self.dtype]}{flag_part}"
@@ -375,15 +409,17 @@ class KernelSpec(BaseModel):
     def replace(self, **changes: Any) -> "KernelSpec":
         """A new, re-validated spec with some fields changed. The family stays unless ``impl`` is
         given (``impl=None``: the default family of the new fields); a new family starts from its
-        own knob defaults unless ``knobs`` is given."""
+        own knob defaults (and no codegen settings) unless ``knobs`` (``codegen``) is given."""
         fields = {**self.model_dump(), **changes}
         if "impl" in changes and "knobs" not in changes and changes["impl"] != self.impl:
             fields["knobs"] = None
+        if "impl" in changes and "codegen" not in changes and changes["impl"] != self.impl:
+            fields["codegen"] = None
         return KernelSpec(**fields)
 
     def without_tiles(self) -> dict[str, Any]:
-        """The spec's fields minus the tuning choices (tile, warps, family, knobs)."""
-        return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl", "knobs"})
+        """The spec's fields minus the tuning choices (tile, warps, family, knobs, codegen knobs)."""
+        return self.model_dump(exclude={"block_r", "block_c", "num_warps", "impl", "knobs", "codegen"})
 
     def _tile_key(self) -> tuple[Family, FamilySpec, int, int | None, int | None]:
         assert self.impl is not None

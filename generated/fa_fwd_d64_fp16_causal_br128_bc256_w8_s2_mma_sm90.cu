@@ -478,6 +478,7 @@ constexpr bool FWD_HOLD = true;  // lane offsets and flags held over the K/V loo
 constexpr bool Q_IN_REGS = false;  // Q_i A-fragments held in registers
 constexpr bool FWD_HALF_COPY = true;  // each half of the threads copies one of K_j / V_j
 constexpr bool FWD_HALF_STEP = true;  // a block's last step over at most half the tile's keys steps that half alone
+constexpr bool FWD_DROPOUT_L16 = false;  // dropout: O divided by the row sum of the 16-bit P~ of every key (not the fp32 sum)
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1210,7 +1211,7 @@ namespace fa {
 // rows than 16 per warp: each K/V fragment then feeds MT x 2 HMMAs). S, P, the O accumulator and
 // the row statistics (m, l) live in registers; K_j / V_j are streamed through smem by cp.async.
 static_assert(STAGES == 1 || STAGES == 2, "K_j / V_j pipeline depth (knob 'stages')");
-// WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY, FWD_HALF_STEP: decided by fagen.families.mma (header).
+// WARP_M_TILES, Q_IN_REGS, FWD_HALF_COPY, FWD_HALF_STEP, FWD_DROPOUT_L16: decided by fagen.families.mma (header).
 constexpr int MT = WARP_M_TILES;  // m16 tiles of Q rows per warp
 constexpr int WROWS = 16 * MT;
 // FWD_S_SPLIT (fagen.families.mma.rules.fwd_s_split, header): 32-row warps compute S one m16 tile after
@@ -1268,6 +1269,7 @@ FA_DEVICE int fwd_opaque(int x, bool always = false) {
 // The keys of one step (the step lambda's tag: the whole tile, or its first half with FWD_HALF_STEP).
 template <int N> struct FwdKeys { static constexpr int value = N; };
 static_assert(!FWD_HALF_STEP || BLOCK_C % 32 == 0, "FWD_HALF_STEP: half a tile is whole k16 chunks");
+static_assert(!FWD_DROPOUT_L16 || HAS_DROPOUT, "FWD_DROPOUT_L16: a choice of the dropout forward");
 
 static_assert(SMEM_K_COUNT == STAGES * BLOCK_C * LD && SMEM_V_COUNT == STAGES * BLOCK_C * LD, "K_j/V_j stages");
 
@@ -1458,7 +1460,7 @@ FA_DEVICE void fwd_mask(float (&sacc)[MT][NC / 8][4], unsigned& seen, bool full,
 template <bool EXACT, int NC>
 FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][(NC + 15) / 16][4], float (&l_r)[MT][2], float (&m_r)[MT][2], float (&l_acc)[MT][4],
                            float (&o_acc)[MT][NT_D][4], const float (&sacc)[MT][NC / 8][4], const float (&m_new)[MT][2],
-                           const unsigned long long (&kb)[MT], float sl2) {
+                           const unsigned long long (&kb)[MT], float sl2, unsigned ones) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1468,10 +1470,12 @@ FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][(NC + 15) / 16][4], float (&l_r)[M
             const float lo = EXACT && mn != fa_neg_inf() ? fa_exp_lo(mn, sl2, base) : 0.f;
             const float alpha = mma_exp2(EXACT ? fmaf(m_r[mt][r], sl2, -base) - lo : fmaf(m_r[mt][r], sl2, -base));
             m_r[mt][r] = mn;
+            if constexpr (FWD_DROPOUT_L16) l_acc[mt][2 * r] *= alpha;  // before this step's sum enters
+            unsigned pu[2];  // dropout: this row half's P~ of one k16 chunk, packed before the mask
             float sum;  // from the first P~, not from 0 (0 + x is no identity for x = -0: not folded)
 #pragma unroll
             for (int n = 0; n < NC / 8; ++n) {
-                float pz[2];
+                float pz[2], pf[2];
 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
                     const int e = 2 * r + x;
@@ -1479,8 +1483,16 @@ FA_DEVICE void fwd_softmax(unsigned (&pa)[MT][(NC + 15) / 16][4], float (&l_r)[M
                                                    : fmaf(sacc[mt][n][e], sl2, -base));
                     sum = n == 0 && x == 0 ? p : sum + p;
                     pz[x] = ((kb[mt] >> (4 * n + e)) & 1ull) ? p : 0.f;  // ~0 without dropout
+                    pf[x] = p;
                 }
                 pa[mt][n >> 1][(n & 1) * 2 + r] = mma_pack(pz[0], pz[1]);
+                if constexpr (FWD_DROPOUT_L16) {  // l += rowsum(P~) of every key, dropped included
+                    pu[n & 1] = mma_pack(pf[0], pf[1]);
+                    if (n & 1) {
+                        const unsigned a[4] = {r ? 0u : pu[0], r ? pu[0] : 0u, r ? 0u : pu[1], r ? pu[1] : 0u};
+                        mma_tile(l_acc[mt], a, ones, ones);
+                    }
+                }
             }
             l_r[mt][r] = alpha * l_r[mt][r] + sum;
             // l_acc: only column 0 of the ones product is read (every column holds the same sum);
@@ -1648,8 +1660,10 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     // the row sum of the 16-bit P~ that P~ V reads, so O carries no row-wide rounding factor (which
     // D = rowsum(dO o O) of the backward would carry into every dS of the row). That sum comes from
     // the tensor cores, P~ times a ones column (l_acc: every column of the m16n8 tile holds the row's
-    // sum, one HMMA per 16 keys). With dropout the keep mask hides the dropped P~ from the GEMM and a
-    // second per-lane sum would cost the register budget: O is divided by l_r there.
+    // sum, one HMMA per 16 keys). With dropout the keep mask hides the dropped P~ from the GEMM, whose
+    // sum the normalisation takes too: with FWD_DROPOUT_L16 each row half's P~ is packed a second time
+    // before the mask and multiplied by the ones column at once, the other half's rows zero (two HMMAs
+    // per 16 keys); without it O is divided by l_r.
     float m_r[MT][2], l_r[MT][2], l_acc[MT][4];
     const unsigned ones = (unsigned)fwd_opaque((int)mma_pack(1.f, 1.f));
     // With a data mask, bit 2 mt + r of seen: has row (mt, r) an allowed key (in this lane's columns)?
@@ -1722,8 +1736,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             float m_new[MT][2];
             const bool exact = fwd_row_max<NC>(m_new, sacc, m_r, sl2);  // a huge row of this lane: the exact exponent (common.cuh)
             // EXACT: P~ = 2^(fmaf(S, sl2, -hi) - lo) with m sl2 = hi + lo exactly; else one FFMA per score.
-            if (fa_warp_any(exact)) fwd_softmax<true, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2);
-            else fwd_softmax<false, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2);
+            if (fa_warp_any(exact)) fwd_softmax<true, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2, ones);
+            else fwd_softmax<false, NC>(pa, l_r, m_r, l_acc, o_acc, sacc, m_new, kb, sl2, ones);
 
             // O_i += P~ V_j (A = P~ from registers, B = V_j via ldmatrix.trans)
             fwd_pv<NC>(o_acc, l_acc, pa, sv, v_lane, ones);
@@ -1751,8 +1765,8 @@ extern "C" __global__ void __launch_bounds__(256, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             float l = l_r[mt][r];
             l += mma_shfl_xor(l, 1);
             l += mma_shfl_xor(l, 2);
-            // the 16-bit P~'s row sum, whole in every lane of the quad (with dropout: l)
-            const float lo = HAS_DROPOUT ? l : l_acc[mt][2 * r];
+            // the 16-bit P~'s row sum, whole in every lane of the quad (with dropout but not FWD_DROPOUT_L16: l)
+            const float lo = HAS_DROPOUT && !FWD_DROPOUT_L16 ? l : l_acc[mt][2 * r];
             const int row = i0 + wrow + 16 * mt + g + r * 8;
             unsigned any;
             if constexpr (HAS_DATA_MASK) {

@@ -52,6 +52,7 @@ class FamilySpec:
     num_warps: int = 4
     knobs: tuple[tuple[str, int], ...] = ()
     head_dim_v: int = 0  # the head dim of v, o, do, dv; 0: head_dim (the feature "head_dim_v" when it differs)
+    codegen: tuple[tuple[str, int], ...] = ()  # the user's codegen knob settings (KernelSpec.codegen), sorted
 
     @property
     def dv(self) -> int:
@@ -292,6 +293,11 @@ class FamilyBase:
 
     def combination_reason(self, fs: FamilySpec) -> str | None:
         return None
+
+    def codegen_reason(self, fs: FamilySpec) -> str | None:
+        """Why the spec's codegen knob settings (``fs.codegen``, tile set) are not accepted, or None:
+        a family without codegen knobs takes none."""
+        return f"impl={self.name!r} has no codegen knobs" if fs.codegen else None
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         q = self.tile_multiple

@@ -42,7 +42,7 @@ from fagen.families.base import (
     PairCost,
     Reason,
 )
-from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config
+from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config, override_reason
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (
     BWD_RESIDENT_WARPS,
@@ -67,7 +67,6 @@ from fagen.families.mma.rules import (
     bwd_do_stages,
     bwd_split_mask,
     bwd_wide_warps,
-    dq_2d,
     dq_cols_at_once,
     dq_key_chunk,
     dq_warps_per_row_tile,
@@ -138,7 +137,8 @@ class MmaFamily(FamilyBase):
         """Register budget of the backward: its dK~/dV~ accumulators live in registers up to
         MAX_REG_ACC_DIM and take ``padded_dim`` of them; beside them, attn_mask together with a score
         modification needs MASKED_SCORE_MOD_STEP_REGS more. Where the sum passes the launch bounds'
-        ``min_regs_per_thread`` ptxas spills, so the spec takes SIMT (impl=None) instead."""
+        ``min_regs_per_thread`` (the registers the launch bounds leave a thread) the step's state
+        does not fit, so the spec takes SIMT (impl=None) instead."""
         dp = (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2  # dK~ / dV~: DPAD / 2 + DPAD_V / 2 registers
         score_mod = fs.has("softcap") or fs.has("alibi") or fs.has("bias")
         dims = f"head_dim={fs.head_dim}" + (f", head_dim_v={fs.dv}" if fs.dv != fs.head_dim else "")
@@ -200,8 +200,8 @@ class MmaFamily(FamilyBase):
         if fs.direction != "bwd":
             return self.tile_caps(fs)
         if fs.dv != fs.head_dim:
-            # a v head dim of its own: the Q block of the wider dim's spec (the registers' measure: 128
-            # rows at d = 128 beside dv = 64 spill 80-92 bytes on sm_90), shrunk then to fit this one
+            # a v head dim of its own: the Q block of the wider dim's spec (the registers' measure),
+            # shrunk then to fit this one
             return self.default_tile(dataclasses.replace(fs, head_dim=_reg_dim(fs), head_dim_v=0), sram_bytes)
         bc = 16 * fs.num_warps
         need = self.smem_layout(fs.with_tile(BWD_STREAM_ROWS, bc)).total_bytes
@@ -209,12 +209,11 @@ class MmaFamily(FamilyBase):
         return (BWD_STREAM_ROWS if blocks * need <= sram_bytes else BWD_SHORT_STREAM_ROWS), bc
 
     def default_warps(self, fs: FamilySpec) -> int:
-        """Forward: FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared
-        memory beside its default K/V step (each K_j / V_j tile copied once for twice the rows;
-        benchmarks/sass_cost.py at d = 96 / 128 / 192 / 256 on sm_90: 1129 / 934 / 1011 / 859 ->
-        1085 / 889 / 965 / 813, d = 64 on sm_80: 1320 -> 1274); 4 where the 128-row block would shrink (its warps would idle) and with the
-        per-element features of FWD_WIDE_WARP_EXCLUDED_FLAGS (ptxas spills their state beside the
-        8-warp tile: 250-350 bytes with a bias at d <= 96). Backward: BWD_WIDE_WARPS where
+        """The starting point of the warps (the runtime autotuner's search decides). Forward:
+        FWD_WIDE_WARPS warps of 16 rows where their 128-row Q block fits the arch's shared memory beside
+        its default K/V step (each K_j / V_j tile copied once for twice the rows); 4 where the 128-row
+        block would shrink (its warps would idle) and with the per-element features of
+        FWD_WIDE_WARP_EXCLUDED_FLAGS (their state takes registers beside the 8-warp tile). Backward: BWD_WIDE_WARPS where
         ``bwd_wide_warps`` says (128 K/V rows per CTA: each Q_i / dO_i tile copied, and each dQ_i
         row reduced, once for twice the keys: FlashAttention-2's 128 x 128 / 8 warps at d = 64,
         64 x 128 / 8 at d = 128) and their block of BWD_SHORT_STREAM_ROWS Q rows fits the arch's
@@ -224,7 +223,7 @@ class MmaFamily(FamilyBase):
                 return DEFAULT_NUM_WARPS
             fits = self._fits_arch(fs, BWD_SHORT_STREAM_ROWS, 16 * BWD_WIDE_WARPS)
             return BWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
-        if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state spills beside 8 warps' tile
+        if fs.flags & FWD_WIDE_WARP_EXCLUDED_FLAGS:  # their per-element state beside 8 warps' tile
             return DEFAULT_NUM_WARPS
         fits = self._fits_arch(fs, 16 * FWD_WIDE_WARPS, self._fwd_block_c(fs))
         return FWD_WIDE_WARPS if fits else DEFAULT_NUM_WARPS
@@ -249,8 +248,8 @@ class MmaFamily(FamilyBase):
 
     def tile_work(self, fs: FamilySpec, role: str) -> dict[str, float] | None:
         """Per warp and tile pair of the main kernel: HMMA.16816 (5 GEMMs backward, 4 deterministic,
-        2 forward, of 2 Br Bc DPAD FLOPs each; the forward without dropout one more per 16 x 16 of P~
-        for its row sums), 16-byte cp.async of the streamed tiles (Q_i and dO_i
+        2 forward, of 2 Br Bc DPAD FLOPs each; the forward one more per 16 x 16 of P~ for its row sums,
+        two with dropout), 16-byte cp.async of the streamed tiles (Q_i and dO_i
         backward, K_j and V_j forward) and, backward with atomics, the dQ reductions (one fp32 add
         per element of dQ_i: vector pairs on sm_90 at an even head dim, ``RED``s on sm_80)."""
         if role != "main":
@@ -260,8 +259,8 @@ class MmaFamily(FamilyBase):
         # GEMMs over the head dim / over the v head dim (S, dK~, dQ / O, dP, dV~)
         gemms, gemms_v = (1, 1) if fs.direction == "fwd" else (2 if det else 3, 2)
         hmma = (gemms * dp + gemms_v * dpv) * 2 * fs.block_r * fs.block_c / 4096
-        if fs.direction == "fwd" and not fs.has("dropout"):
-            hmma += fs.block_r * fs.block_c / 256  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16
+        if fs.direction == "fwd":  # l = rowsum(P~) as P~ times a ones column: one per m16 x k16 (dropout: per row half)
+            hmma += fs.block_r * fs.block_c / 256 * (2 if fs.has("dropout") else 1)
         work = {"HMMA": hmma / w,
                 "LDGSTS": (fs.block_c if fs.direction == "fwd" else fs.block_r) * (dp + dpv) / 8 / 32 / w}
         if fs.direction == "bwd" and not det:
@@ -269,6 +268,11 @@ class MmaFamily(FamilyBase):
             vec = sm90 and fs.head_dim % 2 == 0
             work["REDG" if sm90 else "RED"] = fs.block_r * fs.head_dim / (2 if vec else 1) / 32 / w
         return work
+
+    def codegen_reason(self, fs: FamilySpec) -> str | None:
+        """Why the spec's codegen knob settings (``KernelSpec.codegen``) are not accepted (the knob
+        named, and why), or None (fagen.families.mma.codegen.override_reason)."""
+        return override_reason(fs, dict(fs.codegen)) if fs.codegen else None
 
     def codegen_config(self, fs: FamilySpec) -> CodegenConfig:
         """The spec's codegen knobs (fagen.families.mma.codegen: the stored search's table for the
@@ -312,8 +316,7 @@ class MmaFamily(FamilyBase):
                 Constant("KV_IN_REGS", "bool", kv_in_regs(rd), "K_j / V_j A-fragments held in registers"),
                 *knob("lse_now"),
                 *knob("bwd_pin", "bwd_split_mask", "bwd_chunk_sub", "bwd_chunk_unroll"),
-                Constant("DQ_2D", "bool", dq_2d(d, t.block_r, fs.num_warps),
-                         "dQ_i += dS K_j in 32 x 32 blocks, one per warp"),
+                *knob("dq_2d"),
                 Constant("DQ_WPM", "int", dq_warps_per_row_tile(d, t.block_r, fs.num_warps),
                          "dQ_i tiles otherwise: warps sharing a 16-row tile"),
                 Constant("DQ_NCC", "int", dq_cols_at_once(d, t.block_r, fs.num_warps),
@@ -338,7 +341,7 @@ class MmaFamily(FamilyBase):
                          "S one m16 tile after the other (32-row warps)"),
                 Constant("FWD_HOLD", "bool", fwd_hold(t.block_r, fs.num_warps, fs.flags),
                          "lane offsets and flags held over the K/V loop"),
-                *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step"),
+                *knob("fwd_q_in_regs", "fwd_half_copy", "fwd_half_step", "fwd_dropout_16bit_sum"),
             ]
         return {"strides": strides, "constants": tuple(consts)}
 

@@ -8,8 +8,9 @@ facts of the kernel's structure, not of one compiler) and a starting point (the 
 of :mod:`fagen.families.mma.rules`). :func:`codegen_config` makes the spec's
 :class:`CodegenConfig` once: each knob's value and where it came from -- ``"table"`` (the stored
 search's winner for the spec's :func:`class_key`, ``codegen_table.json``, written by
-``fagen tune-codegen``) or ``"start"`` (the starting point: no table entry for the class, another
-NVRTC major, or an entry illegal for this spec). A knob that does not apply to the spec's kernel
+``fagen tune-codegen``), ``"start"`` (the starting point: no table entry for the class, another
+NVRTC major, or an entry illegal for this spec) or ``"user"`` (``KernelSpec.codegen``, checked by
+:func:`override_reason`, before the table and the start). A knob that does not apply to the spec's kernel
 (the two-dimensional layout's knobs on the one-dimensional backward, ...) stays at its starting
 point.
 """
@@ -36,6 +37,8 @@ from fagen.families.mma.rules import (
     bwd_chunk_unroll,
     bwd_pin,
     bwd_split_mask,
+    dq_2d,
+    fwd_dropout_16bit_sum,
     fwd_half_copy,
     fwd_half_step,
     fwd_m_tiles,
@@ -46,7 +49,7 @@ from fagen.families.mma.rules import (
 
 __all__ = ["CODEGEN_KNOBS", "REGISTER_FILE", "TABLE_PATH", "CodegenConfig", "CodegenKnob", "KnobValue",
            "class_key", "clear_table", "codegen_config", "forcing", "illegal_reason", "knobs_for", "load_table",
-           "nvrtc_major", "start_values"]
+           "nvrtc_major", "override_reason", "start_values"]
 
 #: Registers one thread can address (the launch bounds leave all of them to the mma kernels): fragments
 #: a knob holds in registers beyond this cannot live there.
@@ -120,6 +123,13 @@ def _unroll_legal(fs: FamilySpec, v: int) -> str | None:
     return None
 
 
+def _dq_2d_legal(fs: FamilySpec, v: int) -> str | None:
+    if v and not dq_2d(fs.head_dim, fs.block_r, fs.num_warps):
+        return (f"32 x 32 blocks, one per warp, do not tile dQ_i ({fs.block_r} Q rows, head dim {fs.head_dim}, "
+                f"{fs.num_warps} warps: whole k16 steps, 32-row blocks, as many blocks as warps)")
+    return None
+
+
 def _q_regs_legal(fs: FamilySpec, v: int) -> str | None:
     if not v:
         return None
@@ -171,6 +181,9 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
     CodegenKnob("bwd_chunk_unroll", "BWD_CHUNK_UNROLL", "int", "bwd", (1, 2), _one_d, _unroll_legal,
                 lambda fs: bwd_chunk_unroll(_reg_dim(fs), fs.flags, fs.block_r, _cap(fs)),
                 "chunks per trip of the chunk loop"),
+    CodegenKnob("dq_2d", "DQ_2D", "bool", "bwd", (0, 1), lambda fs: _one_d(fs) and not fs.has("deterministic"),
+                _dq_2d_legal, lambda fs: int(dq_2d(fs.head_dim, fs.block_r, fs.num_warps)),
+                "dQ_i += dS K_j in 32 x 32 blocks, one per warp"),
     CodegenKnob("fwd_q_in_regs", "Q_IN_REGS", "bool", "fwd", (0, 1), lambda fs: fs.direction == "fwd", _q_regs_legal,
                 lambda fs: int(fwd_q_in_regs(fs.head_dim, fs.block_r, fs.num_warps, fs.block_c, fs.flags, fs.dv)),
                 "Q_i A-fragments held in registers"),
@@ -183,6 +196,12 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
                 "a block's last step over at most half the tile's keys steps that half alone",
                 unsearched="its gain is the tensor-core work of a block's last step (causal diagonal, short "
                            "sequences), which the steady-state tile loop does not run"),
+    CodegenKnob("fwd_dropout_16bit_sum", "FWD_DROPOUT_L16", "bool", "fwd", (0, 1),
+                lambda fs: fs.direction == "fwd" and fs.has("dropout"), _always,
+                lambda fs: int(fwd_dropout_16bit_sum(_reg_dim(fs), fs.flags, _cap(fs))),
+                "dropout: O divided by the row sum of the 16-bit P~ of every key (not the fp32 sum)",
+                unsearched="it chooses O's normaliser (the 16-bit gradients' accuracy), not only speed: a search "
+                           "ranked by cost would always take the fp32 sum"),
 )
 _BY_NAME = {k.name: k for k in CODEGEN_KNOBS}
 
@@ -224,6 +243,22 @@ def illegal_reason(fs: FamilySpec, values: Mapping[str, int]) -> str | None:
         if why is not None:
             return f"{name}={v}: {why}"
     return _chunk_joint(fs, full) if fs.direction == "bwd" else None
+
+
+def override_reason(fs: FamilySpec, values: Mapping[str, int]) -> str | None:
+    """Why the user's knob setting ``values`` (``KernelSpec.codegen``; the other knobs at their start)
+    is not accepted for ``fs``, naming the knob, or None: a name that is no knob of the spec's
+    direction (the list of those), a knob its kernel does not have, a value outside the knob's
+    values, or a value illegal for the spec (why)."""
+    own = [k.name for k in CODEGEN_KNOBS if k.direction == fs.direction]
+    for name in values:
+        if name not in own:
+            return f"{name!r} is not a codegen knob of the {fs.direction} kernels (those: {own})"
+    have = {k.name for k in knobs_for(fs)}
+    for name, v in values.items():
+        if name not in have:
+            return f"{name}={v}: the spec's kernel has no such choice (its knobs: {sorted(have)})"
+    return illegal_reason(fs, values)
 
 
 def nvrtc_major() -> int | None:
@@ -283,7 +318,7 @@ class KnobValue:
     name: str
     constant: str
     value: int
-    source: str  # "table" or "start"
+    source: str  # "table", "start" or "user"
     start: int
 
 
@@ -330,8 +365,13 @@ def _config(fs: FamilySpec, major: int | None, table_path: str) -> CodegenConfig
             note, found = f"the table's entry is illegal for this spec ({why}): starting points", {}
         own = {k.name for k in knobs_for(fs)}  # a knob the kernel does not have: its start, said so
         found = {k: v for k, v in found.items() if k in own}
-    knobs = tuple(KnobValue(k.name, k.constant, found.get(k.name, start[k.name]),
-                            "table" if k.name in found else "start", start[k.name])
+    user = dict(fs.codegen)  # checked by KernelSpec (override_reason): before the table and the start
+    if user and found and illegal_reason(fs, {**found, **user}) is not None:
+        why = illegal_reason(fs, {**found, **user})
+        note, found = f"the table's entry is illegal beside the user's settings ({why}): starting points", {}
+    found = {k: v for k, v in found.items() if k not in user}
+    knobs = tuple(KnobValue(k.name, k.constant, user.get(k.name, found.get(k.name, start[k.name])),
+                            "user" if k.name in user else "table" if k.name in found else "start", start[k.name])
                   for k in CODEGEN_KNOBS if k.direction == fs.direction)
     return CodegenConfig(key, knobs, note)
 

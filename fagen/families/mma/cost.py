@@ -85,9 +85,10 @@ def pair_cost(fs: FamilySpec, sass: Mapping[str, int] | None = None) -> PairCost
     # rescale multiply a step; per 16-byte K/V chunk 2 (its source one wide multiply-add off the thread's
     # row pointer, the cp.async), per step ~25 for the barrier, stage and loop bookkeeping and ~15 per
     # copy a warp sets up (one with FWD_HALF_COPY, where each half of the threads copies one tensor, else
-    # two); l = rowsum(P~) without dropout: one HMMA per 16 keys and m16 tile.
+    # two); l = rowsum(P~): one HMMA per 16 keys and m16 tile (dropout: two, one per row half, and a
+    # second pack of P~ before the keep mask).
     chunks = block_c * (dp // 8 + dpv // 8) / (32 * w)  # 16-byte cp.async per warp (K_j and V_j)
-    ones = 0 if fs.has("dropout") else mt * (block_c // 16)
+    ones = mt * (block_c // 16) * (6 if fs.has("dropout") else 1)  # dropout: 2 HMMAs and a lane's 4 more packs
     copies = 1 if fwd_half_copy(fs.head_dim, w) and fwd_half_copy(fs.dv, w) else 2
     elementwise = (mt * ((block_c // 8) * 4 * (5 + (10 if fs.has("dropout") else 0)) + (dpv // 8) * 4)
                    + 2 * chunks + 25 + 15 * copies + ones)

@@ -2,12 +2,15 @@
 sub-steps. The family's ``template_context`` emits them as constants (templates/mma/ receives
 them), its smem layout and its cost model (fagen.families.mma.cost) use the same functions.
 
-The code-shape rules among them (``bwd_pin``, ``bwd_split_mask``, ``bwd_chunk_sub``,
-``bwd_chunk_unroll``, ``bwd_2d_fresh``, ``bwd_2d_pin``, ``lse_now``, ``fwd_q_in_regs``,
-``fwd_half_copy``, ``fwd_half_step``) are the starting points of the family's codegen knobs
-(fagen.families.mma.codegen): a class the stored search (``fagen tune-codegen``) has searched takes
-its table's setting instead. The spills and instruction counts their docstrings quote are
-measurements with the NVRTC they name, not legality."""
+Each rule is one of two kinds. A legality fact (the register file, shared memory, divisibility, the
+layout a kernel has) says what a kernel can be. A starting point says where a search begins: the
+code-shape rules (``bwd_pin``, ``bwd_split_mask``, ``bwd_chunk_sub``, ``bwd_chunk_unroll``,
+``bwd_2d_fresh``, ``bwd_2d_pin``, ``lse_now``, ``dq_2d``, ``fwd_q_in_regs``, ``fwd_half_copy``,
+``fwd_half_step``, ``fwd_dropout_16bit_sum``) start the family's codegen knobs
+(fagen.families.mma.codegen: the stored search, ``fagen tune-codegen``, decides per class, a user
+setting, ``KernelSpec.codegen``, before it), the default tile and warps (``bwd_wide_warps``,
+``fwd_default_block_c``) start the runtime autotuner's search. The measurements behind the starting
+points are in docs/autotune.md ("Starting points and why")."""
 from __future__ import annotations
 
 from fagen.families.base import Knob
@@ -23,8 +26,8 @@ MAX_REG_Q_DIM = 128
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 #: Registers the backward step holds besides its dK~/dV~ accumulators when attn_mask meets a score
 #: modification (softcap, ALiBi, bias): the one-pass elementwise branch keeps the mask addressing and
-#: the ScoreParams live together. Measured with ptxas (sm_90, every flag on): 242 registers at d = 96,
-#: whose accumulators take 96.
+#: the ScoreParams live together: with the dK~/dV~ accumulators past the register file, the spec is
+#: declined (``MmaFamily.combination_reason``, a legality fact).
 MASKED_SCORE_MOD_STEP_REGS = 146
 
 
@@ -39,22 +42,20 @@ BWD_RESIDENT_WARPS = 8
 BWD_WIDE_WARPS = 8
 
 
-#: Per-element features whose state beside the 8-warp d = 128 backward's fragments NVRTC 12.9's ptxas
-#: spills on sm_80 (key padding 24, ALiBi 40, bias 32 bytes; NVRTC 13.5 compiles them clean), and those
-#: beside which 4 warps spill with NVRTC 13.5 instead (dropout with ALiBi or bias 16, the deterministic
-#: backward with key padding 24), which keep 8.
+#: Starting point of the backward's warps on compute capability 8.0 past d = 64: per-element features
+#: whose state beside the 8-warp tile's fragments starts at 4 warps, unless one of the excluded flags
+#: is also set (those start at 8); the runtime autotuner's search decides.
 BWD_SM80_NARROW_FLAGS = frozenset({"key_padding", "alibi", "bias"})
 BWD_SM80_NARROW_EXCLUDED_FLAGS = frozenset({"dropout", "deterministic"})
 
 
 def bwd_wide_warps(head_dim: int, flags: frozenset[str] = frozenset(),
                    capability: tuple[int, int] | None = None) -> bool:
-    """Backward: BWD_WIDE_WARPS warps (128 K/V rows per CTA) by default up to padded head dim
-    MAX_REG_ACC_DIM, where dK~ / dV~ live in registers, but not for a window together with varlen
-    past d = 64 (16 bytes spill at d = 128 on sm_80 with causal), nor past d = 64 on compute capability
-    8.0 with BWD_SM80_NARROW_FLAGS and none of BWD_SM80_NARROW_EXCLUDED_FLAGS (4 warps compile clean
-    with NVRTC 12.9 and 13.5; 1026 -> 1077 instructions per 1e6 FLOPs with key padding, 926 -> 996 with
-    ALiBi, benchmarks/sass_cost.py)."""
+    """Backward, starting point of the warps: BWD_WIDE_WARPS (128 K/V rows per CTA) up to padded head
+    dim MAX_REG_ACC_DIM, where dK~ / dV~ live in registers (legality: past it they are in smem), but
+    4 for a window together with varlen past d = 64, and past d = 64 on compute capability 8.0 with
+    BWD_SM80_NARROW_FLAGS and none of BWD_SM80_NARROW_EXCLUDED_FLAGS. The runtime autotuner's search
+    decides among the candidates."""
     dp = padded_dim(head_dim)
     if (capability == (8, 0) and dp > 64 and flags & BWD_SM80_NARROW_FLAGS
             and not flags & BWD_SM80_NARROW_EXCLUDED_FLAGS):
@@ -69,9 +70,9 @@ def padded_dim(head_dim: int) -> int:
 
 def acc_in_smem(head_dim: int, head_dim_v: int = 0) -> bool:
     """Backward: dK~/dV~ accumulators in smem (fragment order) instead of registers: past padded head
-    dim MAX_REG_ACC_DIM, of the wider of head_dim and ``head_dim_v`` (0: head_dim's). Not their sum: d = 64
-    beside dv = 192 (128 accumulator registers, as d = 128's) spills 8-72 bytes on sm_80 with key padding
-    and dropout or a bias (ptxas), the narrower K/V fragments read from smem per chunk beside them."""
+    dim MAX_REG_ACC_DIM, of the wider of head_dim and ``head_dim_v`` (0: head_dim's): the register file
+    holds the accumulators of one head dim up to MAX_REG_ACC_DIM beside the step's fragments (not of
+    their sum: d = 64 beside dv = 192 takes dv = 192's smem accumulators)."""
     return padded_dim(max(head_dim, head_dim_v)) > MAX_REG_ACC_DIM
 
 
@@ -94,10 +95,9 @@ MAX_WIDE_WARP_Q_DIM = 128
 MAX_WIDE_STEP_DIM = 128
 FWD_WIDE_BLOCK_C = 128
 #: ... and FWD_WIDEST_BLOCK_C keys up to MAX_WIDEST_STEP_DIM on the compute capabilities of
-#: FWD_WIDEST_STEP_CAPABILITIES (measured there: no spills, NVRTC 12.9 and 13.5, causal in either
-#: alignment, varlen; sm_100 and sm_120 spill 28-176 bytes beside it) for specs without
-#: FWD_WIDEST_EXCLUDED_FLAGS: the per-element features, and a window (its two bounds per row beside the
-#: half step's second copy of the step: 40 bytes spill at d = 64 on sm_80).
+#: FWD_WIDEST_STEP_CAPABILITIES for specs without FWD_WIDEST_EXCLUDED_FLAGS (the per-element features,
+#: and a window: its two bounds per row beside the half step's second copy of the step). A starting
+#: point of the default tile; the runtime autotuner's search decides.
 MAX_WIDEST_STEP_DIM = 64
 FWD_WIDEST_BLOCK_C = 256
 FWD_WIDEST_STEP_CAPABILITIES = frozenset({(8, 0), (9, 0)})
@@ -113,8 +113,8 @@ FWD_WIDE_WARP_EXCLUDED_FLAGS = FWD_DATA_MASK_FLAGS | {"dropout", "softcap", "ali
 FWD_WIDEST_EXCLUDED_FLAGS = FWD_WIDE_WARP_EXCLUDED_FLAGS | {"window"}
 
 
-#: With an additive bias the forward steps 64 keys up to this padded head dim, 32 beyond it
-#: (ptxas, sm_80 / sm_90: 64 keys spill 16-48 bytes at d = 128-256, 128 keys 250-350 bytes at d <= 96).
+#: With an additive bias the forward's default step is 64 keys up to this padded head dim, 32 beyond
+#: it (a starting point: its per-element loads take registers beside the keys of S).
 FWD_BIAS_WIDE_STEP_DIM = 96
 
 
@@ -136,16 +136,15 @@ def fwd_default_block_c(head_dim: int, flags: frozenset[str] = frozenset(),
     """Forward: the default keys per K/V step. FWD_WIDEST_BLOCK_C where ``fwd_widest_step`` holds;
     else FWD_WIDE_BLOCK_C up to padded head dim MAX_WIDE_STEP_DIM:
     O's rescale, the copy set-up, the row reductions and the barrier are per step, so 128 keys
-    amortise them over twice the tensor-core work of 64 (d = 128: 930 against 1118 instructions
-    per 1e6 FLOPs, benchmarks/sass_cost.py); beyond d = 64 a data mask (key padding, attn_mask) takes
-    64 (its per-element loads spill beside 128 keys of S on sm_100). 64 beyond MAX_WIDE_STEP_DIM
-    (d = 192: 1011 against 1376 for 32 keys; the shared-memory fit shrinks it where two K/V stages
-    of 64 keys do not fit), 32 there with a data mask or dropout (their per-element state beside the
-    O accumulator's DPAD / 2 registers: 64 keys spill 56-96 bytes at d = 160 on sm_100)."""
+    amortise them over twice the tensor-core work of 64; beyond d = 64 a data mask (key padding,
+    attn_mask) takes 64 (its per-element loads take registers beside the keys of S). 64 beyond
+    MAX_WIDE_STEP_DIM (the shared-memory fit shrinks it where two K/V stages of 64 keys do not fit),
+    32 there with a data mask or dropout (their per-element state beside the O accumulator's DPAD / 2
+    registers). The starting point of the runtime autotuner's search of the tile."""
     dp = padded_dim(head_dim)
     if fwd_widest_step(head_dim, capability, flags):
         return FWD_WIDEST_BLOCK_C
-    if "bias" in flags:  # its per-element loads beside 128 keys of S spill 250-350 bytes up to d = 96
+    if "bias" in flags:  # its per-element loads take registers beside the keys of S: FWD_BIAS_WIDE_STEP_DIM
         return 64 if dp <= FWD_BIAS_WIDE_STEP_DIM else 32
     if dp <= 64:
         return FWD_WIDE_BLOCK_C
@@ -177,6 +176,18 @@ def fwd_half_copy(head_dim: int, num_warps: int) -> bool:
     return num_warps % 2 == 0 and (threads // 2) % (padded_dim(head_dim) // 8) == 0
 
 
+def fwd_dropout_16bit_sum(head_dim: int, flags: frozenset[str], capability: tuple[int, int] | None = None) -> bool:
+    """Forward with dropout: O divided by the row sum of the 16-bit P~ that P~ V reads, every key's
+    (``FWD_DROPOUT_L16``: each row half's P~ packed a second time before the keep mask, times a ones
+    column), as without dropout, rather than by the fp32 sum; lse keeps the fp32 sum either way. The
+    starting point of the knob ``fwd_dropout_16bit_sum``: on, except on compute capability 8.0 with a
+    window and varlen at padded head dim 128 (the second pack beside the window's bounds, the
+    sequence's offsets and that head dim's fragments)."""
+    if "dropout" not in flags:
+        return False
+    return not (capability == (8, 0) and {"window", "varlen"} <= flags and padded_dim(head_dim) == 128)
+
+
 #: The forward holds the Q_i A-fragments in registers when they, the S fragments and the O
 #: accumulator of a 16-row warp take at most this many registers per lane together.
 FWD_FRAG_REGS = 128
@@ -186,9 +197,10 @@ def fwd_q_in_regs(head_dim: int, block_r: int, num_warps: int, block_c: int = 64
                   flags: frozenset[str] = frozenset(), head_dim_v: int = 0) -> bool:
     """Forward: the Q_i A-fragments held in registers (16-row warps up to MAX_REG_Q_DIM whose Q, S and O
     fragments -- DPAD / 4 + block_c / 2 + DPAD / 2 registers -- fit FWD_FRAG_REGS; else Q is read from
-    smem per k step, one ldmatrix per 16 x 16: d = 128 with 128 keys would hold 160, and its dropout
-    and key-padding kernels spill; a data mask's per-element addressing takes them too; 32-row warps
-    read it from smem, their O accumulator and S fragments take the registers). The O accumulator is
+    smem per k step, one ldmatrix per 16 x 16: d = 128 with 128 keys would hold 160; a data mask's
+    per-element addressing takes registers too). The starting point of the knob ``fwd_q_in_regs``; its
+    legality is 16-row warps (32-row warps read Q from smem, their O accumulator and S fragments take
+    the registers) and Q, S and O fragments within the register file. The O accumulator is
     ``head_dim_v``'s (0: head_dim's)."""
     dp = padded_dim(head_dim)
     fits = dp // 4 + block_c // 2 + padded_dim(head_dim_v or head_dim) // 2 <= FWD_FRAG_REGS and not flags & FWD_DATA_MASK_FLAGS
@@ -214,13 +226,10 @@ def dq_key_chunk(head_dim: int, block_c: int) -> int:
     return 16
 
 
-#: Padded head dims at which the backward's main kernel has separate chunk code for fully visible and
-#: partial tiles (BWD_SPLIT_MASK) and, without dropout, does two 16-Q-row chunks per trip
-#: (BWD_CHUNK_UNROLL = 2). Measured with ptxas (sm_80, sm_90, sm_100, sm_120, the standard matrix and
-#: every feature variant): no spills there; the two chunk codes spill at d = 96 (causal), 192 and 256
-#: (dK~/dV~ in smem), with a score modification (bias with dBias on sm_100 / sm_120) and on a Q block of
-#: 48 rows (d = 128 on sm_120); two chunks per trip spill at d = 96, with dropout and in the
-#: deterministic backward's main kernel (d = 128, sm_90).
+#: Padded head dims at which the backward's main kernel starts with separate chunk code for fully
+#: visible and partial tiles (BWD_SPLIT_MASK) and, without dropout, two 16-Q-row chunks per trip
+#: (BWD_CHUNK_UNROLL = 2): the starting points of the knobs ``bwd_split_mask`` and
+#: ``bwd_chunk_unroll``, the search decides.
 BWD_SPLIT_CHUNK_DIMS = (32, 64, 128)
 SCORE_MOD_FLAGS = frozenset({"softcap", "alibi", "bias"})
 
@@ -228,9 +237,10 @@ SCORE_MOD_FLAGS = frozenset({"softcap", "alibi", "bias"})
 def bwd_split_mask(head_dim: int, flags: frozenset[str], block_r: int) -> bool:
     """Backward: fully visible tiles run chunk code with no mask code at all, partial ones their own
     (``BWD_SPLIT_MASK``), at BWD_SPLIT_CHUNK_DIMS without a score modification and with a Q block of
-    whole pairs of 16-row chunks; elsewhere one chunk code tests the mask under a branch."""
+    whole pairs of 16-row chunks (legality: the split code takes pairs); elsewhere one chunk code tests
+    the mask under a branch. The starting point of the knob ``bwd_split_mask``."""
     if {"window", "varlen"} <= flags and padded_dim(head_dim) > 64:
-        return False  # the window's bands beside varlen's offsets spill 104-120 bytes at d = 128 (ptxas)
+        return False  # starts off: the window's bands beside varlen's offsets take registers
     return padded_dim(head_dim) in BWD_SPLIT_CHUNK_DIMS and not flags & SCORE_MOD_FLAGS and block_r % 32 == 0
 
 
@@ -244,14 +254,13 @@ def bwd_chunk_sub(head_dim: int, flags: frozenset[str], block_r: int) -> int:
     (``kv_in_regs`` off), without dropout, the deterministic backward, a score modification, a data
     mask (key padding, attn_mask) or varlen, on Q blocks of whole 32-row chunks: each
     A-fragment then feeds the S^T / dP^T tiles of 32 Q rows, one ldmatrix per 4 HMMAs instead of 2
-    (benchmarks/sass_cost.py, sm_90: d = 128 755 -> 719 with DQ_2D, d = 96 1002 -> 959 instructions per 1e6
-    FLOPs; at d = 128 in the registers the two unrolled 16-row chunks took); else 1. Measured with
-    ptxas (sm_80, sm_90, sm_100, sm_120): no spills there."""
+    (at d = 128 in the registers the two unrolled 16-row chunks took); else 1. The starting point of
+    the knob ``bwd_chunk_sub``; its legality is sub-chunks of 16 rows dividing the Q block."""
     dp = padded_dim(head_dim)
     if flags & ({"dropout", "deterministic", "varlen"} | SCORE_MOD_FLAGS):
-        return 1  # varlen: its per-row length state beside 32 rows spills 44-148 bytes with NVRTC 12
+        return 1  # their per-row state (varlen's lengths, the keep bits, ...) takes registers beside 32 rows
     if flags & {"key_padding", "attn_mask"}:
-        return 1  # their per-element loads beside 32 rows of S^T / dP^T spill 32-204 bytes on sm_100 / sm_120
+        return 1  # their per-element loads take registers beside 32 rows of S^T / dP^T
     return 2 if dp in BWD_WIDE_CHUNK_DIMS and not kv_in_regs(head_dim) and block_r % 32 == 0 else 1
 
 
@@ -259,11 +268,10 @@ def bwd_chunk_unroll(head_dim: int, flags: frozenset[str], block_r: int,
                      capability: tuple[int, int] | None = None) -> int:
     """Backward: chunks per trip of the chunk loop (``BWD_CHUNK_UNROLL``): 2 (half the loop
     overhead, constant offsets within a trip) with split chunk code, without dropout and outside the
-    deterministic backward, for 16-row chunks (``bwd_chunk_sub`` 1), else 1. A whole Q block unrolled
-    spills at 4 warps. On compute capability 9.x past d = 64 a data mask (key padding, attn_mask) takes 1: its
-    per-element loads beside two unrolled chunks spill 40-88 bytes at d = 128 with NVRTC 12.9 (0 with
-    one chunk a trip, with NVRTC 12.9 and 13.5; 1041 -> 1058 instructions per 1e6 FLOPs with key
-    padding, benchmarks/sass_cost.py)."""
+    deterministic backward, for 16-row chunks (``bwd_chunk_sub`` 1), else 1; on compute capability 9.x
+    past d = 64 a data mask (key padding, attn_mask) starts at 1 (its per-element loads beside two
+    unrolled chunks). The starting point of the knob ``bwd_chunk_unroll``; its legality is chunks per
+    trip dividing the Q block's chunks."""
     if bwd_chunk_sub(head_dim, flags, block_r) > 1:
         return 1
     if capability is not None and capability[0] == 9 and flags & FWD_DATA_MASK_FLAGS and padded_dim(head_dim) > 64:
@@ -301,18 +309,19 @@ def bwd_do_stages(stages: int, fits_two: bool) -> int:
 def bwd_2d_fresh(capability: tuple[int, int], flags: frozenset[str]) -> bool:
     """Two-dimensional backward: the lane offsets of the K_j / V_j B fragments (S, dP) and of the Q_i / dO_i
     k-major B fragments (dV~, dK~) derived afresh from the thread index every step (``BWD_2D_FRESH``)
-    rather than held over the loop, before sm_90 with varlen: there dO_i's late copy and the sequence's
-    offsets take registers of the S / dP phase and NVRTC 12's ptxas spills the held offsets (28 bytes).
-    Elsewhere holding them costs fewer instructions (d = 128, sm_80: 655 against 671 per 1e6 FLOPs)."""
+    rather than held over the loop, before sm_90 with varlen (dO_i's late copy and the sequence's
+    offsets take registers of the S / dP phase there); elsewhere held. The starting point of the knob
+    ``bwd_2d_fresh``, the search decides."""
     return capability < (9, 0) and "varlen" in flags
 
 
 def bwd_2d_pin(capability: tuple[int, int], flags: frozenset[str]) -> bool:
     """Two-dimensional backward: the lanes' fragment offsets and pointers into shared memory and their
     first S-block row and column computed once, before the loop, and pinned there (``BWD_2D_PIN``,
-    partials/mma.cuh's ``fa_pin``: through a shuffle ptxas cannot recompute), where ptxas otherwise
-    re-derived them from the thread index every step (d = 128, sm_90: 677 -> 639 per 1e6 FLOPs), except
-    with varlen from sm_100 on, where the pinned values spill (16-40 bytes, NVRTC 12 and 13)."""
+    partials/mma.cuh's ``fa_pin``: through a shuffle the compiler cannot recompute), where the compiler
+    otherwise re-derived them from the thread index every step, except with varlen from sm_100 on (the
+    sequence's offsets take the registers the pinned values hold). The starting point of the knob
+    ``bwd_2d_pin``, the search decides."""
     return capability < (10, 0) or "varlen" not in flags
 
 
@@ -323,18 +332,16 @@ BWD_PIN_FLAGS = frozenset({"causal", "window", "top_left"})
 def bwd_pin(head_dim: int, flags: frozenset[str], capability: tuple[int, int]) -> bool:
     """Backward with 16 K/V rows per warp: the lane offsets of the K_j / V_j / Q_i fragments and the
     lane's dS^T pointer pinned before the loop (``BWD_PIN``, partials/mma.cuh's ``fa_pin``) before
-    sm_90 at head dim 64 with no flag outside BWD_PIN_FLAGS: ptxas re-derived them from the thread
-    index every chunk there (sm_80: 847 -> 824 per 1e6 FLOPs, causal 848 -> 823). Not on sm_90+
-    (856 -> 867: ptxas schedules the loop worse around them), at other head dims (pinned, d = 56 spills
-    60-140 bytes, d = 24 in bf16 causal 8), with varlen (72-192 bytes) or with per-element features
-    (their state takes the registers the pinned values hold)."""
+    sm_90 at head dim 64 with no flag outside BWD_PIN_FLAGS (else re-derived from the thread index
+    every chunk); not with varlen or per-element features (their state takes the registers the pinned
+    values hold). The starting point of the knob ``bwd_pin``, the search decides."""
     return capability < (9, 0) and head_dim == 64 and not flags - BWD_PIN_FLAGS
 
 
 def lse_now(flags: frozenset[str]) -> bool:
     """Backward: the next step's lse_i / D_i are stored at once rather than held in registers over
     the step and stored at its end (the load's latency hidden) when the score modifications or
-    attn_mask need those registers."""
+    attn_mask need those registers. The starting point of the knob ``lse_now``."""
     return bool(flags & {"softcap", "alibi", "bias", "attn_mask"})
 
 
@@ -352,7 +359,9 @@ def dq_kv_stages(stages: int, block_r: int, block_c: int) -> int:
 def dq_2d(head_dim: int, block_r: int, num_warps: int) -> bool:
     """The 1-D main kernel's dQ_i += dS K_j in (32 Q rows x 32 columns) blocks, one per warp (DQ_2D): where
     the Q block and a head dim of whole k16 steps tile the warps that way (per k16 step of the keys a warp
-    reads two dS and two K_j fragments for 8 HMMAs: 0.5 ldmatrix per HMMA, against 5 per 8 at 16 x 64)."""
+    reads two dS and two K_j fragments for 8 HMMAs: 0.5 ldmatrix per HMMA, against 5 per 8 at 16 x 64). The
+    starting point of the knob ``dq_2d`` (the one-dimensional, non-deterministic main kernel's); its legality
+    is that tiling."""
     dp = padded_dim(head_dim)
     return head_dim == dp and block_r % 32 == 0 and dp % 32 == 0 and (block_r // 32) * (dp // 32) == num_warps
 
