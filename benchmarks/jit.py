@@ -180,7 +180,7 @@ def host_call_seconds(rounds: int = 7) -> dict[str, float]:
         def launch(self, kernel, grid, args):
             gpu.prepare_launch(kernel, grid, args)  # what GpuModule.launch does before CuPy
             if len(recorded) < 4:
-                recorded.append((kernel, grid, dict(args)))
+                recorded.append((kernel, grid, args))  # as launched (LaunchArgs: the plan's constants converted once)
 
     torch.set_num_threads(1)  # the host work is serial; extra threads only add noise here
     g = torch.Generator().manual_seed(0)

@@ -30,6 +30,7 @@ from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_v
 from .philox import keep_mask
 from .plan import KernelInfo, ModulePlan, plan_of
 from .runtime import get_module
+from .runtime.args import LaunchArgs
 from .settings import get_settings
 from .spec import KernelSpec
 
@@ -157,6 +158,19 @@ def _check_spec(spec: KernelSpec, direction: str, p: Problem, flags: dict[str, A
 # --------------------------------------------------------------------------- arguments
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+#: The pointer argument of each optional tensor (:class:`Tensors` field) the kernels read.
+_OPTIONAL_POINTERS = (("kpm", "key_padding_mask"), ("alibi_slopes", "alibi_slopes"), ("mask", "attn_mask"),
+                      ("bias", "attn_bias"), ("cu_seqlens_q", "cu_seqlens_q"), ("cu_seqlens_k", "cu_seqlens_k"),
+                      ("sinks", "sinks"))
+
+
+def _null_pointers(t: "Tensors", names: tuple[tuple[str, str], ...]) -> tuple[dict[str, int], tuple[str, ...]]:
+    """(the pointer arguments of the optional tensors ``t`` lacks, all 0: constants of the plan,
+    as presence is part of its key; the pointer arguments of those it has, set per call)."""
+    return ({arg: 0 for arg, field in names if getattr(t, field) is None},
+            tuple(arg for arg, field in names if getattr(t, field) is not None))
 
 
 def _strides(name: str, t: torch.Tensor, varlen: bool) -> dict[str, int]:
@@ -323,7 +337,7 @@ class _Plan:
     p: Problem
     spec: KernelSpec
     launches: tuple[tuple[KernelInfo, tuple[int, int, int]], ...]  # () for empty inputs, no keys, meta
-    args: dict[str, Any]  # non-pointer kernel arguments
+    args: dict[str, Any]  # non-pointer kernel arguments (LaunchArgs' constants: never changed)
     lse_dtype: torch.dtype
     acc_dtype: torch.dtype = torch.float32
     kpm_copy: bool = False  # key_padding_mask / alibi_slopes need a contiguous copy
@@ -335,6 +349,7 @@ class _Plan:
     tma: tuple[str, ...] = ()  # inputs the family reads through tensor maps (address checked per call)
     tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
     dq_sem: int = 0  # elements of the backward's dQ turn counters (fagen.abi.DQ_SEM; 0: no kernel takes them)
+    given: tuple[str, ...] = ()  # pointer arguments of the optional tensors given (the others are null constants)
 
     @property
     def module(self) -> ModulePlan:
@@ -425,11 +440,13 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v)
     meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    null, given = _null_pointers(t, _OPTIONAL_POINTERS)
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
-            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides)}
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides), **null, "dbias": 0}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
-    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, tma=tma, tma_copy=tma_copy, **common)
+    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, tma=tma, tma_copy=tma_copy, given=given,
+                 **common)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -492,10 +509,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
     slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
     sinks = t.sinks.contiguous() if plan.sinks_copy else t.sinks
-    args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-            "lse": lse.data_ptr(), "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask),
-            "bias": _ptr(t.attn_bias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-            "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks), "lse_lo": _ptr(lse_lo)}
+    ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "lse": lse.data_ptr(),
+            "seed": seed, "offset": offset, "lse_lo": _ptr(lse_lo)}
+    if plan.given:
+        optional = {"kpm": kpm, "alibi_slopes": slopes, "mask": t.attn_mask, "bias": t.attn_bias,
+                    "cu_seqlens_q": t.cu_seqlens_q, "cu_seqlens_k": t.cu_seqlens_k, "sinks": sinks}
+        ptrs.update({n: optional[n].data_ptr() for n in plan.given})
+    args = LaunchArgs(plan.args, ptrs)
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         if kern.has_tensormaps:
@@ -675,14 +695,22 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
                 dv=torch.empty(tuple(k.shape[:-1]) + (p.head_dim_v,), device="meta"))
     dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    null, given = _null_pointers(t, _OPTIONAL_POINTERS[:-1])
+    if not bias_grad:
+        null["dbias"] = 0
+    if dlse is None:
+        null["dlse"] = 0
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
-            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias)}
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias), **null,
+            "sinks": 0}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
     launches = tuple((kern, _grid(kern, p)) for kern in plan_of(spec).kernels)  # pre, main, (dq,) post
     if any(name == DQ_SEM[1] for kern, _ in launches for _, name in kern.params):  # zeroed per call
         common.update(dq_sem=dq_sem_count(p.batch, p.heads, p.seqlen_q, spec.tile.block_r))
-    return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, **common)
+    if not common.get("dq_sem"):  # no counters: a null pointer
+        args[DQ_SEM[1]] = 0
+    return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, given=given, **common)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -735,13 +763,21 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         dq_sem = torch.zeros(plan.dq_sem, dtype=torch.int32, device=q.device) if plan.dq_sem else None
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
         slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
-        args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-                "do_": do.data_ptr(), "lse": lse_t.data_ptr(), "delta": delta.data_ptr(),
-                "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
-                "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
-                "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t),
-                DQ_SEM[1]: _ptr(dq_sem)}
+        ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),
+                "lse": lse_t.data_ptr(), "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(),
+                "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(), "seed": seed, "offset": offset,
+                "lse_lo": _ptr(lo_t)}
+        if plan.given:
+            optional = {"kpm": kpm, "alibi_slopes": slopes, "mask": t.attn_mask, "bias": t.attn_bias,
+                        "cu_seqlens_q": t.cu_seqlens_q, "cu_seqlens_k": t.cu_seqlens_k}
+            ptrs.update({n: optional[n].data_ptr() for n in plan.given})
+        if dbias is not None:
+            ptrs["dbias"] = dbias.data_ptr()
+        if dlse_t is not None:
+            ptrs["dlse"] = dlse_t.data_ptr()
+        if dq_sem is not None:
+            ptrs[DQ_SEM[1]] = dq_sem.data_ptr()
+        args = LaunchArgs(plan.args, ptrs)
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             if kern.has_tensormaps:
