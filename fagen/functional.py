@@ -350,6 +350,7 @@ class _Plan:
     tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
     dq_sem: int = 0  # elements of the backward's dQ turn counters (fagen.abi.DQ_SEM; 0: no kernel takes them)
     given: tuple[str, ...] = ()  # pointer arguments of the optional tensors given (the others are null constants)
+    lo_ready: bool | None = None  # the backward's lse_lo checked (needs no copy); None: checked per call
 
     @property
     def module(self) -> ModulePlan:
@@ -653,6 +654,16 @@ def _check_lse_lo(lse_lo: Any, p: Problem, *, out: bool) -> bool:
     return lse_lo.is_contiguous()
 
 
+def _lse_lo_ready(lse_lo: Any, p: Problem) -> bool | None:
+    """:func:`_check_lse_lo` of the backward's lse_lo, for its plan (the check reads metadata
+    only, part of the plan's key); None when it fails: each call checks again and raises then,
+    after the checks that come before it."""
+    try:
+        return _check_lse_lo(lse_lo, p, out=False)
+    except Exception:  # noqa: BLE001 - raised again by the call's own check
+        return None
+
+
 # --------------------------------------------------------------------------- backward
 def _check_dlse(dlse: Any, p: Problem) -> bool:
     """None, or the gradient of lse: lse's shape, float32 (float64 for float64 inputs), q's device.
@@ -665,7 +676,7 @@ def _check_dlse(dlse: Any, p: Problem) -> bool:
 
 def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: AttentionOptions, t: Tensors,
                    max_seqlen_q: Any, max_seqlen_k: Any, bias_grad: Any, spec: KernelSpec | None,
-                   offsets: tuple[int, int], dlse: Any = None) -> _Plan:
+                   offsets: tuple[int, int], dlse: Any = None, lse_lo: Any = None) -> _Plan:
     p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
     shape_o = None if not p.split_dims else tuple(q.shape[:-1]) + (p.true_head_dim_v,)
     check_like("o", o, q, shape_o)
@@ -682,7 +693,8 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
                   lse_ready=lse.is_contiguous() and lse.dtype == lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
                   alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes,
-                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks, dlse_ready=dlse_ready)
+                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks, dlse_ready=dlse_ready,
+                  lo_ready=_lse_lo_ready(lse_lo, p))
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
@@ -724,15 +736,16 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     offsets = (dropout_row_offset, dropout_col_offset)
     plan, t = _planned(
         lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
-                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse)),
+                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse),
+                   _meta(lse_lo)),
         lambda opts, t: _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k, bias_requires_grad,
-                                       spec, offsets, dlse),
+                                       spec, offsets, dlse, lse_lo),
         options, tensors, offsets)
     seed, offset = check_seed_offset(seed, offset)
     if plan.check_cu:
         _cu_check(plan.p, t)
     p = plan.p
-    lo_ready = _check_lse_lo(lse_lo, p, out=False)
+    lo_ready = plan.lo_ready if plan.lo_ready is not None else _check_lse_lo(lse_lo, p, out=False)
     bias_grad = bool(bias_requires_grad)
     if p.padded:
         do, q, k, v, o = _pad(do, p, True), _pad(q, p), _pad(k, p), _pad(v, p, True), _pad(o, p, True)

@@ -374,6 +374,7 @@ def _converter(ctype: str, name: str):
                 seen[value] = found
             return found
         return to_cuda_arg(ctype, value, name)
+    convert.memo = seen  # type: ignore[attr-defined]  # read inline by _planned_packer
     return convert
 
 
@@ -397,16 +398,17 @@ _converters: dict[int, tuple[KernelInfo, Any, list[Any]]] = {}
 def _planned_packer(kernel: KernelInfo, convert: list[Any], constants: Mapping[str, Any]) -> Any:
     """:func:`_packer` for the arguments of one launch plan (:class:`~fagen.runtime.args.LaunchArgs`):
     the parameters ``constants`` holds converted here, once, and built into the tuple expression
-    as constants; only the others are read and converted per call."""
+    as constants; only the others are read and converted per call (an int the parameter's
+    converter remembers taken from its memo inline)."""
     scope: dict[str, Any] = {}
     items = []
     for i, (_ctype, name) in enumerate(kernel.params):
         if name in constants:
             scope[f"k{i}"] = convert[i](constants[name])
             items.append(f"k{i}")
-        else:
-            scope[f"c{i}"] = convert[i]
-            items.append(f"c{i}(a[{name!r}])")
+        else:  # an int remembered by the converter is read inline (no call), anything else converted
+            scope[f"c{i}"], scope[f"m{i}"] = convert[i], convert[i].memo
+            items.append(f"(m{i}[x{i}] if type(x{i} := a[{name!r}]) is int and x{i} in m{i} else c{i}(x{i}))")
     body = f"({', '.join(items)},)" if items else "()"
     exec(f"def pack(a):\n    return {body}\n", scope)  # noqa: S102 - names from the ABI's own table
     return scope["pack"]
