@@ -523,7 +523,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
             mod.launch(kern, grid, {**args, **plan.module.tensor_maps(kern, {"q": q, "k": k, "v": v})})
         else:
             mod.launch(kern, grid, args)
-    return _unpad(o, p, True), lse, lse_lo
+    return (_unpad(o, p, True) if p.padded else o), lse, lse_lo
 
 
 def _sink_rows(sinks: torch.Tensor, p: Problem) -> torch.Tensor:
@@ -798,7 +798,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 mod.launch(kern, grid, {**args, **maps})
             else:
                 mod.launch(kern, grid, args)
-    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True))
+    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True)) if p.padded else (dq, dk, dv)
     if bias_grad:
         bias = t.attn_bias
         out = out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)
