@@ -16,7 +16,8 @@ Rows (each in a private, empty cache dir unless stated):
   ``backward`` on small inputs (B=2, N=128, H=4, d=64, fp16) with the kernel
   launch replaced by the GPU launcher's own Python work minus CuPy: argument
   packing by name, grid/block limit checks and numpy scalar conversion of every
-  parameter. The inputs are CPU tensors (no CUDA device is needed), so what is
+  parameter (a launch plan's constant ones converted on its first launch, the
+  pointers, seed and offset per call). The inputs are CPU tensors (no CUDA device is needed), so what is
   measured is everything Python does per call up to the launch -- the torch
   custom-op and autograd dispatch, validation, spec lookup, tuned-choice lookup,
   argument packing -- plus the host-side allocation of outputs (``torch.empty``)
@@ -180,7 +181,7 @@ def host_call_seconds(rounds: int = 7) -> dict[str, float]:
         def launch(self, kernel, grid, args):
             gpu.prepare_launch(kernel, grid, args)  # what GpuModule.launch does before CuPy
             if len(recorded) < 4:
-                recorded.append((kernel, grid, dict(args)))
+                recorded.append((kernel, grid, args))  # as launched (LaunchArgs: the plan's constants converted once)
 
     torch.set_num_threads(1)  # the host work is serial; extra threads only add noise here
     g = torch.Generator().manual_seed(0)

@@ -30,6 +30,7 @@ from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_v
 from .philox import keep_mask
 from .plan import KernelInfo, ModulePlan, plan_of
 from .runtime import get_module
+from .runtime.args import LaunchArgs
 from .settings import get_settings
 from .spec import KernelSpec
 
@@ -157,6 +158,19 @@ def _check_spec(spec: KernelSpec, direction: str, p: Problem, flags: dict[str, A
 # --------------------------------------------------------------------------- arguments
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+#: The pointer argument of each optional tensor (:class:`Tensors` field) the kernels read.
+_OPTIONAL_POINTERS = (("kpm", "key_padding_mask"), ("alibi_slopes", "alibi_slopes"), ("mask", "attn_mask"),
+                      ("bias", "attn_bias"), ("cu_seqlens_q", "cu_seqlens_q"), ("cu_seqlens_k", "cu_seqlens_k"),
+                      ("sinks", "sinks"))
+
+
+def _null_pointers(t: "Tensors", names: tuple[tuple[str, str], ...]) -> tuple[dict[str, int], tuple[str, ...]]:
+    """(the pointer arguments of the optional tensors ``t`` lacks, all 0: constants of the plan,
+    as presence is part of its key; the pointer arguments of those it has, set per call)."""
+    return ({arg: 0 for arg, field in names if getattr(t, field) is None},
+            tuple(arg for arg, field in names if getattr(t, field) is not None))
 
 
 def _strides(name: str, t: torch.Tensor, varlen: bool) -> dict[str, int]:
@@ -323,7 +337,7 @@ class _Plan:
     p: Problem
     spec: KernelSpec
     launches: tuple[tuple[KernelInfo, tuple[int, int, int]], ...]  # () for empty inputs, no keys, meta
-    args: dict[str, Any]  # non-pointer kernel arguments
+    args: dict[str, Any]  # non-pointer kernel arguments (LaunchArgs' constants: never changed)
     lse_dtype: torch.dtype
     acc_dtype: torch.dtype = torch.float32
     kpm_copy: bool = False  # key_padding_mask / alibi_slopes need a contiguous copy
@@ -335,6 +349,8 @@ class _Plan:
     tma: tuple[str, ...] = ()  # inputs the family reads through tensor maps (address checked per call)
     tma_copy: frozenset[str] = frozenset()  # of those, the ones whose strides no tensor map takes: copied
     dq_sem: int = 0  # elements of the backward's dQ turn counters (fagen.abi.DQ_SEM; 0: no kernel takes them)
+    given: tuple[str, ...] = ()  # pointer arguments of the optional tensors given (the others are null constants)
+    lo_ready: bool | None = None  # the backward's lse_lo checked (needs no copy); None: checked per call
 
     @property
     def module(self) -> ModulePlan:
@@ -425,11 +441,13 @@ def _forward_plan(q: Any, k: Any, v: Any, opts: AttentionOptions, t: Tensors, ma
     tma, tma_copy = _tma_inputs(spec, p, q=q, k=k, v=v)
     meta.update({n: torch.empty(tuple(meta[n].shape), device="meta") for n in tma_copy})
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    null, given = _null_pointers(t, _OPTIONAL_POINTERS)
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
-            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides)}
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides), **null, "dbias": 0}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
-    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, tma=tma, tma_copy=tma_copy, **common)
+    return _Plan(spec=spec, launches=((kern, _grid(kern, p)),), args=args, tma=tma, tma_copy=tma_copy, given=given,
+                 **common)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -473,13 +491,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     if plan.tma:
         q, k, v = _tma_ready(plan, q=q, k=k, v=v)
     _check_lse_lo(lse_lo, p, out=True)  # before anything is written
-    if new_lo:
-        lse_lo = torch.empty(p.lse_shape, dtype=torch.float32, device=q.device)
     if p.head_dim_v == q.shape[-1]:
         o = torch.empty_like(q, memory_format=_CONTIGUOUS)
     else:
         o = torch.empty(tuple(q.shape[:-1]) + (p.head_dim_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(p.lse_shape, dtype=plan.lse_dtype, device=q.device)
+    if new_lo:  # like the fresh lse where it is float32: about 0.8 us less than torch.empty(shape, ...)
+        lse_lo = (torch.empty_like(lse) if plan.lse_dtype == torch.float32
+                  else torch.empty(p.lse_shape, dtype=torch.float32, device=q.device))
     if lse_lo is not None and not plan.launches and p.device.type != "meta":
         lse_lo.zero_()
     if not plan.launches:
@@ -492,17 +511,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
     kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
     slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
     sinks = t.sinks.contiguous() if plan.sinks_copy else t.sinks
-    args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-            "lse": lse.data_ptr(), "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask),
-            "bias": _ptr(t.attn_bias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-            "seed": seed, "offset": offset, "dbias": 0, "sinks": _ptr(sinks), "lse_lo": _ptr(lse_lo)}
+    ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "lse": lse.data_ptr(),
+            "seed": seed, "offset": offset, "lse_lo": _ptr(lse_lo)}
+    if plan.given:
+        optional = {"kpm": kpm, "alibi_slopes": slopes, "mask": t.attn_mask, "bias": t.attn_bias,
+                    "cu_seqlens_q": t.cu_seqlens_q, "cu_seqlens_k": t.cu_seqlens_k, "sinks": sinks}
+        ptrs.update({n: optional[n].data_ptr() for n in plan.given})
+    args = LaunchArgs(plan.args, ptrs)
     mod = get_module(plan.spec, p.device.type)
     for kern, grid in plan.launches:
         if kern.has_tensormaps:
             mod.launch(kern, grid, {**args, **plan.module.tensor_maps(kern, {"q": q, "k": k, "v": v})})
         else:
             mod.launch(kern, grid, args)
-    return _unpad(o, p, True), lse, lse_lo
+    return (_unpad(o, p, True) if p.padded else o), lse, lse_lo
 
 
 def _sink_rows(sinks: torch.Tensor, p: Problem) -> torch.Tensor:
@@ -633,6 +655,16 @@ def _check_lse_lo(lse_lo: Any, p: Problem, *, out: bool) -> bool:
     return lse_lo.is_contiguous()
 
 
+def _lse_lo_ready(lse_lo: Any, p: Problem) -> bool | None:
+    """:func:`_check_lse_lo` of the backward's lse_lo, for its plan (the check reads metadata
+    only, part of the plan's key); None when it fails: each call checks again and raises then,
+    after the checks that come before it."""
+    try:
+        return _check_lse_lo(lse_lo, p, out=False)
+    except Exception:  # noqa: BLE001 - raised again by the call's own check
+        return None
+
+
 # --------------------------------------------------------------------------- backward
 def _check_dlse(dlse: Any, p: Problem) -> bool:
     """None, or the gradient of lse: lse's shape, float32 (float64 for float64 inputs), q's device.
@@ -645,7 +677,7 @@ def _check_dlse(dlse: Any, p: Problem) -> bool:
 
 def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: AttentionOptions, t: Tensors,
                    max_seqlen_q: Any, max_seqlen_k: Any, bias_grad: Any, spec: KernelSpec | None,
-                   offsets: tuple[int, int], dlse: Any = None) -> _Plan:
+                   offsets: tuple[int, int], dlse: Any = None, lse_lo: Any = None) -> _Plan:
     p, f = _prepare(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, check_values=False)
     shape_o = None if not p.split_dims else tuple(q.shape[:-1]) + (p.true_head_dim_v,)
     check_like("o", o, q, shape_o)
@@ -662,7 +694,8 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
                   lse_ready=lse.is_contiguous() and lse.dtype == lse_dtype, check_cu=p.varlen and p.device.type == "cpu",
                   kpm_copy=t.key_padding_mask is not None and not t.key_padding_mask.is_contiguous(),
                   alibi_copy=f.alibi_slopes is not None and f.alibi_slopes is not t.alibi_slopes,
-                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks, dlse_ready=dlse_ready)
+                  sinks_copy=f.sinks is not None and f.sinks is not t.sinks, dlse_ready=dlse_ready,
+                  lo_ready=_lse_lo_ready(lse_lo, p))
     if p.empty or p.no_keys or p.device.type == "meta":
         return _Plan(spec=spec, launches=(), args={}, **common)
     shape_q = tuple(q.shape[:-1]) + (p.head_dim,)
@@ -675,14 +708,22 @@ def _backward_plan(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, opts: Atte
                 dv=torch.empty(tuple(k.shape[:-1]) + (p.head_dim_v,), device="meta"))
     dbias = torch.empty((p.batch, p.heads, p.seqlen_q, p.seqlen_k), device="meta") if bias_grad else None
     lse_strides = torch.empty(p.lse_shape, device="meta").stride()
+    null, given = _null_pointers(t, _OPTIONAL_POINTERS[:-1])
+    if not bias_grad:
+        null["dbias"] = 0
+    if dlse is None:
+        null["dlse"] = 0
     args = {"heads": p.heads, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "row_offset": offsets[0],
-            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias)}
+            "col_offset": offsets[1], **opts.kernel_args(p), **_feature_args(p, f, lse_strides, dbias), **null,
+            "sinks": 0}
     for name, x in meta.items():
         args.update(_strides(name, x, p.varlen))
     launches = tuple((kern, _grid(kern, p)) for kern in plan_of(spec).kernels)  # pre, main, (dq,) post
     if any(name == DQ_SEM[1] for kern, _ in launches for _, name in kern.params):  # zeroed per call
         common.update(dq_sem=dq_sem_count(p.batch, p.heads, p.seqlen_q, spec.tile.block_r))
-    return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, **common)
+    if not common.get("dq_sem"):  # no counters: a null pointer
+        args[DQ_SEM[1]] = 0
+    return _Plan(spec=spec, launches=launches, args=args, tma=tma, tma_copy=tma_copy, given=given, **common)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -696,15 +737,16 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     offsets = (dropout_row_offset, dropout_col_offset)
     plan, t = _planned(
         lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
-                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse)),
+                   max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse),
+                   _meta(lse_lo)),
         lambda opts, t: _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k, bias_requires_grad,
-                                       spec, offsets, dlse),
+                                       spec, offsets, dlse, lse_lo),
         options, tensors, offsets)
     seed, offset = check_seed_offset(seed, offset)
     if plan.check_cu:
         _cu_check(plan.p, t)
     p = plan.p
-    lo_ready = _check_lse_lo(lse_lo, p, out=False)
+    lo_ready = plan.lo_ready if plan.lo_ready is not None else _check_lse_lo(lse_lo, p, out=False)
     bias_grad = bool(bias_requires_grad)
     if p.padded:
         do, q, k, v, o = _pad(do, p, True), _pad(q, p), _pad(k, p), _pad(v, p, True), _pad(o, p, True)
@@ -735,13 +777,21 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         dq_sem = torch.zeros(plan.dq_sem, dtype=torch.int32, device=q.device) if plan.dq_sem else None
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
         slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
-        args = {**plan.args, "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-                "do_": do.data_ptr(), "lse": lse_t.data_ptr(), "delta": delta.data_ptr(),
-                "dq_accum": dq_accum.data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
-                "kpm": _ptr(kpm), "alibi_slopes": _ptr(slopes), "mask": _ptr(t.attn_mask), "bias": _ptr(t.attn_bias),
-                "dbias": _ptr(dbias), "cu_seqlens_q": _ptr(t.cu_seqlens_q), "cu_seqlens_k": _ptr(t.cu_seqlens_k),
-                "seed": seed, "offset": offset, "dlse": _ptr(dlse_t), "sinks": 0, "lse_lo": _ptr(lo_t),
-                DQ_SEM[1]: _ptr(dq_sem)}
+        ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),
+                "lse": lse_t.data_ptr(), "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(),
+                "dq": dq.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(), "seed": seed, "offset": offset,
+                "lse_lo": _ptr(lo_t)}
+        if plan.given:
+            optional = {"kpm": kpm, "alibi_slopes": slopes, "mask": t.attn_mask, "bias": t.attn_bias,
+                        "cu_seqlens_q": t.cu_seqlens_q, "cu_seqlens_k": t.cu_seqlens_k}
+            ptrs.update({n: optional[n].data_ptr() for n in plan.given})
+        if dbias is not None:
+            ptrs["dbias"] = dbias.data_ptr()
+        if dlse_t is not None:
+            ptrs["dlse"] = dlse_t.data_ptr()
+        if dq_sem is not None:
+            ptrs[DQ_SEM[1]] = dq_sem.data_ptr()
+        args = LaunchArgs(plan.args, ptrs)
         mod = get_module(plan.spec, p.device.type)
         for kern, grid in plan.launches:
             if kern.has_tensormaps:
@@ -749,7 +799,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 mod.launch(kern, grid, {**args, **maps})
             else:
                 mod.launch(kern, grid, args)
-    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True))
+    out = (_unpad(dq, p), _unpad(dk, p), _unpad(dv, p, True)) if p.padded else (dq, dk, dv)
     if bias_grad:
         bias = t.attn_bias
         out = out + (reduce_to_shape(dbias, tuple(bias.shape)).to(bias.dtype),)

@@ -70,6 +70,14 @@ def _lc(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous()
 
 
+def _lc_real(t: Optional[Tensor]) -> Optional[Tensor]:
+    """:func:`_lc` of a real tensor (the implementations'): a contiguous one, the common case,
+    passes first (one query instead of three)."""
+    if t is None or t.is_contiguous():
+        return t
+    return _lc(t)
+
+
 def _seed_offset(rng_state: Tensor) -> tuple[int, int]:
     """The key's two ints, read from the CPU tensor's memory (no device is involved)."""
     seed, offset = rng_state.numpy()
@@ -156,8 +164,30 @@ def _unpack(rest: tuple[Any, ...]) -> tuple[Tensors, Any, Any, AttentionOptions]
     """The inverse of :func:`op_arguments` (the dispatcher drops trailing defaults: restored)."""
     if len(rest) < len(OP_ORDER):
         rest = rest + _DEFAULTS[len(rest):]
-    return (Tensors._make(_get_tensors(rest)), rest[_MAX_POS[0]], rest[_MAX_POS[1]],
-            AttentionOptions.from_op_args(*_get_options(rest)))
+    return (Tensors._make(_get_tensors(rest)), rest[_MAX_POS[0]], rest[_MAX_POS[1]], _options_of(_get_options(rest)))
+
+
+_OPTIONS_SEEN: dict[tuple[Any, ...], AttentionOptions] = {}
+
+
+def _options_of(values: tuple[Any, ...]) -> AttentionOptions:
+    """``AttentionOptions.from_op_args(*values)``, its result for the same values of the same types
+    (a flat tuple: no per-value pairs to build) remembered here too; traced or unhashable values
+    (symbolic window sides) take :meth:`~fagen.AttentionOptions.from_op_args` every time."""
+    key = (*map(type, values), *values)
+    try:
+        opts = _OPTIONS_SEEN.get(key)
+    except TypeError:  # unhashable
+        return AttentionOptions.from_op_args(*values)
+    if opts is None:
+        opts = AttentionOptions.from_op_args(*values)
+        if not torch.compiler.is_compiling():
+            if len(_OPTIONS_SEEN) >= 256:
+                _OPTIONS_SEEN.clear()
+            _OPTIONS_SEEN[key] = opts
+    elif torch.compiler.is_compiling():
+        return AttentionOptions.from_op_args(*values)
+    return opts
 
 
 def _defaults() -> tuple[Any, ...]:
@@ -177,7 +207,7 @@ def _run_fwd(q: Tensor, k: Tensor, v: Tensor, tensors: Tensors, max_q: Any, max_
         seed, offset = _seed_offset(rng_state)
     else:
         rng_state, seed, offset = torch.zeros(2, dtype=torch.int64), 0, 0
-    o, lse, lse_lo = F.forward_lse_lo(_lc(q), _lc(k), _lc(v), opts, tensors, max_seqlen_q=max_q,
+    o, lse, lse_lo = F.forward_lse_lo(_lc_real(q), _lc_real(k), _lc_real(v), opts, tensors, max_seqlen_q=max_q,
                                       max_seqlen_k=max_k, seed=seed, offset=offset)
     lse_dtype = _lse_dtype(q)
     return o, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), rng_state, lse_lo
@@ -220,11 +250,14 @@ def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
     if dlse is not None and dlse.dtype != torch.float32:
         dlse = dlse.to(torch.float32)
-    grads = F.backward(_lc(do), _lc(q), _lc(k), _lc(v), _lc(o), lse, opts, tensors, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad, dlse=dlse,
-                       lse_lo=lse_lo)
+    grads = F.backward(_lc_real(do), _lc_real(q), _lc_real(k), _lc_real(v), _lc_real(o), lse, opts, tensors,
+                       max_seqlen_q=max_q, max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad,
+                       dlse=dlse, lse_lo=lse_lo)
     dbias = grads[3] if bias_grad else q.new_empty((0,))
-    dsinks = grads[-1] if tensors.sinks is not None else q.new_empty((0,))
+    if tensors.sinks is not None:
+        dsinks = grads[-1]
+    else:  # *_like of an empty tensor: about 0.7 us less than new_empty
+        dsinks = q.new_empty((0,)) if bias_grad else torch.empty_like(dbias)
     return grads[0], grads[1], grads[2], dbias, dsinks
 
 

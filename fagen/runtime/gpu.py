@@ -43,7 +43,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from ..compiler import compile as compile_spec
 from ..errors import FagenError, InputError
 from ..plan import KernelInfo, plan_of
 from ..spec import KernelSpec
-from .args import pack
+from .args import LaunchArgs, pack
 
 #: C parameter type -> numpy scalar type for CuPy's argument packing.
 _SCALARS: dict[str, type] = {
@@ -374,34 +374,72 @@ def _converter(ctype: str, name: str):
                 seen[value] = found
             return found
         return to_cuda_arg(ctype, value, name)
+    convert.memo = seen  # type: ignore[attr-defined]  # read inline by _planned_packer
     return convert
 
 
-def _packer(kernel: KernelInfo) -> Any:
+def _packer(kernel: KernelInfo, convert: list[Any] | None = None) -> Any:
     """One function of the argument dict giving the kernel's converted arguments in parameter
     order: a single tuple expression of per-parameter :func:`_converter` calls (no per-argument
     loop or generator on the launch path)."""
     scope: dict[str, Any] = {}
     items = []
     for i, (ctype, name) in enumerate(kernel.params):
-        scope[f"c{i}"] = _converter(ctype, name)
+        scope[f"c{i}"] = _converter(ctype, name) if convert is None else convert[i]
         items.append(f"c{i}(a[{name!r}])")
     body = f"({', '.join(items)},)" if items else "()"
     exec(f"def pack(a):\n    return {body}\n", scope)  # noqa: S102 - names from the ABI's own table
     return scope["pack"]
 
 
-_converters: dict[int, tuple[KernelInfo, Any]] = {}
+_converters: dict[int, tuple[KernelInfo, Any, list[Any]]] = {}
+
+
+def _planned_packer(kernel: KernelInfo, convert: list[Any], constants: Mapping[str, Any]) -> Any:
+    """:func:`_packer` for the arguments of one launch plan (:class:`~fagen.runtime.args.LaunchArgs`):
+    the parameters ``constants`` holds converted here, once, and built into the tuple expression
+    as constants; only the others are read and converted per call (an int the parameter's
+    converter remembers taken from its memo inline)."""
+    scope: dict[str, Any] = {}
+    items = []
+    for i, (_ctype, name) in enumerate(kernel.params):
+        if name in constants:
+            scope[f"k{i}"] = convert[i](constants[name])
+            items.append(f"k{i}")
+        else:  # an int remembered by the converter is read inline (no call), anything else converted
+            scope[f"c{i}"], scope[f"m{i}"] = convert[i], convert[i].memo
+            items.append(f"(m{i}[x{i}] if type(x{i} := a[{name!r}]) is int and x{i} in m{i} else c{i}(x{i}))")
+    body = f"({', '.join(items)},)" if items else "()"
+    exec(f"def pack(a):\n    return {body}\n", scope)  # noqa: S102 - names from the ABI's own table
+    return scope["pack"]
+
+
+_plan_packers: dict[tuple[int, int], tuple[KernelInfo, Mapping[str, Any], Any]] = {}
 
 
 def cuda_args(kernel: KernelInfo, args: dict[str, Any]) -> tuple[Any, ...]:
-    """The kernel's arguments in parameter order, each as :func:`to_cuda_arg` makes it."""
+    """The kernel's arguments in parameter order, each as :func:`to_cuda_arg` makes it. For a
+    :class:`~fagen.runtime.args.LaunchArgs` the plan's constant arguments are converted on its
+    first launch of ``kernel`` and reused; any error is the one the full conversion gives."""
     entry = _converters.get(id(kernel))
     if entry is None or entry[0] is not kernel:
-        entry = (kernel, _packer(kernel))
+        convert = [_converter(t, n) for t, n in kernel.params]
+        entry = (kernel, _packer(kernel, convert), convert)
         if len(_converters) > 4096:
             _converters.clear()
         _converters[id(kernel)] = entry
+    constants = getattr(args, "constants", None) if type(args) is LaunchArgs else None
+    if constants is not None:
+        planned = _plan_packers.get((id(kernel), id(constants)))
+        try:
+            if planned is None or planned[0] is not kernel or planned[1] is not constants:
+                planned = (kernel, constants, _planned_packer(kernel, entry[2], constants))
+                if len(_plan_packers) > 4096:
+                    _plan_packers.clear()
+                _plan_packers[(id(kernel), id(constants))] = planned
+            return planned[2](args)
+        except (KeyError, LaunchError):
+            pass  # the full conversion below raises the error, in parameter order
     try:
         return entry[1](args)
     except KeyError:
