@@ -149,23 +149,16 @@ def test_deterministic_backward_is_schedule_independent(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_deterministic_source_has_no_atomics(impl: str) -> None:
+def test_deterministic_backward_reduces_dq_in_a_kernel_of_its_own(impl: str) -> None:
+    """The deterministic backward has the dq role (dQ summed in a fixed order there); whether any of its
+    kernels still reduces with atomics is a property of the machine code (test_deterministic_sass_has_no_atomics:
+    the reductions live in shared device functions, so the source text cannot tell)."""
     from fagen.renderer import render
-
-    def kernel_text(spec: KernelSpec) -> str:
-        src = render(spec).source
-        return src[src.index('extern "C"'):]  # the entry points (after the shared device functions)
 
     _, det = specs(replace(det_case(impl), deterministic=True, bias=(1, 4, 40, 150)), impl)
     _, atomic = specs(det_case(impl), impl)
-    reductions = ("fa_atomic_add", "fa_red_add", "atomicAdd", "atomicCAS", "atomicExch")
-    for call in reductions:
-        assert call not in kernel_text(det), call
-    # the atomic backward reduces dQ into dq_accum (mma: from row pointers into it, vector pairs on sm_90)
-    assert "fa_atomic_add(dq_accum" in kernel_text(atomic) or (
-        "fa_red_add_f32x2(dq_row" in kernel_text(atomic) and "dq_accum" in kernel_text(atomic))
-    roles = [k.role.name for k in render(det).kernels]
-    assert roles == ["pre", "main", "dq", "post"]
+    assert [k.role.name for k in render(det).kernels] == ["pre", "main", "dq", "post"]
+    assert "dq" not in [k.role.name for k in render(atomic).kernels]
 
 
 # --------------------------------------------------------------------------- dropout keep-mask, packed

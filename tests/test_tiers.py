@@ -36,6 +36,17 @@ def test_a_sweep_keeps_the_first_case_of_each_family() -> None:
     assert [i.callspec.id for i in slow] == ["b-wgmma", "b-mma", "b-simt", "s"]
 
 
+def test_a_once_sampled_sweep_keeps_only_its_first_case() -> None:
+    sweep = "test_bounds.py", "test_every_kernel_is_clean_under_asan"
+    items = [_Item(*sweep, i) for i in ("mma-a", "simt-a", "mma-b")] + [_Item("test_x.py", "test_y", "simt-a")]
+    assert [i.callspec.id for i in tiers.slow_items(items)] == ["simt-a", "mma-b"]
+
+
+def test_the_tables_do_not_overlap() -> None:
+    assert not (tiers.SLOW & tiers.SAMPLED) and not (tiers.SLOW & tiers.SAMPLED_ONCE)
+    assert not (tiers.SAMPLED & tiers.SAMPLED_ONCE)
+
+
 def test_readme_names_the_command_ci_runs() -> None:
     """.ci/run runs README's test command, word for word."""
     repo = TESTS.parent

@@ -12,7 +12,11 @@ there (tests/conftest.py applies it at collection):
   twice, a compile of a whole matrix);
 * :data:`SAMPLED` -- parametrized sweeps of which the fast tier keeps a covering sample: for each
   kernel family named in the parameter id (``simt``, ``mma``, ``wgmma``; or none), the first
-  parametrization collected; the rest are slow.
+  parametrization collected; the rest are slow;
+* :data:`SAMPLED_ONCE` -- parametrized sweeps of which the fast tier keeps only the first
+  parametrization collected, whatever its family: a property (sanitizer or race-check cleanliness, a
+  schedule's independence, an accuracy criterion) that holds per family and whose other families
+  the fast tier's numerics of each family already reach.
 
 Beyond the full suite, rows marked :data:`EXHAUSTIVE` run only with ``FAGEN_TEST_SLOW=1``.
 """
@@ -68,12 +72,18 @@ SLOW: frozenset[str] = frozenset({
     "test_autotune.py::test_cli_through_main",
     "test_autotune.py::test_timed_search_with_fake_timer",
     "test_autotune.py::test_candidates_carry_their_sass",
+    # an NVRTC compile and a SASS count of their own, or a schedule probe; the fast tier keeps the
+    # family's numerics and its ordering test (test_dq_is_the_k_v_blocks_tiles_added_in_ascending_order)
+    "test_wgmma_pingpong.py::test_sass_has_the_turns_in_the_tile_loop_with_the_knob_only",
+    "test_wgmma_deterministic.py::test_a_turn_taken_out_of_order_is_reported_not_spun_on",
+    "test_wgmma_deterministic.py::test_sass_the_tile_loop_as_the_plain_backwards_no_spills",
+    "test_wgmma_dropout.py::test_the_keep_pattern_is_the_mma_familys",  # test_dropout.py's bits in the fast tier
+    "test_wgmma_bwd.py::test_racecheck_clean",  # test_racecheck_wgmma.py's in the fast tier
 })
 
 SAMPLED: frozenset[str] = frozenset({
     "test_numerics.py::test_mma_explicit_tiles_and_warps",
     "test_numerics.py::test_explicit_tiles_and_warps",
-    "test_numerics.py::test_padding_only_and_dropout_only",
     "test_ptx_levels.py::test_every_form_of_the_shipped_kernels_translates",
     "test_head_dim_v.py::test_head_dim_v_flash_criterion",
     "test_wgmma_family.py::test_sass_hgmma_in_the_tile_loop_tma_no_ldmatrix_no_spills",
@@ -90,8 +100,6 @@ SAMPLED: frozenset[str] = frozenset({
     "test_mma_sass.py::test_deterministic_dq_kernel_is_tensor_core_without_spills_or_atomics",
     "test_cuda_env.py::test_cuda12_nvrtc_compiles_the_standard_matrix_without_spills",
     "test_cuda_env.py::test_new_archs_compile_to_their_own_cubin",
-    "test_bounds.py::test_every_kernel_is_clean_under_asan",
-    "test_racecheck.py::test_sample_runs_clean_and_bit_identical_under_racecheck",
     "test_features.py::test_feature_numerics",
     "test_mma_family.py::test_features_through_the_mma_kernels",
     "test_mma_family.py::test_deterministic_backward_through_the_mma_kernels",
@@ -101,7 +109,6 @@ SAMPLED: frozenset[str] = frozenset({
     "test_mma_family.py::test_forward_softmax_scale_of_any_sign_and_32_row_warps",
     "test_mma_family.py::test_smem_rows_are_ldmatrix_conflict_free",
     "test_mma_grad_accuracy.py::test_backward_meets_torch_criterion",
-    "test_mma_grad_accuracy.py::test_mem_efficient_cases_meet_torch_criterion",
     "test_api_features.py::test_outputs_and_gradients_match_the_float64_oracle",
     "test_wgmma_primitives.py::test_wgmma_selects_every_element",
     "test_wgmma_primitives.py::test_wgmma_every_swizzle_pair_exact",
@@ -110,7 +117,6 @@ SAMPLED: frozenset[str] = frozenset({
     "test_transformers.py::test_greedy_generate_matches_sdpa",
     "test_autotune.py::test_timing_inputs_carry_every_feature",
     "test_docs.py::test_python_block_runs",
-    "test_wgmma_bwd.py::test_racecheck_clean",
     "test_gpu_launch.py::test_launch_through_recording_cupy",
     "test_races.py::test_reverse_schedule_agrees_mma_pipeline",
     "test_mma_sass.py::test_single_features_at_their_default_tiles_do_not_spill",
@@ -136,6 +142,15 @@ SAMPLED: frozenset[str] = frozenset({
     "test_large_values.py::test_equal_huge_scores_are_a_uniform_softmax",
 })
 
+SAMPLED_ONCE: frozenset[str] = frozenset({
+    "test_features.py::test_deterministic_backward_is_schedule_independent",
+    "test_mma_grad_accuracy.py::test_forward_and_backward_meet_torch_criterion",
+    "test_mma_grad_accuracy.py::test_mem_efficient_cases_meet_torch_criterion",
+    "test_numerics.py::test_padding_only_and_dropout_only",
+    "test_racecheck.py::test_sample_runs_clean_and_bit_identical_under_racecheck",
+    "test_bounds.py::test_every_kernel_is_clean_under_asan",
+})
+
 _FAMILY = re.compile(r"(?<![a-z])(simt|mma|wgmma)(?![a-z])")
 
 
@@ -150,6 +165,11 @@ def slow_items(items: Iterable[pytest.Item]) -> list[pytest.Item]:
         key = _key(item)
         if key in SLOW:
             out.append(item)
+        elif key in SAMPLED_ONCE:
+            if key in kept:
+                out.append(item)
+            else:
+                kept.add(key)
         elif key in SAMPLED:
             callspec = getattr(item, "callspec", None)
             family = _FAMILY.search(callspec.id) if callspec is not None else None
@@ -162,4 +182,4 @@ def slow_items(items: Iterable[pytest.Item]) -> list[pytest.Item]:
 
 
 def listed() -> frozenset[str]:
-    return SLOW | SAMPLED
+    return SLOW | SAMPLED | SAMPLED_ONCE
