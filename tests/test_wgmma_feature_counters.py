@@ -119,3 +119,31 @@ def test_split_tile_and_dbias_counters_at_the_ptx_level() -> None:
             if r["role"] == "main" and r["spec"].startswith("fa_bwd") and extra.get("bias"):
                 reads = [s for s in r["sites"] if s["tile_loop"] and s["opcode"] in ("ld.global.u8", "ld.global.u16")]
                 assert reads and all(s["sectors"] == 4 * s["global_requests"] for s in reads)
+
+
+# --------------------------------------------------------------------------- the split tile's stages
+@pytest.mark.parametrize("d, dv, stages", [(192, 128, 3), (192, 64, 3), (160, 128, 3), (128, 192, 3), (64, 256, 3),
+                                           (192, 192, 2), (256, 128, 2), (128, 256, 2), (256, 256, 1)])
+def test_split_tile_takes_three_stages_where_they_fit(d: int, dv: int, stages: int) -> None:
+    """The backward's split tile (head dims past 128) defaults to three Q_i / dO_i stages where they fit the
+    227 KiB (benchmarks/sass_cost.py: fewer instructions per FLOP on every such row, d = 192 / dv = 128
+    376 -> 365), else two, else one."""
+    from fagen import KernelSpec
+
+    for kw in ({}, {"causal": True, "dropout": True}, {"attn_mask": True})[:1 if d == 256 else 3]:  # d256: mma
+        spec = KernelSpec(direction="bwd", head_dim=d, head_dim_v=dv, arch="sm_90a", impl="wgmma", **kw)
+        assert spec.knob_values == {"stages": stages} and spec.smem_bytes <= 227 * 1024, (kw, spec.name)
+
+
+def test_three_stage_split_backward_matches_float64() -> None:
+    """MLA's d = 192 / dv = 128 with its default three stages: the producer two steps ahead of the dQ_i it
+    reduce-adds, three Q blocks per K/V block, causal, key padding, GQA."""
+    import wgmma_cases as W
+    from fagen.families.wgmma import bwd as B
+
+    c = dict(d=192, dv=128, dtype="float16", nw=8, B=1, Nq=200, Nk=90, H=2, Hkv=1, causal=True, align="top_left",
+             kpm=True)
+    t = W.inputs(c)
+    spec = W.spec("bwd", c)
+    assert spec.impl == "wgmma" and B.split_dkv(spec.family_spec) and spec.knob_values == {"stages": 3}
+    W.check_backward(c, t, *W.backward(c, t, spec))
