@@ -22,10 +22,10 @@ import wgmma_cases as W
 
 
 # --------------------------------------------------------------------------- selection
-@pytest.mark.parametrize("d, dv, stages", [(256, 256, 1), (192, 192, 2), (192, 128, 2), (256, 128, 2), (128, 256, 2),
-                                           (64, 192, 2), (256, 192, 1)])
+@pytest.mark.parametrize("d, dv, stages", [(256, 256, 1), (192, 192, 2), (192, 128, 3), (256, 128, 2), (128, 256, 2),
+                                           (64, 192, 3), (256, 192, 1)])
 def test_wide_head_dims_resolve_to_the_split_tile(d, dv, stages) -> None:
-    """64 x 64 on two consumer warpgroups; two Q_i / dO_i stages where they fit, else one."""
+    """64 x 64 on two consumer warpgroups; three Q_i / dO_i stages where they fit, else two, else one."""
     for kw in (dict(), dict(causal=True, softcap=True, alibi=True, key_padding=True)):
         spec = W.spec("bwd", dict(d=d, dv=dv, dtype="bfloat16"), **kw)
         assert spec.impl == "wgmma", spec
@@ -51,7 +51,9 @@ def test_what_does_not_fit_is_declined_by_name() -> None:
     assert W.spec("bwd", dict(d=192, dv=128, dtype="float16", alibi=True), dropout=True).impl == "wgmma"
     with pytest.raises(ValueError, match=r"head_dim=256, head_dim_v=128 with dropout and alibi: 208 fp32 registers"):
         W.spec("bwd", dict(d=256, dv=128, dtype="float16", alibi=True), dropout=True, impl="wgmma")
-    with pytest.raises(ValueError, match=r"block_c=128 must be 64 at head_dim=192"):
+    with pytest.raises(ValueError, match=r"block_c=128 must be 64 at head_dim=192"):  # two stages: the tile fits
+        W.spec("bwd", dict(d=192, dv=128, dtype="float16", stages=2), block_c=128, impl="wgmma")
+    with pytest.raises(ValueError, match=r"block_c\n.*no tile fits"):  # the default three: 64 x 128 does not
         W.spec("bwd", dict(d=192, dv=128, dtype="float16"), block_c=128, impl="wgmma")
     with pytest.raises(ValueError, match=r"num_warps=4 must be 8 at head_dim=192"):
         W.spec("bwd", dict(d=192, dv=128, dtype="float16", nw=4), impl="wgmma")

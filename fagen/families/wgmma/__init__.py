@@ -273,8 +273,8 @@ class WgmmaFamily(FamilyBase):
         return None
 
     def knob_default(self, knob: Knob, fs: FamilySpec) -> int:
-        """The knobs' defaults; the backward's split tile takes one Q_i / dO_i stage where two do not fit
-        (``bwd.split_stages``)."""
+        """The knobs' defaults; the backward's split tile takes three Q_i / dO_i stages where they fit, one where
+        two do not (``bwd.split_stages``)."""
         if knob is STAGES and fs.direction == "bwd" and bwd.split_dkv(fs):
             return bwd.split_stages(fs)
         return knob.default

@@ -35,8 +35,8 @@ Head dims past 128 (d = 192 / 256, or such a dv; :func:`split_dkv`): FlashAttent
 consumer warpgroups that both take the block's 64 K/V rows (``templates/wgmma/bwd_split.cu.j2``, selected by the
 ``SPLIT_DKV`` constant): warpgroup 0 computes S^T, dP^T, dS^T (stored for dQ_i) and dK~ += dS^T Q_i, warpgroup 1
 S^T again, P^T, dV~ += P^T dO_i and all of dQ_i = dS K_j; each holds one accumulator (:func:`wide_regs` within
-:data:`WIDE_REGS`). Shared memory (:func:`wide_smem`) takes two Q_i / dO_i stages where they fit, else one
-(:func:`split_stages`: d = 256 with dv = 192 or 256).
+:data:`WIDE_REGS`). Shared memory (:func:`wide_smem`) takes three Q_i / dO_i stages where they fit, else two,
+else one (:func:`split_stages`: three at d = 192 with dv = 128, two at d = 192, one at d = 256 with dv = 192 or 256).
 
 Packed sequences (``varlen``): K_j / V_j, Q_i / dO_i and the dQ_i reduce-add at the sequence's first
 token in maps over the packed tensors ([1, total, H, d]; the family's ``packed_view``); a K/V block
@@ -438,11 +438,13 @@ WIDE_SMEM = 227 * 1024 - 2048
 
 
 def split_stages(fs: FamilySpec) -> int:
-    """The split tile's default Q_i / dO_i stages: the family's 2 where they fit :data:`WIDE_SMEM`, else 1
-    (d = 256 with dv = 192 or 256: 264 KiB with two, 200 KiB with one at dv = 256; the producer then loads step
-    i + 1 once step i's slot is read, overlapping step i's dQ_i: :func:`dq_lag`; FlashAttention-3 keeps one dO_i
-    stage at d = 256)."""
-    return 2 if wide_smem(fs, 2) <= WIDE_SMEM else 1
+    """The split tile's default Q_i / dO_i stages: 3 where they fit :data:`WIDE_SMEM` (padded head dims 192 / 64
+    or 128, 128 / 192, 64 / 192 or 256: benchmarks/sass_cost.py counts fewer instructions per FLOP on every
+    such row measured, d = 192 / dv = 128 376 -> 365, with the features too, 0 spills), else the family's 2
+    where they fit, else 1 (d = 256 with dv = 192 or 256: 264 KiB with two, 200 KiB with one at dv = 256; the
+    producer then loads step i + 1 once step i's slot is read, overlapping step i's dQ_i: :func:`dq_lag`;
+    FlashAttention-3 keeps one dO_i stage at d = 256)."""
+    return next((n for n in (3, 2) if wide_smem(fs, n) <= WIDE_SMEM), 1)
 
 
 def knobs_checked(fs: FamilySpec) -> FamilySpec:
