@@ -76,7 +76,8 @@ namespace race {
 
 constexpr unsigned kAgents = 24;     // asynchronous agents (TMA / wgmma units), thread slots n..n+23
 constexpr unsigned kLog = 64;        // synchronisation events remembered per thread (for reports)
-constexpr size_t kPoolLimit = size_t(1) << 28;  // bytes of read vectors per phase at most
+constexpr size_t kPoolLimit = size_t(1) << 30;  // bytes of read vectors per phase at most (the widest
+                                                 // tiles, e.g. three Q_i / dO_i stages at d = 192, take over 256 MiB)
 
 enum Op : uint8_t { kRead = 1, kWrite = 2, kAtomic = 3, kStale = 4 };
 enum Kind : int { kNone = 0, kRaw = 1, kWar = 2, kWaw = 3 };
