@@ -233,6 +233,8 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tens
 def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Optional[Tensor], Optional[Tensor]]:
     """fagen::bwd's arguments after lse: (rng_state, the OP_ORDER arguments, bias_requires_grad, dlse,
     lse_lo); fagen::bwd has sinks (OP_ORDER's last) after bias_requires_grad."""
+    if len(rest) == _BWD_REST:  # every argument there (the autograd formula's call): sliced as they stand
+        return rest[_PREFIX], rest[:_PREFIX] + rest[_PREFIX + 1:-4] + rest[-3:-2], rest[-4], rest[-2], rest[-1]
     m = len(OP_ORDER) - 1
     full = rest[:_PREFIX] + rest[_PREFIX + 1:]
     args = tuple(full[:m]) + _DEFAULTS[min(len(full), m):m]  # the dispatcher drops trailing defaults
@@ -287,6 +289,7 @@ FWD_NAMES = ("q", "k", "v") + OP_ORDER
 BWD_NAMES = (("do", "q", "k", "v", "o", "lse") + OP_ORDER[:_PREFIX] + ("rng_state",) + OP_ORDER[_PREFIX:-1]
              + ("bias_requires_grad", "sinks", "dlse", "lse_lo"))
 _BWD_DEFAULTS = tuple(a.default_value for a in torch._C.parse_schema("fagen::x" + BWD_SCHEMA).arguments)
+_BWD_REST = len(BWD_NAMES) - 6  # fagen::bwd's arguments after lse
 
 
 def _full(args: tuple[Any, ...], names: tuple[str, ...]) -> tuple[Any, ...]:
