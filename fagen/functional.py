@@ -360,6 +360,7 @@ class _Plan:
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _CONTIGUOUS = torch.contiguous_format
+_NO_TENSORS = (None,) * len(Tensors._fields)
 _PLANS_MAX = 1024
 
 
@@ -368,6 +369,11 @@ def _meta(t: Any) -> Any:
     if t is None:
         return None
     return type(t), t.dtype, t.device, t.shape, t.stride()
+
+
+def _metas(t: Tensors) -> tuple[Any, ...]:
+    """:func:`_meta` of each optional tensor; without any (the common call) the Nones themselves."""
+    return t if t == _NO_TENSORS else tuple(map(_meta, t))
 
 
 def _lookup(key: Any) -> tuple[Any, _Plan | None]:
@@ -478,7 +484,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attenti
              new_lo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(o, lse, lse_lo) of :func:`forward`; ``new_lo``: lse_lo allocated here (the plan knows its shape)."""
     plan, t = _planned(
-        lambda t: ("fwd", _meta(q), _meta(k), _meta(v), *map(_meta, t), max_seqlen_q, max_seqlen_k, options, spec,
+        lambda t: ("fwd", _meta(q), _meta(k), _meta(v), *_metas(t), max_seqlen_q, max_seqlen_k, options, spec,
                    offsets),
         lambda opts, t: _forward_plan(q, k, v, opts, t, max_seqlen_q, max_seqlen_k, spec, offsets),
         options, tensors, offsets)
@@ -736,7 +742,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``deterministic`` chooses the backward) and the optional tensors as one :class:`Tensors`."""
     offsets = (dropout_row_offset, dropout_col_offset)
     plan, t = _planned(
-        lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *map(_meta, t), max_seqlen_q,
+        lambda t: ("bwd", _meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), *_metas(t), max_seqlen_q,
                    max_seqlen_k, options, type(bias_requires_grad), bias_requires_grad, spec, offsets, _meta(dlse),
                    _meta(lse_lo)),
         lambda opts, t: _backward_plan(do, q, k, v, o, lse, opts, t, max_seqlen_q, max_seqlen_k, bias_requires_grad,
