@@ -490,6 +490,22 @@ def test_cache_memo_disk_and_corruption(tmp_path: Path, monkeypatch: pytest.Monk
     assert (y == 1.5).all()
 
 
+def test_without_a_runtime_object_the_header_defines_the_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where g++ cannot compile the prelude on its own, the precompiled header defines the runtime
+    itself and the module links nothing more: it builds and runs the same."""
+    import fagen.emulator.builder as emu_build
+
+    monkeypatch.setattr(emu_build, "_build_object", lambda *a: False)
+    m = build(CACHE_SOURCE.replace("void fill(", "void fill5("), [KernelSig("fill5", CACHE_SIGS[0].params)],
+              cache_dir=tmp_path)
+    (header,) = tmp_path.glob("prelude-*.h")
+    assert "-split" not in header.name and not header.read_text().startswith(emu_build.RUNTIME_DECLS_ONLY)
+    assert not list(tmp_path.glob("runtime-*.o"))
+    y = np.zeros(32, np.float32)
+    m.launch("fill5", 1, 32, 0, [y, 2.5])
+    assert (y == 2.5).all()
+
+
 def test_the_prelude_is_precompiled_once_and_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runtime, shim and CUDA headers every unit starts with are one header with its precompiled
     header in the cache dir, made once per flag set and taken by every later build (g++ -H names the
@@ -499,10 +515,11 @@ def test_the_prelude_is_precompiled_once_and_shared(tmp_path: Path, monkeypatch:
     import fagen.emulator.builder as emu_build
 
     other = CACHE_SOURCE.replace("void fill(", "void fill2(").replace("= v;", "= 2 * v;")
-    pch_builds = []
+    pch_builds, commands = [], []
     real = subprocess.run
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (pch_builds.append(cmd) if "c++-header" in cmd else None,
-                                                            real(cmd, **kw))[1])
+                                                            commands.append([str(c) for c in cmd]),
+                                                            real(cmd, **kw))[-1])
     m1 = build(CACHE_SOURCE, CACHE_SIGS, cache_dir=tmp_path)
     m2 = build(other, [KernelSig("fill2", CACHE_SIGS[0].params)], cache_dir=tmp_path)
     assert len(pch_builds) == 1  # one prelude, one flag set: one precompiled header
@@ -510,6 +527,15 @@ def test_the_prelude_is_precompiled_once_and_shared(tmp_path: Path, monkeypatch:
     assert header.with_name(header.name + ".gch").stat().st_size > 0
     for m in (m1, m2):
         assert m.path.with_suffix(".cpp").read_text().startswith(f'#include "{header.name}"')
+    # ... and one runtime object: the header only declares what it defines, every module links it
+    (obj,) = tmp_path.glob("runtime-*.o")
+    assert header.read_text().startswith(emu_build.RUNTIME_DECLS_ONLY)
+    assert sum(obj.with_suffix(".cpp").name in cmd for cmd in commands) == 1
+    for m in (m1, m2):
+        (link,) = [cmd for cmd in commands if f"{m.path.stem}.cpp" in cmd]
+        assert obj.name in link, link
+    defined = real(["nm", "--defined-only", str(obj)], capture_output=True, text=True).stdout
+    assert "fagen_emu_map_stacks" in defined and "fagen_emu_state" in defined, defined[:400]
     cpp = m2.path.with_suffix(".cpp")
     flags = emu_build.compile_flags(sanitize=False, debug=False) + ["-I", emu_build.cuda_include_dir()]
     used = real([emu_build.compiler()[0], *flags, "-H", "-fsyntax-only", cpp.name], cwd=tmp_path,

@@ -18,6 +18,7 @@ import os
 import subprocess
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 from importlib import resources
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ..settings import EMU_OPT_LEVELS, get_settings
 from .errors import EmulatorBuildError
 from .module import EmuModule
 from .signature import KernelSig, SigLike, as_sig, normalize_ctype
-from .toolchain import compiler, cuda_include_dir
+from .toolchain import compiler, cuda_include_dir, linker_flags
 
 _log = logging.getLogger(__name__)  # one INFO line per g++ build (silent unless configured)
 _memo: dict[tuple[str, str], EmuModule] = {}
@@ -119,45 +120,95 @@ def prelude(source: str) -> str:
     return f"{runtime}\n{shim}\n{hopper}\n"
 
 
-def translation_unit(source: str, wrappers: str, stem: str, prelude_header: str | None = None) -> str:
+def translation_unit(source: str, wrappers: str, stem: str, prelude_header: Prelude | None = None) -> str:
     """The emulator's C++ for ``source``: the prelude (pasted, or ``#include``d from
     ``prelude_header``, whose precompiled header g++ then takes), the kernel source and the
     launch wrappers."""
-    head = f'#include "{prelude_header}"\n' if prelude_header else prelude(source)
+    head = f'#include "{prelude_header.include}"\n' if prelude_header else prelude(source)
     return (
         f"{head}\n#define FAGEN_EMULATOR 1\n#line 1 \"{stem}.cu\"\n{source}\n"
         f"#line 1 \"{stem}.wrappers\"\n{wrappers}"
     )
 
 
-def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Path) -> str | None:
-    """The prelude as a header in ``root`` with its precompiled header beside it, built once per
-    (prelude, compiler, flags) and shared by every module built with them: g++ then skips parsing
-    the runtime, the shim and the CUDA headers (about a quarter of a module's build). None when
-    the precompiled header cannot be made (the prelude is then pasted into the unit)."""
-    name = f"prelude-{cache.digest(text, cxx_id, chr(0).join(flags))[:24]}.h"
-    header, gch = root / name, root / f"{name}.gch"
-    ok = gch.with_name(gch.name + ".ok")
-    if ok.exists() and header.exists() and gch.exists():
-        return name
+class Prelude(NamedTuple):
+    """A precompiled prelude: the header a translation unit ``#include``s (its ``.gch`` beside it) and
+    the objects its module links (the runtime object: the runtime's out-of-line functions and globals,
+    compiled once; the header then only declares them)."""
+
+    include: str
+    objects: tuple[str, ...] = ()
+
+
+#: Put ahead of the prelude in the header of a unit linked against the runtime object (runtime.h).
+RUNTIME_DECLS_ONLY = "#define FAGEN_EMU_RUNTIME_DEFS 0\n"
+
+
+def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Path) -> Prelude | None:
+    """The prelude as a header in ``root`` with its precompiled header beside it, and the runtime
+    object, built once per (prelude, compiler, flags) and shared by every module built with them:
+    g++ then neither parses the runtime, the shim and the CUDA headers again (about a quarter of a
+    module's build) nor compiles the runtime's out-of-line code (about as much again). None when the
+    precompiled header cannot be made (the prelude is then pasted into the unit); without the
+    runtime object (g++ rejected the prelude as a unit of its own) the header defines the runtime."""
+    digest = cache.digest(text, cxx_id, chr(0).join(flags))[:24]
+    obj_name = f"runtime-{digest}.o"
+    obj, obj_ok = root / obj_name, root / f"{obj_name}.ok"
+    ok_files = (obj, obj_ok)
+
+    def ready(split: bool) -> Prelude | None:
+        name = f"prelude-{digest}{'-split' if split else ''}.h"
+        header, gch = root / name, root / f"{name}.gch"
+        if (gch.with_name(gch.name + ".ok").exists() and header.exists() and gch.exists()
+                and (not split or all(f.exists() for f in ok_files))):
+            return Prelude(name, (obj_name,) if split else ())
+        return None
+
+    for split in (True, False):  # a finished build, split or not
+        if (done := ready(split)) is not None:
+            return done
+    compile_flags_ = [f for f in flags if f != "-shared"]
     try:
-        with cache.locked(gch):
-            if not (ok.exists() and header.exists() and gch.exists()):
-                cache.atomic_write(header, text.encode())
-                tmp = cache.temp_path(gch)
-                try:
-                    proc = subprocess.run([cxx, *(f for f in flags if f != "-shared"), "-x", "c++-header", name,
-                                           "-o", tmp.name], cwd=root, capture_output=True, text=True, check=False)
-                    if proc.returncode != 0:
-                        _log.info("no precompiled emulator prelude (%s): %s", name, proc.stderr.strip()[:200])
-                        return None
-                    os.replace(tmp, gch)
-                finally:
-                    tmp.unlink(missing_ok=True)
-                cache.atomic_write(ok, b"")
+        with cache.locked(obj):
+            for split in (True, False):
+                if (done := ready(split)) is not None:
+                    return done
+            split = _build_object(cxx, compile_flags_, text, root, obj, obj_ok)
+            name = f"prelude-{digest}{'-split' if split else ''}.h"
+            header, gch = root / name, root / f"{name}.gch"
+            cache.atomic_write(header, ((RUNTIME_DECLS_ONLY if split else "") + text).encode())
+            tmp = cache.temp_path(gch)
+            try:
+                proc = subprocess.run([cxx, *compile_flags_, "-x", "c++-header", name, "-o", tmp.name], cwd=root,
+                                      capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    _log.info("no precompiled emulator prelude (%s): %s", name, proc.stderr.strip()[:200])
+                    return None
+                os.replace(tmp, gch)
+            finally:
+                tmp.unlink(missing_ok=True)
+            cache.atomic_write(gch.with_name(gch.name + ".ok"), b"")
+            return Prelude(name, (obj_name,) if split else ())
     except OSError:
         return None
-    return name
+
+
+def _build_object(cxx: str, flags: list[str], text: str, root: Path, obj: Path, ok: Path) -> bool:
+    """The prelude compiled on its own into ``obj`` (the runtime object); False when g++ rejects it."""
+    src = obj.with_suffix(".cpp")
+    cache.atomic_write(src, text.encode())
+    tmp = cache.temp_path(obj)
+    try:
+        proc = subprocess.run([cxx, *flags, "-c", src.name, "-o", tmp.name], cwd=root, capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            _log.info("no emulator runtime object (%s): %s", obj.name, proc.stderr.strip()[:200])
+            return False
+        os.replace(tmp, obj)
+    finally:
+        tmp.unlink(missing_ok=True)
+    cache.atomic_write(ok, b"")
+    return True
 
 
 def build(
@@ -207,7 +258,8 @@ def build(
                           f" (+{len(names) - 1} more)" if len(names) > 1 else "", Path(cxx).name)
                 full = flags + ["-I", include]
                 pch = prelude_header(cxx, cxx_id, full, prelude(source), root)
-                compile_unit(cxx, full, translation_unit(source, wrappers, stem, pch), source, root, stem)
+                compile_unit(cxx, full, translation_unit(source, wrappers, stem, pch), source, root, stem,
+                             pch.objects if pch else ())
     module = EmuModule(so, sigs, sanitized=sanitize, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
@@ -235,13 +287,17 @@ def _is_valid(so: Path) -> bool:
         return False
 
 
-def compile_unit(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str) -> None:
-    """g++ compiles a translation unit into ``<root>/<stem>.so`` (with ``.cu`` / ``.cpp`` beside it);
+def compile_unit(cxx: str, flags: list[str], tu: str, source: str, root: Path, stem: str,
+                 objects: Sequence[str] = ()) -> None:
+    """g++ compiles a translation unit into ``<root>/<stem>.so`` (with ``.cu`` / ``.cpp`` beside it),
+    linked with ``objects`` (names in ``root``: the runtime object of :func:`prelude_header`);
     :func:`build` calls it (and :func:`prelude_header`) through this module's attributes."""
     cache.remove_stale_temps(root)  # e.g. the .so of a build that was killed
     cache.atomic_write(root / f"{stem}.cu", source.encode())
     cache.atomic_write(root / f"{stem}.cpp", tu.encode())
     tmp = cache.temp_path(root / f"{stem}.so")  # g++ creates it: mode 0o777 minus the umask
+    # the soname: gold names the output file in the module otherwise (a rebuild would differ in it)
+    link = (*linker_flags(cxx), f"-Wl,-soname,{stem}.so")
     try:
         # Relative source name + cwd=root: debug info points gdb at root.
         if "-fsanitize=thread" in flags:
@@ -251,13 +307,13 @@ def compile_unit(cxx: str, flags: list[str], tu: str, source: str, root: Path, s
                 proc = subprocess.run([cxx, *flags, "-c", f"{stem}.cpp", "-o", obj], cwd=root, capture_output=True,
                                       text=True, check=False)
                 if proc.returncode == 0:
-                    proc = subprocess.run([cxx, "-shared", "-fPIC", obj, "-o", tmp], cwd=root, capture_output=True,
-                                          text=True, check=False)
+                    proc = subprocess.run([cxx, *link, "-shared", "-fPIC", obj, *objects, "-o", tmp], cwd=root,
+                                          capture_output=True, text=True, check=False)
             finally:
                 obj.unlink(missing_ok=True)
         else:
-            proc = subprocess.run([cxx, *flags, f"{stem}.cpp", "-o", tmp], cwd=root, capture_output=True, text=True,
-                                  check=False)
+            proc = subprocess.run([cxx, *flags, *link, f"{stem}.cpp", *objects, "-o", tmp], cwd=root,
+                                  capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise EmulatorBuildError(
                 f"g++ failed to compile the emulator module ({root / f'{stem}.cpp'}; kernel source lines are "

@@ -50,7 +50,7 @@ FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line);
 // barrier (which gates a run passes); -1 (the default) opens every gate. One
 // build then asks of each of its barriers in turn whether it is load-bearing
 // (in every build; the markers count in racecheck builds only).
-static int race_gate_selected = -1;
+inline int race_gate_selected = -1;
 FAGEN_EMU_NO_TSAN inline bool race_gate(int gate, const char* file, int line) {
     if (race_gate_selected == -1 || (race_gate_selected != -2 && gate != race_gate_selected)) return true;
     race_marker(file, line);
@@ -59,14 +59,18 @@ FAGEN_EMU_NO_TSAN inline bool race_gate(int gate, const char* file, int line) {
 }  // namespace fagen_emu
 
 // Selects the gate that skips its barrier (-1: none; -2: every gate marks, none skips).
+#if FAGEN_EMU_RUNTIME_DEFS
 extern "C" __attribute__((visibility("default"))) void fagen_emu_race_gate_select(int gate) {
     fagen_emu::race_gate_selected = gate;
 }
+#endif
 
 #if !defined(FAGEN_EMU_RACECHECK)
+#if FAGEN_EMU_RUNTIME_DEFS
 namespace fagen_emu {
 FAGEN_EMU_NO_TSAN void race_marker(const char*, int) {}
 }  // namespace fagen_emu
+#endif
 #else
 #include <dlfcn.h>
 #include <link.h>
@@ -739,6 +743,7 @@ FAGEN_EMU_NO_TSAN inline void append_access(const Access& a) {
     }
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS
 void describe() {
     static const char* const kinds[] = {"", "read-after-write", "write-after-read", "write-after-write"};
     const Report& r = T.report;
@@ -753,9 +758,11 @@ void describe() {
     if (r.note[0]) appendf("; %s", r.note);
     else appendf("; no barrier, __syncwarp or cp.async wait orders them");
 }
+#endif
 
 }  // namespace race
 
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line) {
     if (!race::T.active) return;
     ++race::T.markers;
@@ -763,8 +770,10 @@ FAGEN_EMU_NO_TSAN void race_marker(const char* file, int line) {
     ++race::T.sites[s & 0x7fffffffu].marks;
     race::tick(g.cur->index, s);
 }
+#endif
 }  // namespace fagen_emu
 
+#if FAGEN_EMU_RUNTIME_DEFS
 extern "C" __attribute__((visibility("default"))) unsigned long long fagen_emu_race_markers() {
     return fagen_emu::race::T.markers;
 }
@@ -823,4 +832,5 @@ extern "C" FAGEN_EMU_HIDDEN FAGEN_EMU_NO_TSAN void __tsan_init() {}
 extern "C" FAGEN_EMU_HIDDEN FAGEN_EMU_NO_TSAN void __tsan_func_entry(void*) {}
 extern "C" FAGEN_EMU_HIDDEN FAGEN_EMU_NO_TSAN void __tsan_func_exit() {}
 extern "C" FAGEN_EMU_HIDDEN FAGEN_EMU_NO_TSAN void __tsan_vptr_update(void**, void*) {}
+#endif  // FAGEN_EMU_RUNTIME_DEFS
 #endif

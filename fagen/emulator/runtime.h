@@ -91,6 +91,15 @@ FAGEN_EMU_FAST_BEGIN
 #define FAGEN_EMU_BAD_LAUNCH 3
 #define FAGEN_EMU_RACE 4
 
+// A module's kernel unit is compiled against its runtime object (fagen/emulator/builder.py): the
+// runtime's out-of-line functions and globals are defined once, in that object (this prelude
+// compiled on its own, FAGEN_EMU_RUNTIME_DEFS=1), and only declared in the kernel unit
+// (FAGEN_EMU_RUNTIME_DEFS=0), so no module build compiles them again. A unit that pastes the
+// prelude (no runtime object) defines them itself.
+#ifndef FAGEN_EMU_RUNTIME_DEFS
+#define FAGEN_EMU_RUNTIME_DEFS 1
+#endif
+
 namespace fagen_emu {
 
 // ----------------------------------------------------------------- contexts
@@ -100,6 +109,7 @@ namespace fagen_emu {
 // the scheduler share the process's rounding mode, and nothing changes it.
 extern "C" FAGEN_EMU_HIDDEN void fagen_emu_switch(void** save_sp, void* load_sp);
 extern "C" FAGEN_EMU_HIDDEN void fagen_emu_fiber_entry();
+#if FAGEN_EMU_RUNTIME_DEFS
 asm(R"(
     .text
     .p2align 4
@@ -139,6 +149,7 @@ fagen_emu_fiber_entry:
     .cfi_endproc
     .size fagen_emu_fiber_entry, .-fagen_emu_fiber_entry
 )");
+#endif
 
 struct Context {
     void* sp = nullptr;
@@ -279,8 +290,12 @@ struct State {
 // External linkage (hidden): the compiler must assume the context switch can
 // modify it, so no field is cached in a register across a barrier.
 extern "C" FAGEN_EMU_HIDDEN fagen_emu::State fagen_emu_state;
+#if FAGEN_EMU_RUNTIME_DEFS
 fagen_emu::State fagen_emu_state;
 FAGEN_EMU_HIDDEN std::mutex fagen_emu_mutex;
+#else
+extern FAGEN_EMU_HIDDEN std::mutex fagen_emu_mutex;
+#endif
 
 namespace fagen_emu {
 
@@ -413,6 +428,7 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void schedule(bool exiting) {
 
 // ----------------------------------------------------------------- barriers
 // __syncthreads (and __syncthreads_or: the OR of every thread's predicate, returned to each)
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) int block_barrier_or(int pred, const char* file,
                                                                                     int line) {
     Fiber* self = g.cur;
@@ -443,6 +459,9 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) int block_barrier_
     schedule(false);
     return int(self->result);
 }
+#else
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) int block_barrier_or(int pred, const char* file, int line);
+#endif
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void block_barrier(const char* file, int line) {
     block_barrier_or(0, file, line);
 }
@@ -543,6 +562,7 @@ FAGEN_EMU_NO_TSAN inline void complete_collective(Warp& w, Fiber* lanes) {
     release_lanes(w, lanes);
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective kind, unsigned mask,
                                                                     uint64_t value, int arg, int width,
                                                                     const char* file, int line) {
@@ -558,12 +578,17 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_coll
     schedule(false);
     return self->result;
 }
+#else
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) uint64_t warp_collective(Collective kind, unsigned mask,
+    uint64_t value, int arg, int width, const char* file, int line);
+#endif
 
 // General warp collective: every lane in `mask` passes a pointer to its own
 // in/out payload; the last lane to arrive runs fn over all 32 lanes' payloads
 // (nullptr for lanes outside the collective), then every lane resumes. The
 // payloads live on the lanes' own stacks, which stay valid while they wait.
 // `name` (e.g. "fa_mma_m16n8k16") is what divergence / deadlock reports say.
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, void* payload, ExchangeFn fn,
                                                               const char* name, const char* file, int line) {
     Fiber* self = g.cur;
@@ -579,6 +604,10 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange
     }
     schedule(false);
 }
+#else
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange(unsigned mask, void* payload, ExchangeFn fn,
+    const char* name, const char* file, int line);
+#endif
 
 [[noreturn]] FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN inline void thread_exit() {
     g.cur->wait = kExited;
@@ -587,6 +616,7 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN __attribute__((noinline)) void warp_exchange
     __builtin_unreachable();
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
 #if defined(FAGEN_EMU_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
@@ -596,8 +626,10 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
     if (thread_exit_extra) thread_exit_extra();
     thread_exit();
 }
+#endif
 
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+#if FAGEN_EMU_RUNTIME_DEFS
 [[noreturn]] FAGEN_EMU_NO_TSAN void fail(const char* fmt, ...) {
     begin_message("kernel error");
     append_thread(g.cur);
@@ -609,7 +641,9 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN void fiber_main(void* arg) {
     va_end(ap);
     abort_block(FAGEN_EMU_KERNEL_ERROR);
 }
+#endif
 
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN void describe_deadlock() {
     begin_message("deadlock");
     unsigned exited = 0;
@@ -635,6 +669,7 @@ FAGEN_EMU_NO_TSAN void describe_deadlock() {
     append_ranges(g.nthreads, [](unsigned i) { return g.fibers[i].wait == kExited; });
     appendf("]");
 }
+#endif
 
 // ------------------------------------------------------------ fiber stacks
 // A fiber stack is FAGEN_EMU_STACK_BYTES above a PROT_NONE guard page: two
@@ -667,6 +702,7 @@ FAGEN_EMU_NO_TSAN inline char* map_stacks(size_t count) {
     return base;
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS
 extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN size_t fagen_emu_stack_stride() { return stack_stride(); }
 extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN char* fagen_emu_map_stacks(size_t count) {
     return map_stacks(count);
@@ -679,6 +715,7 @@ extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_e
 extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_emu_use_stacks(char* base, size_t count) {
     lent_stacks = Stacks{base, count};
 }
+#endif
 
 // ------------------------------------------------------------------ driver
 FAGEN_EMU_NO_TSAN inline bool ensure_capacity(unsigned nthreads) {
@@ -709,6 +746,7 @@ FAGEN_EMU_NO_TSAN inline bool ensure_capacity(unsigned nthreads) {
     return g.capacity >= nthreads;
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block() {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     for (unsigned i = 0; i < g.nthreads; ++i) {
@@ -748,6 +786,9 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block() {
     if (g.status != FAGEN_EMU_OK) g.stacks_dirty = true;
     return g.status;
 }
+#else
+FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block();
+#endif
 
 FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                   unsigned bz, size_t smem, void (*body)(void*), void* body_arg, char* errbuf,
@@ -810,9 +851,11 @@ FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy
 }  // namespace fagen_emu
 
 // Block index of the last failed launch (for the Python exception).
+#if FAGEN_EMU_RUNTIME_DEFS
 extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_emu_last_block(unsigned* out) {
     out[0] = fagen_emu_state.block_idx.x;
     out[1] = fagen_emu_state.block_idx.y;
     out[2] = fagen_emu_state.block_idx.z;
 }
+#endif
 FAGEN_EMU_FAST_END

@@ -282,8 +282,8 @@ inline float mma_elem(unsigned reg, unsigned half) {
 
 #if defined(FAGEN_EMU_RACECHECK)
 // Set by the lane that completes an ldmatrix, read by ldmatrix_complete.
-static unsigned g_racecheck_warp_base = 0;
-static uint32_t g_racecheck_site = 0;
+inline unsigned g_racecheck_warp_base = 0;
+inline uint32_t g_racecheck_site = 0;
 #endif
 
 [[noreturn]] inline void need_full_warp(const char* what, unsigned arrived) {
@@ -433,8 +433,8 @@ struct AsyncQueue {
     unsigned commits;  // commit groups closed so far by this thread
     uint64_t block;    // fagen_emu_state.block_serial the queue belongs to
 };
-static AsyncQueue* async_queues = nullptr;
-static unsigned async_queue_count = 0;
+inline AsyncQueue* async_queues = nullptr;
+inline unsigned async_queue_count = 0;
 
 FAGEN_EMU_NO_TSAN inline AsyncQueue& async_queue() {
     const unsigned i = g.cur->index;

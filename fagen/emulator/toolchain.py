@@ -46,3 +46,15 @@ def asan_runtime() -> str:
     if not out or not os.path.isabs(out) or not os.path.exists(out):
         raise EmulatorError("libasan.so not found (g++ -print-file-name=libasan.so); install libasan")
     return out
+
+
+@functools.cache
+def linker_flags(cxx: str) -> tuple[str, ...]:
+    """``-fuse-ld=gold`` when ``cxx`` can link with gold (it links a module about four times faster
+    than GNU ld: a few hundredths of a second per build), else nothing (the default linker)."""
+    try:
+        proc = subprocess.run([cxx, "-fuse-ld=gold", "-Wl,--version"], capture_output=True, text=True,
+                              check=False, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return ("-fuse-ld=gold",) if proc.returncode == 0 and "gold" in proc.stdout.lower() else ()

@@ -171,12 +171,12 @@ def build_ptx(ptx: str | bytes, kernels: Sequence[KernelSig | SigLike], *, debug
                           Path(cxx).name)
                 full = flags + ["-I", include]
                 pch = prelude_header(cxx, cxx_id, full, text, root)
-                head = f'#include "{pch}"\n' if pch else text
+                head = f'#include "{pch.include}"\n' if pch else text
                 tu = f"{head}\n{_counters.header_text() if counters else ''}\n{tr.cpp}\n{wrappers}"
                 cache.atomic_write(root / f"{stem}.ptx", ptx.encode())
                 if counters:
                     cache.atomic_write(sites_json, json.dumps([dataclasses.asdict(x) for x in tr.sites]).encode())
-                compile_unit(cxx, full, tu, tr.cpp, root, stem)
+                compile_unit(cxx, full, tu, tr.cpp, root, stem, pch.objects if pch else ())
     module = PtxModule(so, sigs, ptx, sites, racecheck=racecheck)
     with _memo_lock:
         return _memo.setdefault(memo_key, module)
