@@ -183,7 +183,11 @@ struct Hopper {
     std::vector<WgCollective> wgs;
     std::vector<Park> park;
 };
-inline Hopper H;
+#if FAGEN_EMU_RUNTIME_DEFS  // defined in the runtime object (runtime.h)
+Hopper H;
+#else
+extern Hopper H;
+#endif
 
 inline Hopper& state() {
     if (H.block != g.block_serial) {  // a new block: nothing of the last one survives
@@ -1107,7 +1111,9 @@ inline void check_exit() {
                      H.named[id].file, H.named[id].line);
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS  // registered once, by the runtime object
 inline int register_check_exit = (thread_exit_extra = &check_exit, 0);
+#endif
 
 inline void describe() {
     Quiet quiet;
@@ -1140,7 +1146,9 @@ inline void describe() {
     }
 }
 
+#if FAGEN_EMU_RUNTIME_DEFS  // registered once, by the runtime object
 inline int register_describe = (describe_deadlock_extra = &describe, 0);
+#endif
 
 }  // namespace hopper
 }  // namespace fagen_emu

@@ -473,7 +473,11 @@ struct CpTrack {
     std::vector<CpRec> rec;             // per 16 bytes of the window
     std::vector<uint32_t> bars, warps;  // per thread: block barriers / bar.warp.sync passed
 };
-inline CpTrack cpt;
+#if FAGEN_EMU_RUNTIME_DEFS  // defined in the runtime object (runtime.h)
+CpTrack cpt;
+#else
+extern CpTrack cpt;
+#endif
 inline CpTrack& cp_track() {
     if (cpt.block != g.block_serial) {
         cpt.rec.assign((g.smem_bytes + 15) / 16, CpRec{});
@@ -533,7 +537,11 @@ struct GwTrack {
     std::vector<uint64_t> chunks;    // per 16 bytes: g.block_serial of its last generic write (a fast skip)
     std::vector<uint32_t> fences;    // per thread: fence.proxy.async passed
 };
-inline GwTrack gwt;
+#if FAGEN_EMU_RUNTIME_DEFS  // defined in the runtime object (runtime.h)
+GwTrack gwt;
+#else
+extern GwTrack gwt;
+#endif
 inline GwTrack& gw_track() {
     if (gwt.block != g.block_serial) {
         if (gwt.cells.size() < (g.smem_bytes + 1) / 2) gwt.cells.resize((g.smem_bytes + 1) / 2, GwCell{~uint64_t(0), 0, 0, 0});
