@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fork_runner import Zygote
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -62,27 +64,51 @@ def test_few_blocks_are_exempt() -> None:
     assert len(exempt) <= MAX_NO_TEST, exempt
 
 
+@pytest.fixture(scope="module")
+def zygote():
+    """Forks each block's interpreter from one that has imported torch (tests/fork_runner.py)."""
+    z = Zygote()
+    yield z
+    z.close()
+
+
 @pytest.mark.parametrize("doc, line, code, skip", BLOCKS, ids=[f"{d}:{n}" for d, n, _, _ in BLOCKS])
-def test_python_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path) -> None:
-    """Each block in a fresh interpreter, as a reader would paste it: nothing imported by another
+def test_python_block_runs(doc: str, line: int, code: str, skip: str | None, tmp_path: Path, zygote: Zygote) -> None:
+    """Each block in an interpreter of its own, as a reader would paste it: nothing imported by another
     block or by the tests helps it (a block that uses ``fagen.functional`` without importing it fails)."""
     if skip is not None:
         pytest.skip(skip)
     script = tmp_path / "block.py"
     # blank lines first: line numbers in a traceback are the document's own
     script.write_text("\n" * line + code, encoding="utf-8")
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = zygote.run(script, tmp_path)
     assert run.returncode == 0, f"{doc}: python block at line {line} failed:\n{run.stderr[-4000:]}"
 
 
-def test_a_block_runs_in_a_fresh_interpreter(tmp_path: Path) -> None:
-    """The runner above does not inherit the test process's imports."""
+@pytest.mark.parametrize("runner", ["interpreter", "zygote"])
+def test_a_block_runs_in_a_fresh_interpreter(runner: str, tmp_path: Path, zygote: Zygote) -> None:
+    """The runner above does not inherit the test process's imports, nor one block another's: a block
+    that uses what it did not import fails there as in a fresh ``python``, a block's ``sys.exit`` status and
+    output come back, and the next block starts clean."""
     import fagen.functional  # noqa: F401 - loaded here, so fagen.functional resolves in this process
 
-    script = tmp_path / "block.py"
-    script.write_text("import fagen\nfagen.functional.SEQLEN_MAX\n", encoding="utf-8")
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode != 0 and "functional" in run.stderr
+    def run(text: str) -> subprocess.CompletedProcess | object:
+        script = tmp_path / "block.py"
+        script.write_text(text, encoding="utf-8")
+        if runner == "zygote":
+            return zygote.run(script, tmp_path)
+        return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    first = run("import fagen\nimport fagen.functional\nimport sys\nsys.modules['torch'].marker = 1\n"
+                "print('ran', __name__)\nsys.exit(3)\n")
+    assert first.returncode == 3 and first.stdout == "ran __main__\n"
+    second = run("import fagen\nfagen.functional.SEQLEN_MAX\n")
+    assert second.returncode != 0 and "functional" in second.stderr
+    third = run("import sys, torch\nassert not hasattr(torch, 'marker')\nassert 'fagen' not in sys.modules\n"
+                "import os\nassert os.getcwd() == sys.argv[0].rsplit('/', 1)[0] == sys.path[0]\n")
+    assert third.returncode == 0, third.stderr
+    fourth = run("torch.zeros(1)\n")
+    assert fourth.returncode == 1 and "NameError: name 'torch' is not defined" in fourth.stderr
 
 
 # --------------------------------------------------------------------------- shell blocks
