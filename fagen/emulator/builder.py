@@ -173,7 +173,7 @@ def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Pat
             for split in (True, False):
                 if (done := ready(split)) is not None:
                     return done
-            split = _build_object(cxx, compile_flags_, text, root, obj, obj_ok)
+            split = runtime_object(cxx, compile_flags_, text, root, obj, obj_ok)
             name = f"prelude-{digest}{'-split' if split else ''}.h"
             header, gch = root / name, root / f"{name}.gch"
             cache.atomic_write(header, ((RUNTIME_DECLS_ONLY if split else "") + text).encode())
@@ -193,8 +193,9 @@ def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Pat
         return None
 
 
-def _build_object(cxx: str, flags: list[str], text: str, root: Path, obj: Path, ok: Path) -> bool:
-    """The prelude compiled on its own into ``obj`` (the runtime object); False when g++ rejects it."""
+def runtime_object(cxx: str, flags: list[str], text: str, root: Path, obj: Path, ok: Path) -> bool:
+    """The prelude compiled on its own into ``obj`` (the runtime object); False when g++ rejects it.
+    :func:`prelude_header` calls it through this module's attribute (a seam: a test makes it fail)."""
     src = obj.with_suffix(".cpp")
     cache.atomic_write(src, text.encode())
     tmp = cache.temp_path(obj)
