@@ -224,16 +224,13 @@ FA_DEVICE void wg_ds_dbias(const float (&p)[BLOCK_R / 2], float (&dp)[BLOCK_R / 
             dp[x] = ds * scale;
         }
     } else {
-        float dsv[BLOCK_R / 2];  // stored by a rolled loop: the tile's registers stay as they are
+        // per element with bounds tests (64-bit offsets), unrolled: no indexed (local memory) array
 #pragma unroll
         for (int x = 0; x < BLOCK_R / 2; ++x) {
-            dsv[x] = p[x] * fmaf(dp[x], rp, -dlt[8 * (x >> 2) + 2 * t4 + (x & 1)]);
-            dp[x] = dsv[x] * scale;
-        }
-#pragma unroll 1
-        for (int x = 0; x < BLOCK_R / 2; ++x) {
+            const float ds = p[x] * fmaf(dp[x], rp, -dlt[8 * (x >> 2) + 2 * t4 + (x & 1)]);
             const int q = i0 + 8 * (x >> 2) + 2 * t4 + (x & 1);
-            wg_store_dbias(db, q, q < len_q, (x >> 1) & 1, dsv[x]);
+            wg_store_dbias(db, q, q < len_q, (x >> 1) & 1, ds);
+            dp[x] = ds * scale;
         }
     }
 }
