@@ -185,6 +185,54 @@ template <typename E>
 FA_DEVICE E& wg_key_elem(const WgKeysStep<E>& st, unsigned sq8, int x) {
     return st.q[(x >> 1) & 1][(unsigned long long)(sq8 * (unsigned)(x >> 2) + (x & 1) * (sq8 >> 3))];
 }
+{% if BIAS_SMEM is defined %}
+// Backward, the bias through shared memory (BIAS_SMEM, the bias the only score modification): each warp
+// stages its 16 keys x the step's BLOCK_R Q rows (row r: 32 bytes, its two 8-key halves swapped where
+// (r >> 2) & 1, so ldmatrix meets no bank conflict), zero outside the sequences, and reads them back with
+// ldmatrix.trans as its S^T elements' layout: four per instruction, no per-element address.
+FA_DEVICE int wg_bias_sm_at(int row, int h) { return row * 16 + 8 * (h ^ ((row >> 2) & 1)); }
+// The warp's fill for Q rows from i0 (bw: its first key's column of Q row 0; kin: its keys inside the
+// sequence, 16 when all): 16-byte cp.async where `vec` (key stride 1, rows 16-byte aligned) and every key
+// is inside (a row past len_q zero-filled, not read), else element by element (a rolled loop, bounds
+// tests). The caller waits (cp.async) and syncs the warp before reading.
+FA_DEVICE void wg_bias_fill(T* sw, const T* bw, long long sq, long long sk, bool vec, int i0, int len_q, int kin,
+                            int lane) {
+    __syncwarp();  // the previous step's ldmatrix reads of sw came first
+    if (vec && kin >= 16) {
+        // lane: rows lane / 2 + 16 i, keys 8 (lane & 1) + 0..7; every row of the lane swizzled alike
+        const int r0 = lane >> 1;
+        const T* src = bw + (long long)(i0 + r0) * sq + 8 * (lane & 1);
+        T* dst = sw + wg_bias_sm_at(r0, lane & 1);
+        const int left = len_q - i0 - r0;  // row r0 + 16 i is inside iff 16 i < left
+#pragma unroll
+        for (int i = 0; i < BLOCK_R / 16; ++i) fa_cp_async_16(dst + 16 * 16 * i, src + (16 * i) * sq, 16 * i < left);
+        fa_cp_async_commit();
+    } else {
+#pragma unroll 1
+        for (int e = lane; e < 16 * BLOCK_R; e += 32) {
+            const int row = e >> 4, k = e & 15;
+            const float v = i0 + row < len_q && k < kin ? fa_to_float(bw[(long long)(i0 + row) * sq + k * sk]) : 0.f;
+            sw[wg_bias_sm_at(row, k >> 3) + (k & 7)] = fa_from_float<T>(v);
+        }
+    }
+}
+// The step's bias in S^T's layout: element x (Q row 8 (x >> 2) + 2 t4 + (x & 1), key g + 8 ((x >> 1) & 1)) is
+// half x & 1 of bf[x >> 3][(x & 7) >> 1] (wg_bias_at).
+FA_DEVICE void wg_bias_frags(const T* sw, int lane, unsigned (&bf)[BLOCK_R / 16][4]) {
+    fa_cp_async_wait_all();
+    __syncwarp();  // every lane's copies / stores landed
+    const int m = lane >> 3;  // matrix m of an x4: Q rows 8 (m >> 1) + (lane & 7) of the 16, keys 8 (m & 1) + 0..7
+    const T* at = sw + wg_bias_sm_at(8 * (m >> 1) + (lane & 7), m & 1);
+#pragma unroll
+    for (int k = 0; k < BLOCK_R / 16; ++k) fa_ldmatrix_x4_trans(bf[k], at + 16 * 16 * k);
+}
+FA_DEVICE float wg_bias_at(const unsigned (&bf)[BLOCK_R / 16][4], int x) {
+    const unsigned w = bf[x >> 3][(x & 7) >> 1];
+    T two[2];
+    memcpy(two, &w, sizeof(w));
+    return fa_to_float(two[x & 1]);
+}
+{% endif %}
 {% if HAS_ATTN_MASK %}
 // Backward: whether the mask lets Q row q (q_in: q < len_q) and key r of the thread take part (true outside
 // the sequences, where P^T is 0 already: nothing read).
@@ -224,16 +272,13 @@ FA_DEVICE void wg_ds_dbias(const float (&p)[BLOCK_R / 2], float (&dp)[BLOCK_R / 
             dp[x] = ds * scale;
         }
     } else {
-        float dsv[BLOCK_R / 2];  // stored by a rolled loop: the tile's registers stay as they are
+        // per element with bounds tests (64-bit offsets), unrolled: no indexed (local memory) array
 #pragma unroll
         for (int x = 0; x < BLOCK_R / 2; ++x) {
-            dsv[x] = p[x] * fmaf(dp[x], rp, -dlt[8 * (x >> 2) + 2 * t4 + (x & 1)]);
-            dp[x] = dsv[x] * scale;
-        }
-#pragma unroll 1
-        for (int x = 0; x < BLOCK_R / 2; ++x) {
+            const float ds = p[x] * fmaf(dp[x], rp, -dlt[8 * (x >> 2) + 2 * t4 + (x & 1)]);
             const int q = i0 + 8 * (x >> 2) + 2 * t4 + (x & 1);
-            wg_store_dbias(db, q, q < len_q, (x >> 1) & 1, dsv[x]);
+            wg_store_dbias(db, q, q < len_q, (x >> 1) & 1, ds);
+            dp[x] = ds * scale;
         }
     }
 }

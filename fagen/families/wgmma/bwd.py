@@ -56,7 +56,7 @@ one. With ALiBi at d = 96 / 128 the tile would spill (:data:`BWD_DET_ALIBI_REGS`
 
 A bool mask, a bias and its gradient (``attn_mask``, ``bias``, ``bias_grad``; ``templates/wgmma/mask_bias.cuh``):
 the thread's elements of S^T are two keys x the step's Q rows, so each is one read (the mask zeroes P^T, the
-bias joins ``score_fwd``), at a pointer per key plus 32-bit step offsets on a tile without mask math (rows and
+bias joins ``score_fwd``; the bias alone staged per warp in shared memory and read by ldmatrix, :func:`bias_smem`), at a pointer per key plus 32-bit step offsets on a tile without mask math (rows and
 keys inside the sequences), per element with bounds tests in rolled loops otherwise. dBias = dL/ds = P^T (dP^T
 - D) (D staged unscaled, the softmax scale applied after it; through the softcap's 1 - tanh^2 after it) is
 stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
@@ -82,7 +82,7 @@ from fagen.families.wgmma.panels import k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
 __all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs",
-           "WIDE_BIAS_DV_REGS", "WIDE_MASK_BIAS_REGS",
+           "WIDE_BIAS_DV_REGS", "WIDE_MASK_BIAS_REGS", "bias_smem",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
 #: Flags the backward template implements (everything else is declined by name).
@@ -207,9 +207,9 @@ BWD_DROPOUT_REGS = 224
 BWD_DROPOUT_ALIBI_REGS = 160
 #: The bound with attn_mask or a bias (their per-key pointers, a step's reads, dBias's stores; no early dV~,
 #: :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 48 bytes with the mask, 64 x 64 on one warpgroup
-#: (160) none; d = 128's 64 x 128 (224) none with the mask, 12 bytes with a bias (one value reloaded once per CTA,
-#: before the loops) and 56 with its gradient (three loop-invariant addresses reloaded once per step): left as
-#: they are, no smaller Q block exists and ``mma`` issues 2.6x the instructions.
+#: (160) none; d = 128's 64 x 128 (224) none with the mask or a bias (through shared memory, :func:`bias_smem`; 12
+#: bytes when read per element) and 48 with its gradient (the four dS^T stmatrix addresses reloaded once per step):
+#: left as they are, no smaller Q block exists and ``mma`` issues 3.1x the instructions.
 BWD_MASK_BIAS_REGS = 224
 #: The bound with attn_mask or a bias beside another per-element feature (the other of the two, softcap, ALiBi,
 #: dropout): d = 128's 64 x 128 tile (224) spills 124 bytes with the mask, a bias and its gradient, 436 with
@@ -281,7 +281,16 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("dqc", "int", 2 * stages, 4),  # a step's (q head, first row) from its loads to its dQ_i reduce-add
         ("exact", "int", stages, 4),  # a step has a huge row: its P takes lse_lo (partials/common.cuh)
         ("lse_lo", "float", br, 4),  # an exact step's rows' lse_lo (0 where none), staged by the consumers
-    ])
+    ] + ([("bias", "T", bc * br, e, 128)] if bias_smem(fs) else []))  # per warp: its 16 keys x block_r Q rows
+
+
+def bias_smem(fs: FamilySpec) -> bool:
+    """Whether the backward stages the bias in shared memory (``templates/wgmma/mask_bias.cuh``, BIAS_SMEM): each
+    consumer warp copies its 16 keys x block_r Q rows (16-byte cp.async where aligned) and reads them in S^T's layout
+    with ldmatrix.trans, four elements an instruction with no per-element address (the per-element loads held 32
+    values and their addresses beside S^T, dP^T, dK~ and dV~: ptxas spilled). Where the bias is the only score
+    modification (with softcap / ALiBi score_fwd reads it) and on the one-accumulator tiles (not :func:`split_dkv`)."""
+    return fs.has("bias") and not (fs.has("softcap") or fs.has("alibi")) and not split_dkv(fs)
 
 
 def roles(deterministic: bool = False) -> tuple[Role, ...]:
@@ -322,7 +331,8 @@ def constants(fs: FamilySpec) -> tuple[Constant, ...]:
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
         Constant("DQ_GROUP", "int", DQ_GROUP, "fp32 columns per dQ_i staging group (one TMA reduce-add box)"),
         Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
-    )
+    ) + ((Constant("BIAS_SMEM", "bool", True, "the bias staged in shared memory per consumer warp, read by "
+                   "ldmatrix"),) if bias_smem(fs) else ())
 
 
 def bwd_tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, ...]]:
