@@ -423,6 +423,10 @@ UNNEEDED = {
     ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
     ("mma/bwd.cu.j2", "fa_cp_async_wait_all();  // nothing in flight past the pass"),
     ("mma/bwd_2d.cu.j2", "fa_cp_async_wait_all();  // nothing in flight when the block exits"),
+    # the bias fill's first __syncwarp (BIAS_SMEM): the step's warpgroup synchronisation after the previous
+    # step's ldmatrix reads (its wgmma and barriers) already orders them before the next fill; kept as the
+    # warp's own guarantee, which does not lean on the rest of the step
+    ("wgmma/mask_bias.cuh", "__syncwarp();  // the previous step's ldmatrix reads of sw came first"),
 }
 
 
@@ -532,6 +536,11 @@ def _hand_picked() -> list[tuple[KernelSpec, tuple[dict, ...]]]:
     # warpgroups on 64 K/V rows; its epilogue's warp readback)
     out.append((KernelSpec(direction="bwd", arch="sm_90a", head_dim=192, dtype="float16", causal=True,
                            impl="wgmma"), (dict(nq=70, nk=64, heads=2, heads_kv=1),)))
+    # the Hopper backward's bias through shared memory (templates/wgmma/mask_bias.cuh, BIAS_SMEM): 16-byte
+    # cp.async copies where a bias row is 16-byte aligned (64 keys), element by element where not (56)
+    out.append((KernelSpec(direction="bwd", arch="sm_90a", head_dim=64, dtype="float16", causal=True,
+                           impl="wgmma", bias=True),
+                (dict(nq=70, nk=64, heads=2, heads_kv=1), dict(nq=40, nk=56, heads=2, heads_kv=1))))
     # the deterministic dq kernel's later passes (block_r > 16 x num_warps rows: a pass per 32 rows)
     out.append((KernelSpec(direction="bwd", deterministic=True, head_dim=16, dtype="float16", impl="mma",
                            causal=True, key_padding=True, num_warps=2, block_r=128, block_c=16,
@@ -560,6 +569,7 @@ COVER_FIRST = (
     "fa_bwd_d16_fp16_causal_kpad_br32_bc16_w2_s1_mma_sm90", "fa_fwd_d64_fp16_causal_br128_bc192_w8_s2_wgmma_sm90a",
     "fa_bwd_d128_fp16_causal_br64_bc128_w8_s2_mma_sm80", "fa_bwd_d16_fp16_causal_kpad_det_br128_bc16_w2_s1_mma_sm90a",
     "fa_bwd_d16_dv32_fp16_causal_kpad_br32_bc16_w2_s2_mma_sm90", "fa_bwd_d192_fp16_causal_br64_bc64_w8_s2_wgmma_sm90a",
+    "fa_bwd_d64_fp16_causal_bias_br64_bc64_w4_s2_wgmma_sm90a",
 )
 
 
@@ -579,6 +589,8 @@ def _inputs(spec: KernelSpec, problem: dict) -> dict:
         kpm = torch.rand(1, problem["nk"], generator=_G) > 0.25
         kpm[:, 0] = True
         opt["key_padding_mask"] = kpm
+    if spec.bias:
+        opt["attn_bias"] = torch.randn(1, problem["heads"], problem["nq"], problem["nk"], generator=_G).to(dt)
     t = {"q": q, "k": k, "v": v, "do": do, "opt": opt}
     if spec.direction == "bwd":
         t["o"], t["lse"] = F.attention_forward(q, k, v, **opt)
@@ -749,7 +761,9 @@ def test_removing_a_barrier_is_a_race_naming_it(site, coverage, monkeypatch) -> 
                 try:
                     record = _run_with(monkeypatch, spec, problem, mod)
                 except EmulatorRaceError as e:
-                    assert any(f"marker at {emu.source_path.name}:{ln}" in str(e) for ln in lines), \
+                    # a removed cp.async wait: the lane reads its own copy before it landed, reported as such
+                    unlanded = "cp_async_wait" in _line_text(template, off) and "has not landed" in str(e)
+                    assert unlanded or any(f"marker at {emu.source_path.name}:{ln}" in str(e) for ln in lines), \
                         f"templates/{template}:{line}: the report does not name the removed barrier:\n{e}"
                     assert (template, _line_text(template, off)) not in UNNEEDED, "listed as unneeded, but it is"
                     return
