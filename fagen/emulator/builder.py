@@ -18,9 +18,9 @@ import os
 import subprocess
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 from .. import cache
 from ..nvrtc import headers_digest
@@ -153,62 +153,64 @@ def prelude_header(cxx: str, cxx_id: str, flags: list[str], text: str, root: Pat
     runtime object (g++ rejected the prelude as a unit of its own) the header defines the runtime."""
     digest = cache.digest(text, cxx_id, chr(0).join(flags))[:24]
     obj_name = f"runtime-{digest}.o"
-    obj, obj_ok = root / obj_name, root / f"{obj_name}.ok"
-    ok_files = (obj, obj_ok)
+    obj = root / obj_name
+
+    def files(split: bool) -> tuple[str, Path, Path]:
+        """(header name, header, its .gch) of the split (runtime object) or self-contained prelude."""
+        name = f"prelude-{digest}{'-split' if split else ''}.h"
+        return name, root / name, root / f"{name}.gch"
 
     def ready(split: bool) -> Prelude | None:
-        name = f"prelude-{digest}{'-split' if split else ''}.h"
-        header, gch = root / name, root / f"{name}.gch"
-        if (gch.with_name(gch.name + ".ok").exists() and header.exists() and gch.exists()
-                and (not split or all(f.exists() for f in ok_files))):
+        name, header, gch = files(split)
+        if _done(gch) and header.exists() and (not split or _done(obj)):
             return Prelude(name, (obj_name,) if split else ())
         return None
 
     for split in (True, False):  # a finished build, split or not
         if (done := ready(split)) is not None:
             return done
-    compile_flags_ = [f for f in flags if f != "-shared"]
+    unit_flags = [f for f in flags if f != "-shared"]
     try:
         with cache.locked(obj):
             for split in (True, False):
                 if (done := ready(split)) is not None:
                     return done
-            split = runtime_object(cxx, compile_flags_, text, root, obj, obj_ok)
-            name = f"prelude-{digest}{'-split' if split else ''}.h"
-            header, gch = root / name, root / f"{name}.gch"
+            split = runtime_object(cxx, unit_flags, text, root, obj)
+            name, header, gch = files(split)
             cache.atomic_write(header, ((RUNTIME_DECLS_ONLY if split else "") + text).encode())
-            tmp = cache.temp_path(gch)
-            try:
-                proc = subprocess.run([cxx, *compile_flags_, "-x", "c++-header", name, "-o", tmp.name], cwd=root,
-                                      capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    _log.info("no precompiled emulator prelude (%s): %s", name, proc.stderr.strip()[:200])
-                    return None
-                os.replace(tmp, gch)
-            finally:
-                tmp.unlink(missing_ok=True)
-            cache.atomic_write(gch.with_name(gch.name + ".ok"), b"")
+            if not _gxx(cxx, [*unit_flags, "-x", "c++-header", name], gch, root, "no precompiled emulator prelude"):
+                return None
             return Prelude(name, (obj_name,) if split else ())
     except OSError:
         return None
 
 
-def runtime_object(cxx: str, flags: list[str], text: str, root: Path, obj: Path, ok: Path) -> bool:
+def runtime_object(cxx: str, flags: list[str], text: str, root: Path, obj: Path) -> bool:
     """The prelude compiled on its own into ``obj`` (the runtime object); False when g++ rejects it.
     :func:`prelude_header` calls it through this module's attribute (a seam: a test makes it fail)."""
     src = obj.with_suffix(".cpp")
     cache.atomic_write(src, text.encode())
-    tmp = cache.temp_path(obj)
+    return _gxx(cxx, [*flags, "-c", src.name], obj, root, "no emulator runtime object")
+
+
+def _done(out: Path) -> bool:
+    """Whether ``out`` was completed by :func:`_gxx` (its ``.ok`` marker is written after it)."""
+    return out.exists() and out.with_name(out.name + ".ok").exists()
+
+
+def _gxx(cxx: str, args: list[str], out: Path, root: Path, failure: str) -> bool:
+    """g++ ``args`` (run in ``root``) writes ``out`` through a temp file, then its ``.ok`` marker; False
+    (``failure`` and g++'s first words logged) when g++ fails."""
+    tmp = cache.temp_path(out)
     try:
-        proc = subprocess.run([cxx, *flags, "-c", src.name, "-o", tmp.name], cwd=root, capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run([cxx, *args, "-o", tmp.name], cwd=root, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            _log.info("no emulator runtime object (%s): %s", obj.name, proc.stderr.strip()[:200])
+            _log.info("%s (%s): %s", failure, out.name, proc.stderr.strip()[:200])
             return False
-        os.replace(tmp, obj)
+        os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    cache.atomic_write(ok, b"")
+    cache.atomic_write(out.with_name(out.name + ".ok"), b"")
     return True
 
 
