@@ -24,7 +24,6 @@ _ZYGOTE = r"""
 import json, os, runpy, signal, sys, traceback
 for name in sys.argv[1:]:
     __import__(name)
-main_dict = dict(vars(sys.modules["__main__"]))
 for line in sys.stdin:
     job = json.loads(line)
     pid = os.fork()
