@@ -1,6 +1,7 @@
 """One prepared GPU check: the GPU tests, then fagen vs torch SDPA, within a time budget.
 
     python benchmarks/gpu_check.py OUTDIR [--quick] [--skip-tests] [--budget-s 450] [--iters 5] [--wheels DIR]
+                                   [--seqlens 4096,16384] [--head-dims 128] [--providers fagen_wgmma,sdpa_flash]
 
 Writes at most 8 files, all directly in OUTDIR: ``gpu_check.json`` (everything),
 ``gpu_check.txt`` (a readable summary), ``gpu_tests.log`` (pytest's output) and, when
@@ -22,8 +23,10 @@ same by hand: ``pip install --no-index --no-deps --target SITE DIR/*.whl`` and
    use, or the one-line fix). No GPU: the JSON says so and the exit status is 0.
    Missing packages: the JSON and stderr name them (with the pip command) and the
    exit status is 2.
-2. ``pytest tests/test_gpu.py -m gpu`` in a subprocess (its summary line is kept),
-   sharing fagen's cubin cache with the benchmark.
+2. ``pytest tests -m gpu`` in a subprocess (its summary line is kept; with pytest-xdist on
+   up to 8 workers), sharing fagen's cubin cache with the benchmark: tests/test_gpu.py (the op
+   layer), tests/test_gpu_features.py (every family's kernels over the feature matrix) and the
+   Hopper primitives' GPU tests.
 3. Benchmark rows: forward and backward time and TFLOP/s of fagen and of torch's
    SDPA backends (math, flash, efficient, cuDNN; each "n/a" when unavailable, math
    skipped at N = 16k), for d in {64, 128}, fp16/bf16, causal or not, N in
@@ -92,15 +95,31 @@ MAX_OUTPUT_FILES = 8  # everything the check writes into OUTDIR
 
 
 # --------------------------------------------------------------------------- arguments
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir", type=Path, help="directory for gpu_check.json, gpu_check.txt, gpu_tests.log and the "
                                               f"plots (at most {MAX_OUTPUT_FILES} files)")
     ap.add_argument("--quick", action="store_true", help="fewer benchmark rows and iterations")
-    ap.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run the GPU tests (pytest tests -m gpu)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (s)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (median)")
+    ap.add_argument("--seqlens", type=_int_list, default=None, metavar="N,N",
+                    help="benchmark only these sequence lengths (default: 1024,4096,16384; --quick: 1024,4096)")
+    ap.add_argument("--head-dims", type=_int_list, default=None, metavar="D,D",
+                    help="benchmark only these head dims (default: 64,128)")
+    ap.add_argument("--providers", type=lambda t: tuple(x for x in t.split(",") if x), default=PROVIDERS,
+                    metavar="NAME,NAME", help=f"time only these providers (default: all of {','.join(PROVIDERS)})")
     ap.add_argument("--wheels", type=Path, default=None, metavar="DIR",
                     help="offline: a folder of wheels for the packages the GPU machine lacks (unzipped into a temp "
                          "folder put first on the import path; nothing is installed)")
@@ -109,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error(f"--wheels {args.wheels}: not a folder")
     if args.budget_s <= 0:
         ap.error("--budget-s must be positive")
+    if unknown := [p for p in args.providers if p not in PROVIDERS]:
+        ap.error(f"--providers: unknown provider {unknown[0]!r} (choose from {', '.join(PROVIDERS)})")
+    if not args.providers:
+        ap.error("--providers: name at least one provider")
+    if args.seqlens is not None and any(TOKENS % n for n in args.seqlens):
+        ap.error(f"--seqlens: each length must divide the {TOKENS} tokens of a row")
     if args.iters is not None and args.iters < 1:
         ap.error("--iters must be at least 1")
     if args.iters is None:
@@ -276,9 +301,16 @@ def parse_pytest_summary(output: str) -> dict[str, Any]:
     return {"summary": line or "(no pytest summary line)", **counts}
 
 
+def test_workers() -> int:
+    """pytest-xdist workers for the GPU tests: the CPU computes their float64 references and NVRTC
+    compiles their kernels, so up to 8 (one per core), one GPU shared."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def run_tests(outdir: Path, timeout_s: float, cache_dir: str | None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "test_gpu.py"), "-m", "gpu", "-q", "-rs",
-           "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests"), "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(test_workers())]
     env = dict(os.environ)
     if cache_dir:
         env["FAGEN_TEST_CACHE_DIR"] = cache_dir  # share cubins with the benchmark
@@ -326,10 +358,10 @@ def bwd_flops(s: Shape) -> float:
     return 2.5 * fwd_flops(s)
 
 
-def plan(quick: bool) -> list[Shape]:
+def plan(quick: bool, seqlens: Sequence[int] | None = None, dims: Sequence[int] | None = None) -> list[Shape]:
     """Rows in the order they run: shorter sequences first, so a tight budget drops the longest."""
-    seqlens = (1024, 4096) if quick else (1024, 4096, 16384)
-    dims = (64, 128)
+    seqlens = sorted(seqlens) if seqlens else ((1024, 4096) if quick else (1024, 4096, 16384))
+    dims = tuple(dims) if dims else (64, 128)
     dtypes = ("float16",) if quick else ("float16", "bfloat16")
     return [Shape(TOKENS // n, HEADS, n, d, dt, causal)
             for n in seqlens for d in dims for dt in dtypes for causal in (False, True)]
@@ -563,10 +595,10 @@ def cuda_health_check() -> None:
 
 
 # --------------------------------------------------------------------------- compile ahead
-def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
-    """The forward and backward specs the rows run (one per family, d, dtype, causal; the
-    deterministic backward of the DETERMINISTIC families; on sm_90, a capability-9.0 GPU, the
-    Hopper family's sm_90a specs too)."""
+def bench_specs(shapes: Sequence[Shape], arch: str, names: Sequence[str] = PROVIDERS) -> list[Any]:
+    """The forward and backward specs the rows of providers ``names`` run (one per family, d, dtype,
+    causal; the deterministic backward of the DETERMINISTIC families; on sm_90, a capability-9.0 GPU,
+    the Hopper family's sm_90a specs too)."""
     from fagen.spec import KernelSpec
 
     specs = {}
@@ -575,10 +607,12 @@ def bench_specs(shapes: Sequence[Shape], arch: str) -> list[Any]:
             for direction, det in (("fwd", False), ("bwd", False), ("bwd", True)):
                 if det and impl not in DETERMINISTIC:
                     continue
+                if f"fagen_{impl}{'_det' if det else ''}" not in names:
+                    continue
                 spec = KernelSpec(direction=direction, head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, arch=arch,
                                   impl=impl, deterministic=det)
                 specs[spec.name] = spec
-        if arch == "sm_90":
+        if arch == "sm_90" and f"fagen_{HOPPER}" in names:
             for spec in hopper_specs(s):
                 specs[spec.name] = spec
     return list(specs.values())
@@ -681,9 +715,11 @@ def write_outputs(outdir: Path, result: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- main
 def _benchmark(args: argparse.Namespace, deadline: Deadline, shapes: list[Shape], arch: str) -> dict[str, Any]:
-    compile_report = precompile(bench_specs(shapes, arch), deadline, AUTOTUNE_RESERVE_S + FINAL_RESERVE_S)
+    compile_report = precompile(bench_specs(shapes, arch, args.providers), deadline,
+                                AUTOTUNE_RESERVE_S + FINAL_RESERVE_S)
     warmup = 1 if args.quick else 2
-    rows = run_benchmark(shapes, providers(warmup, args.iters), deadline,
+    chosen = {n: p for n, p in providers(warmup, args.iters).items() if n in args.providers}
+    rows = run_benchmark(shapes, chosen, deadline,
                          stop_at_left_s=AUTOTUNE_RESERVE_S + FINAL_RESERVE_S, health_check=cuda_health_check)
     return {"warmup": warmup, "iters": args.iters, "precompile": compile_report,
             "rows": [r.as_dict() for r in rows]}
@@ -727,7 +763,7 @@ def _gpu_check(args: argparse.Namespace, deadline: Deadline, result: dict[str, A
     else:
         test_budget = max(60.0, deadline.left() * (0.35 if args.quick else 0.45))
         result["tests"] = run_tests(args.outdir, test_budget, os.environ.get("FAGEN_CACHE_DIR") or _cache_dir())
-    result["benchmark"] = _benchmark(args, deadline, plan(args.quick), arch)
+    result["benchmark"] = _benchmark(args, deadline, plan(args.quick, args.seqlens, args.head_dims), arch)
     at_shapes = [Shape(1, HEADS, 4096, 64, "float16", False)]
     if not args.quick:
         at_shapes.append(Shape(1, HEADS, 4096, 128, "bfloat16", True))

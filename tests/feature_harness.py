@@ -57,6 +57,50 @@ class FeatCase:
         return self.name
 
 
+#: The feature matrix: every feature alone and combined, odd lengths, Nq != Nk both ways, fully masked rows
+#: (tests/test_features.py runs it on the CPU emulator, tests/test_gpu_features.py on a CUDA GPU).
+CASES = [
+    FeatCase("gqa-causal-fp16", heads=6, heads_kv=2, seqlen_q=37, seqlen_k=61, causal=True, tile=(16, 16, 1)),
+    FeatCase("mqa-window-bf16", "bfloat16", batch=1, heads=4, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=40,
+             window=(9, 4), tile=(16, 16, 2)),
+    FeatCase("window-causal-nq>nk-fp16", seqlen_q=50, seqlen_k=29, window=(6, -1), causal=True,  # top rows: none
+             tile=(16, 16, 1)),
+    FeatCase("topleft-causal-nq<nk-fp32", "float32", seqlen_q=29, seqlen_k=50, head_dim=16, causal=True,
+             align="top_left"),
+    FeatCase("topleft-causal-nq>nk-fp32", "float32", seqlen_q=50, seqlen_k=29, head_dim=16, causal=True,
+             align="top_left"),
+    FeatCase("softcap-bf16", "bfloat16", head_dim=64, softcap=5.0, q_scale=3.0),
+    FeatCase("softcap-strong-det-fp32", "float32", head_dim=64, softcap=1.5, q_scale=4.0, seqlen_q=40, seqlen_k=90,
+             deterministic=True, tile=(16, 16, 2)),  # scores well inside tanh's bend
+    FeatCase("alibi-h-causal-fp16", seqlen_q=33, seqlen_k=47, causal=True, alibi="h"),
+    FeatCase("alibi-bh-fp16", heads=4, heads_kv=2, alibi="bh"),
+    FeatCase("mask-b1qk-fp16", mask=(2, 1, 37, 45)),
+    FeatCase("mask-qk-fp16", mask=(37, 45)),
+    FeatCase("bias-1hqk-grad-fp32", "float32", bias=(1, 4, 37, 45)),
+    FeatCase("bias-b11k-grad-fp32", "float32", bias=(2, 1, 1, 45)),
+    FeatCase("bias-grad-gqa-mask-det-fp32", "float32", heads=4, heads_kv=2, bias=(1, 4, 37, 45), mask=(2, 1, 37, 45),
+             causal=True, deterministic=True, tile=(16, 16, 2)),
+    FeatCase("combo-fixed-det-bf16", "bfloat16", heads=4, heads_kv=2, seqlen_q=41, seqlen_k=70, causal=True,
+             window=(20, -1), softcap=4.0, alibi="h", dropout_p=0.2, deterministic=True, q_scale=2.0,
+             tile=(16, 16, 2)),
+    FeatCase("combo-varlen-fp16", heads=4, heads_kv=2, causal=True, window=(11, -1), softcap=4.0, dropout_p=0.25,
+             lens=((13, 20), (0, 5), (1, 1), (40, 33), (7, 0), (17, 17)), q_scale=2.0, tile=(16, 16, 1)),
+    FeatCase("combo-varlen-det-fp16", heads=4, heads_kv=2, causal=True, window=(11, -1), softcap=4.0,
+             dropout_p=0.25, lens=((13, 20), (0, 5), (1, 1), (40, 33), (7, 0), (17, 17)), deterministic=True,
+             q_scale=2.0, tile=(16, 16, 1)),
+    FeatCase("fp64-gqa-causal-softcap-bias", "float64", heads=4, heads_kv=2, seqlen_q=21, seqlen_k=30, head_dim=8,
+             causal=True, softcap=3.0, bias=(1, 4, 21, 30)),
+    FeatCase("fp64-varlen-det-window", "float64", heads=2, heads_kv=1, head_dim=8, window=(5, 3),
+             lens=((9, 12), (1, 3), (20, 6)), deterministic=True, tile=(16, 16, 1)),
+    FeatCase("d59-gqa-fp16", heads=4, heads_kv=2, seqlen_q=19, seqlen_k=23, head_dim=59, causal=True),
+    FeatCase("d111-bf16", "bfloat16", batch=1, heads=2, heads_kv=2, seqlen_q=17, seqlen_k=30, head_dim=111,
+             window=(8, 8)),
+    FeatCase("d256-gqa-window-fp16", batch=1, heads=2, heads_kv=1, seqlen_q=20, seqlen_k=33, head_dim=256,
+             causal=True, window=(12, -1)),
+    FeatCase("d8-alibi-fp32", "float32", head_dim=8, alibi="h", causal=True, seqlen_q=45, seqlen_k=37),
+]
+
+
 # --------------------------------------------------------------------------- inputs and specs
 def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
@@ -123,16 +167,23 @@ def specs(c: FeatCase, impl: str, *, extra: Mapping | None = None, fwd_extra: Ma
     return fwd, bwd
 
 
-def run_kernels(c: FeatCase, impl: str, t: dict, opt: dict, specs_: tuple[KernelSpec, KernelSpec] | None = None
-                ) -> dict[str, torch.Tensor]:
+def _to(x: object, device: str) -> object:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def run_kernels(c: FeatCase, impl: str, t: dict, opt: dict, specs_: tuple[KernelSpec, KernelSpec] | None = None,
+                device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The family's forward and backward kernels on ``device`` (inputs copied there, outputs back on the CPU)."""
     sf, sb = specs_ or specs(c, impl)
+    t = {n: _to(x, device) for n, x in t.items()}
+    opt = {n: _to(x, device) for n, x in opt.items()}
     o, lse = F.attention_forward(t["q"], t["k"], t["v"], spec=sf, **opt)
     grads = F.attention_backward(t["do"], t["q"], t["k"], t["v"], o, lse, spec=sb, deterministic=c.deterministic,
                                  bias_requires_grad=c.bias is not None, **opt)
     out = {"o": o, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
     if c.bias is not None:
         out["dbias"] = grads[3]
-    return out
+    return {n: x.cpu() for n, x in out.items()}
 
 
 def _keep(c: FeatCase, t: dict, opt: dict) -> torch.Tensor | None:
@@ -168,12 +219,14 @@ def _lse32(c: FeatCase, t: dict, opt: dict) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def check_case(c: FeatCase, impl: str, **spec_fields: Mapping | None) -> tuple[KernelSpec, KernelSpec]:
-    """Forward + backward of family ``impl`` vs the float64 reference, flash-attn's criterion; returns the
-    (forward, backward) specs run. ``spec_fields``: ``extra`` / ``fwd_extra`` / ``bwd_extra`` of :func:`specs`."""
+def check_case(c: FeatCase, impl: str, device: str = "cpu", **spec_fields: Mapping | None
+               ) -> tuple[KernelSpec, KernelSpec]:
+    """Forward + backward of family ``impl`` on ``device`` (the emulator on "cpu") vs the float64 reference
+    computed on the CPU, flash-attn's criterion; returns the (forward, backward) specs run. ``spec_fields``:
+    ``extra`` / ``fwd_extra`` / ``bwd_extra`` of :func:`specs`."""
     used = specs(c, impl, **spec_fields)
     t, opt = make_inputs(c)
-    ours = run_kernels(c, impl, t, opt, used)
+    ours = run_kernels(c, impl, t, opt, used, device=device)
     for name, x in ours.items():
         assert not torch.isnan(x).any(), f"{c}: NaN in {name}"
 

@@ -23,51 +23,11 @@ import fagen.functional as F
 import fagen.settings
 from fagen import KernelSpec
 from fagen.families import FamilySpec, family_names, get_family
-from feature_harness import FeatCase, cu_seqlens, check_case, make_inputs, run_kernels, spec_or_skip, specs
+from feature_harness import CASES, FeatCase, cu_seqlens, check_case, make_inputs, run_kernels, spec_or_skip, specs
 
 IMPLS = list(family_names())  # a family runs the cases whose features it implements (the others skip)
 
 
-CASES = [
-    FeatCase("gqa-causal-fp16", heads=6, heads_kv=2, seqlen_q=37, seqlen_k=61, causal=True, tile=(16, 16, 1)),
-    FeatCase("mqa-window-bf16", "bfloat16", batch=1, heads=4, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=40,
-             window=(9, 4), tile=(16, 16, 2)),
-    FeatCase("window-causal-nq>nk-fp16", seqlen_q=50, seqlen_k=29, window=(6, -1), causal=True,  # top rows: none
-             tile=(16, 16, 1)),
-    FeatCase("topleft-causal-nq<nk-fp32", "float32", seqlen_q=29, seqlen_k=50, head_dim=16, causal=True,
-             align="top_left"),
-    FeatCase("topleft-causal-nq>nk-fp32", "float32", seqlen_q=50, seqlen_k=29, head_dim=16, causal=True,
-             align="top_left"),
-    FeatCase("softcap-bf16", "bfloat16", head_dim=64, softcap=5.0, q_scale=3.0),
-    FeatCase("softcap-strong-det-fp32", "float32", head_dim=64, softcap=1.5, q_scale=4.0, seqlen_q=40, seqlen_k=90,
-             deterministic=True, tile=(16, 16, 2)),  # scores well inside tanh's bend
-    FeatCase("alibi-h-causal-fp16", seqlen_q=33, seqlen_k=47, causal=True, alibi="h"),
-    FeatCase("alibi-bh-fp16", heads=4, heads_kv=2, alibi="bh"),
-    FeatCase("mask-b1qk-fp16", mask=(2, 1, 37, 45)),
-    FeatCase("mask-qk-fp16", mask=(37, 45)),
-    FeatCase("bias-1hqk-grad-fp32", "float32", bias=(1, 4, 37, 45)),
-    FeatCase("bias-b11k-grad-fp32", "float32", bias=(2, 1, 1, 45)),
-    FeatCase("bias-grad-gqa-mask-det-fp32", "float32", heads=4, heads_kv=2, bias=(1, 4, 37, 45), mask=(2, 1, 37, 45),
-             causal=True, deterministic=True, tile=(16, 16, 2)),
-    FeatCase("combo-fixed-det-bf16", "bfloat16", heads=4, heads_kv=2, seqlen_q=41, seqlen_k=70, causal=True,
-             window=(20, -1), softcap=4.0, alibi="h", dropout_p=0.2, deterministic=True, q_scale=2.0,
-             tile=(16, 16, 2)),
-    FeatCase("combo-varlen-fp16", heads=4, heads_kv=2, causal=True, window=(11, -1), softcap=4.0, dropout_p=0.25,
-             lens=((13, 20), (0, 5), (1, 1), (40, 33), (7, 0), (17, 17)), q_scale=2.0, tile=(16, 16, 1)),
-    FeatCase("combo-varlen-det-fp16", heads=4, heads_kv=2, causal=True, window=(11, -1), softcap=4.0,
-             dropout_p=0.25, lens=((13, 20), (0, 5), (1, 1), (40, 33), (7, 0), (17, 17)), deterministic=True,
-             q_scale=2.0, tile=(16, 16, 1)),
-    FeatCase("fp64-gqa-causal-softcap-bias", "float64", heads=4, heads_kv=2, seqlen_q=21, seqlen_k=30, head_dim=8,
-             causal=True, softcap=3.0, bias=(1, 4, 21, 30)),
-    FeatCase("fp64-varlen-det-window", "float64", heads=2, heads_kv=1, head_dim=8, window=(5, 3),
-             lens=((9, 12), (1, 3), (20, 6)), deterministic=True, tile=(16, 16, 1)),
-    FeatCase("d59-gqa-fp16", heads=4, heads_kv=2, seqlen_q=19, seqlen_k=23, head_dim=59, causal=True),
-    FeatCase("d111-bf16", "bfloat16", batch=1, heads=2, heads_kv=2, seqlen_q=17, seqlen_k=30, head_dim=111,
-             window=(8, 8)),
-    FeatCase("d256-gqa-window-fp16", batch=1, heads=2, heads_kv=1, seqlen_q=20, seqlen_k=33, head_dim=256,
-             causal=True, window=(12, -1)),
-    FeatCase("d8-alibi-fp32", "float32", head_dim=8, alibi="h", causal=True, seqlen_q=45, seqlen_k=37),
-]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

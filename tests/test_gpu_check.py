@@ -43,7 +43,9 @@ def test_parse_args_defaults_and_flags(tmp_path: Path) -> None:
     assert (b.quick, b.skip_tests, b.budget_s, b.iters) == (True, True, 100.0, 3)
 
 
-@pytest.mark.parametrize("argv", [[], ["out", "--budget-s", "0"], ["out", "--iters", "0"], ["out", "--bogus"]])
+@pytest.mark.parametrize("argv", [[], ["out", "--budget-s", "0"], ["out", "--iters", "0"], ["out", "--bogus"],
+                                  ["out", "--providers", "fagen_nope"], ["out", "--providers", ","],
+                                  ["out", "--seqlens", "3000"], ["out", "--seqlens", "x"], ["out", "--head-dims", "0"]])
 def test_parse_args_rejects(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         gc.parse_args(argv)
@@ -51,6 +53,18 @@ def test_parse_args_rejects(argv: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- plan and FLOPs
+def test_rows_and_providers_can_be_narrowed(tmp_path: Path) -> None:
+    a = gc.parse_args([str(tmp_path), "--seqlens", "16384,4096", "--head-dims", "128",
+                       "--providers", "fagen_wgmma,sdpa_flash"])
+    assert a.providers == ("fagen_wgmma", "sdpa_flash") and gc.parse_args([str(tmp_path)]).providers == gc.PROVIDERS
+    shapes = gc.plan(False, a.seqlens, a.head_dims)
+    assert [s.seqlen for s in shapes] == [4096] * 4 + [16384] * 4 and {s.head_dim for s in shapes} == {128}
+    specs = gc.bench_specs(shapes, "sm_90", a.providers)
+    assert {s.arch for s in specs} == {"sm_90a"} and len(specs) == 2 * 4  # the Hopper fwd + bwd per kind, no others
+    assert not gc.bench_specs(shapes, "sm_90", ("sdpa_flash",))
+    assert {s.impl for s in gc.bench_specs(shapes, "sm_80", ("fagen_mma_det",))} == {"mma"}
+
+
 def test_flop_formulas() -> None:
     s = gc.Shape(2, 16, 1024, 64, "float16", False)
     assert gc.fwd_flops(s) == 4 * 2 * 16 * 1024 * 1024 * 64
