@@ -168,6 +168,11 @@ class _Nvrtc:
 def _nvrtc() -> _Nvrtc:
     tk = chosen_toolkit()
     if tk is not None:
+        # NVRTC dlopens its builtins library by soname at the first compile; a wheel set's own copy,
+        # loaded first by path, is the one it then finds (else the loader's search path decides, and a
+        # set outside it fails with NVRTC_ERROR_BUILTIN_OPERATION_FAILURE).
+        for builtins in sorted(tk.library.parent.glob("libnvrtc-builtins.so.*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
         lib, path = ctypes.CDLL(str(tk.library)), tk.library
     else:
         import cuda.pathfinder as pathfinder

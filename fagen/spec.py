@@ -284,6 +284,11 @@ class KernelSpec(BaseModel):
         except _Infeasible as e:
             return _field_error(e.field, "smem", str(e), getattr(self, e.field))
         bad = fam.config_reason(self._family_spec(tile))
+        if bad is not None and getattr(self, bad.field) is None and bad.field in ("block_r", "block_c"):
+            # the family's own default tile does not fit: the family cannot take the spec as given
+            return _field_error("impl", "unsupported", f"impl={self.impl!r} cannot implement this spec at its default "
+                                f"tile {tile.block_r}x{tile.block_c}: {bad.message}; pass block_r / block_c to choose another",
+                                self.impl)
         if bad is not None:
             return _field_error(bad.field, "config", f"{bad.message} (impl={self.impl!r})", getattr(self, bad.field))
         if self.codegen is not None:
