@@ -9,6 +9,7 @@ import functools
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 from .errors import EmulatorBuildError, EmulatorError
 
@@ -19,9 +20,18 @@ def cuda_include_dir() -> str:
     from ..nvrtc import include_dir
 
     try:
-        return str(include_dir())
+        found = include_dir()
     except Exception as exc:  # noqa: BLE001 - any failure means "not found"
         raise EmulatorBuildError(f"cannot locate the CUDA headers: {exc}") from exc
+    # cuda_fp16.h -> vector_types.h -> crt/host_defines.h: NVRTC carries its own copy, g++ needs the file.
+    # CUDA 13's wheels ship crt/ apart from the runtime headers (nvidia-cuda-crt).
+    for header in ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h"):
+        if not (Path(found) / header).is_file():
+            fix = ("pip install 'nvidia-cuda-crt>=13.0'" if header.startswith("crt/") else
+                   "pip install nvidia-cuda-runtime (or set FAGEN_CUDA_INCLUDE to a CUDA toolkit's include folder)")
+            raise EmulatorBuildError(f"the CUDA headers at {found} lack {header}, which the emulator's g++ build "
+                                     f"includes: {fix}")
+    return str(found)
 
 
 @functools.cache
