@@ -24,7 +24,7 @@ same by hand: ``pip install --no-index --no-deps --target SITE DIR/*.whl`` and
    Missing packages: the JSON and stderr name them (with the pip command) and the
    exit status is 2.
 2. ``pytest tests -m gpu`` in a subprocess (its summary line is kept; with pytest-xdist on
-   up to 16 workers), sharing fagen's cubin cache with the benchmark: tests/test_gpu.py (the op
+   up to 8 workers), sharing fagen's cubin cache with the benchmark: tests/test_gpu.py (the op
    layer), tests/test_gpu_features.py (every family's kernels over the feature matrix) and the
    Hopper primitives' GPU tests.
 3. Benchmark rows: forward and backward time and TFLOP/s of fagen and of torch's
@@ -303,8 +303,8 @@ def parse_pytest_summary(output: str) -> dict[str, Any]:
 
 def test_workers() -> int:
     """pytest-xdist workers for the GPU tests: the CPU computes their float64 references and NVRTC
-    compiles their kernels, so up to 16 (one per core), one GPU shared."""
-    return max(1, min(16, os.cpu_count() or 1))
+    compiles their kernels, so up to 8 (16 workers were slower on a 16-core machine: each collects the suite and opens a CUDA context), one GPU shared."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def run_tests(outdir: Path, timeout_s: float, cache_dir: str | None) -> dict[str, Any]:

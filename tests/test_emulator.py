@@ -697,3 +697,30 @@ def test_plain_builds_take_the_optimisation_level_setting(monkeypatch: pytest.Mo
     finally:
         monkeypatch.undo()
         fagen.settings.reset()
+
+
+def test_cuda_headers_without_crt_are_named_before_g_plus_plus_runs(tmp_path: Path) -> None:
+    """CUDA 13's wheels ship crt/ (which cuda_fp16.h reaches through vector_types.h) apart from the runtime
+    headers: a folder without it is an EmulatorBuildError naming the file and the wheel, not a g++ log."""
+    from fagen import settings
+    from fagen.emulator import toolchain
+    from fagen.emulator.errors import EmulatorBuildError
+
+    for name in ("cuda_fp16.h", "cuda_bf16.h"):
+        (tmp_path / name).write_text("// stand-in\n")
+    settings.configure(cuda_include=tmp_path)
+    toolchain.cuda_include_dir.cache_clear()
+    try:
+        with pytest.raises(EmulatorBuildError, match=r"lack crt/host_defines\.h.*nvidia-cuda-crt"):
+            toolchain.cuda_include_dir()
+        (tmp_path / "crt").mkdir()
+        (tmp_path / "crt" / "host_defines.h").write_text("// stand-in\n")
+        toolchain.cuda_include_dir.cache_clear()
+        assert toolchain.cuda_include_dir() == str(tmp_path)
+        (tmp_path / "cuda_bf16.h").unlink()
+        toolchain.cuda_include_dir.cache_clear()
+        with pytest.raises(EmulatorBuildError, match=r"lack cuda_bf16\.h.*FAGEN_CUDA_INCLUDE"):
+            toolchain.cuda_include_dir()
+    finally:
+        settings.reset()
+        toolchain.cuda_include_dir.cache_clear()

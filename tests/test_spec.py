@@ -244,3 +244,21 @@ def test_num_warps_defaults_to_the_familys_choice() -> None:
     # the resolved value is a field like any other: names, dumps and replace() carry it
     assert "_w8_" in fwd.name and fwd.model_dump()["num_warps"] == 8
     assert fwd.replace(causal=True).num_warps == 8
+
+
+def test_a_family_whose_default_tile_does_not_fit_reports_impl_unsupported() -> None:
+    """No tile was given and the family's own default does not fit: the family cannot take the spec as given
+    (an ``impl`` error naming the default tile and why), so impl=None moves on to the next family; a tile the
+    user chose is still blamed on its field."""
+    from pydantic import ValidationError
+
+    flags = dict(direction="bwd", head_dim=96, dropout=True, alibi=True, arch="sm_90a")
+    with pytest.raises(ValidationError) as ei:
+        KernelSpec(impl="wgmma", **flags)
+    err = ei.value.errors()[0]
+    assert (err["loc"], err["type"]) == (("impl",), "unsupported")
+    assert "default tile 64x128" in err["msg"] and "registers" in err["msg"] and "block_r / block_c" in err["msg"]
+    assert KernelSpec(**flags).impl == "mma"
+    with pytest.raises(ValidationError) as ei:
+        KernelSpec(impl="wgmma", block_r=64, block_c=128, **flags)
+    assert (ei.value.errors()[0]["loc"], ei.value.errors()[0]["type"]) == (("block_r",), "config")
