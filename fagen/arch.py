@@ -87,6 +87,10 @@ ARCHS: dict[str, ArchInfo] = {a.name: a for a in (
 #: Oldest compute capability fagen runs on (mma.sync m16n8k16 with bf16, cp.async).
 MIN_CAPABILITY = (8, 0)
 
+#: A device's generic arch -> the arch-specific target its capability also runs (sm_90 -> sm_90a on 9.0):
+#: the default specs (fagen.functional) and the runtime autotuner consider the families of both.
+ARCH_SPECIFIC = {"sm_90": "sm_90a"}
+
 
 class UnknownArchError(KeyError):
     """An arch name not in :data:`ARCHS`."""

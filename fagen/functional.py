@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from .abi import DQ_SEM, dq_sem_count
 from .choices import tuned_or_default
-from .arch import arch_info
+from .arch import ARCH_SPECIFIC, arch_info
 from .errors import InputError, InputTypeError
 from .inputs import (SEQLEN_MAX, AttentionOptions, Features, Problem, check_cu_values, check_like,  # noqa: F401
                      check_lse, check_seed_offset, check_tensor, reduce_to_shape, validate_features, validate_flag, validate_qkv,
@@ -104,8 +104,6 @@ def spec_for(direction: str, p: Problem, *, causal: bool = False, key_padding: b
     return tuned_or_default(spec, batch=p.batch, heads=p.heads, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, device=p.device)
 
 
-#: A device's generic arch -> the arch-specific target its capability also runs (sm_90 -> sm_90a on 9.0).
-ARCH_SPECIFIC = {"sm_90": "sm_90a"}
 
 
 def _arch_specific_spec(direction: str, p: Problem, arch: str, flags: dict[str, Any]) -> KernelSpec | None:

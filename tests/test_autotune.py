@@ -993,3 +993,13 @@ def test_tune_takes_heads_kv() -> None:
     assert res.as_dict()["problem"]["heads_kv"] == 2
     with pytest.raises(InputError, match="heads_kv"):
         tune(SMALL, batch=2, heads=8, seqlen=1000, heads_kv=3, dry_run=True, sizes=(32,), warps=(4,))
+
+
+def test_gpu_check_rows_on_a_hopper_device_take_the_hopper_family_too(store_dir: Path) -> None:
+    """A capability-9.0 device runs sm_90a cubins: its rows tune the spec a CUDA tensor there defaults to
+    (sm_90a, the Hopper family where it applies), with the Hopper family's candidates beside mma's."""
+    hopper = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, "sm_90")
+    (row,) = gpu_check_rows([(1, 16, 4096, 64, "float16", False)], top=2, timer=lambda spec, p: 1.0,
+                            device=hopper, sizes=(64, 128), warps=(8,))
+    assert row["spec"].endswith("_wgmma_sm90a")
+    assert {c["impl"] for c in row["candidates"]} >= {"wgmma"}

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..arch import ARCH_SPECIFIC
 from ..errors import InputError
 from ..families import families
 from ..spec import KernelSpec
@@ -166,10 +167,13 @@ def gpu_check_rows(shapes: Sequence[Shape], top: int = 4, *, timer: Timer | None
     if device.arch is None:
         raise InputError("device", "a compute capability of fagen's arch table (fagen.arch.ARCHS)",
                          f"{device.capability} ({device.name})")
+    # the arch-specific target where the device runs one (sm_90a on 9.0: the Hopper family's candidates with
+    # the generic families'), as the default specs of a CUDA tensor on it do
+    arch = ARCH_SPECIFIC.get(device.arch, device.arch)
     rows = []
     for batch, heads, seqlen, head_dim, dtype, causal in shapes:
         spec = KernelSpec(direction=direction, head_dim=head_dim, dtype=dtype, causal=causal,  # type: ignore[arg-type]
-                          arch=device.arch)  # type: ignore[arg-type]
+                          arch=arch)  # type: ignore[arg-type]
         res = tune(spec, batch=batch, heads=heads, seqlen=seqlen, dry_run=False, top=top, timer=timer,
                    device=device, persist=False, progress=False, sizes=sizes, warps=warps)
         timed = [c for c in res.candidates if c.measured_ms is not None]
