@@ -409,3 +409,41 @@ def test_fagen_provider_runs_through_autograd_like_sdpa() -> None:
     o, lse = F.run_forward(fwd, q.detach(), k.detach(), v.detach())
     want = F.run_backward(bwd, do, q.detach(), k.detach(), v.detach(), o, lse)
     assert torch.equal(out.detach(), o) and all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
+# --------------------------------------------------------------------------- benchmarks/gpu_features.py
+def _gpu_features():
+    spec = importlib.util.spec_from_file_location("gpu_features", REPO / "benchmarks" / "gpu_features.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_features"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_features_arguments_and_table(tmp_path: Path) -> None:
+    gf = _gpu_features()
+    a = gf.parse_args([str(tmp_path)])
+    assert (a.head_dims, a.seqlen, a.arch) == ((64, 128), 4096, None)
+    for bad in (["--seqlen", "3000"], ["--head-dims", "4"], ["--budget-s", "0"]):
+        with pytest.raises(SystemExit) as e:
+            gf.parse_args([str(tmp_path), *bad])
+        assert e.value.code == 2
+    assert list(gf.FEATURES)[0] == "plain"  # every row's ratio is to it
+    rows = [{"feature": "plain", "head_dim": 64, "fwd_ms": 2.0, "bwd_ms": 4.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+             "fwd_family": "wgmma", "bwd_family": "wgmma"},
+            {"feature": "softcap", "head_dim": 64, "fwd_ms": 3.0, "bwd_ms": 5.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+             "fwd_family": "wgmma", "bwd_family": "mma"},
+            {"feature": "bias", "head_dim": 64, "error": "skipped: time budget"}]
+    lines = gf.table(rows).splitlines()
+    assert "1.50" in lines[2] and "1.25" in lines[2] and lines[2].endswith("wgmma / mma")
+    assert lines[3].endswith("skipped: time budget")
+
+
+def test_gpu_features_without_a_gpu_measures_nothing(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_features.py"), str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "no CUDA GPU" in proc.stdout
