@@ -1597,6 +1597,33 @@ struct WgWarpAccLayout {
 };
 // 2^x on the SFU (partials/primitives.cuh's fa_ex2_approx).
 FA_DEVICE float wg_exp2(float x) { return fa_ex2_approx(x); }
+// The forward's online softmax over one S tile of a thread's two rows (Algorithm 1's m, l update; P~ in place
+// of S): row r's new extreme mn[r] (raw score; -inf scaled: no allowed key yet, P~ = 0, not NaN), alpha[r] =
+// exp2((m_old - m_new) sl2), l_r[r] = alpha l + rowsum(P~). EXACT: the exponent as fmaf(s, sl2, -hi) - lo with
+// lo exact (partials/common.cuh's fa_exp_lo), for a warp with a row of |hi| >= 2^10.
+template <bool EXACT, int BLOCK_C>
+FA_DEVICE void wg_softmax_rows(float (&s_acc)[BLOCK_C / 2], const float (&mn)[2], float (&m_r)[2], float (&l_r)[2],
+                               float (&alpha)[2], float sl2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float hi = mn[r] * sl2, neg_inf = fa_neg_inf();
+        const float base_r = hi == neg_inf ? 0.f : hi;
+        const float lo = EXACT && hi != neg_inf ? fa_exp_lo(mn[r], sl2, base_r) : 0.f;
+        alpha[r] = wg_exp2(EXACT ? fmaf(m_r[r], sl2, -base_r) - lo : fmaf(m_r[r], sl2, -base_r));
+        m_r[r] = mn[r];
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BLOCK_C / 8; ++n)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const float pv = wg_exp2(EXACT ? fmaf(s_acc[4 * n + e], sl2, -base_r) - lo
+                                               : fmaf(s_acc[4 * n + e], sl2, -base_r));
+                sum += pv;
+                s_acc[4 * n + e] = pv;
+            }
+        l_r[r] = alpha[r] * l_r[r] + sum;
+    }
+}
 }  // namespace fa
 // Tensor-map prefetch of the Hopper forward's producer (FlashAttention-3's prefetch_tma_descriptor).
 //
@@ -1894,30 +1921,8 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             mn[r] = neg ? fminf(m_r[r], mx) : fmaxf(m_r[r], mx);
             exact |= fa_exact_row(mn[r] * sl2);
         }
-        auto rows = [&](auto exact_t) {
-            constexpr bool EXACT = decltype(exact_t)::value;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float hi = mn[r] * sl2;
-                const float base_r = hi == NEG_INF ? 0.f : hi;  // no allowed key yet: P = 0, not NaN
-                const float lo = EXACT && hi != NEG_INF ? fa_exp_lo(mn[r], sl2, base_r) : 0.f;
-                alpha[r] = wg_exp2(EXACT ? fmaf(m_r[r], sl2, -base_r) - lo : fmaf(m_r[r], sl2, -base_r));
-                m_r[r] = mn[r];
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < BLOCK_C / 8; ++n)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const float pv = wg_exp2(EXACT ? fmaf(s_acc[4 * n + e], sl2, -base_r) - lo
-                                                       : fmaf(s_acc[4 * n + e], sl2, -base_r));
-                        sum += pv;
-                        s_acc[4 * n + e] = pv;
-                    }
-                l_r[r] = alpha[r] * l_r[r] + sum;
-            }
-        };
-        if (fa_warp_any(exact)) rows(FaBool<true>{});
-        else rows(FaBool<false>{});
+        if (fa_warp_any(exact)) wg_softmax_rows<true, BLOCK_C>(s_acc, mn, m_r, l_r, alpha, sl2);
+        else wg_softmax_rows<false, BLOCK_C>(s_acc, mn, m_r, l_r, alpha, sl2);
     };
     auto pack_p = [&]() {
 #pragma unroll
