@@ -95,6 +95,7 @@ def spec_constants(spec: KernelSpec) -> dict[str, Any]:
         "MIN_BLOCKS_PER_SM": spec.min_blocks_per_sm,
         "IS_CAUSAL": spec.causal, "HAS_KEY_PADDING": spec.key_padding, "HAS_DROPOUT": spec.dropout,
         "IS_TOP_LEFT": spec.causal_align == "top_left", "HAS_WINDOW": spec.window, "HAS_SOFTCAP": spec.softcap,
+        "SOFTCAP_TANH_APPROX": bool(getattr(spec.family, "softcap_tanh_approx", lambda _fs: False)(spec.family_spec)),
         "HAS_ALIBI": spec.alibi, "HAS_ATTN_MASK": spec.attn_mask, "HAS_BIAS": spec.bias,
         "HAS_BIAS_GRAD": spec.bias_grad, "IS_VARLEN": spec.varlen, "IS_DETERMINISTIC": spec.deterministic,
         "HAS_SINKS": spec.sinks, "SRAM_BYTES": spec.sram_bytes,

@@ -59,6 +59,14 @@ FA_DEVICE float fa_ex2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// tanh on the SFU (tanh.approx.f32, sm_75+: maximum relative error 2^-10.987 by the PTX ISA,
+// subnormal results not flushed; tanh(+-0) = +-0, tanh(+-inf) = +-1, NaN stays NaN); the emulator
+// computes it exactly.
+FA_DEVICE float fa_tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
 #define FA_DEVICE inline  // not static: explicit specialisations take no storage class
 FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
@@ -91,6 +99,7 @@ FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
 }
 FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
+FA_DEVICE float fa_tanh_approx(float x) { return tanhf(x); }
 #endif
 
 // Tensor-core primitives (mma.sync, ldmatrix, cp.async; sm_80+): partials/mma.cuh.
@@ -457,6 +466,8 @@ constexpr bool HAS_DROPOUT = false;
 constexpr bool IS_TOP_LEFT = false;  // causal/window/alibi shift 0 (else Nk - Nq)
 constexpr bool HAS_WINDOW = false;
 constexpr bool HAS_SOFTCAP = false;
+// softcap's tanh on the SFU for 16-bit inputs (partials/score_mod.cuh's fa_tanh)
+constexpr bool SOFTCAP_TANH_APPROX = false;
 constexpr bool HAS_ALIBI = false;
 constexpr bool HAS_ATTN_MASK = false;
 constexpr bool HAS_BIAS = false;
@@ -790,7 +801,7 @@ FA_DEVICE int fa_kv_head(int h, int heads, int heads_kv) { return h / (heads / h
 // Included by the header inside namespace fa after partials/masking.cuh; uses HAS_SOFTCAP,
 // HAS_ALIBI, HAS_BIAS and T. For an allowed pair (row i, key j) of one (batch b, q head h):
 //   s_raw = scale * qk                                   (qk = q_i . k_j)
-//   s     = HAS_SOFTCAP ? softcap * tanh(s_raw / softcap) : s_raw
+//   s     = HAS_SOFTCAP ? softcap * tanh(s_raw / softcap) : s_raw  (16-bit inputs: fa_tanh below)
 //   s    += HAS_ALIBI ? -slope * |i + shift - j| : 0     (slope = alibi_slopes[b * stride_alibi_b + h],
 //                                                        shift as the masking rule's: flash-attn's convention)
 //   s    += HAS_BIAS ? bias[b*sb + h*sh + i*sq + j*sk] : 0  (bias of dtype T, stride 0 = broadcast)
@@ -802,12 +813,16 @@ FA_DEVICE int fa_kv_head(int h, int heads, int heads_kv) { return h / (heads / h
 // softmax scale (or log2 e) elsewhere uses score_grad_raw and multiplies by scale once.
 // A (the accumulator type: float, double for float64 specs) is a template parameter.
 
-FA_DEVICE float fa_tanh(float x) { return tanhf(x); }
+// SOFTCAP_TANH_APPROX (16-bit inputs): tanh on the SFU (fa_tanh_approx, 2^-11 relative: the inputs' own
+// rounding, as FlashAttention-2/3's softcap) and the argument by one multiply with 1 / softcap; else libm's
+// tanhf / tanh of s_raw / softcap.
+FA_DEVICE float fa_tanh(float x) { return SOFTCAP_TANH_APPROX ? fa_tanh_approx(x) : tanhf(x); }
 FA_DEVICE double fa_tanh(double x) { return tanh(x); }
 
 struct ScoreParams {
     float scale;    // softmax scale
     float softcap;  // > 0 when HAS_SOFTCAP
+    float inv_softcap;  // 1 / softcap (SOFTCAP_TANH_APPROX: tanh's argument by one multiply)
     float slope;    // ALiBi slope of (b, h) when HAS_ALIBI
     long long shift;  // the masking rule's diagonal shift (mask_shift) for ALiBi's distance
     const T* bias;    // at (b, h) already: bias + b * stride_b + h * stride_h, when HAS_BIAS
@@ -822,6 +837,7 @@ FA_DEVICE ScoreParams make_score_params(float scale, float softcap, const float*
     ScoreParams sp;
     sp.scale = scale;
     sp.softcap = HAS_SOFTCAP ? softcap : 0.f;
+    sp.inv_softcap = HAS_SOFTCAP ? 1.f / softcap : 0.f;
     sp.slope = 0.f;
     if constexpr (HAS_ALIBI) sp.slope = alibi_slopes[(long long)b * stride_alibi_b + h];
     sp.shift = mask_shift(mp);
@@ -837,7 +853,8 @@ template <typename A>
 FA_DEVICE A score_softcap(A s_raw, const ScoreParams& sp) {
     if constexpr (HAS_SOFTCAP) {
         const A cap = (A)sp.softcap;
-        return cap * fa_tanh(s_raw / cap);
+        if constexpr (SOFTCAP_TANH_APPROX) return cap * fa_tanh(s_raw * (A)sp.inv_softcap);
+        else return cap * fa_tanh(s_raw / cap);
     } else {
         return s_raw;
     }
@@ -868,7 +885,8 @@ FA_DEVICE A score_fwd(A qk, int row, int col, const ScoreParams& sp) {
 template <typename A>
 FA_DEVICE A score_grad_raw(A ds, A qk, const ScoreParams& sp) {
     if constexpr (HAS_SOFTCAP) {
-        const A t = fa_tanh(qk * (A)sp.scale / (A)sp.softcap);
+        const A t = SOFTCAP_TANH_APPROX ? fa_tanh(qk * (A)sp.scale * (A)sp.inv_softcap)
+                                        : fa_tanh(qk * (A)sp.scale / (A)sp.softcap);
         return ds * ((A)1 - t * t);
     } else {
         return ds;

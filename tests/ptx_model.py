@@ -186,6 +186,19 @@ def ex2_within(a_bits: int, got_bits: int, ulps: int = 2) -> bool:
     return abs(got - want) <= ulps * ulp
 
 
+def tanh_within(a_bits: int, got_bits: int) -> bool:
+    """tanh.approx.f32 (ISA, "Floating Point Instructions: tanh"): maximum relative error 2^-10.987
+    over the whole range, subnormals supported; tanh(+-0) = +-0, tanh(+-inf) = +-1, NaN in -> NaN."""
+    a = f32(a_bits)
+    if math.isnan(a):
+        return is_nan_bits(got_bits)
+    got = f32(got_bits)
+    if a == 0.0:
+        return got_bits == a_bits  # the sign of zero is kept
+    want = math.tanh(a)
+    return math.copysign(1.0, got) == math.copysign(1.0, want) and abs(got - want) <= 2.0 ** -10.987 * abs(want)
+
+
 def setp_f32(cmp: str, a_bits: int, b_bits: int) -> bool:
     """setp .f32 (ISA 9.7.3.x, "Floating Point Comparison Operators"): the ordered comparisons
     (eq ne lt le gt ge) are false when either operand is NaN; equ neu ltu leu gtu geu are true;

@@ -157,6 +157,7 @@ def _entries() -> dict[str, str]:
         out[name + "_lo"] = pre + "\n    cvt.u32.u64 %r7, %rd8;"
         out[name + "_hi"] = pre + "\n    shr.u64 %rd9, %rd8, 32;\n    cvt.u32.u64 %r7, %rd9;"
     out["ex2"] = "    ex2.approx.ftz.f32 %f4, %f1;\n    mov.b32 %r7, %f4;"
+    out["tanh"] = "    tanh.approx.f32 %f4, %f1;\n    mov.b32 %r7, %f4;"
     for mode in ("up", "down", "bfly", "idx"):
         out[f"shfl_{mode}"] = f"    shfl.sync.{mode}.b32 %r7|%p1, %r4, %r5, %r6, -1;"
         out[f"shflp_{mode}"] = f"    shfl.sync.{mode}.b32 %r8|%p1, %r4, %r5, %r6, -1;\n    selp.u32 %r7, 1, 0, %p1;"
@@ -282,6 +283,19 @@ def test_ex2_approx_ftz_within_two_ulp(mod) -> None:
     got = _run(mod, "ex2", a, a, a)
     for x, g in zip(a, got):
         assert M.ex2_within(int(x), int(g)), f"ex2({x:#x}) = {g:#x}"
+
+
+def test_tanh_approx_within_its_documented_error(mod) -> None:
+    """Softcap's tanh (partials/primitives.cuh's fa_tanh_approx) at the PTX level: within 2^-10.987 relative,
+    zeros keep their sign, +-inf -> +-1, NaN stays NaN, subnormals are not flushed."""
+    rng = np.random.default_rng(16)
+    a = np.concatenate([rng.uniform(-12, 12, N // 2), rng.standard_normal(N - N // 2) * 1e-3]).astype(np.float32)
+    a = a.view(np.uint32)
+    a[:8] = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001, 0x80400000, 0x41A00000]
+    got = _run(mod, "tanh", a, a, a)
+    for x, g in zip(a, got):
+        assert M.tanh_within(int(x), int(g)), f"tanh({x:#x}) = {g:#x}"
+    assert got[2] == 0x3F800000 and got[3] == 0xBF800000 and got[5] == 0x00000001
 
 
 @pytest.mark.parametrize("mode", ["up", "down", "bfly", "idx"])

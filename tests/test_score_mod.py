@@ -14,8 +14,10 @@ import torch
 from fagen.emulator.toolchain import compiler
 from fagen.renderer import templates_dir
 
-#: (softcap, alibi, bias, top_left) compiled per namespace; A = float and double
-CONFIGS = list(itertools.product((False, True), repeat=4))
+#: (softcap, alibi, bias, top_left, tanh_approx) compiled per namespace; A = float and double. tanh_approx
+#: (SOFTCAP_TANH_APPROX, with softcap only): the argument by 1 / softcap and fa_tanh_approx, here the
+#: emulator's exact tanhf (its SFU error is tests/test_ptx_semantics.py's).
+CONFIGS = [(*c, ap) for c in itertools.product((False, True), repeat=4) for ap in ((False, True) if c[0] else (False,))]
 
 HARNESS = r"""
 #include <cmath>
@@ -24,6 +26,7 @@ HARNESS = r"""
 #define FA_DEVICE inline
 inline float fa_to_float(float x) {{ return x; }}
 inline double fa_to_float(double x) {{ return x; }}
+inline float fa_tanh_approx(float x) {{ return std::tanh(x); }}
 {namespaces}
 int main() {{
     long long cfg;
@@ -61,8 +64,9 @@ def cxx_score(tmp_path_factory: pytest.TempPathFactory):
         f"constexpr bool IS_CAUSAL = false, HAS_KEY_PADDING = false, HAS_WINDOW = false, HAS_ATTN_MASK = false;\n"
         f"constexpr bool IS_VARLEN = false, IS_TOP_LEFT = {str(tl).lower()};\n"
         f"constexpr bool HAS_SOFTCAP = {str(sc).lower()}, HAS_ALIBI = {str(al).lower()}, HAS_BIAS = {str(bi).lower()};\n"
+        f"constexpr bool SOFTCAP_TANH_APPROX = {str(ap).lower()};\n"
         f'#include "masking.cuh"\n#include "score_mod.cuh"\n}}'
-        for i, (sc, al, bi, tl) in enumerate(CONFIGS))
+        for i, (sc, al, bi, tl, ap) in enumerate(CONFIGS))
     src = HARNESS.format(namespaces=namespaces, cases="".join(CASE.format(i=i) for i in range(len(CONFIGS))))
     d = tmp_path_factory.mktemp("score_mod")
     (d / "harness.cpp").write_text(src)
@@ -82,7 +86,7 @@ def cxx_score(tmp_path_factory: pytest.TempPathFactory):
 
 def _want(cfg: int, row: int, col: int, nq: int, nk: int, qk: float, ds: float, scale: float, cap: float,
           slope: float, bias: float) -> tuple[float, float]:
-    sc, al, bi, tl = CONFIGS[cfg]
+    sc, al, bi, tl, _ = CONFIGS[cfg]
     shift = 0 if tl else nk - nq
     x = torch.tensor(qk, dtype=torch.float64, requires_grad=True)
     s = x * scale
@@ -116,7 +120,8 @@ def test_score_mod_matches_the_reference_formulas(cxx_score) -> None:
 
 def test_softcap_saturates_without_nan(cxx_score) -> None:
     """Large |qk| with a small softcap: tanh saturates to +-1, the gradient to 0 (never NaN)."""
-    cfg = CONFIGS.index((True, False, False, False))
-    got = cxx_score([f"{cfg} 0 0 1 1 {qk} 1.0 1.0 0.5 0 0" for qk in (1e30, -1e30, 1e4)])
-    assert [round(r[0], 6) for r in got] == [0.5, -0.5, 0.5]
-    assert all(r[1] == 0.0 and r[3] == 0.0 and not math.isnan(r[2]) for r in got)
+    for approx in (False, True):
+        cfg = CONFIGS.index((True, False, False, False, approx))
+        got = cxx_score([f"{cfg} 0 0 1 1 {qk} 1.0 1.0 0.5 0 0" for qk in (1e30, -1e30, 1e4)])
+        assert [round(r[0], 6) for r in got] == [0.5, -0.5, 0.5]
+        assert all(r[1] == 0.0 and r[3] == 0.0 and not math.isnan(r[2]) for r in got)

@@ -294,6 +294,12 @@ class FamilyBase:
     def combination_reason(self, fs: FamilySpec) -> str | None:
         return None
 
+    def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
+        """Softcap's tanh on the SFU (``tanh.approx.f32``, 2^-11 relative) instead of libm's ``tanhf``:
+        for 16-bit inputs, whose own rounding is as coarse (FlashAttention-2/3 do the same); fp32 and
+        fp64 keep the exact one (partials/score_mod.cuh's ``fa_tanh``)."""
+        return fs.has("softcap") and fs.dtype in ("float16", "bfloat16")
+
     def codegen_reason(self, fs: FamilySpec) -> str | None:
         """Why the spec's codegen knob settings (``fs.codegen``, tile set) are not accepted, or None:
         a family without codegen knobs takes none."""

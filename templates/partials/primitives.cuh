@@ -56,6 +56,14 @@ FA_DEVICE float fa_ex2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// tanh on the SFU (tanh.approx.f32, sm_75+: maximum relative error 2^-10.987 by the PTX ISA,
+// subnormal results not flushed; tanh(+-0) = +-0, tanh(+-inf) = +-1, NaN stays NaN); the emulator
+// computes it exactly.
+FA_DEVICE float fa_tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 #else  // FAGEN_EMULATOR: host implementations over the emulator shim
 #define FA_DEVICE inline  // not static: explicit specialisations take no storage class
 FA_DEVICE unsigned char* fa_smem() { return fagen_emu_dynamic_smem(); }
@@ -88,6 +96,7 @@ FA_DEVICE unsigned int fa_umulhi(unsigned int a, unsigned int b) {
 }
 FA_DEVICE float fa_neg_inf() { return -__builtin_huge_valf(); }
 FA_DEVICE float fa_ex2_approx(float x) { return exp2f(x); }
+FA_DEVICE float fa_tanh_approx(float x) { return tanhf(x); }
 #endif
 
 // Tensor-core primitives (mma.sync, ldmatrix, cp.async; sm_80+): partials/mma.cuh.

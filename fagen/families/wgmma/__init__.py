@@ -244,6 +244,11 @@ class WgmmaFamily(FamilyBase):
             return f"dtype={fs.dtype}: wgmma here takes {' / '.join(SUPPORTED_DTYPES)} operands"
         return padded_reason(fs)
 
+    def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
+        """The forward only: in the backward (NVRTC 13.5) ptxas spills 128-496 bytes of the consumers'
+        loop invariants with tanh.approx's shorter P^T / dS^T pass, at the 240-register cap."""
+        return fs.direction == "fwd" and super().softcap_tanh_approx(fs)
+
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         if (bad := pingpong_reason(fs)) is not None:
             return bad
