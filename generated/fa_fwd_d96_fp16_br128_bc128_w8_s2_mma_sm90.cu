@@ -751,16 +751,16 @@ FA_DEVICE int fa_kv_head(int h, int heads, int heads_kv) { return h / (heads / h
 // softmax scale (or log2 e) elsewhere uses score_grad_raw and multiplies by scale once.
 // A (the accumulator type: float, double for float64 specs) is a template parameter.
 
-// SOFTCAP_TANH_APPROX (16-bit inputs): tanh on the SFU (fa_tanh_approx, 2^-11 relative: the inputs' own
-// rounding, as FlashAttention-2/3's softcap) and the argument by one multiply with 1 / softcap; else libm's
-// tanhf / tanh of s_raw / softcap.
+// SOFTCAP_TANH_APPROX (16-bit inputs, the family's choice): tanh on the SFU (fa_tanh_approx, 2^-11 relative:
+// the inputs' own rounding, as FlashAttention-2/3's softcap); else libm's tanhf / tanh. The argument stays an
+// IEEE division s_raw / softcap: one multiply by 1 / softcap saves a few more instructions but made ptxas spill
+// in some kernels (docs/performance.md, "Softcap's tanh on the SFU").
 FA_DEVICE float fa_tanh(float x) { return SOFTCAP_TANH_APPROX ? fa_tanh_approx(x) : tanhf(x); }
 FA_DEVICE double fa_tanh(double x) { return tanh(x); }
 
 struct ScoreParams {
     float scale;    // softmax scale
     float softcap;  // > 0 when HAS_SOFTCAP
-    float inv_softcap;  // 1 / softcap (SOFTCAP_TANH_APPROX: tanh's argument by one multiply)
     float slope;    // ALiBi slope of (b, h) when HAS_ALIBI
     long long shift;  // the masking rule's diagonal shift (mask_shift) for ALiBi's distance
     const T* bias;    // at (b, h) already: bias + b * stride_b + h * stride_h, when HAS_BIAS
@@ -775,7 +775,6 @@ FA_DEVICE ScoreParams make_score_params(float scale, float softcap, const float*
     ScoreParams sp;
     sp.scale = scale;
     sp.softcap = HAS_SOFTCAP ? softcap : 0.f;
-    sp.inv_softcap = HAS_SOFTCAP ? 1.f / softcap : 0.f;
     sp.slope = 0.f;
     if constexpr (HAS_ALIBI) sp.slope = alibi_slopes[(long long)b * stride_alibi_b + h];
     sp.shift = mask_shift(mp);
@@ -791,8 +790,7 @@ template <typename A>
 FA_DEVICE A score_softcap(A s_raw, const ScoreParams& sp) {
     if constexpr (HAS_SOFTCAP) {
         const A cap = (A)sp.softcap;
-        if constexpr (SOFTCAP_TANH_APPROX) return cap * fa_tanh(s_raw * (A)sp.inv_softcap);
-        else return cap * fa_tanh(s_raw / cap);
+        return cap * fa_tanh(s_raw / cap);
     } else {
         return s_raw;
     }
@@ -823,8 +821,7 @@ FA_DEVICE A score_fwd(A qk, int row, int col, const ScoreParams& sp) {
 template <typename A>
 FA_DEVICE A score_grad_raw(A ds, A qk, const ScoreParams& sp) {
     if constexpr (HAS_SOFTCAP) {
-        const A t = SOFTCAP_TANH_APPROX ? fa_tanh(qk * (A)sp.scale * (A)sp.inv_softcap)
-                                        : fa_tanh(qk * (A)sp.scale / (A)sp.softcap);
+        const A t = fa_tanh(qk * (A)sp.scale / (A)sp.softcap);
         return ds * ((A)1 - t * t);
     } else {
         return ds;

@@ -245,9 +245,9 @@ class WgmmaFamily(FamilyBase):
         return padded_reason(fs)
 
     def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
-        """The forward only: in the backward (NVRTC 13.5) ptxas spills 128-496 bytes of the consumers'
-        loop invariants with tanh.approx's shorter P^T / dS^T pass, at the 240-register cap."""
-        return fs.direction == "fwd" and super().softcap_tanh_approx(fs)
+        """The backward only: in the forward (NVRTC 13.5) ptxas then spills or keeps a stack frame at d = 64
+        with causal (196 bytes), varlen, a window, a mask or a bias, and at d = 192 with a bias (16-40 bytes)."""
+        return fs.direction == "bwd" and super().softcap_tanh_approx(fs)
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
         if (bad := pingpong_reason(fs)) is not None:
