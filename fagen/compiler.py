@@ -83,8 +83,12 @@ class CompiledModule:
         return render(self.spec)
 
     def resource(self, kernel_role: str) -> KernelResources:
+        """ptxas's report of the role's kernel; LookupError naming the kernels reported when it has none."""
         name = plan_of(self.spec).kernel(kernel_role).name
-        return next(r for r in self.resources if r.kernel == name)
+        found = next((r for r in self.resources if r.kernel == name), None)
+        if found is None:
+            raise LookupError(f"no ptxas resource report for {name} (reported: {[r.kernel for r in self.resources]})")
+        return found
 
 
 def options_for(spec: KernelSpec, ptx_target: str | None = None) -> list[str]:

@@ -1003,3 +1003,21 @@ def test_gpu_check_rows_on_a_hopper_device_take_the_hopper_family_too(store_dir:
                             device=hopper, sizes=(64, 128), warps=(8,))
     assert row["spec"].endswith("_wgmma_sm90a")
     assert {c["impl"] for c in row["candidates"]} >= {"wgmma"}
+
+
+def test_a_module_without_a_resource_report_rejects_its_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ptxas's report lacks the main kernel: that candidate is rejected with the reason; the search goes on
+    (it once ended a whole GPU autotune row with a bare StopIteration)."""
+    from dataclasses import replace as dc_replace
+
+    import fagen.autotune.candidates as C
+    from fagen import compiler
+
+    spec = KernelSpec(direction="fwd", head_dim=32, arch="sm_80")
+    real = compiler.compile(spec)
+    bare = dc_replace(real, resources=())
+    with pytest.raises(LookupError, match="no ptxas resource report for .*_main"):
+        bare.resource("main")
+    monkeypatch.setattr(C, "compile_spec", lambda s: bare)
+    cand = C._compile_one(C.Candidate(spec.impl, spec.tile.block_r, spec.tile.block_c, spec.num_warps, spec=spec))
+    assert cand.status == "rejected" and "no ptxas resource report" in cand.reason

@@ -225,7 +225,10 @@ def _compile_one(cand: Candidate) -> Candidate:
         raise
     except Exception as e:  # noqa: BLE001 - a render/compile failure rejects this candidate only
         return cand.reject(f"compile error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    return check_resources(cand, mod)
+    try:
+        return check_resources(cand, mod)
+    except LookupError as e:  # no resource report to judge it by: this candidate only
+        return cand.reject(str(e))
 
 
 def compile_candidates(cands: Iterable[Candidate], *, workers: int | None = None,
