@@ -108,8 +108,8 @@ from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
-           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "pingpong_reason", "padded_dim", "register_split", "pair_cost", "tensor_map_boxes"]
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "SOFTCAP_SFU", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+           "fwd_acc_regs", "fwd_regs_cap", "packed_view", "pingpong_reason", "padded_dim", "softcap_sfu_reason", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
 ARCH = "sm_90a"
@@ -159,6 +159,12 @@ STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mba
 #: elided at its default, so the specs that do not take it keep their names and sources.
 PINGPONG = Knob("pingpong", "pp", 0, (0, 1), "the forward's two consumer warpgroups take turns issuing their GEMMs "
                 "(named barriers; FlashAttention-3's UsePingPong)", elided=True, model_blind=True)
+#: The forward's softcap tanh on the SFU (``tanh.approx.f32``, partials/score_mod.cuh's ``fa_tanh``): about
+#: 2.4x fewer instructions per FLOP (d = 128: 1708 -> 719) where ptxas keeps it spill-free, a spill or stack
+#: frame at d = 64 with causal, varlen, a window, a mask or a bias; so a searched choice, off by default
+#: (:func:`softcap_sfu_reason` says where it is legal). The backward takes the SFU's tanh always.
+SOFTCAP_SFU = Knob("softcap_sfu", "sfu", 0, (0, 1), "the forward's softcap tanh on the SFU (tanh.approx.f32) "
+                   "instead of libm's tanhf", elided=True)
 #: Registers the producer warpgroup keeps after ``setmaxnreg.dec`` (the minimum PTX allows).
 PRODUCER_REGS = 24
 MAX_CONSUMER_REGS = 240
@@ -187,6 +193,16 @@ def pingpong_reason(fs: FamilySpec) -> Reason | None:
     if v and (fs.direction != "fwd" or fs.num_warps != 8):
         return Reason("knobs", f"pingpong={v} needs the forward with two consumer warpgroups (direction='fwd', "
                                f"num_warps=8), got direction={fs.direction!r}, num_warps={fs.num_warps}")
+    return None
+
+
+def softcap_sfu_reason(fs: FamilySpec) -> Reason | None:
+    """Why the spec's ``softcap_sfu`` value is illegal, or None: 1 needs the forward with softcap on 16-bit
+    inputs (fp32 keeps the exact tanh; the backward takes the SFU's without the knob)."""
+    v = fs.knob_values.get(SOFTCAP_SFU.name, SOFTCAP_SFU.default)
+    if v and not (fs.direction == "fwd" and fs.has("softcap") and fs.dtype in ("float16", "bfloat16")):
+        return Reason("knobs", f"softcap_sfu={v} needs the forward with softcap on float16 / bfloat16 inputs, got "
+                               f"direction={fs.direction!r}, softcap={fs.has('softcap')}, dtype={fs.dtype!r}")
     return None
 
 
@@ -229,7 +245,7 @@ class WgmmaFamily(FamilyBase):
     max_block_r: int = 128
     max_block_c: int = 256  # wgmma's N of S = Q K_j^T
     warp_choices: tuple[int, ...] = (4, 8)  # consumer warps: one or two warpgroups (the producer's is added)
-    knobs: tuple[Knob, ...] = (STAGES, PINGPONG)
+    knobs: tuple[Knob, ...] = (STAGES, PINGPONG, SOFTCAP_SFU)
     math_unit: Literal["fp32", "tensor"] = "tensor"
     min_regs_per_thread: int = 255
     features: frozenset[str] = frozenset({"top_left", "window", "sinks", "head_dim_v", "softcap", "alibi",
@@ -245,12 +261,14 @@ class WgmmaFamily(FamilyBase):
         return padded_reason(fs)
 
     def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
-        """The backward only: in the forward (NVRTC 13.5) ptxas then spills or keeps a stack frame at d = 64
-        with causal (196 bytes), varlen, a window, a mask or a bias, and at d = 192 with a bias (16-40 bytes)."""
-        return fs.direction == "bwd" and super().softcap_tanh_approx(fs)
+        """The backward always; the forward where its knob ``softcap_sfu`` says so (:data:`SOFTCAP_SFU`: ptxas
+        spills with it in some forwards, so the autotuner chooses)."""
+        if fs.direction == "fwd" and not fs.knob_values.get(SOFTCAP_SFU.name, SOFTCAP_SFU.default):
+            return False
+        return super().softcap_tanh_approx(fs)
 
     def config_reason(self, fs: FamilySpec) -> Reason | None:
-        if (bad := pingpong_reason(fs)) is not None:
+        if (bad := pingpong_reason(fs) or softcap_sfu_reason(fs)) is not None:
             return bad
         if fs.direction == "bwd":
             return super().config_reason(bwd.knobs_checked(fs)) or bwd.config_reason(fs)
