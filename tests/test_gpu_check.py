@@ -236,6 +236,14 @@ def test_gpu_path_end_to_end_with_fake_device(tmp_path: Path, monkeypatch: pytes
     assert (tmp_path / "o" / "gpu_tests.log").read_text().strip()
 
 
+def test_the_gpu_test_files_are_every_file_with_gpu_tests() -> None:
+    import re
+
+    mark = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytest\.mark\.gpu,)", re.M)
+    marked = {p.name for p in (REPO / "tests").glob("test_*.py") if mark.search(p.read_text(encoding="utf-8"))}
+    assert marked == set(gc.GPU_TEST_FILES)
+
+
 # --------------------------------------------------------------------------- offline mode, outputs
 def test_help_documents_the_offline_mode() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
