@@ -308,9 +308,10 @@ GPU_TEST_FILES = ("test_gpu.py", "test_gpu_features.py", "test_wgmma_gpu.py", "t
 
 
 def test_workers() -> int:
-    """pytest-xdist workers for the GPU tests (none below 4: the workers' start would cost more than it saves):
-    the CPU computes their float64 references and NVRTC
-    compiles their kernels, so up to 8 (16 workers were slower on a 16-core machine: each collects the suite and opens a CUDA context), one GPU shared."""
+    """pytest-xdist workers for the GPU tests, one GPU shared: the CPU computes their float64 references and NVRTC
+    compiles their kernels, so one per core up to 8 (16 were slower on a 16-core machine: each worker starts
+    Python and a CUDA context); :func:`run_tests` uses none below 4 cores, where starting them costs more than
+    they save."""
     return max(1, min(8, os.cpu_count() or 1))
 
 

@@ -272,6 +272,13 @@ class Family(Protocol):
         the issue term from it). None: modelled by HBM traffic, FLOPs, SASS issue and dQ atomics."""
 
 
+def sfu_tanh_fits(fs: FamilySpec) -> bool:
+    """Whether softcap's tanh may run on the SFU (``tanh.approx.f32``, 2^-11 relative) instead of libm's
+    ``tanhf``: softcap on 16-bit inputs, whose own rounding is as coarse (FlashAttention-2/3 do the same);
+    fp32 and fp64 keep the exact one (partials/score_mod.cuh's ``fa_tanh``)."""
+    return fs.has("softcap") and fs.dtype in ("float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class FamilyBase:
     """Defaults every family inherits; override what differs."""
@@ -295,10 +302,8 @@ class FamilyBase:
         return None
 
     def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
-        """Softcap's tanh on the SFU (``tanh.approx.f32``, 2^-11 relative) instead of libm's ``tanhf``:
-        for 16-bit inputs, whose own rounding is as coarse (FlashAttention-2/3 do the same); fp32 and
-        fp64 keep the exact one (partials/score_mod.cuh's ``fa_tanh``)."""
-        return fs.has("softcap") and fs.dtype in ("float16", "bfloat16")
+        """Softcap's tanh on the SFU where :func:`sfu_tanh_fits` (a family may take it in fewer places)."""
+        return sfu_tanh_fits(fs)
 
     def codegen_reason(self, fs: FamilySpec) -> str | None:
         """Why the spec's codegen knob settings (``fs.codegen``, tile set) are not accepted, or None:

@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
-from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason
+from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason, sfu_tanh_fits
 from fagen.families.wgmma import bwd
 from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.heads import padded_reason
@@ -200,7 +200,7 @@ def softcap_sfu_reason(fs: FamilySpec) -> Reason | None:
     """Why the spec's ``softcap_sfu`` value is illegal, or None: 1 needs the forward with softcap on 16-bit
     inputs (fp32 keeps the exact tanh; the backward takes the SFU's without the knob)."""
     v = fs.knob_values.get(SOFTCAP_SFU.name, SOFTCAP_SFU.default)
-    if v and not (fs.direction == "fwd" and fs.has("softcap") and fs.dtype in ("float16", "bfloat16")):
+    if v and not (fs.direction == "fwd" and sfu_tanh_fits(fs)):
         return Reason("knobs", f"softcap_sfu={v} needs the forward with softcap on float16 / bfloat16 inputs, got "
                                f"direction={fs.direction!r}, softcap={fs.has('softcap')}, dtype={fs.dtype!r}")
     return None
