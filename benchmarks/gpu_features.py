@@ -39,6 +39,12 @@ FEATURES: dict[str, dict[str, Any]] = {
     "alibi": {"alibi": True},
     "attn_mask": {"attn_mask": True},
     "bias": {"bias": True},
+    # the deterministic backward with a causal mask (its ratio is to the plain row: compare with "causal")
+    "det_causal": {"deterministic": True, "causal": True},
+    # the forward's speed-only knobs (templates/wgmma: softcap's tanh on the SFU; the consumer warpgroups'
+    # ping-pong), set on the Hopper family's forward spec; the backward is the feature's own
+    "softcap_sfu": {"softcap": True, "fwd_knobs": {"softcap_sfu": 1}},
+    "pingpong": {"fwd_knobs": {"pingpong": 1}},
 }
 WIDE = (192, 256)  # the backward at these head dims: plain rows only
 
@@ -60,11 +66,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head-dims", type=_ints, default=(64, 128), metavar="D,D")
     ap.add_argument("--seqlen", type=int, default=4096, help=f"N (a divisor of {TOKENS}; B = {TOKENS} / N)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="rows that would start past it are skipped")
+    ap.add_argument("--features", type=lambda x: tuple(f for f in x.split(",") if f), default=tuple(FEATURES),
+                    metavar="F,F", help="the rows to run (the plain row always runs first); default: all")
     args = ap.parse_args(argv)
     if args.seqlen < 1 or TOKENS % args.seqlen:
         ap.error(f"--seqlen: must divide {TOKENS}")
     if args.budget_s <= 0:
         ap.error("--budget-s must be positive")
+    unknown = [f for f in args.features if f not in FEATURES]
+    if unknown or not args.features:
+        ap.error(f"--features: expected names of {', '.join(FEATURES)}, got {','.join(args.features) or 'none'}")
+    args.features = ("plain",) + tuple(f for f in args.features if f != "plain")
     return args
 
 
@@ -76,6 +88,7 @@ def _case(name: str, d: int, n: int, arch: str) -> tuple[Any, Any, dict, dict, d
 
     flags = dict(FEATURES[name])
     det = flags.pop("deterministic", False)
+    knobs = flags.pop("fwd_knobs", None)
     b = TOKENS // n
     g = torch.Generator(device=DEVICE).manual_seed(0)
     shape = (b * n, HEADS, d) if flags.get("varlen") else (b, n, HEADS, d)
@@ -100,7 +113,7 @@ def _case(name: str, d: int, n: int, arch: str) -> tuple[Any, Any, dict, dict, d
     if flags.get("bias"):
         opt["attn_bias"] = torch.randn((1, HEADS, n, n), device=DEVICE, dtype=torch.float16, generator=g)
     common = dict(head_dim=d, dtype="float16", arch=arch, **flags)
-    fwd = KernelSpec(direction="fwd", **common)
+    fwd = KernelSpec(direction="fwd", **common, **({"impl": "wgmma", "knobs": knobs} if knobs else {}))
     bwd = KernelSpec(direction="bwd", deterministic=det, bias_grad=bool(flags.get("bias")), **common)
     back = {"deterministic": det, "bias_requires_grad": bool(flags.get("bias"))}
     return fwd, bwd, t, opt, back
@@ -119,6 +132,12 @@ def run_row(name: str, d: int, n: int, arch: str, fwd_only: bool = False) -> dic
     if not fwd_only:
         row["bwd_ms"] = measure(lambda: F.attention_backward(do, q, k, v, o, lse, spec=bwd, **opt, **back),
                                 warmup=2, reps=5)
+    if not fwd_only and back["deterministic"]:  # the same bits on a second call; how far from the other order
+        a = F.attention_backward(do, q, k, v, o, lse, spec=bwd, **opt, **back)
+        again = F.attention_backward(do, q, k, v, o, lse, spec=bwd, **opt, **back)
+        free = F.attention_backward(do, q, k, v, o, lse, **opt)
+        row["bitwise_repeat"] = all(bool((x == y).all()) for x, y in zip(a, again))
+        row["max_abs_vs_nondeterministic"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, free))
     flops = 4.0 * (TOKENS // n) * HEADS * n * n * d
     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
     if "bwd_ms" in row:
@@ -143,8 +162,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             tf = r[key.replace("_ms", "_tflops")]
             return f"{r[key]:8.3f} {tf:6.0f} {ratio:7.2f}"
 
+        det = (f"  same bits twice: {r['bitwise_repeat']}, max |diff| to the non-deterministic: "
+               f"{r['max_abs_vs_nondeterministic']:.2e}") if "bitwise_repeat" in r else ""
         out.append(f"{r['head_dim']:>4} {r['feature']:<14} {cell('fwd_ms')} {cell('bwd_ms')}  "
-                   f"{r['fwd_family']} / {r['bwd_family']}")
+                   f"{r['fwd_family']} / {r['bwd_family']}{det}")
     return "\n".join(out) + "\n"
 
 
@@ -162,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch is None and torch.cuda.get_device_capability() == (9, 0):
         arch = "sm_90a"
     end = time.monotonic() + args.budget_s
-    plan = [(f, d) for d in args.head_dims for f in FEATURES] + [("plain", d) for d in WIDE]
+    wide = set(args.features) == set(FEATURES)  # the wide head dims' plain rows with the full set only
+    plan = [(f, d) for d in args.head_dims for f in args.features] + [("plain", d) for d in WIDE if wide]
     rows: list[dict[str, Any]] = []
     for feature, d in plan:
         if time.monotonic() > end:

@@ -149,15 +149,21 @@ FWD_MAIN = Role(
 
 ROLES: dict[str, tuple[Role, ...]] = {"bwd": (BWD_PRE, BWD_MAIN, BWD_POST), "fwd": (FWD_MAIN,)}
 #: A deterministic backward's dQ turn counters where a family orders its dQ adds in the main kernel
-#: (``wgmma``): int32, one per (Q block of the main kernel's block_r rows, batch, q head), element
-#: (i * batch + b) * heads + h (varlen: Q blocks of the max length), zeroed by the launcher for every
-#: call (:func:`dq_sem_count` elements), never shared between calls.
+#: (``wgmma``): int32, one per (Q block of the main kernel's block_r rows, batch, q head, copy), element
+#: ((i * batch + b) * heads + h) * DQ_COPIES + c (varlen: Q blocks of the max length), zeroed by the
+#: launcher for every call (:func:`dq_sem_count` elements), never shared between calls.
 DQ_SEM = ("int*", "dq_sem")
+#: The fp32 dQ accumulator of a main kernel taking :data:`DQ_SEM` holds DQ_COPIES partial sums per q head:
+#: [B, Nq, H * DQ_COPIES, d] (varlen [total_q, H * DQ_COPIES, d]), copy c of head h at h * DQ_COPIES + c.
+#: Each copy takes its adds in an order of its own (a K/V block's visits before and after they wrap
+#: around, ``templates/wgmma/deterministic.cuh``); the pre kernel zeroes every copy and the post kernel
+#: sums them in ascending c. Any other backward's: one copy, [B, Nq, H, d].
+DQ_COPIES = 2
 
 
 def dq_sem_count(batch: int, heads: int, seqlen_q: int, block_r: int) -> int:
     """Elements of the ``dq_sem`` buffer (:data:`DQ_SEM`) of a call."""
-    return batch * heads * max(1, -(-seqlen_q // block_r))
+    return batch * heads * max(1, -(-seqlen_q // block_r)) * DQ_COPIES
 
 
 #: The roles of a deterministic backward (launch order): dq runs after main.

@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from pydantic import ValidationError
 
-from .abi import DQ_SEM, dq_sem_count
+from .abi import DQ_COPIES, DQ_SEM, dq_sem_count
 from .choices import tuned_or_default
 from .arch import ARCH_SPECIFIC, arch_info
 from .errors import InputError, InputTypeError
@@ -776,9 +776,13 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lse_t = lse if plan.lse_ready else lse.contiguous().to(plan.lse_dtype)
         lo_t = lse_lo if lo_ready else lse_lo.contiguous()
         delta = torch.empty(p.lse_shape, dtype=plan.acc_dtype, device=q.device)
-        dq_accum = torch.empty_like(q, dtype=plan.acc_dtype, memory_format=_CONTIGUOUS)  # zeroed by the pre kernel
-        # the deterministic wgmma backward's dQ turn counters: fresh zeros every call (fagen.abi.DQ_SEM)
-        dq_sem = torch.zeros(plan.dq_sem, dtype=torch.int32, device=q.device) if plan.dq_sem else None
+        if plan.dq_sem:  # turn counters: fresh zeros every call (fagen.abi.DQ_SEM), DQ_COPIES partial sums of dQ
+            dq_sem = torch.zeros(plan.dq_sem, dtype=torch.int32, device=q.device)
+            dq_accum = torch.empty((*q.shape[:-2], q.shape[-2] * DQ_COPIES, q.shape[-1]), dtype=plan.acc_dtype,
+                                   device=q.device)  # zeroed by the pre kernel
+        else:
+            dq_sem = None
+            dq_accum = torch.empty_like(q, dtype=plan.acc_dtype, memory_format=_CONTIGUOUS)  # zeroed by the pre kernel
         kpm = t.key_padding_mask.contiguous() if plan.kpm_copy else t.key_padding_mask
         slopes = t.alibi_slopes.contiguous() if plan.alibi_copy else t.alibi_slopes
         ptrs = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(), "do_": do.data_ptr(),

@@ -467,7 +467,7 @@ constexpr bool IS_TOP_LEFT = false;  // causal/window/alibi shift 0 (else Nk - N
 constexpr bool HAS_WINDOW = false;
 constexpr bool HAS_SOFTCAP = true;
 // softcap's tanh on the SFU for 16-bit inputs (partials/score_mod.cuh's fa_tanh)
-constexpr bool SOFTCAP_TANH_APPROX = true;
+constexpr bool SOFTCAP_TANH_APPROX = false;
 constexpr bool HAS_ALIBI = false;
 constexpr bool HAS_ATTN_MASK = false;
 constexpr bool HAS_BIAS = false;

@@ -4,7 +4,7 @@ text replaced, and every synchronisation site of a template behind a racecheck g
 site in turn (``EmuModule.race_gate``)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from fagen import KernelSpec, renderer
 from fagen.runtime import cpu
@@ -18,6 +18,12 @@ def rendered_with(spec: KernelSpec, template: str, text: str) -> renderer.Render
 def mutated_module(spec: KernelSpec, template: str, text: str, schedule: str = "forward") -> cpu.CpuModule:
     """``spec``'s emulator module (in ``schedule``'s thread order) with ``text`` in place of ``template``."""
     return cpu.CpuModule(spec, schedule, rendered=rendered_with(spec, template, text))
+
+
+def module_with(spec: KernelSpec, texts: Mapping[str, str], schedule: str = "forward") -> cpu.CpuModule:
+    """``spec``'s emulator module with each template named in ``texts`` replaced by its text (one
+    build for the mutations of several templates)."""
+    return cpu.CpuModule(spec, schedule, rendered=renderer.render_with(spec, texts))
 
 
 def gated(text: str, sites: Iterable[tuple[int, str, int]]) -> str:

@@ -47,13 +47,15 @@ def small_result():
 
 @pytest.fixture
 def store_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private FAGEN_CACHE_DIR (so xdist workers never share a tuning store) whose cubin/
-    folder links to the run's shared one, so compiled candidates are still cache hits."""
-    shared_cubins = fagen.settings.get_settings().cache_dir / "cubin"
-    shared_cubins.mkdir(parents=True, exist_ok=True)
+    """A private FAGEN_CACHE_DIR (so xdist workers never share a tuning store) whose cubin/ and
+    sass/ folders link to the run's shared ones, so compiled and disassembled candidates are still
+    cache hits."""
     root = tmp_path / "cache"
     root.mkdir()
-    (root / "cubin").symlink_to(shared_cubins, target_is_directory=True)
+    for kind in ("cubin", "sass"):
+        shared = fagen.settings.get_settings().cache_dir / kind
+        shared.mkdir(parents=True, exist_ok=True)
+        (root / kind).symlink_to(shared, target_is_directory=True)
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(root))
     monkeypatch.delenv("FAGEN_AUTOTUNE_LOOKUP", raising=False)
     fagen.settings.reset()

@@ -680,18 +680,27 @@ def coverage() -> dict[tuple[str, int], list[int]]:
     return cover
 
 
-def _gated_module(spec: KernelSpec, template: str) -> cpu.CpuModule:
-    """``spec``'s module with every barrier site of ``template`` behind a racecheck gate
-    (``tests/gates.py``): one build asks of each of them in turn whether it is load-bearing."""
-    key = (spec, template)
-    if key not in _GATED:
-        text = (renderer.templates_dir() / template).read_text()
-        sites = [(off, BARRIER.match(text, off).group(0), i) for i, (t, off, _) in enumerate(SITES) if t == template]
-        _GATED[key] = gates.mutated_module(spec, template, gates.gated(text, sites))
-    return _GATED[key]
+def _gated_module(spec: KernelSpec) -> cpu.CpuModule:
+    """``spec``'s module with every barrier site of every template it renders behind a racecheck gate
+    (``tests/gates.py``, gate i for SITES[i]): one build asks of each of them in turn whether it is
+    load-bearing (a gate not selected runs its barrier, so the other sites are as written)."""
+    if spec not in _GATED:
+        texts = {}
+        for template in _gated_templates(spec):
+            text = (renderer.templates_dir() / template).read_text()
+            sites = [(off, BARRIER.match(text, off).group(0), i) for i, (t, off, _) in enumerate(SITES) if t == template]
+            texts[template] = gates.gated(text, sites)
+        _GATED[spec] = gates.module_with(spec, texts)
+    return _GATED[spec]
 
 
-_GATED: dict[tuple[KernelSpec, str], cpu.CpuModule] = {}
+_GATED: dict[KernelSpec, cpu.CpuModule] = {}
+
+
+def _gated_templates(spec: KernelSpec) -> list[str]:
+    """The templates holding SITES that the spec renders (the family's, and the partials)."""
+    rendered = _rendered_templates(spec)
+    return sorted(t for t in {t for t, _, _ in SITES} if t in rendered or t.startswith("partials/"))
 
 
 def _rendered_templates(spec: KernelSpec) -> set[str]:
@@ -703,28 +712,24 @@ def _rendered_templates(spec: KernelSpec) -> set[str]:
 
 
 def _candidate_sites(ci: int, candidate: tuple[KernelSpec, tuple[dict, ...]]) -> set[int]:
-    """The indices into SITES of the sites the candidate executes: its gated modules with every
+    """The indices into SITES of the sites the candidate executes: its gated module with every
     gate a marker that keeps its barrier (gate -2), one racecheck run per problem."""
     spec, problems = candidate
+    templates = _gated_templates(spec)
+    if not templates:
+        return set()
     mp = pytest.MonkeyPatch()
-    out: set[int] = set()
+    mod = _gated_module(spec)
+    emu = mod._build(sanitize=False, racecheck=True)
+    passed = set()
+    emu.race_gate(-2)
     try:
-        for template in sorted({t for t, _, _ in SITES}):
-            if template not in _rendered_templates(spec) and not template.startswith("partials/"):
-                continue
-            mod = _gated_module(spec, template)
-            emu = mod._build(sanitize=False, racecheck=True)
-            passed = set()
-            emu.race_gate(-2)
-            try:
-                for problem in problems:
-                    passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
-            finally:
-                emu.race_gate(-1)
-            out |= {i for i, (t, _, _) in enumerate(SITES) if t == template and gates.site_lines(mod, i) & passed}
+        for problem in problems:
+            passed |= {line for _, line in _run_with(mp, spec, problem, mod).marker_lines}
     finally:
+        emu.race_gate(-1)
         mp.undo()
-    return out
+    return {i for i, (t, _, _) in enumerate(SITES) if t in templates and gates.site_lines(mod, i) & passed}
 
 
 def test_template_barriers_are_discovered() -> None:
@@ -752,7 +757,7 @@ def test_removing_a_barrier_is_a_race_naming_it(site, coverage, monkeypatch) -> 
         runs = runs[:1]  # known: confirm on one spec that it is still not needed
     for ci in runs:  # the candidates that run this barrier, each on its problems, until one races
         spec, problems = _candidates()[ci]
-        mod = _gated_module(spec, template)
+        mod = _gated_module(spec)
         emu = mod._build(sanitize=False, racecheck=True)
         lines = gates.site_lines(mod, idx)
         emu.race_gate(idx)  # this barrier skipped, a marker in its place

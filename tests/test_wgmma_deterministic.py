@@ -20,8 +20,8 @@ import torch
 
 import fagen
 import fagen.functional as F
-from fagen import KernelSpec, renderer, sass
-from fagen.abi import DQ_SEM, dq_sem_count, roles_for
+from fagen import KernelSpec, masking, renderer, sass
+from fagen.abi import DQ_COPIES, DQ_SEM, dq_sem_count, roles_for
 from fagen.emulator import EmulatorDeadlockError
 from fagen.runtime import cpu
 
@@ -50,7 +50,7 @@ def test_deterministic_backward_resolves_to_wgmma_without_a_dq_kernel() -> None:
     assert DQ_SEM in infos[1].params and DQ_SEM not in renderer.kernel_infos(spec.replace(deterministic=False))[1].params
     assert [r.name for r in roles_for("bwd", deterministic=True)] == ["pre", "main", "dq", "post"]  # the others'
     assert KernelSpec(direction="bwd", head_dim=64, deterministic=True).impl == "mma"  # sm_90: unchanged
-    assert dq_sem_count(2, 3, 130, 64) == 2 * 3 * 3
+    assert dq_sem_count(2, 3, 130, 64) == 2 * 3 * 3 * DQ_COPIES
 
 
 def test_deterministic_with_alibi_past_d64_is_declined_by_name() -> None:
@@ -110,21 +110,26 @@ def test_packed_backward_matches_float64_per_sequence() -> None:
 
 # --------------------------------------------------------------------------- the summation order
 #: Four K/V blocks of 64 keys (one consumer warpgroup), two Q blocks of 128 rows, GQA; a window (40, 100), so
-#: a row sums three K/V blocks' tiles and those reaching the second Q block start at block 1. The spec has
-#: key padding, which isolates one K/V block (every other key padded) with the same kernel.
+#: a row sums three K/V blocks' tiles and those reaching the second Q block start at block 1: the visits in
+#: order, every add in copy 0. The spec has key padding, which isolates one K/V block (every other key padded)
+#: with the same kernel.
 ORDER = dict(d=64, dtype="float16", nw=4, B=1, Nq=250, Nk=250, H=2, Hkv=1, window=(40, 100), kpm=True)
+#: Every K/V block reaches every Q block and n_kv <= n_q (four of each): the rotated visits, both copies.
+ORDER_ROTATED = dict(d=64, dtype="float16", nw=4, B=1, Nq=500, Nk=250, H=2, Hkv=1, kpm=True)
 
 
 def _dq_accum(run) -> tuple[torch.Tensor, tuple]:
-    """The fp32 dq_accum of the backward ``run()`` makes (its float32 allocation shaped like q) and run's result."""
+    """The fp32 dq_accum of the backward ``run()`` makes (its last float32 4-D allocation) and run's result."""
     made: list[torch.Tensor] = []
-    real = torch.empty_like
+    real_like, real = torch.empty_like, torch.empty
 
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
+    def recording(make):
+        def alloc(*args, **kwargs):
+            made.append(make(*args, **kwargs))
+            return made[-1]
+        return alloc
 
-    with mock.patch.object(torch, "empty_like", recording):
+    with mock.patch.object(torch, "empty_like", recording(real_like)), mock.patch.object(torch, "empty", recording(real)):
         out = run()
     return next(x for x in reversed(made) if x.dtype == torch.float32 and x.dim() == 4), out
 
@@ -136,34 +141,59 @@ def _order_run(c: dict, t: dict, spec: KernelSpec, kpm: torch.Tensor):
                                             lse64.float(), **opts))
 
 
-#: The same at d = 256: the split tile (64 x 64, two consumer warpgroups, one Q_i / dO_i stage, the producer's
-#: reduce-adds a step late), four Q blocks.
-ORDER_SPLIT = dict(ORDER, d=256, nw=8)
+def _add_orders(c: dict, block_r: int, block_c: int) -> dict[int, tuple[list[int], list[int]]]:
+    """The documented order of each Q block's adds (templates/wgmma/deterministic.cuh), from the mask band
+    alone: the K/V blocks reaching Q block i, copy 0 and copy 1 each in descending order; copy 1 holds those
+    above i where every K/V block reaches every Q block, there are no more K/V blocks than Q blocks and no
+    causal mask."""
+    n_q, n_kv = -(-c["Nq"] // block_r), -(-c["Nk"] // block_c)
+    reach = {}
+    for i in range(n_q):
+        c0, c1 = masking.q_block_kv_range(i * block_r, c["Nq"], c["Nk"], block_r=block_r, block_c=block_c,
+                                          causal=bool(c.get("causal")), window=c.get("window", (-1, -1)))
+        reach[i] = list(range(c0 // block_c, -(-c1 // block_c)))
+    rotated = not c.get("causal") and n_kv <= n_q and all(reach[i] == list(range(n_kv)) for i in range(n_q))
+    return {i: (sorted((j for j in js if not (rotated and j > i)), reverse=True),
+                sorted((j for j in js if rotated and j > i), reverse=True)) for i, js in reach.items()}
 
 
-@pytest.mark.parametrize("c, tile", [pytest.param(ORDER, (128, 64), id="d64"),
-                                     pytest.param(ORDER_SPLIT, (64, 64), id="d256-split", marks=pytest.mark.slow)])
-def test_dq_is_the_k_v_blocks_tiles_added_in_ascending_order(c, tile) -> None:
+@pytest.mark.parametrize("c, tile", [pytest.param(ORDER, (128, 64), id="d64-in-order"),
+                                     pytest.param(ORDER_ROTATED, (128, 64), id="d64-rotated"),
+                                     pytest.param(dict(ORDER, d=256, nw=8), (64, 64), id="d256-split",
+                                                  marks=pytest.mark.slow),
+                                     pytest.param(dict(ORDER_ROTATED, d=256, nw=8, Nq=250), (64, 64),
+                                                  id="d256-split-rotated", marks=pytest.mark.slow)])
+def test_dq_is_the_k_v_blocks_tiles_added_in_the_documented_order(c, tile) -> None:
     """dq_accum of the deterministic backward equals, bit for bit, the per-K/V-block dQ tiles (the same kernel
-    with every key outside block j padded: its dq_accum is block j's tile, the other blocks adding exact
-    zeros) summed in fp32 in ascending block order; the descending order gives other bits."""
+    with every key outside block j padded: its dq_accum is block j's tile in the copy block j adds to, the
+    other blocks adding exact zeros) summed in fp32 in each copy's order (_add_orders); ascending order gives
+    other bits. dQ is the copies' sum."""
+    block_r, block_c = tile
     t = W.inputs(c, seed=7)
     t["kpm"] = torch.ones(1, c["Nk"], dtype=torch.bool)
     spec = _det(c)
     assert spec.impl == "wgmma" and (spec.tile.block_r, spec.tile.block_c) == tile
-    got, _ = _order_run(c, t, spec, t["kpm"])
+    got, (dq, *_) = _order_run(c, t, spec, t["kpm"])
+    assert got.shape == (c["B"], c["Nq"], c["H"] * DQ_COPIES, c["d"])
     tiles = []
-    for j in range(-(-c["Nk"] // 64)):
+    for j in range(-(-c["Nk"] // block_c)):
         only = torch.zeros_like(t["kpm"])
-        only[:, 64 * j:64 * (j + 1)] = True
-        tiles.append(_order_run(c, t, spec, only)[0].numpy())
-    up, down = np.zeros_like(tiles[0]), np.zeros_like(tiles[0])
-    for x in tiles:
-        up = up + x
-    for x in reversed(tiles):
-        down = down + x
-    assert not np.array_equal(up, down)  # the order shows in the bits
-    np.testing.assert_array_equal(got.numpy(), up)
+        only[:, block_c * j:block_c * (j + 1)] = True
+        acc = _order_run(c, t, spec, only)[0].numpy()
+        tiles.append(acc[:, :, 0::2] + acc[:, :, 1::2])  # the tile wherever it went (+ exact zeros)
+    orders = _add_orders(c, block_r, block_c)
+    assert any(o[1] for o in orders.values()) == (c is not ORDER and c.get("window") is None)
+    want, up = np.zeros(got.shape, np.float32), np.zeros(got.shape, np.float32)
+    for i, copies in orders.items():
+        rows = slice(i * block_r, (i + 1) * block_r)
+        for copy, js in enumerate(copies):
+            for j in js:
+                want[:, rows, copy::2] += tiles[j][:, rows]
+        for j in sorted(copies[0] + copies[1]):
+            up[:, rows, 0::2] += tiles[j][:, rows]
+    assert not np.array_equal(want[:, :, 0::2] + want[:, :, 1::2], up[:, :, 0::2])  # the order shows in the bits
+    np.testing.assert_array_equal(got.numpy(), want)
+    torch.testing.assert_close(dq, (got[:, :, 0::2] + got[:, :, 1::2]).to(dq.dtype), rtol=0, atol=0)
 
 
 def test_a_turn_taken_out_of_order_is_reported_not_spun_on() -> None:
@@ -182,25 +212,32 @@ def test_a_turn_taken_out_of_order_is_reported_not_spun_on() -> None:
         fagen.settings.reset()
 
 
-WAIT = "                wg_dq_turn_wait(dq_sem, sem, wg_dq_turn(j, ri0, mp));\n"
+WAIT = "                wg_dq_turn_wait(dq_sem, sem, wg_dq_turn(j, ri0, rot, mp));\n"
+CAP = "    if (rot && j * BLOCK_R <= i0 && i0 / BLOCK_R < top) top = i0 / BLOCK_R;\n"
 
 
 @pytest.mark.slow
 def test_ordering_bugs_are_caught(monkeypatch) -> None:
-    """A turn that ignores where a Q block's K/V blocks start (j, not j - j_first) is a wait that can never
-    complete (the window's second Q block); without the wait at all the reverse schedule adds in
-    descending order, so dq_accum differs from the ordered run's, which the turns keep the same."""
+    """The turns in ascending K/V block order (the arrival order's reverse) are waits that can never complete;
+    so is copy 0's turn of a rotated sequence counted from the highest K/V block reaching the Q block, not
+    from the Q block's own index; without the wait at all the reverse schedule adds in ascending order, so
+    dq_accum differs from the ordered run's, which the turns keep the same."""
+    text = (renderer.templates_dir() / TEMPLATE).read_text()
+    det_text = (renderer.templates_dir() / "wgmma/deterministic.cuh").read_text()
+    assert text.count(WAIT) == 1 and det_text.count(CAP) == 1
+    real = cpu.cpu_module
+    for c, template, mutated in ((ORDER, TEMPLATE, text.replace(WAIT, WAIT.replace("wg_dq_turn(j, ri0, rot, mp)", "j"))),
+                                 (ORDER_ROTATED, "wgmma/deterministic.cuh", det_text.replace(CAP, ""))):
+        t = W.inputs(c, seed=7)
+        spec = _det(c)
+        wrong = gates.mutated_module(spec, template, mutated)
+        monkeypatch.setattr(cpu, "cpu_module", lambda s: wrong if s == spec else real(s))
+        with pytest.raises(EmulatorDeadlockError, match=r"semaphore \[\d+\] .* to hold [1-9]\d*; it holds 0"):
+            _order_run(c, t, spec, t["kpm"])
+        monkeypatch.setattr(cpu, "cpu_module", real)
     c = ORDER
     t = W.inputs(c, seed=7)
     spec = _det(c)
-    text = (renderer.templates_dir() / TEMPLATE).read_text()
-    assert text.count(WAIT) == 1
-    real = cpu.cpu_module
-    wrong = gates.mutated_module(spec, TEMPLATE, text.replace(WAIT, WAIT.replace("wg_dq_turn(j, ri0, mp)", "j")))
-    monkeypatch.setattr(cpu, "cpu_module", lambda s: wrong if s == spec else real(s))
-    with pytest.raises(EmulatorDeadlockError, match=r"semaphore \[\d+\] .* to hold 1; it holds 0"):
-        _order_run(c, t, spec, t["kpm"])
-    monkeypatch.setattr(cpu, "cpu_module", real)
     ordered, _ = _order_run(c, t, spec, t["kpm"])
     unordered = gates.mutated_module(spec, TEMPLATE, text.replace(WAIT, ""), schedule="reverse")
     monkeypatch.setattr(cpu, "cpu_module", lambda s: unordered if s == spec else real(s))

@@ -141,9 +141,11 @@ def enumerate_candidates(spec: KernelSpec, *, sizes: Sequence[int] | None = None
         tiles = {(br, bc) for br in rows for bc in cols}
         if paper is not None:
             tiles.add(paper)
+        # every speed knob's values; a knob that changes numerics (Knob.numerics) keeps its default
         knob_points = [tuple(sorted((k.name, v) for k, v in zip(fam.knobs, values)  # as the spec lists them
                                     if not (getattr(k, "elided", False) and v == k.default)))
-                       for values in itertools.product(*[k.choices for k in fam.knobs])]
+                       for values in itertools.product(*[(k.default,) if getattr(k, "numerics", False) else k.choices
+                                                         for k in fam.knobs])]
         points = {(br, bc, w, kn) for br, bc in tiles for w in warps for kn in knob_points}
         if impl == spec.impl:
             points.add(default_key[1:])

@@ -117,6 +117,10 @@ class Knob:
     #: True: the cost model cannot see what the knob buys (only a GPU timing can): the runtime autotuner times
     #: each of its values beside every candidate it picks to time (``fagen.autotune.tuner.tune``).
     model_blind: bool = False
+    #: True: a value other than the default changes results beyond flash-attn's accuracy criterion (e.g. an
+    #: approximate instruction whose error reaches an fp32 output): only a user sets it; the autotuner keeps the
+    #: default (``fagen.autotune.candidates``).
+    numerics: bool = False
 
 
 class Reason(NamedTuple):
@@ -275,7 +279,8 @@ class Family(Protocol):
 def sfu_tanh_fits(fs: FamilySpec) -> bool:
     """Whether softcap's tanh may run on the SFU (``tanh.approx.f32``, 2^-11 relative) instead of libm's
     ``tanhf``: softcap on 16-bit inputs, whose own rounding is as coarse (FlashAttention-2/3 do the same);
-    fp32 and fp64 keep the exact one (partials/score_mod.cuh's ``fa_tanh``)."""
+    fp32 and fp64 keep the exact one (partials/score_mod.cuh's ``fa_tanh``). Where it may run by default
+    is :meth:`FamilyBase.softcap_tanh_approx`'s (the backward only)."""
     return fs.has("softcap") and fs.dtype in ("float16", "bfloat16")
 
 
@@ -302,8 +307,11 @@ class FamilyBase:
         return None
 
     def softcap_tanh_approx(self, fs: FamilySpec) -> bool:
-        """Softcap's tanh on the SFU where :func:`sfu_tanh_fits` (a family may take it in fewer places)."""
-        return sfu_tanh_fits(fs)
+        """Softcap's tanh on the SFU in the backward where :func:`sfu_tanh_fits` (a family may take it in
+        fewer places). Not in the forward: its lse is an fp32 output, and on a GPU the SFU's tanh moved it by
+        up to 2.7e-5 against flash-attn's criterion of about 3.6e-6 (fp16 / bf16, d = 64..256); the gradients,
+        compared in the inputs' dtype, keep their criterion with it."""
+        return fs.direction == "bwd" and sfu_tanh_fits(fs)
 
     def codegen_reason(self, fs: FamilySpec) -> str | None:
         """Why the spec's codegen knob settings (``fs.codegen``, tile set) are not accepted, or None:

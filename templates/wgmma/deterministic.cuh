@@ -1,13 +1,28 @@
 // The Hopper family's deterministic backward (rendered with deterministic only): dQ_i's reduce-adds
-// into dq_accum in a fixed order. dq_sem holds one int32 turn counter per (batch, q head, Q block),
-// zeroed by the launcher for every call (fagen.abi.DQ_SEM). The K/V blocks that reach Q block i are
-// one run [j_first(i), j_last(i)] (the mask is a band: partials/masking.cuh's q_block_kv_range); the
-// CTA of K/V block j adds its dQ_i when the counter holds j - j_first(i) (its turn), after every
-// lower K/V block's add has completed, and then advances it. So dQ_i = (((0 + dQ_i,j_first) +
-// dQ_i,j_first+1) + ...) in fp32, the same sum on every run whatever the hardware's schedule.
-// Deadlock-free: a CTA only waits on CTAs of the same (batch, kv head) with a lower K/V block, i.e. a
-// lower linear block index (blockIdx.x is fastest), and CTAs are launched in ascending linear
-// index; the lowest K/V block reaching i never waits on i.
+// into dq_accum in a fixed order that is also the order in which the CTAs arrive, so a CTA waits for
+// its turn only as long as an add takes, not for other CTAs' steps. dq_sem holds one int32 turn counter
+// per (Q block, batch, q head, copy), zeroed by the launcher for every call (fagen.abi.DQ_SEM); dq_accum
+// holds DQ_COPIES partial sums per q head (fagen.abi.DQ_COPIES), which the post kernel adds.
+//
+// The CTA of K/V block j is linear block gridDim.x - 1 - blockIdx.x (the highest K/V block first). The
+// K/V blocks reaching Q block i are one run [j_first(i), j_last(i)] (the mask is a band:
+// partials/masking.cuh's q_block_kv_range), and the Q blocks K/V block j reaches one run too. Two
+// visit orders:
+//  - rotated, where every K/V block of the sequence reaches every Q block and there are no more K/V
+//    blocks than Q blocks (wg_det_rotates; no causal mask, no window narrower than the sequence): K/V
+//    block j starts at Q block j and wraps around to Q block 0. At step s it visits Q block j + s, so at
+//    Q block i the K/V blocks j <= i arrive first, in descending order (step i - j), and those j > i after
+//    their wrap, in descending order again (step n_q - j + i > i). Copy 0 takes the first run's adds, copy
+//    1 the second's, each in descending j.
+//  - in order (any other band: causal, a window): K/V block j visits its Q blocks from its first, which
+//    does not decrease with j, so at Q block i the higher K/V blocks arrive first: copy 0 takes every add
+//    in descending j.
+// So K/V block j's turn at Q block i (wg_dq_turn) is top - j, top the highest K/V block of its copy
+// reaching i, and dQ_i = (copy 0: ((0 + dQ_i,top) + dQ_i,top-1) + ...) + (copy 1: ...) in fp32: the same
+// sums on every run whatever the hardware's schedule.
+// Deadlock-free: a CTA only waits on CTAs of the same (batch, kv head) with a higher K/V block, i.e. a
+// lower linear block index (blockIdx.x is fastest), and CTAs are launched in ascending linear index; the
+// highest K/V block of a copy never waits.
 //
 // Each PTX instruction is wrapped once; the emulator branch (fagen/emulator/hopper.h) runs one block
 // at a time, so a wait that the value in memory does not satisfy at once can never complete: it is
@@ -40,17 +55,44 @@ FA_DEVICE void fa_sem_wait_eq(const int* sems, unsigned index, int value, FAGEN_
 #endif
 
 namespace fa {
-// The turn counter of (batch b, q head hq, the Q block at row i0): [i0 / BLOCK_R][b][hq] (gridDim.y is the
-// batch), 32-bit (fagen.abi.dq_sem_count elements, B H Nq / BLOCK_R < 2^31); nothing kept in registers
-// beyond b (the producer warp's 24).
-FA_DEVICE unsigned wg_dq_sem_index(int b, int hq, int heads, int i0) {
-    return ((unsigned)i0 / BLOCK_R * gridDim.y + (unsigned)b) * (unsigned)heads + (unsigned)hq;
+// Whether this sequence's K/V blocks visit their Q blocks rotated (above): every K/V block reaches every Q
+// block (the band's first and last K/V blocks reach rows [0, len_q)) and n_kv <= n_q. Uniform per sequence.
+// Never with a causal mask (whose band is full only for a Q block or two at most: the visits in order keep
+// the turns' arrival order there too, and the compiler drops the rotation's code).
+FA_DEVICE bool wg_det_rotates(const MaskParams& mp) {
+    if constexpr (IS_CAUSAL) return false;
+    const int n_kv = (mp.seqlen_k + BLOCK_C - 1) / BLOCK_C, n_q = (mp.seqlen_q + BLOCK_R - 1) / BLOCK_R;
+    if (n_kv < 1 || n_kv > n_q) return false;
+    int f0, f1, l0, l1;
+    kv_block_q_range(0, mp, &f0, &f1);
+    kv_block_q_range((n_kv - 1) * BLOCK_C, mp, &l0, &l1);
+    return f0 == 0 && l0 == 0 && f1 == mp.seqlen_q && l1 == mp.seqlen_q;
 }
-// K/V block j's turn at the Q block at row i0: how many lower K/V blocks reach it (j - j_first(i)).
-FA_DEVICE int wg_dq_turn(int j, int i0, const MaskParams& mp) {
+// The first Q block (its row) K/V block j visits: Q block j rotated (j < n_kv <= n_q), else its first.
+FA_DEVICE int wg_det_first(int j, int i_begin, bool rot) { return rot ? j * BLOCK_R : i_begin; }
+// The Q block after the one at row i0: the next, or past the last i_wrap (rotated: Q block 0; in order: the
+// first visited, where the visits end).
+FA_DEVICE int wg_det_next(int i0, int i_end, int i_wrap) {
+    i0 += BLOCK_R;
+    return i0 < i_end ? i0 : i_wrap;
+}
+// K/V block j's copy at the Q block at row i0: 1 where its rotated visits reach it after their wrap.
+FA_DEVICE int wg_dq_copy(int j, int i0, bool rot) { return rot && j * BLOCK_R > i0 ? 1 : 0; }
+// The turn counter of (batch b, q head hq, the Q block at row i0, copy c): [i0 / BLOCK_R][b][hq][c] (gridDim.y
+// is the batch), 32-bit (fagen.abi.dq_sem_count elements, < 2^31); nothing kept in registers beyond b and
+// the rotation (the producer warp's 24).
+FA_DEVICE unsigned wg_dq_sem_index(int b, int hq, int heads, int i0, int c) {
+    return (((unsigned)i0 / BLOCK_R * gridDim.y + (unsigned)b) * (unsigned)heads + (unsigned)hq) * DQ_COPIES + (unsigned)c;
+}
+// K/V block j's turn at the Q block at row i0: how many K/V blocks of its copy add before it, top - j with
+// top the highest K/V block reaching the Q block (j_last), in copy 0 of a rotated sequence at most the Q
+// block's index (the K/V blocks that reach it before their wrap).
+FA_DEVICE int wg_dq_turn(int j, int i0, bool rot, const MaskParams& mp) {
     int c0, c1;
     q_block_kv_range(i0, mp, &c0, &c1);
-    return j - c0 / BLOCK_C;
+    int top = (c1 - 1) / BLOCK_C;
+    if (rot && j * BLOCK_R <= i0 && i0 / BLOCK_R < top) top = i0 / BLOCK_R;
+    return top - j;
 }
 // Waits for K/V block j's turn at the Q block's counter, then orders the reduce-add after the acquire.
 FA_DEVICE void wg_dq_turn_wait(const int* dq_sem, unsigned index, int turn) {

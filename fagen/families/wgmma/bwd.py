@@ -75,7 +75,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, DQ_SEM, TENSORMAP, Role
+from fagen.abi import BWD_MAIN, BWD_POST, BWD_PRE, DQ_COPIES, DQ_SEM, TENSORMAP, Role
 from fagen.families.base import Constant, FamilySpec, Launch, Reason
 from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import k16_steps, packed_view, padded_dim
@@ -332,7 +332,9 @@ def constants(fs: FamilySpec) -> tuple[Constant, ...]:
         Constant("DQ_GROUP", "int", DQ_GROUP, "fp32 columns per dQ_i staging group (one TMA reduce-add box)"),
         Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
     ) + ((Constant("BIAS_SMEM", "bool", True, "the bias staged in shared memory per consumer warp, read by "
-                   "ldmatrix"),) if bias_smem(fs) else ())
+                   "ldmatrix"),) if bias_smem(fs) else ()) + (
+        (Constant("DQ_COPIES", "int", DQ_COPIES, "partial sums of dQ per q head in dq_accum, each added to in an "
+                  "order of its own (fagen.abi.DQ_COPIES)"),) if fs.has("deterministic") else ())
 
 
 def bwd_tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, ...]]:
