@@ -212,7 +212,7 @@ def test_a_turn_taken_out_of_order_is_reported_not_spun_on() -> None:
         fagen.settings.reset()
 
 
-WAIT = "                wg_dq_turn_wait(dq_sem, sem, wg_dq_turn(j, ri0, rot, mp));\n"
+WAIT = "                wg_dq_turn_wait(dq_sem, sem, sdqc[{{ DQC }} * (k % STAGES) + 3]);\n"
 CAP = "    if (rot && j * BLOCK_R <= i0 && i0 / BLOCK_R < top) top = i0 / BLOCK_R;\n"
 
 
@@ -226,7 +226,7 @@ def test_ordering_bugs_are_caught(monkeypatch) -> None:
     det_text = (renderer.templates_dir() / "wgmma/deterministic.cuh").read_text()
     assert text.count(WAIT) == 1 and det_text.count(CAP) == 1
     real = cpu.cpu_module
-    for c, template, mutated in ((ORDER, TEMPLATE, text.replace(WAIT, WAIT.replace("wg_dq_turn(j, ri0, rot, mp)", "j"))),
+    for c, template, mutated in ((ORDER, TEMPLATE, text.replace(WAIT, WAIT.replace("sdqc[{{ DQC }} * (k % STAGES) + 3]", "j"))),
                                  (ORDER_ROTATED, "wgmma/deterministic.cuh", det_text.replace(CAP, ""))):
         t = W.inputs(c, seed=7)
         spec = _det(c)

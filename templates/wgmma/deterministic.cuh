@@ -94,6 +94,16 @@ FA_DEVICE int wg_dq_turn(int j, int i0, bool rot, const MaskParams& mp) {
     if (rot && j * BLOCK_R <= i0 && i0 / BLOCK_R < top) top = i0 / BLOCK_R;
     return top - j;
 }
+// At the loads of the step of (q head hq, the Q block at row i0): what its reduce-add needs, kept in shared
+// memory until then (dqc[4]: the dq_accum head of its copy, i0, the counter, the turn), so the producer keeps
+// nothing live for it between the two.
+FA_DEVICE void wg_dq_stage_turn(int* dqc, int j, int b, int hq, int heads, int i0, bool rot, const MaskParams& mp) {
+    const int copy = wg_dq_copy(j, i0, rot);
+    dqc[0] = hq * DQ_COPIES + copy;
+    dqc[1] = i0;
+    dqc[2] = (int)wg_dq_sem_index(b, hq, heads, i0, copy);
+    dqc[3] = wg_dq_turn(j, i0, rot, mp);
+}
 // Waits for K/V block j's turn at the Q block's counter, then orders the reduce-add after the acquire.
 FA_DEVICE void wg_dq_turn_wait(const int* dq_sem, unsigned index, int turn) {
     fa_sem_wait_eq(dq_sem, index, turn);

@@ -278,7 +278,8 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("lse", "float", stages * br, 4),
         ("dlt", "float", stages * br, 4),
         ("bars", "unsigned long long", 3 + 2 * stages, 8),
-        ("dqc", "int", 2 * stages, 4),  # a step's (q head, first row) from its loads to its dQ_i reduce-add
+        # a step's (q head, first row; deterministic: its turn counter and turn) from its loads to its dQ_i reduce-add
+        ("dqc", "int", (4 if fs.has("deterministic") else 2) * stages, 4),
         ("exact", "int", stages, 4),  # a step has a huge row: its P takes lse_lo (partials/common.cuh)
         ("lse_lo", "float", br, 4),  # an exact step's rows' lse_lo (0 where none), staged by the consumers
     ] + ([("bias", "T", bc * br, e, 128)] if bias_smem(fs) else []))  # per warp: its 16 keys x block_r Q rows
