@@ -1,14 +1,15 @@
 """The Hopper family's (``wgmma``, sm_90a) deterministic backward: dQ_i's reduce-adds into dq_accum take
-turns at a counter per (Q block, batch, q head) (``templates/wgmma/deterministic.cuh``), in ascending K/V
-block order, so dQ is the same fp32 sum on every run. Selection (no dq role; what is declined by name),
+turns at a counter per (Q block, batch, q head, copy) (``templates/wgmma/deterministic.cuh``), in the order
+the K/V blocks arrive (descending; rotated visits and two partial sums of dQ where every K/V block reaches
+every Q block), so dQ is the same fp32 sum on every run. Selection (no dq role; what is declined by name),
 numerics against the float64 oracle with flash-attn's criterion (fp16 / bf16, causal of both alignments,
 a window, key padding, GQA / MQA, head_dim_v, softcap, dropout, packed sequences, Nq != Nk, lengths off
 the tiles, rows that see no key), the summation order (dq_accum is, bit for bit, the per-K/V-block dQ
-tiles added in ascending order, which the descending order is not), a turn taken out of order reported
-by the emulator (a reverse schedule, a wrong turn; and with the wait removed the reverse schedule sums in
-the other order), racecheck and AddressSanitizer of one backward, the PTX instructions of the turns at
-the PTX level against a model and one forward / backward pair at the PTX level (opt-in,
-FAGEN_TEST_SLOW=1). Sweeps past the first case are in the slow tier."""
+tiles added in the documented order of each copy, which ascending order is not), a turn taken out of order
+reported by the emulator (a reverse schedule, a wrong turn, a missing cap; and with the wait removed the
+reverse schedule sums in the other order), racecheck and AddressSanitizer of one backward, the PTX
+instructions of the turns at the PTX level against a model and one forward / backward pair at the PTX
+level (opt-in, FAGEN_TEST_SLOW=1). Sweeps past the first case are in the slow tier."""
 from __future__ import annotations
 
 import re
@@ -144,15 +145,16 @@ def _order_run(c: dict, t: dict, spec: KernelSpec, kpm: torch.Tensor):
 def _add_orders(c: dict, block_r: int, block_c: int) -> dict[int, tuple[list[int], list[int]]]:
     """The documented order of each Q block's adds (templates/wgmma/deterministic.cuh), from the mask band
     alone: the K/V blocks reaching Q block i, copy 0 and copy 1 each in descending order; copy 1 holds those
-    above i where every K/V block reaches every Q block, there are no more K/V blocks than Q blocks and no
-    causal mask."""
+    above i where the spec has neither a causal mask nor a window (every K/V block reaches every Q block) and
+    there are no more K/V blocks than Q blocks."""
     n_q, n_kv = -(-c["Nq"] // block_r), -(-c["Nk"] // block_c)
     reach = {}
     for i in range(n_q):
         c0, c1 = masking.q_block_kv_range(i * block_r, c["Nq"], c["Nk"], block_r=block_r, block_c=block_c,
                                           causal=bool(c.get("causal")), window=c.get("window", (-1, -1)))
         reach[i] = list(range(c0 // block_c, -(-c1 // block_c)))
-    rotated = not c.get("causal") and n_kv <= n_q and all(reach[i] == list(range(n_kv)) for i in range(n_q))
+    rotated = not c.get("causal") and c.get("window") is None and n_kv <= n_q
+    assert not rotated or all(reach[i] == list(range(n_kv)) for i in range(n_q))  # no band: every pair
     return {i: (sorted((j for j in js if not (rotated and j > i)), reverse=True),
                 sorted((j for j in js if rotated and j > i), reverse=True)) for i, js in reach.items()}
 

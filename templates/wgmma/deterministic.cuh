@@ -9,7 +9,7 @@
 // partials/masking.cuh's q_block_kv_range), and the Q blocks K/V block j reaches one run too. Two
 // visit orders:
 //  - rotated, where every K/V block of the sequence reaches every Q block and there are no more K/V
-//    blocks than Q blocks (wg_det_rotates; no causal mask, no window narrower than the sequence): K/V
+//    blocks than Q blocks (wg_det_rotates: a spec without a causal mask or a window): K/V
 //    block j starts at Q block j and wraps around to Q block 0. At step s it visits Q block j + s, so at
 //    Q block i the K/V blocks j <= i arrive first, in descending order (step i - j), and those j > i after
 //    their wrap, in descending order again (step n_q - j + i > i). Copy 0 takes the first run's adds, copy
@@ -55,26 +55,25 @@ FA_DEVICE void fa_sem_wait_eq(const int* sems, unsigned index, int value, FAGEN_
 #endif
 
 namespace fa {
-// Whether this sequence's K/V blocks visit their Q blocks rotated (above): every K/V block reaches every Q
-// block (the band's first and last K/V blocks reach rows [0, len_q)) and n_kv <= n_q. Uniform per sequence.
-// Never with a causal mask (whose band is full only for a Q block or two at most: the visits in order keep
-// the turns' arrival order there too, and the compiler drops the rotation's code).
+// Whether this sequence's K/V blocks visit their Q blocks rotated (above): a spec without a causal mask or a
+// window (every K/V block reaches every Q block) and n_kv <= n_q. Uniform per sequence. A spec with either
+// keeps the visits in order (its band is full for a Q block or two at most, or only for windows as wide as
+// the sequence), and the compiler drops the rotation's code.
 FA_DEVICE bool wg_det_rotates(const MaskParams& mp) {
-    if constexpr (IS_CAUSAL) return false;
-    const int n_kv = (mp.seqlen_k + BLOCK_C - 1) / BLOCK_C, n_q = (mp.seqlen_q + BLOCK_R - 1) / BLOCK_R;
-    if (n_kv < 1 || n_kv > n_q) return false;
-    int f0, f1, l0, l1;
-    kv_block_q_range(0, mp, &f0, &f1);
-    kv_block_q_range((n_kv - 1) * BLOCK_C, mp, &l0, &l1);
-    return f0 == 0 && l0 == 0 && f1 == mp.seqlen_q && l1 == mp.seqlen_q;
+    if constexpr (IS_CAUSAL || HAS_WINDOW) {
+        return false;
+    } else {
+        const int n_kv = (mp.seqlen_k + BLOCK_C - 1) / BLOCK_C, n_q = (mp.seqlen_q + BLOCK_R - 1) / BLOCK_R;
+        return n_kv >= 1 && n_kv <= n_q;
+    }
 }
-// The first Q block (its row) K/V block j visits: Q block j rotated (j < n_kv <= n_q), else its first.
-FA_DEVICE int wg_det_first(int j, int i_begin, bool rot) { return rot ? j * BLOCK_R : i_begin; }
-// The Q block after the one at row i0: the next, or past the last i_wrap (rotated: Q block 0; in order: the
-// first visited, where the visits end).
-FA_DEVICE int wg_det_next(int i0, int i_end, int i_wrap) {
-    i0 += BLOCK_R;
-    return i0 < i_end ? i0 : i_wrap;
+// The Q block (its row) of the step at row qb of [i_begin, i_end): qb itself in order; rotated (i_begin = 0,
+// i_end = len_q), qb + j BLOCK_R wrapped around past the last Q block. Recomputed per step from j, so the loop
+// keeps no more state than the visits in order.
+FA_DEVICE int wg_det_row(int qb, int j, bool rot, int i_end) {
+    if (!rot) return qb;
+    const int i0 = qb + j * BLOCK_R, span = (i_end + BLOCK_R - 1) / BLOCK_R * BLOCK_R;
+    return i0 < span ? i0 : i0 - span;
 }
 // K/V block j's copy at the Q block at row i0: 1 where its rotated visits reach it after their wrap.
 FA_DEVICE int wg_dq_copy(int j, int i0, bool rot) { return rot && j * BLOCK_R > i0 ? 1 : 0; }

@@ -45,14 +45,17 @@ P^T, dS^T and staged dQ_i rows are exact zeros and the reduce-add leaves the nex
 rows as they are (the module docstring of :mod:`fagen.families.wgmma`).
 
 Deterministic (``templates/wgmma/deterministic.cuh``): the same kernel and roles (no ``dq`` kernel),
-its main kernel taking ``dq_sem`` (``fagen.abi.DQ_SEM``: int32 per (Q block, batch, q head), zeroed by
-the launcher for every call). Before the reduce-add of (q head, Q block i) the producer's leader spins
-(``ld.acquire.gpu``) until the counter holds j - j_first(i), the K/V blocks below j that reach i (one
-run: the mask is a band), and after it waits until the add is written (``cp.async.bulk.wait_group 0``)
-and passes the turn (``red.release.gpu.add``): dQ_i sums its K/V blocks' tiles in ascending order on
-every run. A CTA waits only on lower K/V blocks of its (batch, kv head), i.e. lower linear block
-indices, so the ascending launch order keeps it deadlock-free. The consumers' tile loop is the plain
-one. With ALiBi at d = 96 / 128 the tile would spill (:data:`BWD_DET_ALIBI_REGS`): declined.
+its main kernel taking ``dq_sem`` (``fagen.abi.DQ_SEM``: int32 per (Q block, batch, q head, copy), zeroed by
+the launcher for every call) and a dq_accum of ``fagen.abi.DQ_COPIES`` partial sums per q head. The CTAs run
+the highest K/V block first; without a causal mask or a window (and with n_kv <= n_q) K/V block j visits
+its Q blocks rotated from Q block j, the adds after the wrap going to copy 1. Before the reduce-add of
+(q head, Q block i) the producer's leader spins (``ld.acquire.gpu``) until the counter of its copy holds its
+turn (top - j: the K/V blocks of its copy above j that reach i, which arrive before it), and after it waits
+until the add is written (``cp.async.bulk.wait_group 0``) and passes the turn (``red.release.gpu.add``): each
+copy of dQ_i sums its K/V blocks' tiles in descending order on every run. A CTA waits only on higher K/V blocks
+of its (batch, kv head), i.e. lower linear block indices, so the ascending launch order keeps it deadlock-free.
+The consumers' tile loop is the plain one. With ALiBi at d = 96 / 128 the tile would spill
+(:data:`BWD_DET_ALIBI_REGS`): declined.
 
 A bool mask, a bias and its gradient (``attn_mask``, ``bias``, ``bias_grad``; ``templates/wgmma/mask_bias.cuh``):
 the thread's elements of S^T are two keys x the step's Q rows, so each is one read (the mask zeroes P^T, the
