@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import fagen.functional as F
+from fagen import KernelSpec
 from fagen.runtime import cpu
 
 import wgmma_cases as W
@@ -130,8 +131,8 @@ def test_alibi_on_huge_scores_takes_the_exact_path() -> None:
 
 # --------------------------------------------------------------------------- the forward's softcap tanh on the SFU
 def test_the_softcap_sfu_knob_is_the_forwards_and_16_bit_only() -> None:
-    """``softcap_sfu`` (off by default: ptxas spills with it in some forwards) takes the forward with softcap
-    on fp16 / bf16; the backward takes the SFU's tanh without it."""
+    """``softcap_sfu`` (off by default: the forward's lse leaves flash-attn's criterion with it) takes the
+    forward with softcap on fp16 / bf16; the backward takes the SFU's tanh without it."""
     from fagen.renderer import spec_constants
 
     on = W.spec("fwd", dict(d=128, dtype="float16", softcap=True), knobs={"softcap_sfu": 1})
@@ -141,6 +142,27 @@ def test_the_softcap_sfu_knob_is_the_forwards_and_16_bit_only() -> None:
     for direction, c in (("bwd", dict(d=128, dtype="float16", softcap=True)), ("fwd", dict(d=128, dtype="bfloat16"))):
         with pytest.raises(ValueError, match="softcap_sfu=1 needs the forward with softcap on float16 / bfloat16"):
             W.spec(direction, c, knobs={"softcap_sfu": 1}, impl="wgmma")
+
+
+def test_no_family_forward_takes_the_sfu_tanh_by_default_and_the_autotuner_never_sets_it() -> None:
+    """The forward's lse is an fp32 output: the SFU's tanh (2^-11) moved it past flash-attn's criterion on a GPU,
+    so every family's forward keeps tanhf unless a user sets ``softcap_sfu`` (``Knob.numerics``), which the
+    autotuner's enumeration leaves at its default; every family's 16-bit backward takes the SFU's."""
+    from fagen.autotune.candidates import enumerate_candidates
+    from fagen.families.wgmma import SOFTCAP_SFU
+    from fagen.renderer import spec_constants
+
+    assert SOFTCAP_SFU.numerics
+    for impl, arch in (("mma", "sm_80"), ("simt", "sm_80"), ("wgmma", "sm_90a")):
+        for dtype in ("float16", "bfloat16"):
+            fwd = KernelSpec(direction="fwd", head_dim=64, dtype=dtype, arch=arch, softcap=True, impl=impl)
+            bwd = KernelSpec(direction="bwd", head_dim=64, dtype=dtype, arch=arch, softcap=True, impl=impl)
+            assert not spec_constants(fwd)["SOFTCAP_TANH_APPROX"], fwd.name
+            assert spec_constants(bwd)["SOFTCAP_TANH_APPROX"], bwd.name
+    spec = KernelSpec(direction="fwd", head_dim=64, dtype="float16", arch="sm_90a", softcap=True)
+    keys = [c.key for c in enumerate_candidates(spec, sizes=(64, 128), warps=(4, 8))]
+    assert any(k[0] == "wgmma" for k in keys)
+    assert not any(dict(k[4]).get("softcap_sfu") for k in keys)
 
 
 def test_the_softcap_sfu_forward_takes_the_sfu_and_fewer_instructions() -> None:
