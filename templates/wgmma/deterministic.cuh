@@ -78,8 +78,8 @@ FA_DEVICE int wg_det_row(int qb, int j, bool rot, int i_end) {
 // K/V block j's copy at the Q block at row i0: 1 where its rotated visits reach it after their wrap.
 FA_DEVICE int wg_dq_copy(int j, int i0, bool rot) { return rot && j * BLOCK_R > i0 ? 1 : 0; }
 // The turn counter of (batch b, q head hq, the Q block at row i0, copy c): [i0 / BLOCK_R][b][hq][c] (gridDim.y
-// is the batch), 32-bit (fagen.abi.dq_sem_count elements, < 2^31); nothing kept in registers beyond b and
-// the rotation (the producer warp's 24).
+// is the batch), 32-bit (fagen.abi.dq_sem_count elements, < 2^31); worked out at the step's loads
+// (wg_dq_stage_turn).
 FA_DEVICE unsigned wg_dq_sem_index(int b, int hq, int heads, int i0, int c) {
     return (((unsigned)i0 / BLOCK_R * gridDim.y + (unsigned)b) * (unsigned)heads + (unsigned)hq) * DQ_COPIES + (unsigned)c;
 }
