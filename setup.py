@@ -24,5 +24,6 @@ setup(
         **{f"fagen._templates.{d}": TEMPLATE_FILES for d in TEMPLATE_DIRS},
         "fagen.emulator": ["*.h", "*.cpp"],
         "fagen.families.mma": ["codegen_table.json"],  # the stored search's table (fagen tune-codegen)
+        "fagen.families.wgmma": ["codegen_table.json"],
     },
 )

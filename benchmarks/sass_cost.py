@@ -81,48 +81,18 @@ class Row:
 
 def measure_specialised(text: str, kernel: str, fs, *, diagonal: bool = False):
     """(consumer TileLoop, producer TileLoop, instructions per 1e6 FLOPs) of a warp-specialised kernel
-    (the wgmma family): the consumer warps' tile loop walked with the family's ``tile_work`` (HGMMA per
-    warp and tile pair; one HGMMA m64nNk16 is 2 x 64 x N x 16 FLOPs of its warpgroup), the producer
-    warp's loop (the one holding the TMA loads) with its ``producer_work``; every warp of the CTA
-    counted: the consumer warps, the producer warp that issues the loads (its other warps exit at
-    once). None when either loop is not found."""
-    from fagen.autotune.sassloops import tile_loop
+    (the wgmma family): ``fagen.autotune.sassloops.measure_specialised`` -- the consumer warps' tile
+    loop(s) walked with the family's work (the split tile's two warpgroups each with its own), the
+    producer warp's loop (the one holding the TMA loads) with its ``producer_work``; every warp of the
+    CTA counted. None when a loop is not found."""
+    from fagen.autotune.sassloops import measure_specialised as measure_ws
     from fagen.families import get_family
 
     fam = get_family("wgmma")
-    work = fam.tile_work(fs, "main")
-    if work is None:  # a direction whose work the family does not state: no row
+    if fam.consumer_loops(fs) is None:  # a direction whose work the family does not state: no row
         print(f"sass_cost: the wgmma family states no tile work for direction={fs.direction}", file=sys.stderr)
         return None
-    from fagen.families.wgmma import bwd
-
-    if fs.direction == "bwd" and bwd.split_dkv(fs):
-        return _measure_split(text, kernel, fs, fam, diagonal)
-    consumer = tile_loop(text, kernel, work, diagonal=diagonal)
-    producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
-    if consumer is None or producer is None:
-        return None
-    total = consumer.total() * fs.num_warps + producer.total() * fam.producer_warps(fs)
-    return consumer, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)
-
-
-def _measure_split(text: str, kernel: str, fs, fam, diagonal: bool):
-    """measure_specialised of the backward's split tile (head dims past 128): its two consumer warpgroups run
-    loops of their own, each walked with its own HGMMA work (``bwd.split_tile_work``): the dK~ warpgroup's
-    (the loop holding the dS^T stmatrix, STSM) and the dV~ warpgroup's (the loop holding the dQ_i staging
-    stores, STS), four warps each. The consumer TileLoop returned is the dK~ warpgroup's, plus the dV~'s
-    instructions in the total."""
-    from fagen.autotune.sassloops import tile_loop
-    from fagen.families.wgmma import bwd
-
-    dk_work, dv_work = bwd.split_tile_work(fs)
-    dk = tile_loop(text, kernel, dk_work, diagonal=diagonal, anchor=("STSM",))
-    dv = tile_loop(text, kernel, dv_work, diagonal=diagonal, anchor=("STS",))
-    producer = tile_loop(text, kernel, fam.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
-    if dk is None or dv is None or producer is None or dk is dv:
-        return None
-    total = (dk.total() + dv.total()) * 4 + producer.total() * fam.producer_warps(fs)
-    return dk, producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)
+    return measure_ws(text, kernel, fs, fam, diagonal=diagonal)
 
 
 def row_of(name: str, loop, per_mflop: float, direction: str, head_dim: int, block_r: int, block_c: int,

@@ -90,7 +90,7 @@ def _add_spec_options(p: argparse.ArgumentParser, *, head_dim_required: bool = T
                    help=f"kernel family, one of {one_of(family_names())} "
                         f"(default: the preferred family that implements the spec)")
     g.add_argument("--codegen", action="append", default=None, metavar="KNOB=VALUE",
-                   help="set a codegen knob of the family (the mma family's, e.g. fwd_q_in_regs=0), before the "
+                   help="set a codegen knob of the family (mma's, e.g. fwd_q_in_regs=0; wgmma's, e.g. ds_row_xor=1), before the "
                         "stored search's table and the starting points; repeat for more "
                         "(default: none, `fagen explain` shows each knob's value and source)")
 
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain_arguments(p)
     p.set_defaults(func=cmd_explain)
-    p = sub.add_parser("tune-codegen", help="search the mma family's codegen knobs of a class (or --all) with NVRTC "
+    p = sub.add_parser("tune-codegen", help="search a family's codegen knobs (mma, wgmma) of a class (or --all) with NVRTC "
                                             "and store the winners in its table")
     _add_spec_options(p, head_dim_required=False)
     from .autotune.codegen import add_arguments as tune_codegen_arguments

@@ -489,6 +489,8 @@ constexpr int DQ_MT = 1;  // m64 tiles of dQ_i per consumer warpgroup
 constexpr int DQ_COLS = 64;  // head-dim columns of dQ_i per consumer warpgroup
 constexpr int DQ_GROUP = 8;  // fp32 columns per dQ_i staging group (one TMA reduce-add box)
 constexpr bool DV_EARLY = true;  // dV~ += P^T dO_i issued while dP^T is in flight
+constexpr bool DS_ROW_XOR = false;  // dS^T's stmatrix addresses: one held address XORed per k step
+constexpr bool LSE_ROWS_ROLLED = false;  // the producer's lse_i / D_i rows in a rolled loop
 
 // ---- shared-memory layout (fagen.layout; checked against sizeof below) ----
 // Each buffer starts at the next multiple of its own alignment (16 B unless the family asks for more).
@@ -1032,6 +1034,7 @@ FA_DEVICE double fa_sink_lse(double lse_s, double sink, double* o_scale) {
 //       fa_bulk_reduce_add_f32(gmem_dst, smem_src, bytes) (cp.reduce.async.bulk .add.f32),
 //       bulk_group; bytes a multiple of 16, addresses 16-byte aligned.
 // stmatrix (9.7.14.5.16 "stmatrix"): fa_stmatrix_x{1,2,4}[_trans](row_addr, r):
+//   row_addr a pointer into the dynamic shared memory, or its shared address (fa_shared_u32);
 //   lanes 8i..8i+7 give the rows of matrix i; r[i] of lane l holds elements
 //   (l>>2, 2(l%4)) and (.., +1) of matrix i (of its transpose with _trans).
 // fa_setmaxnreg_inc<N>(), fa_setmaxnreg_dec<N>() (9.7.17.x "setmaxnreg"):
@@ -1447,11 +1450,12 @@ FA_DEVICE void fa_bulk_wait_group_read() {
 
 // ---------------------------------------------------------------- stmatrix
 #define FA_STMATRIX(NAME, QUAL, N, REGS, ...)                                                                      \
-    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N]) {                                                 \
-        asm volatile("stmatrix.sync.aligned.m8n8." QUAL ".shared.b16 [%0], " REGS ";\n" ::"r"(fa_shared_u32(row_addr)), \
+    FA_DEVICE void NAME(unsigned row_saddr, const unsigned (&r)[N]) {                                             \
+        asm volatile("stmatrix.sync.aligned.m8n8." QUAL ".shared.b16 [%0], " REGS ";\n" ::"r"(row_saddr),          \
                      __VA_ARGS__                                                                                   \
                      : "memory");                                                                                  \
-    }
+    }                                                                                                              \
+    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N]) { NAME(fa_shared_u32(row_addr), r); }
 FA_STMATRIX(fa_stmatrix_x1, "x1", 1, "{ %1 }", "r"(r[0]))
 FA_STMATRIX(fa_stmatrix_x2, "x2", 2, "{ %1, %2 }", "r"(r[0]), "r"(r[1]))
 FA_STMATRIX(fa_stmatrix_x4, "x4", 4, "{ %1, %2, %3, %4 }", "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]))
@@ -1614,9 +1618,13 @@ FA_DEVICE void fa_bulk_wait_group_read(FAGEN_EMU_SITE) {
     static_assert(N >= 0, "fa_bulk_wait_group_read<N>: N >= 0");
     fagen_emu::hopper::bulk_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
-#define FA_STMATRIX(NAME, N, TRANS)                                                           \
-    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N], FAGEN_EMU_SITE) {            \
-        fagen_emu::hopper::stmatrix<N, TRANS>(row_addr, r, #NAME, FAGEN_EMU_SITE_ARGS);       \
+#define FA_STMATRIX(NAME, N, TRANS)                                                                              \
+    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N], FAGEN_EMU_SITE) {                               \
+        fagen_emu::hopper::stmatrix<N, TRANS>(row_addr, r, #NAME, FAGEN_EMU_SITE_ARGS);                          \
+    }                                                                                                             \
+    FA_DEVICE void NAME(unsigned row_saddr, const unsigned (&r)[N], FAGEN_EMU_SITE) {                           \
+        fagen_emu::hopper::stmatrix<N, TRANS>(fagen_emu::hopper::shared_ptr(row_saddr, #NAME, FAGEN_EMU_SITE_ARGS), \
+                                              r, #NAME, FAGEN_EMU_SITE_ARGS);                                     \
     }
 FA_STMATRIX(fa_stmatrix_x1, 1, false)
 FA_STMATRIX(fa_stmatrix_x2, 2, false)
@@ -1812,6 +1820,19 @@ FA_DEVICE void wg_frags(const float (&acc)[BLOCK_R / 2], unsigned (&a)[BLOCK_R /
     for (int kc = 0; kc < BLOCK_R / 16; ++kc)
 #pragma unroll
         for (int x = 0; x < 4; ++x) a[kc][x] = wg_pack(acc[8 * kc + 2 * x], acc[8 * kc + 2 * x + 1]);
+}
+// dS^T -> smem from wg_frags' registers (stmatrix x4 per k step), 128-byte swizzle: 16-byte chunk ^ row % 8,
+// panels of BLOCK_C rows x 128 bytes; lanes 8m..8m+7 give matrix m's rows (key row sm_kr, Q columns
+// 8 (2 kc + (m >> 1))). DS_ROW_XOR (codegen knob ds_row_xor): one address held, k step kc's the lane's
+// k-step-0 address ^ 32 (kc % 4) in panel kc / 4 (sds is 1024-byte aligned, so the chunk bits 5..6 are the
+// XOR's alone); else an address per k step, each held.
+FA_DEVICE void wg_ds_store(T* sds, int sm_kr, int sm_m, const unsigned (&dsa)[BLOCK_R / 16][4]) {
+#pragma unroll
+    for (int kc = 0; kc < BLOCK_R / 16; ++kc) {
+        const int n = 2 * kc + (sm_m >> 1);
+        fa_stmatrix_x4(sds + (n / 8) * BLOCK_C * PANEL_ELEMS + sm_kr * PANEL_ELEMS + (((n % 8) ^ (sm_kr % 8)) * 8),
+                       dsa[kc]);
+    }
 }
 }  // namespace fa
 
@@ -2172,15 +2193,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
                 wg_ds(s_acc, dp_acc, sdlt + st * BLOCK_R, scale, t4);
                 wg_frags(dp_acc, dsa);
 
-                // dS^T -> smem (stmatrix x4), 128-byte swizzle: 16-byte chunk ^ row % 8. Stored before the
-                // register-A dK~ wgmma below is issued: its A registers (dsa) may not be read by anything
-                // else until the wait_group that retires it (PTX ISA, wgmma.wait_group), as FA3 does.
-#pragma unroll
-                for (int kc = 0; kc < BLOCK_R / 16; ++kc) {
-                    const int n = 2 * kc + (sm_m >> 1);
-                    fa_stmatrix_x4(sds + (n / 8) * BLOCK_C * PANEL_ELEMS + sm_kr * PANEL_ELEMS + (((n % 8) ^ (sm_kr % 8)) * 8),
-                                   dsa[kc]);
-                }
+                // dS^T -> smem. Stored before the register-A dK~ wgmma below is issued: its A registers (dsa)
+                // may not be read by anything else until the wait_group that retires it (PTX ISA,
+                // wgmma.wait_group), as FA3 does.
+                wg_ds_store(sds, sm_kr, sm_m, dsa);
                 fa_wgmma_fence();
 #pragma unroll
                 for (int kc = 0; kc < BLOCK_R / 16; ++kc)

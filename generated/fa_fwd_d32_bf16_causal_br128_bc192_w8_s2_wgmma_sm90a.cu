@@ -972,6 +972,7 @@ FA_DEVICE double fa_sink_lse(double lse_s, double sink, double* o_scale) {
 //       fa_bulk_reduce_add_f32(gmem_dst, smem_src, bytes) (cp.reduce.async.bulk .add.f32),
 //       bulk_group; bytes a multiple of 16, addresses 16-byte aligned.
 // stmatrix (9.7.14.5.16 "stmatrix"): fa_stmatrix_x{1,2,4}[_trans](row_addr, r):
+//   row_addr a pointer into the dynamic shared memory, or its shared address (fa_shared_u32);
 //   lanes 8i..8i+7 give the rows of matrix i; r[i] of lane l holds elements
 //   (l>>2, 2(l%4)) and (.., +1) of matrix i (of its transpose with _trans).
 // fa_setmaxnreg_inc<N>(), fa_setmaxnreg_dec<N>() (9.7.17.x "setmaxnreg"):
@@ -1387,11 +1388,12 @@ FA_DEVICE void fa_bulk_wait_group_read() {
 
 // ---------------------------------------------------------------- stmatrix
 #define FA_STMATRIX(NAME, QUAL, N, REGS, ...)                                                                      \
-    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N]) {                                                 \
-        asm volatile("stmatrix.sync.aligned.m8n8." QUAL ".shared.b16 [%0], " REGS ";\n" ::"r"(fa_shared_u32(row_addr)), \
+    FA_DEVICE void NAME(unsigned row_saddr, const unsigned (&r)[N]) {                                             \
+        asm volatile("stmatrix.sync.aligned.m8n8." QUAL ".shared.b16 [%0], " REGS ";\n" ::"r"(row_saddr),          \
                      __VA_ARGS__                                                                                   \
                      : "memory");                                                                                  \
-    }
+    }                                                                                                              \
+    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N]) { NAME(fa_shared_u32(row_addr), r); }
 FA_STMATRIX(fa_stmatrix_x1, "x1", 1, "{ %1 }", "r"(r[0]))
 FA_STMATRIX(fa_stmatrix_x2, "x2", 2, "{ %1, %2 }", "r"(r[0]), "r"(r[1]))
 FA_STMATRIX(fa_stmatrix_x4, "x4", 4, "{ %1, %2, %3, %4 }", "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]))
@@ -1554,9 +1556,13 @@ FA_DEVICE void fa_bulk_wait_group_read(FAGEN_EMU_SITE) {
     static_assert(N >= 0, "fa_bulk_wait_group_read<N>: N >= 0");
     fagen_emu::hopper::bulk_wait(unsigned(N), FAGEN_EMU_SITE_ARGS);
 }
-#define FA_STMATRIX(NAME, N, TRANS)                                                           \
-    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N], FAGEN_EMU_SITE) {            \
-        fagen_emu::hopper::stmatrix<N, TRANS>(row_addr, r, #NAME, FAGEN_EMU_SITE_ARGS);       \
+#define FA_STMATRIX(NAME, N, TRANS)                                                                              \
+    FA_DEVICE void NAME(void* row_addr, const unsigned (&r)[N], FAGEN_EMU_SITE) {                               \
+        fagen_emu::hopper::stmatrix<N, TRANS>(row_addr, r, #NAME, FAGEN_EMU_SITE_ARGS);                          \
+    }                                                                                                             \
+    FA_DEVICE void NAME(unsigned row_saddr, const unsigned (&r)[N], FAGEN_EMU_SITE) {                           \
+        fagen_emu::hopper::stmatrix<N, TRANS>(fagen_emu::hopper::shared_ptr(row_saddr, #NAME, FAGEN_EMU_SITE_ARGS), \
+                                              r, #NAME, FAGEN_EMU_SITE_ARGS);                                     \
     }
 FA_STMATRIX(fa_stmatrix_x1, 1, false)
 FA_STMATRIX(fa_stmatrix_x2, 2, false)

@@ -186,7 +186,7 @@ def test_the_backwards_old_register_a_order_is_a_ptx_hazard() -> None:
 
     template = "wgmma/bwd.cu.j2"
     text = (renderer.templates_dir() / template).read_text()
-    stores_start = "                // dS^T -> smem (stmatrix x4)"
+    stores_start = "                // dS^T -> smem. Stored before"
     issue_start = "                fa_wgmma_fence();\n{% if not DV_EARLY %}"
     issue_end = "                fa_wgmma_commit_group();\n"
     s0 = text.index(stores_start)

@@ -228,8 +228,11 @@ def test_the_template_synchronises_at_these_sites() -> None:
     # deterministic backward's wait for its reduce-add's writes
     assert sum(k.startswith("fa_mbarrier_wait_parity") for k in kinds) == 5, kinds  # + dq_full, dq_empty
     assert sum(k.startswith("fa_wgmma_wait_group") for k in kinds) == 4, kinds
-    assert get_family("wgmma").template_context(_spec(**RACE_SPEC).family_spec)["constants"][-1].value is False
-    assert get_family("wgmma").template_context(_spec(**RACE_SPEC_1WG).family_spec)["constants"][-1].value is True
+    def dv_early(spec):
+        consts = get_family("wgmma").template_context(spec.family_spec)["constants"]
+        return next(c.value for c in consts if c.name == "DV_EARLY")
+
+    assert dv_early(_spec(**RACE_SPEC)) is False and dv_early(_spec(**RACE_SPEC_1WG)) is True
 
 
 #: Removals the emulator does not report (none: the producer's read wait after each dQ_i reduce-add

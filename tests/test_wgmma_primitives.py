@@ -83,14 +83,19 @@ extern "C" __global__ void stm(const unsigned* regs, const int* rowidx, unsigned
     unsigned r[4];
     for (int i = 0; i < 4; ++i) r[i] = regs[lane * 4 + i];
     void* row = s + rowidx[lane] * 16;
-    switch (variant) {
-        case 0: { unsigned x[1] = {r[0]}; fa_stmatrix_x1(row, x); break; }
-        case 1: { unsigned x[2] = {r[0], r[1]}; fa_stmatrix_x2(row, x); break; }
-        case 2: { fa_stmatrix_x4(row, r); break; }
-        case 3: { unsigned x[1] = {r[0]}; fa_stmatrix_x1_trans(row, x); break; }
-        case 4: { unsigned x[2] = {r[0], r[1]}; fa_stmatrix_x2_trans(row, x); break; }
-        default: fa_stmatrix_x4_trans(row, r);
+    // variant & 8: the row as its shared address (fa_shared_u32), the form PTX's [%r] operand takes;
+    // variant & 16: an address past the window (the emulator names it)
+    const unsigned addr = (variant & 16) ? 0xfffffff0u : fa_shared_u32(row);
+#define FA_STM(NAME, X) do { if (variant & 24) NAME(addr, X); else NAME(row, X); } while (0)
+    switch (variant & 7) {
+        case 0: { unsigned x[1] = {r[0]}; FA_STM(fa_stmatrix_x1, x); break; }
+        case 1: { unsigned x[2] = {r[0], r[1]}; FA_STM(fa_stmatrix_x2, x); break; }
+        case 2: { FA_STM(fa_stmatrix_x4, r); break; }
+        case 3: { unsigned x[1] = {r[0]}; FA_STM(fa_stmatrix_x1_trans, x); break; }
+        case 4: { unsigned x[2] = {r[0], r[1]}; FA_STM(fa_stmatrix_x2_trans, x); break; }
+        default: FA_STM(fa_stmatrix_x4_trans, r);
     }
+#undef FA_STM
     fa_sync();
     for (int k = lane; k < 32 * 16; k += 32) out[k] = s[k];
 }
@@ -463,14 +468,15 @@ def test_wgmma_needs_the_whole_warpgroup(mod) -> None:
 
 
 # ---------------------------------------------------------------- stmatrix
+@pytest.mark.parametrize("by_address", [False, True], ids=["pointer", "shared-address"])
 @pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("num", [1, 2, 4])
-def test_stmatrix_matches_layout_model(mod, num: int, trans: bool) -> None:
+def test_stmatrix_matches_layout_model(mod, num: int, trans: bool, by_address: bool) -> None:
     rng = np.random.default_rng(num + 8 * trans)
     regs = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
     rowidx = rng.permutation(32).astype(np.int32)
     out = np.zeros(32 * 16, np.uint16)
-    mod.launch("stm", 1, 32, 32 * 16 * 2, [regs, rowidx, out, {1: 0, 2: 1, 4: 2}[num] + 3 * trans])
+    mod.launch("stm", 1, 32, 32 * 16 * 2, [regs, rowidx, out, {1: 0, 2: 1, 4: 2}[num] + 3 * trans + 8 * by_address])
     smem = out.reshape(32, 16)
     expect = np.full((32, 16), 0xDEAD, np.uint16)
     for i in range(num):
@@ -482,6 +488,13 @@ def test_stmatrix_matches_layout_model(mod, num: int, trans: bool) -> None:
         for r in range(8):
             expect[rowidx[8 * i + r], :8] = mat[r]  # row r of matrix i goes to lane 8i + r's address
     np.testing.assert_array_equal(smem, expect)
+
+
+def test_stmatrix_at_a_shared_address_past_the_window_is_named(mod) -> None:
+    regs, rowidx, out = np.zeros((32, 4), np.uint32), np.arange(32, dtype=np.int32), np.zeros(32 * 16, np.uint16)
+    with pytest.raises(EmulatorKernelError, match="fa_stmatrix_x4 at .*shared address 4294967280 is not in the "
+                                                  "dynamic shared memory window"):
+        mod.launch("stm", 1, 32, 32 * 16 * 2, [regs, rowidx, out, 2 + 16])
 
 
 # --------------------------------------------------------------------- TMA

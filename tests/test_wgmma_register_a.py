@@ -136,7 +136,7 @@ def test_a_write_to_a_before_the_wait_names_both_lines(rega) -> None:
 # --------------------------------------------------------------------------- the backward
 TEMPLATE = "wgmma/bwd.cu.j2"
 #: The dS^T stores (stmatrix from the dK~ wgmma's A registers) and the register-A wgmmas after them.
-_STORES_START = "                // dS^T -> smem (stmatrix x4)"
+_STORES_START = "                // dS^T -> smem. Stored before"
 _ISSUE_START = "                fa_wgmma_fence();\n{% if not DV_EARLY %}"
 _ISSUE_END = "                fa_wgmma_commit_group();\n"
 
@@ -148,7 +148,7 @@ def _stores_after_the_dk_wgmma(text: str) -> str:
     i0 = text.index(_ISSUE_START, s0)
     i1 = text.index(_ISSUE_END, i0) + len(_ISSUE_END)
     stores, issue = text[s0:i0], text[i0:i1]
-    assert "fa_stmatrix_x4" in stores and "dsa[kc]" in stores and "fa_wgmma_m64nNk16_rs" in issue
+    assert "wg_ds_store(sds, sm_kr, sm_m, dsa);" in stores and "fa_wgmma_m64nNk16_rs" in issue
     return text[:s0] + issue + "\n" + stores + text[i1:]
 
 
@@ -170,8 +170,9 @@ def test_backward_stores_ds_before_the_register_a_wgmma(kw) -> None:
     old = gates.mutated_module(spec, TEMPLATE, _stores_after_the_dk_wgmma(text))
     src = old.rendered.source.splitlines()
     wg_line = next(i for i, t in enumerate(src, 1) if "fa_wgmma_m64nNk16_rs<T, PAD_DIM, 1>(dk_acc, dsa[kc]" in t)
-    st_line = next(i for i, t in enumerate(src, 1) if "fa_stmatrix_x4(sds" in t)
-    assert st_line > wg_line
+    st_line = next(i for i, t in enumerate(src, 1) if "fa_stmatrix_x4(sds" in t)  # in wg_ds_store
+    store_call = next(i for i, t in enumerate(src, 1) if "wg_ds_store(sds, sm_kr, sm_m, dsa);" in t)
+    assert store_call > wg_line
     from fagen.runtime import cpu
 
     real = cpu.cpu_module

@@ -1,17 +1,18 @@
-"""The stored search of the mma family's codegen knobs (``fagen tune-codegen``; no GPU).
+"""The stored search of a family's codegen knobs (``fagen tune-codegen``; no GPU): the mma family's
+(:mod:`fagen.families.mma.codegen`) and the wgmma family's (:mod:`fagen.families.wgmma.codegen`).
 
-For one class (:func:`fagen.families.mma.codegen.class_key`: NVRTC major, arch, dtype, padded head
+For one class (:func:`fagen.families.codegen.class_key`: NVRTC major, arch, dtype, padded head
 dims, direction, tile and warps, flags) the search starts from the knobs' starting points (the
-rules of fagen.families.mma.rules) and walks one knob at a time (coordinate descent): each other
+family's rules) and walks one knob at a time (coordinate descent): each other
 legal value of the knob, the others at the best setting so far, is rendered, NVRTC-compiled and
 scored; a cheaper setting becomes the best, and the passes repeat until one changes nothing or
 ``max_configs`` settings were tried. A setting is rejected when a kernel of the module spills or
 uses local memory (more stack than the starting point's) or when one of its tile-loop rows (the
 interior, and a causal kernel's diagonal) costs more than the starting point's. The score is the
 warp instructions of the steady-state tile loop per 1e6 tensor-core FLOPs
-(:func:`fagen.autotune.sassloops.measure`, the figure of benchmarks/sass_cost.py), summed over the
-rows; a failing compile scores inf. The winners go to the table the family reads
-(``fagen/families/mma/codegen_table.json``).
+(:func:`fagen.autotune.sassloops.measure`, or :func:`~fagen.autotune.sassloops.measure_specialised` for a
+warp-specialised kernel: the figure of benchmarks/sass_cost.py), summed over the rows; a failing compile
+scores inf. The winners go to the table the family reads (``codegen_table.json`` beside its codegen module).
 
 ``evaluate`` is the seam: a callable (KernelSpec, values) -> :class:`Evaluation`; the default,
 :func:`nvrtc_evaluate`, compiles with NVRTC and reads the SASS with nvdisasm.
@@ -26,24 +27,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FagenError, InputError
-from ..families.mma.codegen import (
-    TABLE_FORMAT,
-    TABLE_PATH,
-    class_key,
-    clear_table,
-    forcing,
-    illegal_reason,
-    knobs_for,
-    nvrtc_major,
-    start_values,
-)
+from ..families import get_family
+from ..families.codegen import TABLE_FORMAT, CodegenSet, class_key, clear_tables, forcing, nvrtc_major
 from ..spec import KernelSpec
 
-__all__ = ["DEFAULT_MAX_CONFIGS", "ClassResult", "Evaluation", "Trial", "default_classes", "nvrtc_evaluate",
-           "search_class", "write_table"]
+__all__ = ["DEFAULT_MAX_CONFIGS", "ClassResult", "Evaluation", "Trial", "codegen_set", "default_classes",
+           "nvrtc_evaluate", "search_class", "write_table"]
+
+#: The families with codegen knobs, in the order ``--all`` searches them.
+FAMILIES = ("mma", "wgmma")
 
 #: Settings tried per class at most (the starting point included).
 DEFAULT_MAX_CONFIGS = 16
+
+
+def codegen_set(impl: str | None) -> CodegenSet | None:
+    """The codegen knobs of family ``impl`` (``Family.codegen_set``), None for a family without any."""
+    if impl is None:
+        return None
+    try:
+        return getattr(get_family(impl), "codegen_set", None)
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
     from ..compiler import options_for, parse_ptxas
     from ..errors import CompileError
     from ..renderer import render_with
-    from .sassloops import measure
+    from .sassloops import measure, measure_specialised
 
     with forcing(values):
         rendered = render_with(spec, {})
@@ -138,10 +143,16 @@ def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
     if text is None:
         raise CodegenSearchError("nvdisasm not found (pip install nvidia-cuda-nvdisasm): the search reads the SASS")
     fs, kname = spec.family_spec, rendered.kernel("main").name
+    family = get_family(spec.impl)
     rows: dict[str, float] = {}
     for variant, diag in [("interior", False)] + ([("diag", True)] if spec.causal else []):
-        got = measure(text, kname, spec.direction, spec.head_dim, -(-spec.head_dim // 16) * 16, fs.block_r, fs.block_c,
-                      fs.num_warps, diagonal=diag, dq_atomics=not spec.deterministic, head_dim_v=spec.head_dim_v)
+        if hasattr(family, "consumer_loops"):  # warp-specialised: consumer and producer loops
+            ws = measure_specialised(text, kname, fs, family, diagonal=diag)
+            got = None if ws is None else (ws[0], ws[2])
+        else:
+            got = measure(text, kname, spec.direction, spec.head_dim, -(-spec.head_dim // 16) * 16, fs.block_r,
+                          fs.block_c, fs.num_warps, diagonal=diag, dq_atomics=not spec.deterministic,
+                          head_dim_v=spec.head_dim_v)
         if got is None:
             return Evaluation(spill_bytes=spill, local_bytes=local, error=f"no {variant} tile loop found in the SASS")
         rows[variant] = got[1]
@@ -149,20 +160,27 @@ def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
 
 
 class CodegenSearchError(FagenError, RuntimeError):
-    """The stored search cannot run (no disassembler, a spec outside the mma family)."""
+    """The stored search cannot run (no disassembler, no NVRTC)."""
 
 
 # --------------------------------------------------------------------------- the search
-def _settings_one_knob(spec: KernelSpec, best: Mapping[str, int]) -> Iterable[dict[str, int]]:
+def _settings_one_knob(cs: CodegenSet, spec: KernelSpec, best: Mapping[str, int]) -> Iterable[dict[str, int]]:
     fs = spec.family_spec
-    for k in knobs_for(fs):
+    for k in cs.knobs_for(fs):
         if k.unsearched is not None:
             continue
         for v in k.values:
             if v != best[k.name]:
                 cand = {**best, k.name: v}
-                if illegal_reason(fs, cand) is None:
+                if cs.illegal_reason(fs, cand) is None:
                     yield cand
+
+
+def _checked_set(spec: KernelSpec) -> CodegenSet:
+    cs = codegen_set(spec.impl)
+    if cs is None:
+        raise InputError("impl", f"a spec of a family with codegen knobs ({', '.join(FAMILIES)})", spec.impl)
+    return cs
 
 
 def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[str, int]], Evaluation] = nvrtc_evaluate,
@@ -170,14 +188,13 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
                  log: Callable[[str], None] | None = None) -> ClassResult:
     """Search the knobs of ``spec``'s class (coordinate descent from the starting points, at most
     ``max_configs`` settings); ``evaluate`` compiles and scores one setting."""
-    if spec.impl != "mma":
-        raise InputError("impl", "a spec of the mma family (its codegen knobs)", spec.impl)
+    cs = _checked_set(spec)
     if max_configs < 1:
         raise InputError("max_configs", "at least 1", max_configs)
     fs = spec.family_spec
     key = class_key(fs, major)
     t0 = time.perf_counter()
-    start = start_values(fs)
+    start = cs.start_values(fs)
     seen: dict[tuple, Trial] = {}
     order: list[Trial] = []
 
@@ -208,7 +225,7 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
     changed = True
     while changed and len(order) < max_configs:
         changed = False
-        for cand in list(_settings_one_knob(spec, best.values)):
+        for cand in list(_settings_one_knob(cs, spec, best.values)):
             if len(order) >= max_configs:
                 break
             if tuple(sorted(cand.items())) in seen:
@@ -221,10 +238,17 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
 
 # --------------------------------------------------------------------------- the table
 def write_table(results: Iterable[ClassResult], path: Path | None = None, *, major: int | None = None) -> Path:
-    """Merge the winners of ``results`` into the table at ``path`` (default: the one the family
-    reads) and return the path. A class whose winner is its starting point is stored too (the
-    search ran; nothing beat the rules)."""
-    p = TABLE_PATH if path is None else Path(path)
+    """Merge the winners of ``results`` into the table at ``path`` (default: the one their family
+    reads; results of several families need one call each) and return the path. A class whose winner
+    is its starting point is stored too (the search ran; nothing beat the rules)."""
+    results = list(results)
+    sets = {id(s): s for s in (_checked_set(r.spec) for r in results)}
+    if path is None and len(sets) > 1:
+        raise InputError("results", "the classes of one family (each family has its own table)",
+                         sorted({r.spec.impl for r in results}))
+    p = Path(path) if path is not None else next(iter(sets.values())).table if sets else None
+    if p is None:
+        raise InputError("results", "at least one class", "none")
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
@@ -244,16 +268,47 @@ def write_table(results: Iterable[ClassResult], path: Path | None = None, *, maj
         p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     except OSError as e:
         raise InputError("table", "a writable file", f"{p} ({e.strerror or e})") from None
-    clear_table()
+    clear_tables()
     return p
 
 
-def default_classes() -> list[KernelSpec]:
-    """The mma family's specs of benchmarks/sass_cost.py's default rows: backward and forward, float16
-    and bfloat16, d = 64 and 128, sm_80 and sm_90, causal or not (sm_90a's rows are the wgmma family's)."""
-    return [KernelSpec(direction=dr, dtype=dt, head_dim=d, arch=a, causal=c)
-            for dr in ("bwd", "fwd") for a in ("sm_80", "sm_90") for dt in ("float16", "bfloat16")
-            for d in (64, 128) for c in (False, True)]
+#: The wgmma backward's feature classes the search covers beside the plain rows (at d = 64 and 128): the
+#: feature rows of docs/performance.md's Hopper tables.
+WGMMA_FEATURES: tuple[dict[str, bool], ...] = (
+    {"deterministic": True}, {"deterministic": True, "key_padding": True}, {"deterministic": True, "varlen": True},
+    {"deterministic": True, "causal": True}, {"bias": True}, {"bias": True, "bias_grad": True},
+    {"attn_mask": True}, {"dropout": True}, {"softcap": True}, {"alibi": True}, {"varlen": True},
+    {"key_padding": True}, {"window": True})
+
+
+def default_classes(impl: str | None = None) -> list[KernelSpec]:
+    """The classes ``--all`` searches (``impl``: one family's only). mma: benchmarks/sass_cost.py's default
+    rows -- backward and forward, float16 and bfloat16, d = 64 and 128, sm_80 and sm_90, causal or not.
+    wgmma (sm_90a, the backward, whose knobs these are): float16 and bfloat16, d = 64, 128, 192 and 256
+    causal or not, and at d = 64 and 128 each of :data:`WGMMA_FEATURES`."""
+    out: list[KernelSpec] = []
+    if impl in (None, "mma"):
+        out += [KernelSpec(direction=dr, dtype=dt, head_dim=d, arch=a, causal=c, impl="mma")
+                for dr in ("bwd", "fwd") for a in ("sm_80", "sm_90") for dt in ("float16", "bfloat16")
+                for d in (64, 128) for c in (False, True)]
+    if impl in (None, "wgmma"):
+        dts = ("float16", "bfloat16")
+        out += [KernelSpec(direction="bwd", dtype=dt, head_dim=d, arch="sm_90a", causal=c, impl="wgmma")
+                for dt in dts for d in (64, 128, 192, 256) for c in (False, True)]
+        out += [KernelSpec(direction="bwd", dtype=dt, head_dim=d, arch="sm_90a", impl="wgmma", **f)
+                for dt in dts for d in (64, 128) for f in WGMMA_FEATURES]
+    if impl is not None and impl not in FAMILIES:
+        raise InputError("impl", f"a family with codegen knobs ({', '.join(FAMILIES)})", impl)
+    return out
+
+
+def generated_classes(major: int | None) -> frozenset[str]:
+    """The classes of the kernels ``generated/`` holds (``fagen.generate.all_specs``): the shipped tables
+    leave them at their starting points, so that the emitted source does not depend on the NVRTC major
+    (or its absence) of the machine that renders it."""
+    from ..generate import all_specs
+
+    return frozenset(class_key(s.family_spec, major) for s in all_specs() if codegen_set(s.impl) is not None)
 
 
 def current_major() -> int:
@@ -267,11 +322,12 @@ def current_major() -> int:
 def add_arguments(p) -> None:
     g = p.add_argument_group("tune-codegen options")
     g.add_argument("--all", action="store_true",
-                   help="every class of benchmarks/sass_cost.py's default mma rows instead of the spec's (default: off)")
+                   help="every default class of the families with codegen knobs (mma, wgmma; with --impl, that "
+                        "family's) instead of the spec's (default: off)")
     g.add_argument("--max-configs", type=int, default=DEFAULT_MAX_CONFIGS, metavar="N",
                    help=f"settings tried per class at most, the starting point included (default: {DEFAULT_MAX_CONFIGS})")
     g.add_argument("--table", type=str, default=None, metavar="PATH",
-                   help="the table to merge the winners into (default: the one the mma family reads)")
+                   help="the table to merge the winners into (default: the one the class's family reads)")
     g.add_argument("--dry-run", action="store_true", help="search and print, write no table (default: off)")
 
 
@@ -284,18 +340,31 @@ def run(args, spec: KernelSpec | None) -> int:
     table = None if args.table is None else Path(args.table).expanduser()
     if table is not None and not table.resolve().parent.is_dir():
         raise InputError("--table", "a file in an existing directory", f"{table.resolve().parent} does not exist")
-    if spec is not None and spec.impl != "mma":
-        raise InputError("--impl", "a spec the mma family takes (tune-codegen searches its codegen knobs)", spec.impl)
-    specs = default_classes() if spec is None else [spec]
+    if spec is not None and codegen_set(spec.impl) is None:
+        raise InputError("--impl", f"a spec a family with codegen knobs takes ({', '.join(FAMILIES)}; tune-codegen "
+                         "searches them)", spec.impl)
+    impl = getattr(args, "impl", None)
+    if spec is None and impl is not None and impl not in FAMILIES:
+        raise InputError("--impl", f"a family with codegen knobs ({', '.join(FAMILIES)})", impl)
+    if spec is None and table is not None and impl is None:
+        raise InputError("--table", "one family's classes (--all --impl mma or --impl wgmma): each family has its "
+                         "own table", "--all of every family")
+    specs = default_classes(impl) if spec is None else [spec]
     major = current_major()
     log = logging.getLogger("fagen").info
-    results = []
+    generated = generated_classes(major) if table is None else frozenset()
+    written: dict[str, int] = {}
     for s in specs:
         r = search_class(s, max_configs=args.max_configs, major=major, log=log)
-        results.append(r)
         print("\n".join(r.summary()), flush=True)
-        if not args.dry_run:  # class by class: an interrupted --all keeps what it found
-            out = write_table([r], table, major=major)
-    if not args.dry_run:
-        print(f"wrote {len(results)} class(es) to {out}")
+        if args.dry_run:
+            continue
+        if r.key in generated:
+            print("  not stored: a class of generated/ (its kernels are rendered from the starting points, whatever "
+                  "NVRTC renders them; --table PATH stores it elsewhere)", flush=True)
+            continue
+        out = write_table([r], table, major=major)  # class by class: an interrupted --all keeps what it found
+        written[str(out)] = written.get(str(out), 0) + 1
+    for path, n in written.items():
+        print(f"wrote {n} class(es) to {path}")
     return 0

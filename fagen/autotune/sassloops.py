@@ -15,6 +15,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .. import sass
 
@@ -477,3 +478,23 @@ def measure(text: str, kernel: str, direction: str, head_dim: int, padded_dim: i
     if loop is None:
         return None
     return loop, loop.total() * w / (pair_flops(direction, head_dim, block_r, block_c, head_dim_v) / 1e6)
+
+
+def measure_specialised(text: str, kernel: str, fs: Any, family: Any, *, diagonal: bool = False):
+    """(consumer TileLoop, producer TileLoop, instructions per 1e6 FLOPs) of a warp-specialised kernel
+    (the wgmma family) in nvdisasm ``text``, or None when a loop is not found: each consumer loop of
+    ``family.consumer_loops(fs)`` walked with its work (HGMMA per warp and tile pair; one HGMMA m64nNk16 is
+    2 x 64 x N x 16 FLOPs of its warpgroup) and counted over the warps that run it, the producer warp's
+    loop (the smallest loop holding its TMA loads) with ``family.producer_work(fs)`` over
+    ``family.producer_warps(fs)`` (the elected warp; its warpgroup's other warps exit at once), over the
+    tile pair's FLOPs. The consumer TileLoop returned is the first loop's."""
+    loops = family.consumer_loops(fs)
+    if not loops:
+        return None
+    walked = [tile_loop(text, kernel, work, diagonal=diagonal, anchor=anchor) for work, anchor, _ in loops]
+    producer = tile_loop(text, kernel, family.producer_work(fs) or {}, anchor=("UTMALDG",), smallest=True)
+    if producer is None or any(w is None for w in walked) or len({id(w) for w in walked}) < len(walked):
+        return None
+    total = sum(w.total() * warps for w, (_, _, warps) in zip(walked, loops))
+    total += producer.total() * family.producer_warps(fs)
+    return walked[0], producer, total / (pair_flops(fs.direction, fs.head_dim, fs.block_r, fs.block_c, fs.dv) / 1e6)

@@ -213,6 +213,15 @@ inline unsigned shared_addr(const void* p, const char* what, const char* file, i
     return unsigned(c - g.smem);
 }
 
+// The pointer of a shared address (an offset into fa_smem(), as shared_addr gives): the
+// emulator's side of a primitive that takes the address itself, as PTX's [%r] operand does.
+inline unsigned char* shared_ptr(unsigned addr, const char* what, const char* file, int line) {
+    if (g.smem == nullptr || addr >= g.smem_bytes)
+        fail("%s at %s:%d: shared address %u is not in the dynamic shared memory window (%zu bytes)", what, file,
+             line, addr, g.smem_bytes);
+    return g.smem + addr;
+}
+
 // Swizzle of an absolute shared byte address (PTX ISA 9.7.15.5.1, "Shared
 // Memory Matrix Layout"): the 16-byte chunk index (bits 4..6) is XORed with the
 // 128-byte row index (bits 7..9) modulo 2, 4 or 8 for 32B / 64B / 128B.

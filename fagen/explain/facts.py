@@ -395,7 +395,7 @@ def explain(spec: KernelSpec, seqlen_q: int = 1024, seqlen_k: int | None = None,
         "algorithm4": alg,
         "hbm": hbm(spec, seqlen_q, seqlen_k),
         "source": rendered.source,
-        "codegen": None if plan.codegen is None else plan.codegen.as_dict(),
+        "codegen": None if plan.codegen is None or not plan.codegen.knobs else plan.codegen.as_dict(),
     }
     facts["resources"] = resources(spec) if with_resources else {"error": "not requested", "kernels": [], "sass": None}
     return facts

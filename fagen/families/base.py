@@ -290,6 +290,8 @@ class FamilyBase:
 
     name: str = ""
     preference: int = 100
+    #: The family's codegen knobs (a fagen.families.codegen.CodegenSet), None without any.
+    codegen_set: Any = None
     tile_multiple: int = 16
     max_block_r: int = 128
     max_block_c: int = 128

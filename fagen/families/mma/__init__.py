@@ -42,7 +42,7 @@ from fagen.families.base import (
     PairCost,
     Reason,
 )
-from fagen.families.mma.codegen import CODEGEN_KNOBS, CodegenConfig, codegen_config, override_reason
+from fagen.families.mma.codegen import CODEGEN, CODEGEN_KNOBS, CodegenConfig, codegen_config, override_reason
 from fagen.families.mma.cost import pair_cost
 from fagen.families.mma.rules import (
     BWD_RESIDENT_WARPS,
@@ -107,6 +107,7 @@ FWD_WIDE_WARPS = 8
 @dataclass(frozen=True)
 class MmaFamily(FamilyBase):
     name: str = "mma"
+    codegen_set: Any = CODEGEN  # its codegen knobs and table (fagen.families.mma.codegen)
     preference: int = 10  # preferred over the portable SIMT family wherever it applies
     tile_multiple: int = 16
     max_block_r: int = 128

@@ -102,7 +102,9 @@ from typing import Any, Literal
 
 from fagen.abi import FWD_MAIN, TENSORMAP, Role
 from fagen.families.base import Constant, FamilyBase, FamilySpec, Knob, Launch, PairCost, Reason, sfu_tanh_fits
+from fagen.families.codegen import CodegenConfig
 from fagen.families.wgmma import bwd
+from fagen.families.wgmma.codegen import CODEGEN
 from fagen.families.wgmma.cost import pair_cost
 from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
@@ -241,6 +243,7 @@ def tensor_map_boxes(fs: FamilySpec) -> dict[str, tuple[int, int, int, int]]:
 @dataclass(frozen=True)
 class WgmmaFamily(FamilyBase):
     name: str = "wgmma"
+    codegen_set: Any = CODEGEN  # its codegen knobs and table (fagen.families.wgmma.codegen)
     preference: int = 5  # preferred over mma where it applies (sm_90a only)
     tile_multiple: int = 64
     max_block_r: int = 128
@@ -348,15 +351,39 @@ class WgmmaFamily(FamilyBase):
         the producer warp's lanes); V_j and dO_i are head_dim_v wide."""
         return {"UTMALDG": (padded_dim(fs.head_dim) + padded_dim(fs.dv)) / PANEL}
 
+    def consumer_loops(self, fs: FamilySpec) -> tuple[tuple[dict[str, float], tuple[str, ...], int], ...] | None:
+        """The consumer warps' tile loops of the main kernel, each as (work per warp and tile pair, the
+        opcodes that pick the loop, warps running it) (``fagen.autotune.sassloops.measure_specialised``):
+        one loop of every consumer warp, or the backward's split tile's two warpgroups' loops of their own
+        (the dK~ warpgroup's holds the dS^T stmatrix, the dV~ warpgroup's the dQ_i staging stores; each
+        walked with its own HGMMA work, ``bwd.split_tile_work``). None: a direction with no stated work."""
+        work = self.tile_work(fs, "main")
+        if work is None:
+            return None
+        if fs.direction == "bwd" and bwd.split_dkv(fs):
+            dk_work, dv_work = bwd.split_tile_work(fs)
+            return ((dk_work, ("STSM",), 4), (dv_work, ("STS",), 4))
+        return ((work, ("HMMA", "HGMMA"), fs.num_warps),)
+
     def producer_warps(self, fs: FamilySpec) -> int:
         """Warps of the producer warpgroup that run its loop (one elected lane of the first; the
         other three leave at once)."""
         return 1
 
+    def codegen_reason(self, fs: FamilySpec) -> str | None:
+        """Why the spec's codegen knob settings (``KernelSpec.codegen``) are not accepted (the knob
+        named, and why), or None (fagen.families.wgmma.codegen)."""
+        return CODEGEN.override_reason(fs, dict(fs.codegen)) if fs.codegen else None
+
+    def codegen_config(self, fs: FamilySpec) -> CodegenConfig:
+        """The spec's codegen knobs (fagen.families.wgmma.codegen: the stored search's table for the
+        spec's class, else the family's rules as starting points; the user's settings first)."""
+        return CODEGEN.config(fs)
+
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
         if fs.direction == "bwd":
-            return bwd.smem_layout(fs, stages)
+            return bwd.smem_layout(fs, stages, bool(self.codegen_config(fs).value("bias_smem")))
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
         d, dv, e = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize
@@ -396,7 +423,7 @@ class WgmmaFamily(FamilyBase):
         ) + panels_v + k16 + (
             Constant("CONSUMER_REGS", "int", consumer, "registers per consumer thread after setmaxnreg.inc"),
             Constant("PRODUCER_REGS", "int", producer, "registers per producer thread after setmaxnreg.dec"),
-        ) + (bwd.constants(fs) if fs.direction == "bwd" else ())}
+        ) + (bwd.constants(fs, self.codegen_config(fs).values) if fs.direction == "bwd" else ())}
 
     def nvrtc_options(self, fs: FamilySpec) -> tuple[str, ...]:
         """``-prec-div=false`` with softcap: score_softcap's ``s_raw / softcap`` per element is then a

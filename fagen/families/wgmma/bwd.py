@@ -269,7 +269,9 @@ def dq_split(fs: FamilySpec) -> tuple[int, int]:
     return 1, d * mtiles // wgs
 
 
-def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
+def smem_layout(fs: FamilySpec, stages: int, staged_bias: bool = False) -> SmemLayout:
+    """The backward's shared memory; ``staged_bias``: the bias staged per consumer warp (codegen knob
+    ``bias_smem``, starting at :func:`bias_smem`)."""
     d, dv, e, br, bc = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize, fs.block_r, fs.block_c
     return place([
         ("k", "T", bc * d, e, 1024),
@@ -285,7 +287,7 @@ def smem_layout(fs: FamilySpec, stages: int) -> SmemLayout:
         ("dqc", "int", (4 if fs.has("deterministic") else 2) * stages, 4),
         ("exact", "int", stages, 4),  # a step has a huge row: its P takes lse_lo (partials/common.cuh)
         ("lse_lo", "float", br, 4),  # an exact step's rows' lse_lo (0 where none), staged by the consumers
-    ] + ([("bias", "T", bc * br, e, 128)] if bias_smem(fs) else []))  # per warp: its 16 keys x block_r Q rows
+    ] + ([("bias", "T", bc * br, e, 128)] if staged_bias else []))  # per warp: its 16 keys x block_r Q rows
 
 
 def bias_smem(fs: FamilySpec) -> bool:
@@ -324,7 +326,9 @@ def dv_early(fs: FamilySpec) -> bool:
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
 
-def constants(fs: FamilySpec) -> tuple[Constant, ...]:
+def constants(fs: FamilySpec, knobs: Mapping[str, int]) -> tuple[Constant, ...]:
+    """The backward's template constants; ``knobs``: the spec's codegen knob values
+    (fagen.families.wgmma.codegen)."""
     mt, cols = dq_split(fs)
     wide = (Constant("SPLIT_DKV", "bool", True, "warpgroup 0 holds dK~, warpgroup 1 dV~ and computes dQ_i "
                      "(head dims past 128)"),
@@ -334,9 +338,13 @@ def constants(fs: FamilySpec) -> tuple[Constant, ...]:
         Constant("DQ_MT", "int", mt, "m64 tiles of dQ_i per consumer warpgroup"),
         Constant("DQ_COLS", "int", cols, "head-dim columns of dQ_i per consumer warpgroup"),
         Constant("DQ_GROUP", "int", DQ_GROUP, "fp32 columns per dQ_i staging group (one TMA reduce-add box)"),
-        Constant("DV_EARLY", "bool", dv_early(fs), "dV~ += P^T dO_i issued while dP^T is in flight"),
+        Constant("DV_EARLY", "bool", bool(knobs["dv_early"]), "dV~ += P^T dO_i issued while dP^T is in flight"),
+        Constant("DS_ROW_XOR", "bool", bool(knobs["ds_row_xor"]), "dS^T's stmatrix addresses: one held address "
+                 "XORed per k step"),
+        Constant("LSE_ROWS_ROLLED", "bool", bool(knobs["lse_rows_rolled"]), "the producer's lse_i / D_i rows in a "
+                 "rolled loop"),
     ) + ((Constant("BIAS_SMEM", "bool", True, "the bias staged in shared memory per consumer warp, read by "
-                   "ldmatrix"),) if bias_smem(fs) else ()) + (
+                   "ldmatrix"),) if knobs["bias_smem"] else ()) + (
         (Constant("DQ_COPIES", "int", DQ_COPIES, "partial sums of dQ per q head in dq_accum, each added to in an "
                   "order of its own (fagen.abi.DQ_COPIES)"),) if fs.has("deterministic") else ())
 
