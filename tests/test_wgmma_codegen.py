@@ -97,6 +97,21 @@ def test_search_takes_a_clean_setting_over_a_spilling_start(tmp_path):
     assert all(math.isfinite(t.cost) or t.rejected for t in r.trials)
 
 
+def test_while_nothing_is_clean_the_search_walks_from_the_fewest_spills():
+    """Only ds_row_xor=1 with lse_rows_rolled=1 spills nothing; each alone spills less than the start: the
+    walk moves to the one that spills least and finds the pair."""
+    spec = KernelSpec(**B, head_dim=64, dtype="bfloat16", deterministic=True, key_padding=True)
+
+    spills = {(0, 0): 32, (1, 0): 16, (0, 1): 24, (1, 1): 0}
+
+    def evaluate(s, values):
+        got = spills[values["ds_row_xor"], values["lse_rows_rolled"]] + 64 * values["dv_early"]
+        return Evaluation({"interior": 480.0}, spill_bytes=got)
+
+    r = search_class(spec, evaluate=evaluate, major=13)
+    assert (r.best.rejected, r.best.values["ds_row_xor"], r.best.values["lse_rows_rolled"]) == (None, 1, 1)
+
+
 def test_the_shipped_table_is_legal_and_clean_for_its_classes():
     table = CODEGEN.load_table()
     assert table, "the wgmma family's table ships with the package"
@@ -141,3 +156,18 @@ def test_other_knob_values_at_the_ptx_level():
     with cpu.ptx() as record:
         check_case(case, "wgmma", extra={"arch": "sm_90a", **flags}, bwd_extra={"codegen": knobs})
     assert record.roles == {"main", "pre", "post"}
+
+
+def test_no_shipped_table_holds_a_class_of_generated():
+    """generated/'s kernels render from the starting points whatever NVRTC the machine has: neither family's
+    shipped table holds their classes, and ``fagen tune-codegen --all`` leaves them out of the table."""
+    from fagen.autotune.codegen import generated_classes
+    from fagen.families.mma.codegen import CODEGEN as MMA
+    from fagen.generate import hopper_matrix
+
+    gen = generated_classes(13)
+    assert class_key(hopper_matrix()[0].family_spec, 13) in gen
+    for cs in (MMA, CODEGEN):
+        assert not gen & set(cs.load_table()), cs.family
+    searched = {class_key(s.family_spec, 13) for s in default_classes("wgmma")}
+    assert set(CODEGEN.load_table()) <= searched  # --all regenerates every class the table holds

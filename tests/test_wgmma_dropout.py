@@ -41,6 +41,11 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert fwd(256).impl == "mma"
     with pytest.raises(ValueError, match=r"block_c=192 with dropout: .* 184 fp32 registers .* more than 160"):
         fwd(128, block_c=192, impl="wgmma")
+    # beside softcap (the forward's exact tanhf): 192 keys at d = 64 spilled 40 bytes (FWD_SOFTCAP_DROPOUT_REGS)
+    assert fwd(64, softcap=True).tile.block_c == 128 and fwd(128, softcap=True).tile.block_c == 128
+    with pytest.raises(ValueError, match=r"block_c=192 with softcap / alibi and dropout: .* 152 fp32 registers .* "
+                                         r"more than 144"):
+        fwd(64, softcap=True, block_c=192, impl="wgmma")
     b64 = bwd(64)
     assert b64.impl == "wgmma" and (b64.tile.block_r, b64.tile.block_c, b64.num_warps) == (64, 64, 4)
     assert (bwd(128).tile.block_r, bwd(128).num_warps) == (64, 8)

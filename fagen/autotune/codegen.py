@@ -6,7 +6,8 @@ dims, direction, tile and warps, flags) the search starts from the knobs' starti
 family's rules) and walks one knob at a time (coordinate descent): each other
 legal value of the knob, the others at the best setting so far, is rendered, NVRTC-compiled and
 scored; a cheaper setting becomes the best, and the passes repeat until one changes nothing or
-``max_configs`` settings were tried. A setting is rejected when a kernel of the module spills or
+``max_configs`` settings were tried (while no setting tried is clean, a pass varies the one that spills
+the fewest bytes). A setting is rejected when a kernel of the module spills or
 uses local memory (more stack than the starting point's) or when one of its tile-loop rows (the
 interior, and a causal kernel's diagonal) costs more than the starting point's. The score is the
 warp instructions of the steady-state tile loop per 1e6 tensor-core FLOPs
@@ -27,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FagenError, InputError
-from ..families import get_family
 from ..families.codegen import TABLE_FORMAT, CodegenSet, class_key, clear_tables, forcing, nvrtc_major
 from ..spec import KernelSpec
 
@@ -41,14 +41,9 @@ FAMILIES = ("mma", "wgmma")
 DEFAULT_MAX_CONFIGS = 16
 
 
-def codegen_set(impl: str | None) -> CodegenSet | None:
-    """The codegen knobs of family ``impl`` (``Family.codegen_set``), None for a family without any."""
-    if impl is None:
-        return None
-    try:
-        return getattr(get_family(impl), "codegen_set", None)
-    except (KeyError, ValueError):
-        return None
+def codegen_set(spec: KernelSpec) -> CodegenSet | None:
+    """The codegen knobs of the spec's family (``Family.codegen_set``), None for a family without any."""
+    return getattr(spec.family, "codegen_set", None)
 
 
 @dataclass(frozen=True)
@@ -143,7 +138,7 @@ def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
     if text is None:
         raise CodegenSearchError("nvdisasm not found (pip install nvidia-cuda-nvdisasm): the search reads the SASS")
     fs, kname = spec.family_spec, rendered.kernel("main").name
-    family = get_family(spec.impl)
+    family = spec.family
     rows: dict[str, float] = {}
     for variant, diag in [("interior", False)] + ([("diag", True)] if spec.causal else []):
         if hasattr(family, "consumer_loops"):  # warp-specialised: consumer and producer loops
@@ -177,7 +172,7 @@ def _settings_one_knob(cs: CodegenSet, spec: KernelSpec, best: Mapping[str, int]
 
 
 def _checked_set(spec: KernelSpec) -> CodegenSet:
-    cs = codegen_set(spec.impl)
+    cs = codegen_set(spec)
     if cs is None:
         raise InputError("impl", f"a spec of a family with codegen knobs ({', '.join(FAMILIES)})", spec.impl)
     return cs
@@ -222,17 +217,23 @@ def search_class(spec: KernelSpec, *, evaluate: Callable[[KernelSpec, Mapping[st
     first = run(dict(start), None)
     best = first
     best_cost = first.cost if first.rejected is None else math.inf  # a spilling start: any clean setting beats it
+    # The setting each pass varies: the best clean one; while none is clean, the one that spills the fewest
+    # bytes (so that two knobs that each spill less reach a clean setting together).
+    walk = best
     changed = True
     while changed and len(order) < max_configs:
         changed = False
-        for cand in list(_settings_one_knob(cs, spec, best.values)):
+        for cand in list(_settings_one_knob(cs, spec, walk.values)):
             if len(order) >= max_configs:
                 break
             if tuple(sorted(cand.items())) in seen:
                 continue
             trial = run(cand, first)
             if trial.rejected is None and trial.cost < best_cost - 1e-9:
-                best, best_cost, changed = trial, trial.cost, True
+                best, best_cost, walk, changed = trial, trial.cost, trial, True
+            elif (best_cost == math.inf and trial.evaluation.error is None
+                  and 0 < trial.evaluation.spill_bytes < walk.evaluation.spill_bytes):
+                walk, changed = trial, True
     return ClassResult(key, spec, start, tuple(order), best, time.perf_counter() - t0)
 
 
@@ -279,13 +280,17 @@ WGMMA_FEATURES: tuple[dict[str, bool], ...] = (
     {"deterministic": True, "causal": True}, {"bias": True}, {"bias": True, "bias_grad": True},
     {"attn_mask": True}, {"dropout": True}, {"softcap": True}, {"alibi": True}, {"varlen": True},
     {"key_padding": True}, {"window": True})
+#: Further wgmma classes, at a head dim of their own: rows whose starting point spilled.
+WGMMA_EXTRA: tuple[dict, ...] = (
+    {"head_dim": 256, "causal": True, "varlen": True, "dropout": True},
+    {"head_dim": 256, "causal": True, "varlen": True, "dropout": True, "deterministic": True})
 
 
 def default_classes(impl: str | None = None) -> list[KernelSpec]:
     """The classes ``--all`` searches (``impl``: one family's only). mma: benchmarks/sass_cost.py's default
     rows -- backward and forward, float16 and bfloat16, d = 64 and 128, sm_80 and sm_90, causal or not.
     wgmma (sm_90a, the backward, whose knobs these are): float16 and bfloat16, d = 64, 128, 192 and 256
-    causal or not, and at d = 64 and 128 each of :data:`WGMMA_FEATURES`."""
+    causal or not, at d = 64 and 128 each of :data:`WGMMA_FEATURES`, and :data:`WGMMA_EXTRA`."""
     out: list[KernelSpec] = []
     if impl in (None, "mma"):
         out += [KernelSpec(direction=dr, dtype=dt, head_dim=d, arch=a, causal=c, impl="mma")
@@ -297,6 +302,7 @@ def default_classes(impl: str | None = None) -> list[KernelSpec]:
                 for dt in dts for d in (64, 128, 192, 256) for c in (False, True)]
         out += [KernelSpec(direction="bwd", dtype=dt, head_dim=d, arch="sm_90a", impl="wgmma", **f)
                 for dt in dts for d in (64, 128) for f in WGMMA_FEATURES]
+        out += [KernelSpec(direction="bwd", dtype=dt, arch="sm_90a", impl="wgmma", **f) for dt in dts for f in WGMMA_EXTRA]
     if impl is not None and impl not in FAMILIES:
         raise InputError("impl", f"a family with codegen knobs ({', '.join(FAMILIES)})", impl)
     return out
@@ -308,7 +314,7 @@ def generated_classes(major: int | None) -> frozenset[str]:
     (or its absence) of the machine that renders it."""
     from ..generate import all_specs
 
-    return frozenset(class_key(s.family_spec, major) for s in all_specs() if codegen_set(s.impl) is not None)
+    return frozenset(class_key(s.family_spec, major) for s in all_specs() if codegen_set(s) is not None)
 
 
 def current_major() -> int:
@@ -340,7 +346,7 @@ def run(args, spec: KernelSpec | None) -> int:
     table = None if args.table is None else Path(args.table).expanduser()
     if table is not None and not table.resolve().parent.is_dir():
         raise InputError("--table", "a file in an existing directory", f"{table.resolve().parent} does not exist")
-    if spec is not None and codegen_set(spec.impl) is None:
+    if spec is not None and codegen_set(spec) is None:
         raise InputError("--impl", f"a spec a family with codegen knobs takes ({', '.join(FAMILIES)}; tune-codegen "
                          "searches them)", spec.impl)
     impl = getattr(args, "impl", None)

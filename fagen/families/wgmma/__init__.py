@@ -110,7 +110,7 @@ from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "SOFTCAP_SFU", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_SOFTCAP_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "SOFTCAP_SFU", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
            "fwd_acc_regs", "fwd_regs_cap", "packed_view", "pingpong_reason", "padded_dim", "softcap_sfu_reason", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
@@ -144,6 +144,10 @@ FWD_SCORE_MOD_WIDE_REGS = 136
 #: (144) none; d = 64 x 192 keys (152) and d = 192 x 64 keys (136) none; d = 256 x 64 keys (168) spills 48,
 #: so d = 256 with dropout goes to ``mma``.
 FWD_DROPOUT_REGS = 160
+#: The bound with softcap and dropout together (softcap's exact tanhf in the forward, its temporaries beside
+#: the keep bits and the Philox state): d = 64 x 192 keys (152) spills 40 bytes (bf16; fp16 24), x 128 keys
+#: (112) none; d = 96 / 128 x 128 keys (144) and d = 192 x 64 keys (136) none.
+FWD_SOFTCAP_DROPOUT_REGS = 144
 #: The bound with attn_mask (its row pointers and a tile's mask bytes, read two keys per load, beside S and O;
 #: benchmarks/sass_cost.py): d = 64 x 192 keys (152) does not spill, d = 128 x 192 keys (184) spills 108 bytes,
 #: x 128 keys (144) none; d = 256 x 64 keys (168, causal, key padding and varlen too) none, as d = 64, 128 and
@@ -211,7 +215,7 @@ def softcap_sfu_reason(fs: FamilySpec) -> Reason | None:
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
     """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
-    ALiBi, FWD_DROPOUT_REGS with dropout, FWD_MASK_REGS with attn_mask, FWD_BIAS_REGS with a bias (the
+    ALiBi, FWD_DROPOUT_REGS with dropout (FWD_SOFTCAP_DROPOUT_REGS beside softcap), FWD_MASK_REGS with attn_mask, FWD_BIAS_REGS with a bias (the
     tighter of those that apply), FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles
     are as they were)."""
     caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
@@ -219,6 +223,8 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     caps += [FWD_BIAS_REGS] if fs.has("bias") else []
     if (fs.has("attn_mask") or fs.has("bias")) and sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1:
         caps.append(FWD_MASK_BIAS_MIX_REGS)
+    if fs.has("softcap") and fs.has("dropout"):
+        caps.append(FWD_SOFTCAP_DROPOUT_REGS)
     if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
         caps.append(FWD_SCORE_MOD_WIDE_REGS)
     elif fs.has("softcap") or fs.has("alibi"):
