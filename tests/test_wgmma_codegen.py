@@ -112,7 +112,7 @@ def test_while_nothing_is_clean_the_search_walks_from_the_fewest_spills():
     assert (r.best.rejected, r.best.values["ds_row_xor"], r.best.values["lse_rows_rolled"]) == (None, 1, 1)
 
 
-def test_the_shipped_table_is_legal_and_clean_for_its_classes():
+def test_the_shipped_table_is_legal_for_its_classes():
     table = CODEGEN.load_table()
     assert table, "the wgmma family's table ships with the package"
     for key, entry in table.items():
