@@ -171,3 +171,23 @@ def test_no_shipped_table_holds_a_class_of_generated():
         assert not gen & set(cs.load_table()), cs.family
     searched = {class_key(s.family_spec, 13) for s in default_classes("wgmma")}
     assert set(CODEGEN.load_table()) <= searched  # --all regenerates every class the table holds
+
+
+def _toolchain() -> bool:
+    from fagen import sass
+    from fagen.families.codegen import nvrtc_major
+
+    return nvrtc_major() is not None and sass.nvdisasm_path() is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _toolchain(), reason="needs NVRTC and nvdisasm")
+def test_real_search_of_a_spilling_class():
+    """NVRTC, nvdisasm and the warp-specialised count end to end: the deterministic backward at d = 64 with key
+    padding spills at its starting point (ptxas, NVRTC 13: 32 bytes), and the search finds a clean setting
+    with HGMMA rows (consumer and producer loops found)."""
+    spec = KernelSpec(**B, head_dim=64, dtype="bfloat16", deterministic=True, key_padding=True)
+    res = search_class(spec, max_configs=8)
+    assert res.best.rejected is None and res.best.evaluation.spill_bytes == 0
+    assert 300 < res.best.evaluation.rows["interior"] < 700
+    assert all(t.evaluation.error is None for t in res.trials)
