@@ -181,6 +181,13 @@ def test_cli_errors_name_the_option(capsys):
     assert cli_main(["tune-codegen"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("fagen: error: --max-configs") and err[1].startswith("fagen: error: --head-dim")
+    # a family without codegen knobs, and one table for two families' classes
+    assert cli_main(["tune-codegen", "--all", "--impl", "simt"]) == 2
+    assert cli_main(["tune-codegen", "--head-dim", "64", "--impl", "simt", "--dry-run"]) == 2
+    assert cli_main(["tune-codegen", "--all", "--table", "t.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith(f"fagen: error: {o}") for e, o in zip(err, ("--impl", "--impl", "--table")))
+    assert "(mma, wgmma)" in err[0]
 
 
 def _toolchain():
