@@ -248,16 +248,19 @@ def _bwd_split(rest: tuple[Any, ...]) -> tuple[Tensor, tuple[Any, ...], bool, Op
 
 def _run_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, rng_state: Tensor,
              tensors: Tensors, max_q: Any, max_k: Any, opts: AttentionOptions,
-             bias_grad: bool, dlse: Optional[Tensor] = None,
-             lse_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             bias_grad: bool, dlse: Optional[Tensor] = None, lse_lo: Optional[Tensor] = None,
+             empties: bool = True) -> tuple[Tensor, Tensor, Tensor, Any, Any]:
     """fagen::bwd's implementation on unpacked arguments: (dq, dk, dv, dbias or an empty tensor,
-    dsinks or an empty tensor). ``dlse``: the gradient of lse (None: zero); ``lse_lo``: fagen::fwd's."""
+    dsinks or an empty tensor; without ``empties`` None in place of the empty tensors, which only the
+    op's schema needs). ``dlse``: the gradient of lse (None: zero); ``lse_lo``: fagen::fwd's."""
     seed, offset = _seed_offset(rng_state) if opts.dropout_p > 0 else (0, 0)
     if dlse is not None and dlse.dtype != torch.float32:
         dlse = dlse.to(torch.float32)
     grads = F.backward(_lc_real(do), _lc_real(q), _lc_real(k), _lc_real(v), _lc_real(o), lse, opts, tensors,
                        max_seqlen_q=max_q, max_seqlen_k=max_k, seed=seed, offset=offset, bias_requires_grad=bias_grad,
                        dlse=dlse, lse_lo=lse_lo)
+    if not empties:
+        return grads[0], grads[1], grads[2], grads[3] if bias_grad else None, grads[-1] if tensors.sinks is not None else None
     dbias = grads[3] if bias_grad else q.new_empty((0,))
     if tensors.sinks is not None:
         dsinks = grads[-1]
@@ -361,6 +364,20 @@ def _records_nothing() -> bool:
                 or torch.autograd.forward_ad._current_level >= 0)
 
 
+#: The thread-local dispatch keys a thread includes by default (no functionalization or Python key turned on).
+_DEFAULT_TLS_INCLUDE = torch._C._dispatch_tls_local_include_set().raw_repr()
+
+
+def _dispatch_would_reach_the_implementation(do: Tensor, q: Tensor) -> bool:
+    """Whether fagen::bwd, called below autograd on ``do`` and the forward's saved tensors (which took the
+    forward's direct call: plain CPU / CUDA tensors), would go straight to its implementation: ``do`` a
+    tensor of q's dispatch keys (no subclass, batched, functional or other device's tensor), the thread's
+    default included keys, no dispatch mode, no profiler to record the op."""
+    return (type(do) is Tensor and torch._C._dispatch_keys(do).raw_repr() == torch._C._dispatch_keys(q).raw_repr()
+            and torch._C._dispatch_tls_local_include_set().raw_repr() == _DEFAULT_TLS_INCLUDE
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled())
+
+
 def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: Any,
                  _dlo: Any = None) -> tuple[Optional[Tensor], ...]:
     """fagen::bwd on what :func:`_op_setup` kept: dq, dk, dv, and dbias / dsinks where attn_bias
@@ -369,13 +386,20 @@ def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: 
     if do is None:
         do = torch.zeros_like(o)
     bias_grad = data[_BIAS_DATA] is not None and bool(ctx.needs_input_grad[_BIAS_INDEX])
-    rest = _merge(tuple(data), ctx.scalars)
-    args = (do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad, rest[-1], dlse, lse_lo)
-    if _records_nothing():  # what fagen::bwd's Autograd kernel would do: go below it (no boxed Python call there)
-        with torch._C._AutoDispatchBelowAutograd():
-            dq, dk, dv, dbias, dsinks = _BWD(*args)
+    direct = getattr(ctx, "direct", None)
+    if direct is not None and _records_nothing() and _dispatch_would_reach_the_implementation(do, q):
+        # what the dispatcher would do below fagen::bwd's Autograd kernel, on the forward's own unpacked
+        # arguments: no boxed call, no arguments converted to the schema's and back
+        dq, dk, dv, dbias, dsinks = _run_bwd(do, q, k, v, o, lse, rng_state, Tensors._make(data), *direct, bias_grad,
+                                             dlse, lse_lo, empties=False)
     else:
-        dq, dk, dv, dbias, dsinks = _BWD(*args)
+        rest = _merge(tuple(data), ctx.scalars)
+        args = (do, q, k, v, o, lse, *rest[:_PREFIX], rng_state, *rest[_PREFIX:-1], bias_grad, rest[-1], dlse, lse_lo)
+        if _records_nothing():  # what fagen::bwd's Autograd kernel would do: go below it (no boxed Python call there)
+            with torch._C._AutoDispatchBelowAutograd():
+                dq, dk, dv, dbias, dsinks = _BWD(*args)
+        else:
+            dq, dk, dv, dbias, dsinks = _BWD(*args)
     grads: list[Optional[Tensor]] = [dq, dk, dv] + [None] * len(OP_ORDER)
     if bias_grad:
         grads[_BIAS_INDEX] = dbias
@@ -407,7 +431,15 @@ class _FwdFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
-        output = _below_autograd(_FWD, args)
+        keyset = args[-1][0]
+        if (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKENDS:  # _below_autograd's own call
+            q, k, v, *rest = args[:-1]
+            tensors, max_q, max_k, opts = _unpack(tuple(rest))
+            output = _run_fwd(q, k, v, tensors, max_q, max_k, opts)
+            ctx.direct = (max_q, max_k, opts)  # the unpacked arguments, for a direct backward (_op_backward)
+        else:
+            output = _below_autograd(_FWD, args)
+            ctx.direct = None
         _op_setup(ctx, args[:-1], output)
         return output
 

@@ -400,3 +400,19 @@ def test_modes_and_tracing_see_the_custom_ops(recorder: Recorder) -> None:
     first = len(recorder.launches)
     flash_attn_func(*_leaves(q, k, v), causal=True).backward(do)
     assert len(recorder.launches) == 2 * first  # the same launches outside the mode
+
+
+def test_the_profiler_sees_the_backward_op_and_both_paths_agree() -> None:
+    """A plain ``backward()`` calls fagen::bwd's implementation directly where the dispatcher would only
+    reach it (fagen.ops: the forward's unpacked arguments, no boxed call); with the profiler on, the op is
+    dispatched and recorded, and the gradients are the same bits either way."""
+    q, k, v, do = _inputs(N=16)
+    leaves = _leaves(q, k, v)
+    flash_attn_func(*leaves, causal=True).backward(do)
+    direct = [x.grad.clone() for x in leaves]
+    leaves = _leaves(q, k, v)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flash_attn_func(*leaves, causal=True).backward(do)
+    names = {e.name for e in prof.events()}
+    assert {"fagen::fwd", "fagen::bwd"} <= names, sorted(n for n in names if "fagen" in n)
+    assert all(torch.equal(a, x.grad) for a, x in zip(direct, leaves))
