@@ -391,6 +391,6 @@ def fwd_s_split(block_r: int, num_warps: int) -> bool:
 def fwd_hold(block_r: int, num_warps: int, flags: frozenset[str]) -> bool:
     """Forward: the lane offsets and flags held in registers over the K/V loop (``FWD_HOLD``, fwd_opaque:
     not re-derived every step) only where the registers allow it, 16-row warps without a score
-    modification. Elsewhere the compiler places them (held, ptxas spilled 40 bytes at d = 64 with
-    32-row warps, 184-296 at d = 256 with a bias on sm_80)."""
+    modification. Elsewhere the compiler places them (held, they do not fit the register file beside
+    32-row warps' fragments or a bias's; the measurements are docs/autotune.md's)."""
     return fwd_m_tiles(block_r, num_warps) == 1 and not flags & SCORE_MOD_FLAGS
