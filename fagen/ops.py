@@ -346,12 +346,13 @@ def _merge(data: tuple[Any, ...], scalars: tuple[Any, ...]) -> list[Any]:
     return rest
 
 
-def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+def _op_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor],
+              tensors: Optional[Tensors] = None) -> None:
     """What the backward needs (no N x N tensor): q, k, v, o, lse, rng_state and the optional
-    tensors as given; the scalar arguments."""
+    tensors as given (``tensors``: those already unpacked); the scalar arguments."""
     rest = inputs[3:]
     o, lse, rng_state, lse_lo = output
-    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, lse_lo, *_get_tensors(rest))
+    ctx.save_for_backward(*inputs[:3], o, lse, rng_state, lse_lo, *(_get_tensors(rest) if tensors is None else tensors))
     ctx.scalars = _get_scalars(rest)
     ctx.mark_non_differentiable(rng_state, lse_lo)  # lse is differentiable: its gradient enters D (no extra pass)
     ctx.set_materialize_grads(False)  # an unused o or lse hands the backward None, not zeros
@@ -431,16 +432,16 @@ class _FwdFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
-        keyset = args[-1][0]
+        keyset, inputs = args[-1][0], args[:-1]
         if (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKENDS:  # _below_autograd's own call
-            q, k, v, *rest = args[:-1]
-            tensors, max_q, max_k, opts = _unpack(tuple(rest))
-            output = _run_fwd(q, k, v, tensors, max_q, max_k, opts)
+            tensors, max_q, max_k, opts = _unpack(inputs[3:])
+            output = _run_fwd(inputs[0], inputs[1], inputs[2], tensors, max_q, max_k, opts)
             ctx.direct = (max_q, max_k, opts)  # the unpacked arguments, for a direct backward (_op_backward)
+            _op_setup(ctx, inputs, output, tensors)
         else:
             output = _below_autograd(_FWD, args)
             ctx.direct = None
-        _op_setup(ctx, args[:-1], output)
+            _op_setup(ctx, inputs, output)
         return output
 
     @staticmethod
