@@ -145,7 +145,7 @@ FWD_SCORE_MOD_WIDE_REGS = 136
 #: so d = 256 with dropout goes to ``mma``.
 FWD_DROPOUT_REGS = 160
 #: The bound with softcap and dropout together (softcap's exact tanhf in the forward, its temporaries beside
-#: the keep bits and the Philox state): d = 64 x 192 keys (152) spills 40 bytes (bf16; fp16 24), x 128 keys
+#: the keep bits and the Philox state): d = 64 x 192 keys (152) spills 40 bytes (fp16 and bf16), x 128 keys
 #: (112) none; d = 96 / 128 x 128 keys (144) and d = 192 x 64 keys (136) none.
 FWD_SOFTCAP_DROPOUT_REGS = 144
 #: The bound with attn_mask (its row pointers and a tile's mask bytes, read two keys per load, beside S and O;
