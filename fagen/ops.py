@@ -409,15 +409,21 @@ def _op_backward(ctx: Any, do: Optional[Tensor], dlse: Optional[Tensor], _drng: 
     return tuple(grads)
 
 
+def _reaches_the_implementation(keyset: Any) -> bool:
+    """Whether a redispatch below autograd of an Autograd kernel's ``keyset`` would only reach the ops'
+    implementation (the keys below autograd a backend's alone)."""
+    return (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKENDS
+
+
 def _below_autograd(op: Any, args: tuple[Any, ...]) -> Any:
     """``op`` redispatched below autograd, as an ATen autograd kernel does: ``args`` are the op's
     arguments and (the kernel's dispatch key set, the caller's grad mode). Where functorch levels
     lie below, the grad mode is the caller's again (the Function's forward runs without it), so
     that they (the outer ``grad`` of ``grad(grad(f))``) record the op too."""
     keyset, grad_mode = args[-1]
-    below = keyset & _AFTER_AUTOGRAD
-    if below.highestPriorityTypeId() in _BACKENDS:  # the redispatch would reach the implementation
+    if _reaches_the_implementation(keyset):
         return _IMPLS[op](*args[:-1])
+    below = keyset & _AFTER_AUTOGRAD
     with torch._C._AutoDispatchBelowAutograd():
         if not grad_mode or not below.has(torch._C.DispatchKey.FuncTorchDynamicLayerBackMode):
             return op.redispatch(below, *args[:-1])
@@ -433,7 +439,7 @@ class _FwdFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # type: ignore[override]
         keyset, inputs = args[-1][0], args[:-1]
-        if (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKENDS:  # _below_autograd's own call
+        if _reaches_the_implementation(keyset):  # what _below_autograd would call, on the unpacked arguments
             tensors, max_q, max_k, opts = _unpack(inputs[3:])
             output = _run_fwd(inputs[0], inputs[1], inputs[2], tensors, max_q, max_k, opts)
             ctx.direct = (max_q, max_k, opts)  # the unpacked arguments, for a direct backward (_op_backward)

@@ -389,7 +389,10 @@ class WgmmaFamily(FamilyBase):
     def smem_layout(self, fs: FamilySpec) -> SmemLayout:
         stages = fs.knob_values.get(STAGES.name, STAGES.default)
         if fs.direction == "bwd":
-            return bwd.smem_layout(fs, stages, bool(self.codegen_config(fs).value("bias_smem")))
+            # the config record only where the knob exists (it applies to a bias alone): the layout is asked for
+            # per candidate tile, the record's lookup finds the NVRTC major each time
+            staged = fs.has("bias") and bool(self.codegen_config(fs).value("bias_smem"))
+            return bwd.smem_layout(fs, stages, staged)
         if fs.direction != "fwd":
             raise ValueError(f"{self.name}: no {fs.direction!r} kernel")
         d, dv, e = padded_dim(fs.head_dim), padded_dim(fs.dv), fs.itemsize
