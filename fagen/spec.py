@@ -273,12 +273,10 @@ class KernelSpec(BaseModel):
         for field in ("block_r", "block_c"):
             v = getattr(self, field)
             limit = fam.max_block_r if field == "block_r" else fam.max_block_c
-            if v is not None and (v < fam.tile_multiple or v % fam.tile_multiple or v > limit):
-                return _field_error(
-                    field, "tile",
-                    f"{field}={v} must be a multiple of {fam.tile_multiple} in {fam.tile_multiple}..{limit} ({self.impl} template limit)",
-                    v,
-                )
+            q = fam.tile_multiple if field == "block_r" else getattr(fam, "block_c_multiple", fam.tile_multiple)
+            if v is not None and (v < q or v % q or v > limit):
+                return _field_error(field, "tile", f"{field}={v} must be a multiple of {q} in {q}..{limit} "
+                                                   f"({self.impl} template limit)", v)
         try:
             tile = _resolve_tile(*self._tile_key())
         except _Infeasible as e:
@@ -446,6 +444,7 @@ def _family_reason(fam: Family, fs: FamilySpec) -> str | None:
 def _resolve_tile(fam: Family, fs: FamilySpec, sram: int, br_over: int | None, bc_over: int | None) -> Tile:
     """Paper point -> multiple of the tile quantum -> capped -> shrunk until the smem footprint fits M."""
     q = fam.tile_multiple
+    qc = getattr(fam, "block_c_multiple", q)  # a finer key block where the family takes one (its default tile)
     d, itemsize = fs.head_dim, fs.itemsize
 
     def footprint(br: int, bc: int) -> int:
@@ -460,7 +459,7 @@ def _resolve_tile(fam: Family, fs: FamilySpec, sram: int, br_over: int | None, b
     paper_r, paper_c = fam.default_tile(fs, sram) or paper_tile(sram, itemsize, d)
     cap_r, cap_c = fam.tile_caps(fs)
     br = br_over if br_over is not None else min(max(q, paper_r // q * q), cap_r)
-    bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q), cap_c)
+    bc = bc_over if bc_over is not None else min(max(q, paper_c // q * q) if paper_c >= q else max(qc, paper_c // qc * qc), cap_c)
     while footprint(br, bc) > sram:
         # shrink the free dimension that is larger (B_c first on ties), one quantum at a time
         can_c = bc_over is None and bc > q

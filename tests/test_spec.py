@@ -238,7 +238,7 @@ def test_num_warps_defaults_to_the_familys_choice() -> None:
     assert fwd.impl == "wgmma" and fwd.num_warps == get_family("wgmma").default_warps(fwd.family_spec) == 8
     assert KernelSpec(direction="fwd", head_dim=128, dtype="float16", arch="sm_90a", num_warps=4).num_warps == 4
     # a family that declines the spec does not leave its default behind for the next one
-    capped = KernelSpec(direction="fwd", head_dim=256, dtype="float16", arch="sm_90a", bias=True)
+    capped = KernelSpec(direction="fwd", head_dim=224, dtype="float16", arch="sm_90a", softcap=True)
     assert capped.impl == "mma" and capped.num_warps == DEFAULT_NUM_WARPS
     assert KernelSpec(direction="fwd", head_dim=128, dtype="float32", impl="simt").num_warps == DEFAULT_NUM_WARPS
     # the resolved value is a field like any other: names, dumps and replace() carry it

@@ -38,7 +38,9 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     fwd = lambda d, **kw: KernelSpec(direction="fwd", head_dim=d, arch="sm_90a", dtype="float16", dropout=True, **kw)
     bwd = lambda d, **kw: KernelSpec(direction="bwd", head_dim=d, arch="sm_90a", dtype="float16", dropout=True, **kw)
     assert fwd(64).tile.block_c == 192 and fwd(128).tile.block_c == 128  # 192 keys at d = 128 would spill
-    assert fwd(256).impl == "mma"
+    assert fwd(256).tile.block_c == 32  # the wide O accumulator: 64 keys spilled 48 bytes, 48 keys 32
+    with pytest.raises(ValueError, match=r"block_c=64 with dropout: .* 168 fp32 registers .* more than 148"):
+        fwd(256, block_c=64, impl="wgmma")
     with pytest.raises(ValueError, match=r"block_c=192 with dropout: .* 184 fp32 registers .* more than 160"):
         fwd(128, block_c=192, impl="wgmma")
     # beside softcap (the forward's exact tanhf): 192 keys at d = 64 spilled 40 bytes (FWD_SOFTCAP_DROPOUT_REGS)

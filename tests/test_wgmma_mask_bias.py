@@ -15,6 +15,7 @@ import torch
 
 import fagen.functional as F
 from fagen import KernelSpec
+from fagen.families.wgmma.bwd import split_dkv
 from fagen.runtime import cpu
 from feature_harness import FeatCase, check_case, make_inputs, specs
 
@@ -37,10 +38,13 @@ def test_mask_and_bias_resolve_to_wgmma(direction) -> None:
                dict(attn_mask=True, bias=True, softcap=True, alibi=True, **grad)):
         for d in (64, 96, 128):
             spec = _spec(direction, head_dim=d, **kw)
-            # the backward's mixes of per-element features past d = 64 would spill: another family
+            # the backward's mixes of per-element features past d = 64 would spill on the one-accumulator tile: the
+            # split tile, but for a bias with ALiBi and dBias with softcap (declined by name: another family)
             mix = direction == "bwd" and d > 64 and sum(kw.get(f, False) for f in
                                                         ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1
-            assert (spec.impl != "wgmma") if mix else (spec.impl == "wgmma"), spec
+            declined = mix and (kw.get("alibi") or kw.get("softcap"))
+            assert (spec.impl != "wgmma") if declined else (spec.impl == "wgmma"), spec
+            assert not mix or declined or split_dkv(spec.family_spec), spec
 
 
 def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
@@ -52,7 +56,7 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert _spec("fwd", head_dim=128, attn_mask=True, bias=True).tile.block_c == 64
     assert _spec("fwd", head_dim=192, attn_mask=True, bias=True).tile.block_c == 64
     assert _spec("fwd", head_dim=256, attn_mask=True).tile.block_c == 64  # d = 256: 64 keys (168 registers)
-    assert _spec("fwd", head_dim=256, bias=True).impl == "mma"  # 64 keys would spill beside a bias
+    assert _spec("fwd", head_dim=256, bias=True).tile.block_c == 48  # 64 keys would spill beside a bias
     with pytest.raises(ValueError, match=r"block_c=192 with attn_mask: .* 184 fp32 registers"):
         _spec("fwd", head_dim=128, attn_mask=True, block_c=192, impl="wgmma")
     with pytest.raises(ValueError, match=r"block_c=128 with softcap / alibi and attn_mask and bias: .* 144 fp32"):
@@ -62,8 +66,11 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert _spec("bwd", head_dim=128, attn_mask=True).tile.block_r == 64
     with pytest.raises(ValueError, match=r"block_r=128 with head_dim=64 and attn_mask: .* 256 fp32 registers"):
         _spec("bwd", head_dim=64, attn_mask=True, num_warps=8, block_r=128, impl="wgmma")
-    with pytest.raises(ValueError, match=r"block_r=64 with head_dim=128 and attn_mask and bias: .* more than 160"):
-        _spec("bwd", head_dim=128, attn_mask=True, bias=True, impl="wgmma")
+    # no one-accumulator tile takes the mask beside a bias at d = 128: the split tile (tests/test_wgmma_feature_tiles.py)
+    both = _spec("bwd", head_dim=128, attn_mask=True, bias=True, impl="wgmma")
+    assert split_dkv(both.family_spec) and (both.tile.block_r, both.tile.block_c) == (64, 64)
+    with pytest.raises(ValueError, match=r"bias with alibi: the wgmma backward's split tile .* would spill"):
+        _spec("bwd", head_dim=128, bias=True, alibi=True, impl="wgmma")
 
 
 # --------------------------------------------------------------------------- numerics

@@ -192,7 +192,7 @@ class Family(Protocol):
 
     name: str
     preference: int  # lower = preferred when the spec does not name its impl
-    tile_multiple: int
+    tile_multiple: int  # the quantum of block_r and block_c (block_c: see FamilyBase.block_c_multiple)
     max_block_r: int
     max_block_c: int
     warp_choices: tuple[int, ...]  # accepted num_warps
@@ -293,6 +293,9 @@ class FamilyBase:
     #: The family's codegen knobs (a fagen.families.codegen.CodegenSet), None without any.
     codegen_set: Any = None
     tile_multiple: int = 16
+    #: The quantum of a block_c the spec may name, where the streamed block takes finer steps than the owned
+    #: one (optional: a family without it has tile_multiple; its config_reason says which a direction takes).
+    block_c_multiple: int = 16
     max_block_r: int = 128
     max_block_c: int = 128
     warp_choices: tuple[int, ...] = NUM_WARPS_CHOICES

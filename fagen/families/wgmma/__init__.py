@@ -160,6 +160,20 @@ FWD_BIAS_REGS = 144
 #: dropout): d = 96 x 128 keys (144) spills 16 bytes with both, d = 64 x 192 keys (152) 100 with the mask,
 #: softcap and dropout; d = 64 x 128 keys (112), d = 128 x 64 keys (104) and d = 192 x 64 keys (136) none.
 FWD_MASK_BIAS_MIX_REGS = 136
+#: The bounds where the O accumulator is the wide one (padded head_dim_v 256: 128 fp32 registers per thread, so
+#: even 64 keys take 168) with softcap, ALiBi, dropout or a bias: the key block shrinks in 16s below 64
+#: (wgmma's N of S; O += P V_j in block_c / 16 k steps). benchmarks/sass_cost.py, d = 256, fp16 and bf16, with
+#: and without causal + varlen, a window + key padding: 48 keys (158) do not spill with softcap, a bias, or the
+#: mask beside one of them; they spill 32 bytes with dropout, 92 with ALiBi (a window, key padding), 60 with
+#: softcap and ALiBi, 28 with the mask and ALiBi (causal, varlen); 32 keys (148) spill 64 with softcap, dropout and a bias (causal, varlen), 48 with ALiBi, dropout, the
+#: mask and a bias, 24 with all five; 16 keys (138) none. 64 keys (168) spill 48 bytes with dropout, 104 with
+#: ALiBi. The bounds at smaller head dims above do not carry over: there S is the larger part, here O is.
+#: One per-element feature but dropout or ALiBi (the mask alone keeps FWD_MASK_REGS: 64 keys):
+FWD_WIDE_O_REGS = 158
+#: ... dropout or ALiBi, or two per-element features or more:
+FWD_WIDE_O_MIX_REGS = 148
+#: ... dropout and a bias beside softcap or ALiBi:
+FWD_WIDE_O_DROPOUT_BIAS_REGS = 138
 STAGES = Knob("stages", "s", 2, (2, 3), "K_j / V_j slots of the TMA -> wgmma mbarrier pipeline")
 #: FlashAttention-3's ping-pong of the two consumer warpgroups (:func:`pingpong_reason` says where it is legal);
 #: elided at its default, so the specs that do not take it keep their names and sources.
@@ -214,10 +228,17 @@ def softcap_sfu_reason(fs: FamilySpec) -> Reason | None:
 
 
 def fwd_regs_cap(fs: FamilySpec) -> int | None:
-    """The registers bound of the forward's tile (:func:`fwd_acc_regs`): FWD_SCORE_MOD_REGS with softcap or
+    """The registers bound of the forward's tile (:func:`fwd_acc_regs`): with the wide O accumulator (padded
+    head_dim_v 256) and softcap, ALiBi, dropout or a bias, FWD_WIDE_O_REGS, FWD_WIDE_O_MIX_REGS or
+    FWD_WIDE_O_DROPOUT_BIAS_REGS; else FWD_SCORE_MOD_REGS with softcap or
     ALiBi, FWD_DROPOUT_REGS with dropout (FWD_SOFTCAP_DROPOUT_REGS beside softcap), FWD_MASK_REGS with attn_mask, FWD_BIAS_REGS with a bias (the
     tighter of those that apply), FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles
     are as they were)."""
+    per_element = [f for f in ("softcap", "alibi", "dropout", "bias", "attn_mask") if fs.has(f)]
+    if padded_dim(fs.dv) > 192 and per_element and per_element != ["attn_mask"]:
+        if fs.has("dropout") and fs.has("bias") and (fs.has("softcap") or fs.has("alibi")):
+            return FWD_WIDE_O_DROPOUT_BIAS_REGS
+        return FWD_WIDE_O_MIX_REGS if fs.has("dropout") or fs.has("alibi") or len(per_element) > 1 else FWD_WIDE_O_REGS
     caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
     caps += [FWD_MASK_REGS] if fs.has("attn_mask") else []
     caps += [FWD_BIAS_REGS] if fs.has("bias") else []
@@ -252,6 +273,7 @@ class WgmmaFamily(FamilyBase):
     codegen_set: Any = CODEGEN  # its codegen knobs and table (fagen.families.wgmma.codegen)
     preference: int = 5  # preferred over mma where it applies (sm_90a only)
     tile_multiple: int = 64
+    block_c_multiple: int = 16  # the forward's key block: wgmma's N of S (the backward's is 16 x num_warps)
     max_block_r: int = 128
     max_block_c: int = 256  # wgmma's N of S = Q K_j^T
     warp_choices: tuple[int, ...] = (4, 8)  # consumer warps: one or two warpgroups (the producer's is added)
@@ -329,6 +351,8 @@ class WgmmaFamily(FamilyBase):
         cap = fwd_regs_cap(fs)
         while cap is not None and bc > self.tile_multiple and fwd_acc_regs(fs, bc) > cap:
             bc -= self.tile_multiple
+        while cap is not None and bc > self.block_c_multiple and fwd_acc_regs(fs, bc) > cap:
+            bc -= self.block_c_multiple  # the wide O accumulator (FWD_WIDE_O_REGS): below 64 keys, in 16s
         return 16 * fs.num_warps, bc
 
     def default_warps(self, fs: FamilySpec) -> int:

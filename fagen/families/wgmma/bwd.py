@@ -121,16 +121,21 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
     if (why := padded_reason(fs)) is not None:
         return why
     if split_dkv(fs):
-        if fs.has("attn_mask") and fs.has("bias"):
-            return (f"attn_mask with bias: the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: "
-                    f"past 128) would spill (both operands' pointers beside S^T, dP^T and dK~)")
-        if (fs.has("attn_mask") or fs.has("bias")) and fs.has("dropout") and fs.has("alibi"):
-            mb = "attn_mask" if fs.has("attn_mask") else "bias"
-            return (f"{mb} with dropout and alibi: the wgmma backward's split tile (head_dim={fs.head_dim}, "
-                    f"head_dim_v={fs.dv}: past 128) would spill (60 bytes at head_dim=192, head_dim_v=128)")
+        wide = max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128
+        which = (f"the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: "
+                 f"{'past 128' if wide else 'no one-accumulator tile fits its features'})")
+        if wide and fs.has("attn_mask") and fs.has("bias"):
+            return (f"attn_mask with bias: {which} would spill (both operands' pointers beside S^T, dP^T and dK~: 24 "
+                    f"bytes at head_dim=192, head_dim_v=128)")
+        if not wide and fs.has("bias") and fs.has("alibi"):
+            return (f"bias with alibi: {which} would spill (16 bytes with dBias at head_dim=128, 84 beside the mask) "
+                    f"and issues more than mma (2445 against 1987 instructions per 1e6 FLOPs)")
+        mb = "bias" if fs.has("bias") else "attn_mask" if wide and fs.has("attn_mask") else None
+        if mb and fs.has("dropout") and fs.has("alibi"):
+            return (f"{mb} with dropout and alibi: {which} would spill (60 bytes at head_dim=192, head_dim_v=128; "
+                    f"32-40 at head_dim=128 with causal and varlen or a window)")
         if fs.has("bias_grad") and fs.has("softcap"):
-            return (f"bias_grad with softcap: the wgmma backward's split tile (head_dim={fs.head_dim}, "
-                    f"head_dim_v={fs.dv}: past 128) does not implement it yet (its dV~ warpgroup's P^T pass would "
+            return (f"bias_grad with softcap: {which} does not implement it yet (its dV~ warpgroup's P^T pass would "
                     f"store dBias)")
         return wide_reason(fs)
     return None
@@ -439,7 +444,33 @@ def split_dkv(fs: FamilySpec) -> bool:
     warpgroups share the block's 64 K/V rows: warpgroup 0 computes S^T, dP^T, dS^T (into shared memory)
     and dK~ += dS^T Q_i; warpgroup 1 computes S^T again, P^T and dV~ += P^T dO_i, then dQ_i = dS K_j over
     the whole head dim (S^T twice: no exchange of P^T through shared memory)."""
-    return max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128
+    return max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128 or one_acc_declines(fs)
+
+
+def one_acc_cap(fs: FamilySpec) -> int | None:
+    """The tightest registers bound (:func:`acc_regs`) of the one-accumulator tile for the spec's features: ALiBi's,
+    dropout's, the deterministic order's with ALiBi, the mask's / bias's, a v head dim's (None: no bound)."""
+    caps = [BWD_ALIBI_REGS] if fs.has("alibi") else []
+    caps += [dropout_regs(fs)] if fs.has("dropout") else []
+    caps += [BWD_DET_ALIBI_REGS] if fs.has("deterministic") and fs.has("alibi") else []
+    caps += [mask_bias_regs(fs)] if fs.has("attn_mask") or fs.has("bias") else []
+    caps += [BWD_ACC_REGS] if fs.dv != fs.head_dim else []
+    return min(caps, default=None)
+
+
+def one_acc_declines(fs: FamilySpec) -> bool:
+    """Whether a spec with the mask or a bias takes the split tile at a head dim the one-accumulator tile covers:
+    no one-accumulator tile takes it (even its smallest Q block, 64 rows, exceeds :func:`one_acc_cap`: d = 96 and
+    128 with the mask or a bias beside softcap, ALiBi, dropout or each other). The split tile's warpgroups hold one
+    accumulator each (:func:`wide_regs`: 144 / 112 at d = 128), 0 spills (a bias with ALiBi declined by name,
+    :func:`unsupported_reason`). benchmarks/sass_cost.py, d = 128, bf16, instructions per 1e6 FLOPs: the mask and a
+    bias with dBias 1070, the mask with softcap 1620, with ALiBi 1333, with dropout 1442 (mma: 2036), a bias with
+    dropout and dBias 1515 (mma: 2340); ``mma`` takes no mask beside softcap, ALiBi or a bias at d = 128 (those went
+    to ``simt``). Without the mask or a bias (dropout with ALiBi, the deterministic order with ALiBi) the split tile
+    computes S^T and the per-element work twice for mma's once and issues more (dropout and ALiBi: 1774 against
+    mma's 1543; with softcap 2615 against 1578): those stay declined."""
+    cap = one_acc_cap(fs)
+    return (fs.has("attn_mask") or fs.has("bias")) and cap is not None and _acc_regs(fs, WIDE_BLOCK) > cap
 
 
 def wide_regs(fs: FamilySpec) -> tuple[int, int]:
