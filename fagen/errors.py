@@ -23,7 +23,16 @@ import numbers
 
 
 class FagenError(Exception):
-    """Base class of every error fagen raises on purpose."""
+    """Base class of every error fagen raises on purpose. Each pickles (a compile or an input check in a worker
+    process reaches its parent as the same error, not a broken pool): a subclass whose constructor takes other
+    arguments than its message records them in ``_init_args``."""
+
+    _init_args: tuple = ()
+
+    def __reduce__(self):  # noqa: ANN204 - pickle's protocol
+        if self._init_args:
+            return (type(self), self._init_args, self.__dict__)
+        return super().__reduce__()
 
 
 class SpecError(FagenError, ValueError):
@@ -37,6 +46,7 @@ class _ArgumentError(FagenError):
     """Names the argument, what was expected and (optionally) what came."""
 
     def __init__(self, argument: str, expected: str, got: object = None) -> None:
+        self._init_args = (argument, expected, got)
         self.argument = argument
         self.expected = expected
         msg = f"{argument}: expected {expected}"
@@ -61,6 +71,7 @@ class CacheDirError(InputError):
     def __init__(self, path: object, reason: str, argument: str = "FAGEN_CACHE_DIR") -> None:
         self.path = path
         super().__init__(argument, "a writable directory for fagen's cache", f"{path} ({reason})")
+        self._init_args = (path, reason, argument)
 
 
 class NoGPUError(FagenError, RuntimeError):
@@ -71,6 +82,7 @@ class CompileError(FagenError, RuntimeError):
     """NVRTC failed to compile a rendered kernel."""
 
     def __init__(self, spec_name: str, log: str) -> None:
+        self._init_args = (spec_name, log)
         self.spec_name = spec_name
         self.log = log
         super().__init__(f"NVRTC failed to compile {spec_name}:\n{log}")

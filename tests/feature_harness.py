@@ -149,10 +149,10 @@ def spec_or_skip(impl: str, **fields) -> KernelSpec:
 
 
 def specs(c: FeatCase, impl: str, *, extra: Mapping | None = None, fwd_extra: Mapping | None = None,
-          bwd_extra: Mapping | None = None) -> tuple[KernelSpec, KernelSpec]:
-    """The (forward, backward) specs of the case in family ``impl`` (head dim padded to a multiple of 8),
-    with ``extra`` spec fields in both and ``fwd_extra`` / ``bwd_extra`` in one (arch, knobs, tiles);
-    skips when the family does not implement the case's features."""
+          bwd_extra: Mapping | None = None, bwd_impl: str | None = None) -> tuple[KernelSpec, KernelSpec]:
+    """The (forward, backward) specs of the case in family ``impl`` (the backward's: ``bwd_impl`` where given;
+    head dim padded to a multiple of 8), with ``extra`` spec fields in both and ``fwd_extra`` / ``bwd_extra`` in
+    one (arch, knobs, tiles); skips when the family does not implement the case's features."""
     flags = dict(head_dim=-(-c.head_dim // 8) * 8, dtype=c.dtype, causal=c.causal, dropout=c.dropout_p > 0,
                  window=c.window is not None, softcap=c.softcap > 0, alibi=c.alibi is not None,
                  attn_mask=c.mask is not None, bias=c.bias is not None, varlen=c.lens is not None)
@@ -162,7 +162,7 @@ def specs(c: FeatCase, impl: str, *, extra: Mapping | None = None, fwd_extra: Ma
         flags.update(block_r=c.tile[0], block_c=c.tile[1], num_warps=c.tile[2])
     flags.update(extra or {})
     fwd = spec_or_skip(impl, direction="fwd", **{**flags, **(fwd_extra or {})})
-    bwd = spec_or_skip(impl, direction="bwd", deterministic=c.deterministic, bias_grad=c.bias is not None,
+    bwd = spec_or_skip(bwd_impl or impl, direction="bwd", deterministic=c.deterministic, bias_grad=c.bias is not None,
                        **{**flags, **(bwd_extra or {})})
     return fwd, bwd
 
@@ -223,7 +223,7 @@ def check_case(c: FeatCase, impl: str, device: str = "cpu", **spec_fields: Mappi
                ) -> tuple[KernelSpec, KernelSpec]:
     """Forward + backward of family ``impl`` on ``device`` (the emulator on "cpu") vs the float64 reference
     computed on the CPU, flash-attn's criterion; returns the (forward, backward) specs run. ``spec_fields``:
-    ``extra`` / ``fwd_extra`` / ``bwd_extra`` of :func:`specs`."""
+    ``extra`` / ``fwd_extra`` / ``bwd_extra`` / ``bwd_impl`` of :func:`specs`."""
     used = specs(c, impl, **spec_fields)
     t, opt = make_inputs(c)
     ours = run_kernels(c, impl, t, opt, used, device=device)

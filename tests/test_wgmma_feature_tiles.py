@@ -19,7 +19,7 @@ import fagen.functional as F
 from fagen import KernelSpec
 from fagen.families.wgmma import bwd as B
 from fagen.runtime import cpu
-from feature_harness import FeatCase, check_case, make_inputs
+from feature_harness import FeatCase, check_case, make_inputs, specs
 
 import wgmma_cases as W
 
@@ -32,20 +32,36 @@ def _spec(direction: str, **kw) -> KernelSpec:
 
 # --------------------------------------------------------------------------- selection
 @pytest.mark.parametrize("kw, block_c", [
-    (dict(softcap=True), 48), (dict(bias=True), 48), (dict(softcap=True, attn_mask=True), 32),
-    (dict(alibi=True), 32), (dict(dropout=True), 32), (dict(attn_mask=True, bias=True), 32),
-    (dict(softcap=True, alibi=True, causal=True), 32), (dict(alibi=True, dropout=True, attn_mask=True), 32),
+    (dict(bias=True), 48), (dict(softcap=True, attn_mask=True), 32), (dict(softcap=True, bias=True), 32),
+    (dict(dropout=True), 32), (dict(alibi=True, dropout=True, causal=True), 32), (dict(attn_mask=True, bias=True), 32),
+    (dict(alibi=True, dropout=True, attn_mask=True), 32),
     (dict(softcap=True, dropout=True, bias=True, varlen=True), 16),
     (dict(alibi=True, dropout=True, bias=True, attn_mask=True), 16),
     (dict(attn_mask=True, causal=True), 64),  # the mask alone: 64 keys, as before
 ])
-def test_the_d256_forward_takes_every_feature_at_a_key_block_that_fits(kw, block_c) -> None:
+def test_the_d256_forward_takes_the_mask_a_bias_or_dropout_at_a_key_block_that_fits(kw, block_c) -> None:
     for d, dv in ((256, 256), (128, 256)):
         spec = _spec("fwd", head_dim=d, head_dim_v=dv, **kw)
         assert spec.impl == "wgmma" and spec.tile.block_c == block_c and spec.tile.block_r == 128, spec
     # d = 224 computes in d = 256's tiles (softcap there costs more per real FLOP than mma: declined by cost)
     if "softcap" not in kw:
         assert _spec("fwd", head_dim=224, **kw).tile.block_c == block_c
+
+
+@pytest.mark.parametrize("kw, block_c", [
+    (dict(softcap=True), 48), (dict(alibi=True), 32), (dict(softcap=True, alibi=True), 32),
+    (dict(softcap=True, dropout=True), 32),
+])
+def test_where_mma_issues_fewer_the_default_is_declined_but_a_named_key_block_is_taken(kw, block_c) -> None:
+    """softcap / ALiBi without the mask, a bias or dropout (or softcap beside dropout) at d = 256: below 64 keys the
+    forward would issue more per FLOP than mma's (fagen.families.wgmma.wide_o_small_keys), so the default stays at
+    64 keys, which spill: impl=None takes mma, impl='wgmma' says why, and the key block a user names is taken."""
+    assert _spec("fwd", head_dim=256, **kw).impl == "mma"
+    with pytest.raises(ValueError, match=r"default tile 128x64: block_c=64 with .* pass block_r / block_c"):
+        _spec("fwd", head_dim=256, impl="wgmma", **kw)
+    assert _spec("fwd", head_dim=256, impl="wgmma", block_c=block_c, **kw).tile.block_c == block_c
+    with pytest.raises(ValueError, match=rf"block_c={block_c + 16} with "):
+        _spec("fwd", head_dim=256, impl="wgmma", block_c=block_c + 16, **kw)
 
 
 def test_block_c_takes_16s_in_the_forward_only() -> None:
@@ -85,6 +101,10 @@ def test_the_d128_backward_with_the_mask_or_a_bias_beside_another_feature_takes_
     (dict(attn_mask=True, bias=True, alibi=True), "bias with alibi"),
     (dict(bias=True, dropout=True, alibi=True), "bias with alibi"),
     (dict(bias=True, bias_grad=True, softcap=True), "bias_grad with softcap: the wgmma backward's split tile"),
+    (dict(attn_mask=True, dropout=True, window=True), "dropout beside attn_mask with a window or key padding"),
+    (dict(bias=True, dropout=True, key_padding=True), "dropout beside bias with a window or key padding"),
+    (dict(attn_mask=True, dropout=True, deterministic=True, softcap=True), "the deterministic order and softcap"),
+    (dict(attn_mask=True, dropout=True, varlen=True, head_dim_v=64), "head_dim_v=64 and varlen"),
 ])
 def test_what_the_split_tile_cannot_take_at_d128_is_declined_by_name(kw, why) -> None:
     assert _spec("bwd", head_dim=128, **kw).impl != "wgmma"
@@ -102,46 +122,51 @@ def test_without_the_mask_or_a_bias_the_one_accumulator_tiles_rule_stands() -> N
 
 
 # --------------------------------------------------------------------------- numerics
-#: (case, the key block / split tile the default spec must take)
+#: (case, the key block / split tile the default specs must take, the backward's family)
 CASES = [
-    # forward d = 256 with softcap: 48 keys; its backward is the split tile (d = 256)
-    (FeatCase("fwd-softcap-d256", dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=70, seqlen_k=101,
-              head_dim=256, causal=True, softcap=4.0, q_scale=2.0), 48),
+    # forward d = 256 with a bias: 48 keys (the backward at d = 256 with a bias is mma's: the split tile's dK~
+    # warpgroup would spill beside it)
+    (FeatCase("fwd-bias-d256", dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=70, seqlen_k=101,
+              head_dim=256, causal=True, bias=(1, 2, 70, 101)), 48, "mma"),
     # the d = 128 split tile: the mask and a bias with dBias, GQA, odd lengths, rows without keys
     (FeatCase("bwd-mask-bias-d128", dtype="float16", batch=2, heads=2, heads_kv=1, seqlen_q=67, seqlen_k=90,
-              head_dim=128, mask=(2, 1, 67, 1), bias=(1, 2, 67, 90)), "split"),
-    (FeatCase("fwd-dropout-alibi-d256", dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=77,
-              head_dim=256, alibi="h", dropout_p=0.2), 32),
+              head_dim=128, mask=(2, 1, 67, 1), bias=(1, 2, 67, 90)), "split", "wgmma"),
+    # forward d = 256 with dropout and ALiBi: 32 keys; the split tile's backward at d = 256 takes dropout
+    (FeatCase("fwd-dropout-d256", dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=77,
+              head_dim=256, dropout_p=0.2), 32, "wgmma"),
     (FeatCase("fwd-bias-dropout-softcap-d256", dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=45,
-              seqlen_k=60, head_dim=256, softcap=3.0, dropout_p=0.25, bias=(1, 2, 45, 60), q_scale=2.0), 16),
+              seqlen_k=60, head_dim=256, softcap=3.0, dropout_p=0.25, bias=(1, 2, 45, 60), q_scale=2.0), 16, "mma"),
+    (FeatCase("fwd-mask-alibi-d256", dtype="float16", batch=2, heads=2, heads_kv=2, seqlen_q=40, seqlen_k=70,
+              head_dim=256, alibi="bh", mask=(2, 1, 40, 70)), 32, "mma"),
     (FeatCase("bwd-mask-dropout-d96", dtype="bfloat16", batch=1, heads=4, heads_kv=2, seqlen_q=80, seqlen_k=70,
-              head_dim=96, causal=True, dropout_p=0.2, mask=(1, 4, 80, 70)), "split"),
+              head_dim=96, causal=True, dropout_p=0.2, mask=(1, 4, 80, 70)), "split", "wgmma"),
     (FeatCase("bwd-mask-softcap-det-d128", dtype="float16", batch=1, heads=2, heads_kv=1, seqlen_q=90, seqlen_k=130,
-              head_dim=128, softcap=4.0, q_scale=2.0, deterministic=True, mask=(1, 1, 90, 130)), "split"),
+              head_dim=128, softcap=4.0, q_scale=2.0, deterministic=True, mask=(1, 1, 90, 130)), "split", "wgmma"),
     (FeatCase("bwd-mask-alibi-window-d128", dtype="bfloat16", batch=2, heads=2, heads_kv=2, seqlen_q=64,
-              seqlen_k=64, head_dim=128, alibi="bh", window=(20, 5), mask=(2, 2, 64, 64)), "split"),
+              seqlen_k=64, head_dim=128, alibi="bh", window=(20, 5), mask=(2, 2, 64, 64)), "split", "wgmma"),
 ]
 
 
-def _assert_takes(c: FeatCase, want: int | str) -> None:
-    sf, sb = (KernelSpec(**{**s.model_dump(), "impl": None}) for s in _default_specs(c))
-    assert sf.impl == "wgmma" and sb.impl == "wgmma", (sf, sb)
+def _default_specs(c: FeatCase, bwd_impl: str = "wgmma") -> tuple[KernelSpec, KernelSpec]:
+    return specs(c, "wgmma", extra=H100, bwd_impl=bwd_impl)
+
+
+def _assert_takes(c: FeatCase, want: int | str, bwd_impl: str) -> None:
+    """The specs the case runs are the ones impl=None resolves to: the forward on wgmma at its key block, the
+    backward on ``bwd_impl`` (the split tile where ``want`` says so)."""
+    sf, sb = (KernelSpec(**{**s.model_dump(), "impl": None}) for s in _default_specs(c, bwd_impl))
+    assert sf.impl == "wgmma" and sb.impl == bwd_impl, (sf, sb)
     if want == "split":
         assert B.split_dkv(sb.family_spec) and (sb.tile.block_r, sb.tile.block_c) == (64, 64)
     else:
         assert sf.tile.block_c == want
 
 
-def _default_specs(c: FeatCase) -> tuple[KernelSpec, KernelSpec]:
-    from feature_harness import specs
-    return specs(c, "wgmma", extra=H100)
-
-
-@pytest.mark.parametrize("c, want", [pytest.param(c, w, id=c.name, marks=() if n < 2 else pytest.mark.slow)
-                                     for n, (c, w) in enumerate(CASES)])
-def test_forward_and_backward_match_float64(c, want) -> None:
-    _assert_takes(c, want)
-    check_case(c, "wgmma", extra=H100)
+@pytest.mark.parametrize("c, want, bwd_impl", [pytest.param(*x, id=x[0].name, marks=() if n < 2 else pytest.mark.slow)
+                                               for n, x in enumerate(CASES)])
+def test_forward_and_backward_match_float64(c, want, bwd_impl) -> None:
+    _assert_takes(c, want, bwd_impl)
+    check_case(c, "wgmma", extra=H100, bwd_impl=bwd_impl)
 
 
 # --------------------------------------------------------------------------- racecheck, PTX
@@ -161,10 +186,10 @@ def test_a_d128_split_tile_backward_runs_clean_and_bit_identical_under_racecheck
 
 @pytest.mark.slow
 @W.PTX_OPT_IN
-@pytest.mark.parametrize("c", [CASES[0][0], CHECK], ids=["fwd-48-keys", "split-d128"])
-def test_the_ptx_the_gpu_runs(c) -> None:
+@pytest.mark.parametrize("c, bwd_impl", [(CASES[0][0], "mma"), (CHECK, "wgmma")], ids=["fwd-48-keys", "split-d128"])
+def test_the_ptx_the_gpu_runs(c, bwd_impl) -> None:
     """The inline PTX of a 48-key d = 256 forward and a d = 128 split-tile backward, translated and run on the CPU:
     the flash-attn criterion against the float64 oracle (opt-in: FAGEN_TEST_SLOW=1)."""
     with cpu.ptx() as record:
-        sf, sb = check_case(c, "wgmma", extra=H100)
+        sf, sb = check_case(c, "wgmma", extra=H100, bwd_impl=bwd_impl)
     assert {s for s, _, _ in record.launches} >= {sf.name, sb.name}

@@ -208,7 +208,6 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
     plan = plan_of(spec)
     fam = plan.family
     t = spec.tile
-    q = fam.tile_multiple
     m = spec.sram_bytes
 
     def footprint(br: int, bc: int) -> int:
@@ -223,6 +222,7 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
     ):
         limit = min(top, cap)
         sym = "B_r" if dim == "block_r" else "B_c"
+        q = fam.tile_multiple if dim == "block_r" else getattr(fam, "block_c_multiple", fam.tile_multiple)
         grown = (t.block_r + q, t.block_c) if dim == "block_r" else (t.block_r, t.block_c + q)
         if override is not None:
             reasons[dim] = f"{sym} = {val}: set explicitly (--{dim.replace('_', '-')})"
@@ -246,7 +246,8 @@ def tile_choice(spec: KernelSpec) -> dict[str, Any]:
         "paper": {"block_r": spec.paper_block_r, "block_c": spec.paper_block_c, "smem_bytes": paper_need,
                   "fits": paper_need is not None and paper_need <= m},
         "used": {"block_r": t.block_r, "block_c": t.block_c, "smem_bytes": used, "fits": used <= m},
-        "tile_multiple": q, "max_block_r": fam.max_block_r, "max_block_c": fam.max_block_c,
+        "tile_multiple": fam.tile_multiple, "block_c_multiple": getattr(fam, "block_c_multiple", fam.tile_multiple),
+        "max_block_r": fam.max_block_r, "max_block_c": fam.max_block_c,
         "reasons": reasons,
     }
 

@@ -255,6 +255,20 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     return FWD_ACC_REGS if fs.dv != fs.head_dim else None
 
 
+def wide_o_small_keys(fs: FamilySpec) -> bool:
+    """Whether the forward's default key block goes below 64 keys with the wide O accumulator (FWD_WIDE_O_REGS):
+    where it issues fewer instructions per FLOP than ``mma``, i.e. with the mask or a bias, or dropout without
+    softcap. benchmarks/sass_cost.py, d = 256, fp16, wgmma at its key block against mma's default, instructions
+    per 1e6 FLOPs: a bias 633 / 1379, the mask and a bias 952 / 2579, softcap and a bias 849 / 2602, ALiBi and the
+    mask 1219 / 1892, dropout 1282 / 1554, dropout and ALiBi 1622 / 1736; but softcap 1151 / 990, ALiBi 1107 /
+    943, both 1694 / 988, softcap and dropout 1898 / 1780 (48 or 32 keys: the per-tile work over fewer keys, and
+    the exact tanhf). Those keep the 64-key default, which spills, so ``impl=None`` takes ``mma``; a key block
+    the user names is still taken within the bounds."""
+    if fs.has("attn_mask") or fs.has("bias"):
+        return True
+    return fs.has("dropout") and not fs.has("softcap")
+
+
 def fwd_acc_regs(fs: FamilySpec, block_c: int | None = None) -> int:
     """fp32 registers per consumer thread of the forward's O accumulator, S and P~ (FWD_ACC_REGS)."""
     bc = fs.block_c if block_c is None else block_c
@@ -335,9 +349,11 @@ class WgmmaFamily(FamilyBase):
         return knob.default
 
     def tile_caps(self, fs: FamilySpec) -> tuple[int, int]:
+        """The backward's rule (fagen.families.wgmma.bwd); the forward's key block within its registers bound
+        (:meth:`default_tile`: FWD_BLOCK_C shrunk within :func:`fwd_regs_cap`), so the explain page names the cap."""
         if fs.direction == "bwd":
             return bwd.default_block_r(fs), bwd.default_block_c(fs)
-        return 16 * fs.num_warps, self.max_block_c
+        return 16 * fs.num_warps, self.default_tile(fs, 0)[1] if fwd_regs_cap(fs) is not None else self.max_block_c
 
     def default_tile(self, fs: FamilySpec, sram_bytes: int) -> tuple[int, int] | None:
         """64 Q rows per consumer warpgroup x FWD_BLOCK_C keys (then shrunk by 64 until it fits):
@@ -351,7 +367,7 @@ class WgmmaFamily(FamilyBase):
         cap = fwd_regs_cap(fs)
         while cap is not None and bc > self.tile_multiple and fwd_acc_regs(fs, bc) > cap:
             bc -= self.tile_multiple
-        while cap is not None and bc > self.block_c_multiple and fwd_acc_regs(fs, bc) > cap:
+        while cap is not None and wide_o_small_keys(fs) and bc > self.block_c_multiple and fwd_acc_regs(fs, bc) > cap:
             bc -= self.block_c_multiple  # the wide O accumulator (FWD_WIDE_O_REGS): below 64 keys, in 16s
         return 16 * fs.num_warps, bc
 

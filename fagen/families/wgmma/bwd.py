@@ -130,6 +130,8 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
         if not wide and fs.has("bias") and fs.has("alibi"):
             return (f"bias with alibi: {which} would spill (16 bytes with dBias at head_dim=128, 84 beside the mask) "
                     f"and issues more than mma (2445 against 1987 instructions per 1e6 FLOPs)")
+        if not wide and fs.has("dropout") and (why := _narrow_dropout_spill(fs)) is not None:
+            return f"dropout beside {'attn_mask' if fs.has('attn_mask') else 'bias'} with {why}: {which} would spill"
         mb = "bias" if fs.has("bias") else "attn_mask" if wide and fs.has("attn_mask") else None
         if mb and fs.has("dropout") and fs.has("alibi"):
             return (f"{mb} with dropout and alibi: {which} would spill (60 bytes at head_dim=192, head_dim_v=128; "
@@ -138,6 +140,22 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
             return (f"bias_grad with softcap: {which} does not implement it yet (its dV~ warpgroup's P^T pass would "
                     f"store dBias)")
         return wide_reason(fs)
+    return None
+
+
+def _narrow_dropout_spill(fs: FamilySpec) -> str | None:
+    """What makes the split tile at d = 96 / 128 (:func:`one_acc_declines`) spill beside dropout and the mask or a
+    bias, or None. benchmarks/sass_cost.py over 384 such specs (d = 96, 128, d / dv = 64 / 128 and 128 / 64, fp16
+    and bf16, with and without causal + varlen, a window + key padding, the deterministic order): 27 spill, 8 to
+    196 bytes, every one with dropout: with a window or key padding (8 to 88 bytes), the deterministic order
+    beside softcap or ALiBi (160 / 196), a v head dim of its own with varlen or the deterministic order (32 to
+    124); none of the 80 others with dropout."""
+    if fs.has("window") or fs.has("key_padding"):
+        return "a window or key padding (8 to 88 bytes)"
+    if fs.has("deterministic") and (fs.has("softcap") or fs.has("alibi")):
+        return "the deterministic order and softcap or alibi (160 to 196 bytes)"
+    if fs.dv != fs.head_dim and (fs.has("varlen") or fs.has("deterministic")):
+        return f"head_dim_v={fs.dv} and varlen or the deterministic order (32 to 124 bytes)"
     return None
 
 
