@@ -47,7 +47,7 @@ def test_registered_and_chosen_for_sm90a_only() -> None:
 
 @pytest.mark.parametrize("change, why", [
     (dict(direction="bwd", head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
-    (dict(direction="bwd", head_dim=128, bias=True, alibi=True), "bias with alibi"),  # the split tile would spill
+    (dict(direction="bwd", head_dim=128, attn_mask=True, bias=True, alibi=True), "bias with alibi"),  # would spill
     (dict(head_dim=80, alibi=True), "head_dim=80, head_dim_v=80 with alibi"),  # padded: mma is cheaper
     (dict(head_dim=32, softcap=True), "head_dim=32, head_dim_v=32 with softcap"),
     (dict(dtype="float32"), "dtype=float32"),

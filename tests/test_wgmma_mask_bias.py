@@ -39,10 +39,10 @@ def test_mask_and_bias_resolve_to_wgmma(direction) -> None:
         for d in (64, 96, 128):
             spec = _spec(direction, head_dim=d, **kw)
             # the backward's mixes of per-element features past d = 64 would spill on the one-accumulator tile: the
-            # split tile, but for a bias with ALiBi and dBias with softcap (declined by name: another family)
+            # split tile, but for a bias with ALiBi (declined by name: another family)
             mix = direction == "bwd" and d > 64 and sum(kw.get(f, False) for f in
                                                         ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1
-            declined = mix and (kw.get("alibi") or kw.get("softcap"))
+            declined = mix and kw.get("alibi") and kw.get("bias")
             assert (spec.impl != "wgmma") if declined else (spec.impl == "wgmma"), spec
             assert not mix or declined or split_dkv(spec.family_spec), spec
 
@@ -69,8 +69,8 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     # no one-accumulator tile takes the mask beside a bias at d = 128: the split tile (tests/test_wgmma_feature_tiles.py)
     both = _spec("bwd", head_dim=128, attn_mask=True, bias=True, impl="wgmma")
     assert split_dkv(both.family_spec) and (both.tile.block_r, both.tile.block_c) == (64, 64)
-    with pytest.raises(ValueError, match=r"bias with alibi: the wgmma backward's split tile .* would spill"):
-        _spec("bwd", head_dim=128, bias=True, alibi=True, impl="wgmma")
+    with pytest.raises(ValueError, match=r"bias with alibi beside attn_mask: the wgmma backward's split tile .* spill"):
+        _spec("bwd", head_dim=128, attn_mask=True, bias=True, alibi=True, impl="wgmma")
 
 
 # --------------------------------------------------------------------------- numerics

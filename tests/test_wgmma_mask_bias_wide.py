@@ -50,8 +50,6 @@ def test_the_split_tile_and_the_d256_forward_take_them() -> None:
     ("bwd", dict(head_dim=192, head_dim_v=128, attn_mask=True, bias=True), "attn_mask with bias: the wgmma backward's "
                                                                           "split tile"),
     ("bwd", dict(head_dim=192, head_dim_v=128, bias=True, dropout=True, alibi=True), "bias with dropout and alibi"),
-    ("bwd", dict(head_dim=192, bias=True, bias_grad=True, softcap=True), "bias_grad with softcap: the wgmma backward's "
-                                                                         "split tile"),
     ("fwd", dict(head_dim=256, bias=True, block_c=64), "block_c=64 with bias: the O accumulator, S and P~ take 168"),
     ("fwd", dict(head_dim=256, attn_mask=True, bias=True, block_c=64), "block_c=64 with attn_mask and bias"),
 ])

@@ -68,7 +68,8 @@ consumer warpgroup) and, with another per-element feature beside it, within :dat
 (d = 96 and 128 with such a mix are declined, so they go to ``mma``). The split tile (head dims past 128) takes them too:
 both warpgroups apply the mask / bias to S^T before P^T, warpgroup 0 stores dBias beside dS^T; within
 :data:`WIDE_MASK_BIAS_REGS` (d = 192; dv = 256 with the mask only, :data:`WIDE_BIAS_DV_REGS`; d = 256 is
-declined), the mask and a bias together, either with dropout and ALiBi, and dBias with softcap declined by name.
+declined), the mask and a bias together and either with dropout and ALiBi declined by name; dBias with softcap
+is stored by warpgroup 0's P^T pass (``wg_p`` with ``STORE_DB``, warpgroup 1's renders it false).
 
 What the backward template does not implement is declined by name (:func:`unsupported_reason`),
 so ``impl=None`` resolves such specs to ``mma``.
@@ -128,17 +129,13 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
             return (f"attn_mask with bias: {which} would spill (both operands' pointers beside S^T, dP^T and dK~: 24 "
                     f"bytes at head_dim=192, head_dim_v=128)")
         if not wide and fs.has("bias") and fs.has("alibi"):
-            return (f"bias with alibi: {which} would spill (16 bytes with dBias at head_dim=128, 84 beside the mask) "
-                    f"and issues more than mma (2445 against 1987 instructions per 1e6 FLOPs)")
+            return f"bias with alibi beside attn_mask: {which} would spill (84 bytes at head_dim=128)"
         if not wide and fs.has("dropout") and (why := _narrow_dropout_spill(fs)) is not None:
             return f"dropout beside {'attn_mask' if fs.has('attn_mask') else 'bias'} with {why}: {which} would spill"
         mb = "bias" if fs.has("bias") else "attn_mask" if wide and fs.has("attn_mask") else None
         if mb and fs.has("dropout") and fs.has("alibi"):
             return (f"{mb} with dropout and alibi: {which} would spill (60 bytes at head_dim=192, head_dim_v=128; "
                     f"32-40 at head_dim=128 with causal and varlen or a window)")
-        if fs.has("bias_grad") and fs.has("softcap"):
-            return (f"bias_grad with softcap: {which} does not implement it yet (its dV~ warpgroup's P^T pass would "
-                    f"store dBias)")
         return wide_reason(fs)
     return None
 
@@ -437,8 +434,8 @@ WIDE_DROPOUT_ALIBI_REGS = 176
 #: :data:`WIDE_BIAS_DV_REGS`); d = 256's dK~
 #: warpgroup (208) spills 64 bytes with the mask causal, 48 with a bias. So d = 256 with either goes to ``mma``.
 #: Declined by name (:func:`unsupported_reason`): the mask and a bias together (24 bytes at d = 192, dv = 128
-#: with dBias, 212 at d = 128, dv = 256), either beside dropout and ALiBi (60 bytes at d = 192, dv = 128), and
-#: dBias with softcap (the dV~ warpgroup's P^T pass would store it).
+#: with dBias, 212 at d = 128, dv = 256) and either beside dropout and ALiBi (60 bytes at d = 192, dv = 128). dBias
+#: with softcap: none at d = 96, 128, 160 and 192 (dv 128 to 192; causal + varlen, a window + key padding).
 WIDE_MASK_BIAS_REGS = 176
 #: The dV~ warpgroup's bound with a bias (:func:`wide_regs`, its second): dv = 256's 176 spills 8 bytes at
 #: d = 128 and 444 at d = 192 with the bias and its gradient (with the mask, causal: none); dv = 192's 144 none.
@@ -484,11 +481,15 @@ def one_acc_declines(fs: FamilySpec) -> bool:
     :func:`unsupported_reason`). benchmarks/sass_cost.py, d = 128, bf16, instructions per 1e6 FLOPs: the mask and a
     bias with dBias 1070, the mask with softcap 1620, with ALiBi 1333, with dropout 1442 (mma: 2036), a bias with
     dropout and dBias 1515 (mma: 2340); ``mma`` takes no mask beside softcap, ALiBi or a bias at d = 128 (those went
-    to ``simt``). Without the mask or a bias (dropout with ALiBi, the deterministic order with ALiBi) the split tile
-    computes S^T and the per-element work twice for mma's once and issues more (dropout and ALiBi: 1774 against
-    mma's 1543; with softcap 2615 against 1578): those stay declined."""
+    to ``simt``). Without the mask, a bias beside softcap or ALiBi (mma takes those: softcap and a bias 2341 against
+    mma's 1554, with dBias 3111 / 2111, ALiBi and a bias with dBias 2445 / 1987), or without either (dropout with
+    ALiBi, the deterministic order with ALiBi) the split tile, which computes S^T and the per-element work in both
+    warpgroups, issues more than mma (dropout and ALiBi: 1774 against 1543; with softcap 2615 against 1578):
+    those stay declined."""
+    if not fs.has("attn_mask") and not (fs.has("bias") and not fs.has("softcap") and not fs.has("alibi")):
+        return False
     cap = one_acc_cap(fs)
-    return (fs.has("attn_mask") or fs.has("bias")) and cap is not None and _acc_regs(fs, WIDE_BLOCK) > cap
+    return cap is not None and _acc_regs(fs, WIDE_BLOCK) > cap
 
 
 def wide_regs(fs: FamilySpec) -> tuple[int, int]:
