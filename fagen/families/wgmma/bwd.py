@@ -31,7 +31,8 @@ scale of dS^T = P^T (dP^T o Z / (1 - p) - D), dV~ takes 1 / (1 - p) before its e
 tile keeps :func:`acc_regs` within :data:`BWD_DROPOUT_REGS` (d = 64: 64 x 64 on one consumer warpgroup),
 with ALiBi within :data:`BWD_DROPOUT_ALIBI_REGS` (d = 96 and 128 are declined).
 
-Head dims past 128 (d = 192 / 256, or such a dv; :func:`split_dkv`): FlashAttention-3's 64 x 64 tile on two
+Head dims past 128 (d = 192 / 256, or such a dv; or d = 96 / 128 with the mask or a bias beside another per-element
+feature, :func:`one_acc_declines`; :func:`split_dkv`): FlashAttention-3's 64 x 64 tile on two
 consumer warpgroups that both take the block's 64 K/V rows (``templates/wgmma/bwd_split.cu.j2``, selected by the
 ``SPLIT_DKV`` constant): warpgroup 0 computes S^T, dP^T, dS^T (stored for dQ_i) and dK~ += dS^T Q_i, warpgroup 1
 S^T again, P^T, dV~ += P^T dO_i and all of dQ_i = dS K_j; each holds one accumulator (:func:`wide_regs` within
@@ -65,7 +66,8 @@ keys inside the sequences), per element with bounds tests in rolled loops otherw
 stored per element with plain stores: each (b, h, row, key) is one step of one CTA. No early dV~
 (:func:`dv_early`); the tile keeps :func:`acc_regs` within :data:`BWD_MASK_BIAS_REGS` (d = 64: 64 x 64 on one
 consumer warpgroup) and, with another per-element feature beside it, within :data:`BWD_MASK_BIAS_MIX_REGS`
-(d = 96 and 128 with such a mix are declined, so they go to ``mma``). The split tile (head dims past 128) takes them too:
+(d = 96 and 128 with such a mix take the split tile instead where it issues fewer than ``mma``,
+:func:`one_acc_declines`). The split tile takes them too:
 both warpgroups apply the mask / bias to S^T before P^T, warpgroup 0 stores dBias beside dS^T; within
 :data:`WIDE_MASK_BIAS_REGS` (d = 192; dv = 256 with the mask only, :data:`WIDE_BIAS_DV_REGS`; d = 256 is
 declined), the mask and a bias together and either with dropout and ALiBi declined by name; dBias with softcap
@@ -126,16 +128,16 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
         which = (f"the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: "
                  f"{'past 128' if wide else 'no one-accumulator tile fits its features'})")
         if wide and fs.has("attn_mask") and fs.has("bias"):
-            return (f"attn_mask with bias: {which} would spill (both operands' pointers beside S^T, dP^T and dK~: 24 "
-                    f"bytes at head_dim=192, head_dim_v=128)")
+            return (f"attn_mask with bias: {which} would spill (both operands' pointers beside S^T, dP^T and dK~: 16 "
+                    f"to 72 bytes at head_dim=160 and 192, 24 to 32 at head_dim=64, head_dim_v=192)")
         if not wide and fs.has("bias") and fs.has("alibi"):
             return f"bias with alibi beside attn_mask: {which} would spill (84 bytes at head_dim=128)"
         if not wide and fs.has("dropout") and (why := _narrow_dropout_spill(fs)) is not None:
             return f"dropout beside {'attn_mask' if fs.has('attn_mask') else 'bias'} with {why}: {which} would spill"
         mb = "bias" if fs.has("bias") else "attn_mask" if wide and fs.has("attn_mask") else None
         if mb and fs.has("dropout") and fs.has("alibi"):
-            return (f"{mb} with dropout and alibi: {which} would spill (60 bytes at head_dim=192, head_dim_v=128; "
-                    f"32-40 at head_dim=128 with causal and varlen or a window)")
+            return (f"{mb} with dropout and alibi: {which} would spill (up to 140 bytes at head_dim=192, 232 at "
+                    f"head_dim_v=256)")
         return wide_reason(fs)
     return None
 
@@ -433,8 +435,8 @@ WIDE_DROPOUT_ALIBI_REGS = 176
 #: dropout (d = 192, dv = 128); dv = 256's dV~ warpgroup (176) neither with the mask (a bias:
 #: :data:`WIDE_BIAS_DV_REGS`); d = 256's dK~
 #: warpgroup (208) spills 64 bytes with the mask causal, 48 with a bias. So d = 256 with either goes to ``mma``.
-#: Declined by name (:func:`unsupported_reason`): the mask and a bias together (24 bytes at d = 192, dv = 128
-#: with dBias, 212 at d = 128, dv = 256) and either beside dropout and ALiBi (60 bytes at d = 192, dv = 128). dBias
+#: Declined by name (:func:`unsupported_reason`): the mask and a bias together (16 to 72 bytes at d = 160 and 192,
+#: 212 at d = 128, dv = 256) and either beside dropout and ALiBi (up to 140 bytes at d = 192). dBias
 #: with softcap: none at d = 96, 128, 160 and 192 (dv 128 to 192; causal + varlen, a window + key padding).
 WIDE_MASK_BIAS_REGS = 176
 #: The dV~ warpgroup's bound with a bias (:func:`wide_regs`, its second): dv = 256's 176 spills 8 bytes at
@@ -477,8 +479,8 @@ def one_acc_declines(fs: FamilySpec) -> bool:
     """Whether a spec with the mask or a bias takes the split tile at a head dim the one-accumulator tile covers:
     no one-accumulator tile takes it (even its smallest Q block, 64 rows, exceeds :func:`one_acc_cap`: d = 96 and
     128 with the mask or a bias beside softcap, ALiBi, dropout or each other). The split tile's warpgroups hold one
-    accumulator each (:func:`wide_regs`: 144 / 112 at d = 128), 0 spills (a bias with ALiBi declined by name,
-    :func:`unsupported_reason`). benchmarks/sass_cost.py, d = 128, bf16, instructions per 1e6 FLOPs: the mask and a
+    accumulator each (:func:`wide_regs`: 144 / 112 at d = 128), 0 spills (what spills there is declined by name,
+    :func:`unsupported_reason`: a bias with ALiBi beside the mask, some dropout mixes, :func:`_narrow_dropout_spill`). benchmarks/sass_cost.py, d = 128, bf16, instructions per 1e6 FLOPs: the mask and a
     bias with dBias 1070, the mask with softcap 1620, with ALiBi 1333, with dropout 1442 (mma: 2036), a bias with
     dropout and dBias 1515 (mma: 2340); ``mma`` takes no mask beside softcap, ALiBi or a bias at d = 128 (those went
     to ``simt``). Without the mask, a bias beside softcap or ALiBi (mma takes those: softcap and a bias 2341 against
