@@ -195,10 +195,12 @@ def test_a_d128_split_tile_backward_runs_clean_and_bit_identical_under_racecheck
 
 @pytest.mark.slow
 @W.PTX_OPT_IN
-@pytest.mark.parametrize("c, bwd_impl", [(CASES[0][0], "mma"), (CHECK, "wgmma")], ids=["fwd-48-keys", "split-d128"])
+@pytest.mark.parametrize("c, bwd_impl", [(CASES[0][0], "mma"), (CASES[2][0], "wgmma"), (CASES[3][0], "mma"),
+                                         (CHECK, "wgmma")], ids=["fwd-48-keys", "fwd-32-keys", "fwd-16-keys", "split-d128"])
 def test_the_ptx_the_gpu_runs(c, bwd_impl) -> None:
-    """The inline PTX of a 48-key d = 256 forward and a d = 128 split-tile backward, translated and run on the CPU:
-    the flash-attn criterion against the float64 oracle (opt-in: FAGEN_TEST_SLOW=1)."""
+    """The inline PTX of the d = 256 forward at 48, 32 and 16 keys (wgmma N of S, k steps of O += P V_j, the TMA
+    boxes) and a d = 128 split-tile backward, translated and run on the CPU: the flash-attn criterion against the
+    float64 oracle (opt-in: FAGEN_TEST_SLOW=1)."""
     with cpu.ptx() as record:
         sf, sb = check_case(c, "wgmma", extra=H100, bwd_impl=bwd_impl)
     assert {s for s, _, _ in record.launches} >= {sf.name, sb.name}
