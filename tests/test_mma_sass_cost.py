@@ -65,6 +65,36 @@ def test_walk_of_a_known_listing() -> None:
     assert tile_loop(LISTING.replace("HMMA.16816.F32", "FFMA"), "k", {"HMMA": 1}) is None
 
 
+ROLLED_LISTING = """\
+\t.section\t.text.n,"ax",@progbits
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+        /*0020*/                   IMAD R7, R7, 0x2, RZ ;
+.L_x_1:
+        /*0030*/                   HMMA.16816.F32 R8, R2, R4, R8 ;
+        /*0040*/                   HMMA.16816.F32 R12, R2, R4, R12 ;
+        /*0050*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0060*/              @!P0 BRA `(.L_x_1) ;
+        /*0070*/                   FADD R3, R3, R6 ;
+        /*0080*/              @!P5 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_tensor_core_instructions_rolled_into_a_loop_of_their_own() -> None:
+    """ptxas may roll a tile pair's HMMAs into a loop inside the tile loop (fagen's mma deterministic backward
+    with softcap, ALiBi or a bias does): that inner loop holds as many HMMAs as the tile loop, but one trip of it
+    issues a fifth of the pair's. The tile loop is then the enclosing one, the inner loop at its solved trips
+    (before: one trip of the inner loop was taken for the pair, about 5x too few instructions per FLOP)."""
+    loop = tile_loop(ROLLED_LISTING, "n", {"HMMA": 10, "LDGSTS": 1})
+    assert (loop.head, loop.end) == (0x10, 0x80) and [(x.head, x.end, x.trips) for x in loop.loops] == [(0x30, 0x60, 5.0)]
+    assert dict(loop.mix) == {"LDGSTS": 1, "IMAD": 1, "HMMA": 10, "IADD3": 5, "BRA": 5 + 1, "FADD": 1}
+    # where one trip of the inner loop is the pair's work, it stays the tile loop
+    inner = tile_loop(ROLLED_LISTING, "n", {"HMMA": 2})
+    assert (inner.head, inner.end) == (0x30, 0x60) and inner.total() == 4
+
+
 RARE_LISTING = """\
 \t.section\t.text.r,"ax",@progbits
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -146,6 +176,22 @@ def test_default_kernels_issue_exactly_their_work(fields: dict) -> None:
     if spec.causal:
         diag, _ = sass_cost.measure(text, name, spec.direction, d, d, t.block_r, t.block_c, w, diagonal=True)
         assert diag.total() > loop.total()
+
+
+@needs_nvdisasm
+def test_a_deterministic_kernel_with_its_gemms_rolled_issues_its_work() -> None:
+    """The mma deterministic backward with softcap: ptxas rolls the pair's HMMAs into a loop inside the tile loop;
+    the walk counts the tile loop with that loop at its solved trips, so one trip issues the pair's HMMAs and
+    copies (it counted one trip of the inner loop before: 149 instructions per 1e6 FLOPs for 1620)."""
+    spec = KernelSpec(direction="bwd", head_dim=64, arch="sm_90", impl="mma", dtype="bfloat16", deterministic=True,
+                      softcap=True)
+    mod = compile(spec)
+    text, name = sass.disassemble(mod.cubin), mod.rendered.kernel("main").name
+    t, w, d = spec.tile, spec.num_warps, spec.head_dim
+    loop, per = sass_cost.measure(text, name, "bwd", d, d, t.block_r, t.block_c, w, dq_atomics=False)
+    assert not loop.unsolved and loop.count("HMMA") * w == sass_cost.pair_flops("bwd", d, t.block_r, t.block_c) / 4096
+    assert loop.count("LDGSTS") * w * 32 == pytest.approx(t.block_r * 2 * d / 8)
+    assert per == pytest.approx(loop.total() * w * 1e6 / sass_cost.pair_flops("bwd", d, t.block_r, t.block_c))
 
 
 @needs_nvdisasm

@@ -319,7 +319,8 @@ class _Walker:
 def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bool = False,
               anchor: tuple[str, ...] = ("HMMA", "HGMMA"), smallest: bool = False) -> TileLoop | None:
     """Walk ``kernel``'s tile loop in ``nvdisasm`` text ``text``: the loop holding the most tensor-core
-    instructions (the smallest such), one trip on the path of an interior, fully visible tile pair
+    instructions (the smallest such whose walked trip issues the ``work`` of the anchor opcodes: where ptxas
+    rolled the GEMMs into a loop of their own, the loop enclosing it), one trip on the path of an interior, fully visible tile pair
     (``diagonal``: a partially masked one) with 16-byte-aligned tensors.
 
     ``work``: warp instructions one (average) warp must issue per tile pair for some opcodes (e.g.
@@ -353,10 +354,28 @@ def tile_loop(text: str, kernel: str, work: Mapping[str, float], *, diagonal: bo
     if smallest:
         held = [s for s in spans if hmma_in(s)]
         best = min(held, key=lambda s: (s[1] - s[0], s[0])) if held else spans[0]
-    else:
-        best = max(spans, key=lambda s: (hmma_in(s), -(s[1] - s[0])))
-    if hmma_in(best) == 0:
+        return _walk_tile_loop(instrs, labels, spans, diagonal, kernel, work, best) if hmma_in(best) else None
+    most = max(hmma_in(s) for s in spans)
+    if most == 0:
         return None
+    # the smallest loop holding the most tensor-core instructions, unless ptxas rolled them into a loop of
+    # their own inside the tile loop: then one trip of that inner loop issues a part of the pair's work, and
+    # the tile loop is the smallest enclosing one whose trip (the inner loop at its solved trips) issues it all
+    tied = sorted((s for s in spans if hmma_in(s) == most), key=lambda s: (s[1] - s[0], s[0]))
+    want = sum(work.get(op, 0.0) for op in anchor)
+    first = None
+    for best in tied:
+        loop = _walk_tile_loop(instrs, labels, spans, diagonal, kernel, work, best)
+        first = first or loop
+        if not want or loop.count(*anchor) >= want * (1 - 1e-3):
+            return loop
+    return first
+
+
+def _walk_tile_loop(instrs: list, labels: Mapping, spans: list[tuple[int, int]], diagonal: bool, kernel: str,
+                    work: Mapping[str, float], best: tuple[int, int]) -> TileLoop:
+    """One trip of loop ``best`` on an interior tile pair's path, its nested loops' trips solved from ``work``
+    (:func:`tile_loop`)."""
     w = _Walker(instrs, labels, spans, diagonal)
     nested = [s for s in spans if s != best and best[0] <= s[0] and s[1] <= best[1]]
     unsolved = set(nested)
