@@ -1601,6 +1601,31 @@ constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
 
+// The epilogues' readback of a warp's 16 stored rows x CH 16-byte chunks from a 128-byte-swizzled tile (chunk c
+// of row r in slot (c % 8) ^ (r % 8) of its panel row): item q (lane + 32 i, q < wg_epi_items<CH>()) is row rr,
+// chunk c, or no item (false). A quarter warp's 8 lanes must meet 8 distinct 16-byte slots. The whole panels'
+// chunks go row by row (a quarter warp reads one panel row). The R = CH % 8 chunks of a last part panel (d = 32,
+// 40, 96, 160, ...) go L = the power of two >= R lanes a row, P = 8 / L rows a quarter warp, rows whose r % 8
+// differ in the bits above L's (so their slots' sets are disjoint): row by row put rows r and r + 1 in one
+// quarter warp there, meeting R slots twice. A row's chunks stay on consecutive lanes (whole 32-byte sectors).
+template <int CH>
+FA_DEVICE constexpr int wg_epi_items() {
+    constexpr int F = CH / 8 * 8, R = CH % 8, L = R > 4 ? 8 : R > 2 ? 4 : R > 1 ? 2 : 1;
+    return 16 * F + (R ? 16 * L : 0);
+}
+template <int CH>
+FA_DEVICE bool wg_epi_item(int q, int& rr, int& c) {
+    constexpr int F = CH / 8 * 8, R = CH % 8, L = R > 4 ? 8 : R > 2 ? 4 : R > 1 ? 2 : 1, FD = F > 0 ? F : 1;
+    if (R == 0 || q < 16 * F) {
+        rr = q / FD;
+        c = q % FD;
+        return true;
+    }
+    const int h = q - 16 * F, k = h >> 3, j = h & 7;  // quarter warp k of the part panel, its lane j
+    rr = 8 * (k / L) + k % L + L * (j / L);
+    c = F + j % L;
+    return j % L < R;
+}
 // Two fp32 values as the packed 16-bit pair of an A fragment register (lo in the low half).
 FA_DEVICE unsigned wg_pack(float lo, float hi) {
     const T l = fa_from_float<T>(lo), h = fa_from_float<T>(hi);
@@ -2109,8 +2134,10 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
     __syncwarp();  // the warp reads back only the rows it stored
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row
 #pragma unroll
-    for (int q = 4 * g + t4; q < 16 * CHUNKS; q += 32) {  // 16 rows x CHUNKS chunks over the warp's lanes
-        const int trow = e_row0 + q / CHUNKS, c = q % CHUNKS, row = i0 + trow;
+    for (int q = 4 * g + t4; q < wg_epi_items<CHUNKS>(); q += 32) {  // 16 rows x CHUNKS chunks over the warp's lanes
+        int rr, c;
+        if (!wg_epi_item<CHUNKS>(q, rr, c)) continue;
+        const int trow = e_row0 + rr, row = i0 + trow;
         if (row >= seqlen_q) continue;
         const uint4 v = *reinterpret_cast<const uint4*>(sq + (c / 8) * BLOCK_R * PANEL_ELEMS + trow * PANEL_ELEMS +
                                                         (((c % 8) ^ (trow % 8)) * 8));

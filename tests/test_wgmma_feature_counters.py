@@ -121,6 +121,21 @@ def test_split_tile_and_dbias_counters_at_the_ptx_level() -> None:
                 assert reads and all(s["sectors"] == 4 * s["global_requests"] for s in reads)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [96, 40])
+def test_part_panel_epilogues_read_back_without_excess_wavefronts(d: int) -> None:
+    """A row whose 16-byte chunks end in a part panel (d = 96: 4 past the first panel, d = 40: 5): the epilogues
+    read O / dK / dV back from the swizzled tile with no excess wavefront (``wg_epi_item``: row by row put rows
+    r and r + 1 in one quarter warp, 8 excess wavefronts per warp), and store them at their ideal sectors."""
+    got = MC.count("wgmma", "sm_90a", d, 128, {})
+    mains = {name: r for name, r in got.items() if r["role"] == "main"}
+    assert len(mains) == 2
+    for name, r in mains.items():
+        assert r["other"]["excess_wavefronts"] == 0, name
+        stores = [s for s in r["sites"] if s["opcode"].startswith("st.global") and s["global_requests"]]
+        assert stores and all(s["sectors"] == s["ideal_sectors"] for s in stores), (name, stores)
+
+
 # --------------------------------------------------------------------------- the split tile's stages
 @pytest.mark.parametrize("d, dv, stages", [(192, 128, 3), (192, 64, 3), (160, 128, 3), (128, 192, 3), (64, 256, 3),
                                            (192, 192, 2), (256, 128, 2), (128, 256, 2), (256, 256, 1)])
