@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fagen.autotune.sassloops import HMMA_FLOPS, measure, pair_flops, red_width  # noqa: F401 - the figures (re-exported)
+from fagen.families.base import k16_padded
 
 #: Columns of the table ("MMA": HMMA.16816 of the mma family, HGMMA of the wgmma family).
 COLUMNS = ("kernel", "d", "tile", "warps", "regs", "smem KiB", "spills", "instr/1e6 FLOPs", "FA3", "instr/MMA",
@@ -138,7 +139,7 @@ def fagen_rows(specs: Iterable[dict[str, Any]]) -> list[Row]:
         res = mod.resource("main")
         kname = mod.rendered.kernel("main").name
         t = spec.tile
-        dp = -(-spec.head_dim // 16) * 16
+        dp = k16_padded(spec.head_dim)
         variants = [("interior", False)] + ([("diag", True)] if spec.causal else [])
         fa3 = FA3.get((spec.direction, spec.head_dim, spec.causal)) if spec.impl == "wgmma" and not spec.head_dim_v else None
         for variant, diag in variants:
@@ -272,7 +273,7 @@ def reference_rows(path: Path, name_filter: str) -> list[Row]:
             if len(ints) < 4:
                 continue
             d, br, bc, warps = ints[:4]
-            got = measure(text, kname, direction, d, -(-d // 16) * 16, br, bc, warps)
+            got = measure(text, kname, direction, d, k16_padded(d), br, bc, warps)
             if got is None:
                 continue
             loop, per = got

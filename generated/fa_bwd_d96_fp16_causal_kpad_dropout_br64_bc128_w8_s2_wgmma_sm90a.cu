@@ -1663,6 +1663,12 @@ constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
 
+// Element offset of 16-byte chunk c of row `row` in a tile of ROWS-row panels, 128 bytes a row, in the 128-byte
+// swizzle (PTX ISA 9.7.15.5.1: chunk c % 8 of a row in slot (c % 8) ^ (row % 8); chunk c in panel c / 8).
+template <int ROWS>
+FA_DEVICE int wg_swz(int row, int c) {
+    return (c / 8) * ROWS * PANEL_ELEMS + row * PANEL_ELEMS + (((c % 8) ^ (row % 8)) * 8);
+}
 // The epilogues' readback of a warp's 16 stored rows x CH 16-byte chunks from a 128-byte-swizzled tile (chunk c
 // of row r in slot (c % 8) ^ (r % 8) of its panel row): item q (lane + 32 i, q < wg_epi_items<CH>()) is row rr,
 // chunk c, or no item (false). A quarter warp's 8 lanes must meet 8 distinct 16-byte slots. The whole panels'
@@ -1901,8 +1907,7 @@ FA_DEVICE void wg_ds_store(T* sds, int sm_kr, int sm_m, const unsigned (&dsa)[BL
 #pragma unroll
     for (int kc = 0; kc < BLOCK_R / 16; ++kc) {
         const int n = 2 * kc + (sm_m >> 1);
-        fa_stmatrix_x4(sds + (n / 8) * BLOCK_C * PANEL_ELEMS + sm_kr * PANEL_ELEMS + (((n % 8) ^ (sm_kr % 8)) * 8),
-                       dsa[kc]);
+        fa_stmatrix_x4(sds + wg_swz<BLOCK_C>(sm_kr, n), dsa[kc]);
     }
 }
 // wg_frags of P^T o Z (a dropped element 0): kb holds the step's keep bits, element x at bit x % 32 of
@@ -2356,7 +2361,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
 #pragma unroll
     for (int kc = 0; kc < PAD_DIM / 16; ++kc) {
         const int n = 2 * kc + (e_m >> 1);
-        const int at = (n / 8) * BLOCK_C * PANEL_ELEMS + e_kr * PANEL_ELEMS + (((n % 8) ^ (e_kr % 8)) * 8);
+        const int at = wg_swz<BLOCK_C>(e_kr, n);
         unsigned fk[4], fv[4];
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
@@ -2374,7 +2379,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_bwd_
         if (!wg_epi_item<CHUNKS>(q, rr, c)) continue;
         const int row = e_row0 + rr, key = col0 + row;
         if (key >= len_k) continue;
-        const int at = (c / 8) * BLOCK_C * PANEL_ELEMS + row * PANEL_ELEMS + (((c % 8) ^ (row % 8)) * 8);
+        const int at = wg_swz<BLOCK_C>(row, c);
         const uint4 vk = *reinterpret_cast<const uint4*>(sk + at);
         const uint4 vv = *reinterpret_cast<const uint4*>(sv + at);
         *reinterpret_cast<uint4*>(dk + fa_row_offset(si.k_tok0, b, key, hk, stride_dk_b, stride_dk_s, stride_dk_h) +

@@ -1601,6 +1601,12 @@ constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
 
+// Element offset of 16-byte chunk c of row `row` in a tile of ROWS-row panels, 128 bytes a row, in the 128-byte
+// swizzle (PTX ISA 9.7.15.5.1: chunk c % 8 of a row in slot (c % 8) ^ (row % 8); chunk c in panel c / 8).
+template <int ROWS>
+FA_DEVICE int wg_swz(int row, int c) {
+    return (c / 8) * ROWS * PANEL_ELEMS + row * PANEL_ELEMS + (((c % 8) ^ (row % 8)) * 8);
+}
 // The epilogues' readback of a warp's 16 stored rows x CH 16-byte chunks from a 128-byte-swizzled tile (chunk c
 // of row r in slot (c % 8) ^ (r % 8) of its panel row): item q (lane + 32 i, q < wg_epi_items<CH>()) is row rr,
 // chunk c, or no item (false). A quarter warp's 8 lanes must meet 8 distinct 16-byte slots. The whole panels'
@@ -2070,7 +2076,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
             const int i = 8 * kc + 2 * x;
             fo[x] = empty_r[x & 1] ? 0u : wg_pack(o_acc[i] * inv_r[x & 1], o_acc[i + 1] * inv_r[x & 1]);
         }
-        fa_stmatrix_x4(sq + (n / 8) * BLOCK_R * PANEL_ELEMS + e_row * PANEL_ELEMS + (((n % 8) ^ (e_row % 8)) * 8), fo);
+        fa_stmatrix_x4(sq + wg_swz<BLOCK_R>(e_row, n), fo);
     }
     __syncwarp();  // the warp reads back only the rows it stored
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row
@@ -2080,8 +2086,7 @@ extern "C" __global__ void __launch_bounds__(384, fa::MIN_BLOCKS_PER_SM) fa_fwd_
         if (!wg_epi_item<CHUNKS>(q, rr, c)) continue;
         const int trow = e_row0 + rr, row = i0 + trow;
         if (row >= seqlen_q) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(sq + (c / 8) * BLOCK_R * PANEL_ELEMS + trow * PANEL_ELEMS +
-                                                        (((c % 8) ^ (trow % 8)) * 8));
+        const uint4 v = *reinterpret_cast<const uint4*>(sq + wg_swz<BLOCK_R>(trow, c));
         *reinterpret_cast<uint4*>(o + fa_row_offset(si.q_tok0, b, row, h, stride_o_b, stride_o_s, stride_o_h) + 8 * c) = v;
     }
 }

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FagenError, InputError
+from ..families.base import k16_padded
 from ..families.codegen import TABLE_FORMAT, CodegenSet, class_key, clear_tables, forcing, nvrtc_major
 from ..spec import KernelSpec
 
@@ -145,7 +146,7 @@ def nvrtc_evaluate(spec: KernelSpec, values: Mapping[str, int]) -> Evaluation:
             ws = measure_specialised(text, kname, fs, family, diagonal=diag)
             got = None if ws is None else (ws[0], ws[2])
         else:
-            got = measure(text, kname, spec.direction, spec.head_dim, -(-spec.head_dim // 16) * 16, fs.block_r,
+            got = measure(text, kname, spec.direction, spec.head_dim, k16_padded(spec.head_dim), fs.block_r,
                           fs.block_c, fs.num_warps, diagonal=diag, dq_atomics=not spec.deterministic,
                           head_dim_v=spec.head_dim_v)
         if got is None:

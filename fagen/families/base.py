@@ -176,6 +176,11 @@ class PairCost:
         return min(1.0, self.warp_iterations / (num_warps * self.busiest_warp_iterations))
 
 
+def k16_padded(head_dim: int) -> int:
+    """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
+    return -(-head_dim // 16) * 16
+
+
 def lds_wavefronts(addrs: list[int]) -> int:
     """Wavefronts of one warp-wide 4-byte shared-memory load: the most distinct words in one bank."""
     words: dict[int, set[int]] = {}

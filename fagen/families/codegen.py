@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fagen.families.base import FamilySpec
+from fagen.families.base import FamilySpec, k16_padded
 
 __all__ = ["TABLE_FORMAT", "CodegenConfig", "CodegenKnob", "CodegenSet", "KnobValue", "always_legal", "class_key",
            "clear_tables", "forcing", "nvrtc_major"]
@@ -101,19 +101,15 @@ def nvrtc_major() -> int | None:
         return None
 
 
-def _padded(d: int) -> int:
-    return -(-d // 16) * 16
-
-
 def class_key(fs: FamilySpec, major: int | None = None) -> str:
     """The class whose specs share one knob setting: NVRTC major, arch, dtype, padded head dims (``p``
     after a head dim that is not its own padding), direction, the tile and warps, and the flags."""
     if major is None:
         major = nvrtc_major()
-    dp = _padded(fs.head_dim)
+    dp = k16_padded(fs.head_dim)
     dims = f"d{dp}" + ("p" if dp != fs.head_dim else "")
     if fs.dv != fs.head_dim:
-        dims += f"-dv{_padded(fs.dv)}" + ("p" if _padded(fs.dv) != fs.dv else "")
+        dims += f"-dv{k16_padded(fs.dv)}" + ("p" if k16_padded(fs.dv) != fs.dv else "")
     flags = "+".join(sorted(fs.flags)) or "plain"
     knobs = "".join(f",{k}{v}" for k, v in fs.knobs)
     return (f"nvrtc{major}/{fs.arch}/{fs.dtype}/{dims}/{fs.direction}/"

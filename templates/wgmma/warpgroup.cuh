@@ -47,6 +47,12 @@ FA_DEVICE void wg_zero_rows(T* tile, int panels, int first, int t, int n) {
 }
 {% endif %}
 
+// Element offset of 16-byte chunk c of row `row` in a tile of ROWS-row panels, 128 bytes a row, in the 128-byte
+// swizzle (PTX ISA 9.7.15.5.1: chunk c % 8 of a row in slot (c % 8) ^ (row % 8); chunk c in panel c / 8).
+template <int ROWS>
+FA_DEVICE int wg_swz(int row, int c) {
+    return (c / 8) * ROWS * PANEL_ELEMS + row * PANEL_ELEMS + (((c % 8) ^ (row % 8)) * 8);
+}
 // The epilogues' readback of a warp's 16 stored rows x CH 16-byte chunks from a 128-byte-swizzled tile (chunk c
 // of row r in slot (c % 8) ^ (r % 8) of its panel row): item q (lane + 32 i, q < wg_epi_items<CH>()) is row rr,
 // chunk c, or no item (false). A quarter warp's 8 lanes must meet 8 distinct 16-byte slots. The whole panels'

@@ -13,7 +13,7 @@ setting, ``KernelSpec.codegen``, before it), the default tile and warps (``bwd_w
 points are in docs/autotune.md ("Starting points and why")."""
 from __future__ import annotations
 
-from fagen.families.base import Knob
+from fagen.families.base import Knob, k16_padded
 
 STAGES = Knob("stages", "s", 2, (1, 2), "cp.async pipeline depth of the streamed tiles (Q/dO backward, K/V forward): "
               "2 prefetches the next step while computing this one, 1 halves their shared memory")
@@ -63,9 +63,8 @@ def bwd_wide_warps(head_dim: int, flags: frozenset[str] = frozenset(),
     return dp <= MAX_REG_ACC_DIM and not ({"window", "varlen"} <= flags and dp > 64)
 
 
-def padded_dim(head_dim: int) -> int:
-    """The head dim rounded up to the MMA k extent (16); the extra columns are zero."""
-    return -(-head_dim // 16) * 16
+#: The head dim rounded up to the MMA k extent (16); the extra columns are zero.
+padded_dim = k16_padded
 
 
 def acc_in_smem(head_dim: int, head_dim_v: int = 0) -> bool:

@@ -164,12 +164,8 @@ def default_block_r(fs: FamilySpec) -> int:
     if split_dkv(fs):
         return WIDE_BLOCK
     br = min(DEFAULT_BLOCK_R.get(padded_dim(fs.head_dim), 64), DEFAULT_BLOCK_R.get(padded_dim(fs.dv), 64))
-    if fs.has("alibi") and _acc_regs(fs, br) > BWD_ALIBI_REGS:  # d = 64: 64 Q rows, one warpgroup (default_warps)
-        return 64
-    if fs.has("dropout") and _acc_regs(fs, br) > dropout_regs(fs):  # d = 64: 64 Q rows, one warpgroup
-        return 64
-    if (fs.has("attn_mask") or fs.has("bias")) and _acc_regs(fs, br) > mask_bias_regs(fs):  # d = 64: 64 Q rows
-        return 64
+    if (cap := one_acc_cap(fs)) is not None and _acc_regs(fs, br) > cap:  # d = 64: 64 Q rows, one warpgroup
+        return 64  # (default_warps): ALiBi, dropout, the mask or a bias
     return br
 
 
@@ -191,28 +187,11 @@ def config_reason(fs: FamilySpec) -> Reason | None:
         return Reason("block_r", f"block_r={fs.block_r} with num_warps={fs.num_warps} at head_dim={fs.head_dim}: "
                                  f"the {fs.num_warps // 4} consumer warpgroups cannot split dQ_i's "
                                  f"{padded_dim(fs.head_dim)} columns into 64-column wgmmas (wgmma backward)")
-    if fs.has("alibi") and (regs := acc_regs(fs)) > BWD_ALIBI_REGS:
-        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and alibi: S^T, dP^T, their "
-                                 f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
-                                 f"{BWD_ALIBI_REGS} (wgmma backward: ptxas would spill)")
-    if fs.has("dropout") and (regs := acc_regs(fs)) > (cap := dropout_regs(fs)):
-        with_alibi = " and alibi" if fs.has("alibi") else ""
-        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, dropout{with_alibi}: S^T, dP^T, "
-                                 f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
-                                 f"than {cap} beside the keep bits (wgmma backward: ptxas would spill)")
-    if fs.has("deterministic") and fs.has("alibi") and (regs := acc_regs(fs)) > BWD_DET_ALIBI_REGS:
-        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, deterministic and alibi: S^T, "
-                                 f"dP^T, their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, "
-                                 f"more than {BWD_DET_ALIBI_REGS} (wgmma backward: ptxas would spill)")
-    if (fs.has("attn_mask") or fs.has("bias")) and (regs := acc_regs(fs)) > (cap := mask_bias_regs(fs)):
-        what = " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
-        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim} and {what}: S^T, dP^T, their "
-                                 f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
-                                 f"{cap} beside the mask / bias pointers (wgmma backward: ptxas would spill)")
-    if fs.dv != fs.head_dim and (regs := acc_regs(fs)) > BWD_ACC_REGS:
-        return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}, head_dim_v={fs.dv}: S^T, dP^T, "
-                                 f"their fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more "
-                                 f"than {BWD_ACC_REGS} (wgmma backward: ptxas would spill)")
+    for cap, label, beside in one_acc_bounds(fs):
+        if (regs := acc_regs(fs)) > cap:
+            return Reason("block_r", f"block_r={fs.block_r} with head_dim={fs.head_dim}{label}: S^T, dP^T, their "
+                                     f"fragments, dK~ and dV~ take {regs} fp32 registers per consumer thread, more than "
+                                     f"{cap}{beside} (wgmma backward: ptxas would spill)")
     return None
 
 
@@ -465,15 +444,27 @@ def split_dkv(fs: FamilySpec) -> bool:
     return max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128 or one_acc_declines(fs)
 
 
+def one_acc_bounds(fs: FamilySpec) -> list[tuple[int, str, str]]:
+    """The registers bounds (:func:`acc_regs`) of the one-accumulator tile that the spec's features set, in the
+    order :func:`config_reason` checks them, each with what its message names: (bound, the features after the
+    head dim, what the registers sit beside). ALiBi's, dropout's, the deterministic order's with ALiBi, the
+    mask's / bias's, a v head dim's."""
+    out = [(BWD_ALIBI_REGS, " and alibi", "")] if fs.has("alibi") else []
+    if fs.has("dropout"):
+        out.append((dropout_regs(fs), ", dropout" + (" and alibi" if fs.has("alibi") else ""), " beside the keep bits"))
+    if fs.has("deterministic") and fs.has("alibi"):
+        out.append((BWD_DET_ALIBI_REGS, ", deterministic and alibi", ""))
+    if fs.has("attn_mask") or fs.has("bias"):
+        what = " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
+        out.append((mask_bias_regs(fs), f" and {what}", " beside the mask / bias pointers"))
+    if fs.dv != fs.head_dim:
+        out.append((BWD_ACC_REGS, f", head_dim_v={fs.dv}", ""))
+    return out
+
+
 def one_acc_cap(fs: FamilySpec) -> int | None:
-    """The tightest registers bound (:func:`acc_regs`) of the one-accumulator tile for the spec's features: ALiBi's,
-    dropout's, the deterministic order's with ALiBi, the mask's / bias's, a v head dim's (None: no bound)."""
-    caps = [BWD_ALIBI_REGS] if fs.has("alibi") else []
-    caps += [dropout_regs(fs)] if fs.has("dropout") else []
-    caps += [BWD_DET_ALIBI_REGS] if fs.has("deterministic") and fs.has("alibi") else []
-    caps += [mask_bias_regs(fs)] if fs.has("attn_mask") or fs.has("bias") else []
-    caps += [BWD_ACC_REGS] if fs.dv != fs.head_dim else []
-    return min(caps, default=None)
+    """The tightest of :func:`one_acc_bounds` (None: no bound)."""
+    return min((cap for cap, _, _ in one_acc_bounds(fs)), default=None)
 
 
 def one_acc_declines(fs: FamilySpec) -> bool:
