@@ -763,6 +763,7 @@ FA_DEVICE double fa_tanh(double x) { return tanh(x); }
 struct ScoreParams {
     float scale;    // softmax scale
     float softcap;  // > 0 when HAS_SOFTCAP
+    float scale_cap;  // scale / softcap when HAS_SOFTCAP (a kernel may take tanh's argument as q.k scale_cap)
     float slope;    // ALiBi slope of (b, h) when HAS_ALIBI
     long long shift;  // the masking rule's diagonal shift (mask_shift) for ALiBi's distance
     const T* bias;    // at (b, h) already: bias + b * stride_b + h * stride_h, when HAS_BIAS
@@ -777,6 +778,7 @@ FA_DEVICE ScoreParams make_score_params(float scale, float softcap, const float*
     ScoreParams sp;
     sp.scale = scale;
     sp.softcap = HAS_SOFTCAP ? softcap : 0.f;
+    sp.scale_cap = HAS_SOFTCAP ? scale / softcap : 0.f;
     sp.slope = 0.f;
     if constexpr (HAS_ALIBI) sp.slope = alibi_slopes[(long long)b * stride_alibi_b + h];
     sp.shift = mask_shift(mp);
@@ -798,25 +800,42 @@ FA_DEVICE A score_softcap(A s_raw, const ScoreParams& sp) {
     }
 }
 
+// ALiBi's distance i + shift - j of element (row, col) in A (float: exact below 2^24 in magnitude, else the
+// conversion's rounding; double: exact). A thread whose elements lie at compile-time offsets from a base element
+// takes the base's distance once and each element's as base - k (one add of an immediate, exact): score_fwd_at.
+template <typename A>
+FA_DEVICE A alibi_dist(long long row, long long col, const ScoreParams& sp) {
+    return (A)(row + sp.shift - col);
+}
+// s - slope |dist|: one fused multiply-add, the |.| an operand modifier.
+FA_DEVICE float alibi_fma(float s, float dist, float slope) { return fmaf(fabsf(dist), -slope, s); }
+FA_DEVICE double alibi_fma(double s, double dist, float slope) { return fma(fabs(dist), -(double)slope, s); }
+
+// s plus the position-dependent additive terms (ALiBi + bias) of element (row, col), dist its alibi_dist.
+template <typename A>
+FA_DEVICE A score_add_at(A s, int row, int col, A dist, const ScoreParams& sp) {
+    if constexpr (HAS_ALIBI) s = alibi_fma(s, dist, sp.slope);
+    if constexpr (HAS_BIAS) {
+        s += (A)fa_to_float(sp.bias[(long long)row * sp.bias_stride_q + (long long)col * sp.bias_stride_k]);
+    }
+    return s;
+}
+
 // The position-dependent additive terms (ALiBi + bias) of element (row, col); 0 without them.
 template <typename A>
 FA_DEVICE A score_additive(int row, int col, const ScoreParams& sp) {
-    A add = (A)0;
-    if constexpr (HAS_ALIBI) {
-        long long dist = (long long)row + sp.shift - col;
-        if (dist < 0) dist = -dist;
-        add -= (A)sp.slope * (A)dist;
-    }
-    if constexpr (HAS_BIAS) {
-        add += (A)fa_to_float(sp.bias[(long long)row * sp.bias_stride_q + (long long)col * sp.bias_stride_k]);
-    }
-    return add;
+    return score_add_at<A>((A)0, row, col, alibi_dist<A>(row, col, sp), sp);
 }
 
-// qk = q . k of an allowed pair -> the final score s the softmax takes.
+// qk = q . k of an allowed pair -> the final score s the softmax takes; dist: the element's alibi_dist (unused
+// without HAS_ALIBI).
+template <typename A>
+FA_DEVICE A score_fwd_at(A qk, int row, int col, A dist, const ScoreParams& sp) {
+    return score_add_at<A>(score_softcap<A>(qk * (A)sp.scale, sp), row, col, dist, sp);
+}
 template <typename A>
 FA_DEVICE A score_fwd(A qk, int row, int col, const ScoreParams& sp) {
-    return score_softcap<A>(qk * (A)sp.scale, sp) + score_additive<A>(row, col, sp);
+    return score_fwd_at<A>(qk, row, col, alibi_dist<A>(row, col, sp), sp);
 }
 
 // dS = dL/ds -> dL/d(s_raw) with s_raw = scale * qk.

@@ -49,7 +49,8 @@ def test_chosen_for_sm90a_backward() -> None:
 @pytest.mark.parametrize("change, why", [
     (dict(head_dim=128, dropout=True, alibi=True), "dropout and alibi"),  # ptxas would spill
     (dict(attn_mask=True, num_warps=8, block_r=128), "block_r=128 with head_dim=64 and attn_mask"),  # would spill
-    (dict(head_dim=128, deterministic=True, alibi=True), "deterministic and alibi"),  # ptxas would spill
+    (dict(head_dim=128, deterministic=True, alibi=True, window=True, key_padding=True),
+     "deterministic with alibi, window and key_padding at head_dim=128"),  # ptxas would spill
     (dict(head_dim=256, dropout=True, alibi=True), "head_dim=256, head_dim_v=256 with dropout and alibi: 208 fp32"),
     (dict(head_dim=160, softcap=True), "head_dim=160, head_dim_v=160 with softcap: the padded wgmma bwd"),
     (dict(head_dim=16, alibi=True), "head_dim=16, head_dim_v=16 with alibi"),  # padded: mma is cheaper

@@ -54,13 +54,19 @@ def test_deterministic_backward_resolves_to_wgmma_without_a_dq_kernel() -> None:
     assert dq_sem_count(2, 3, 130, 64) == 2 * 3 * 3 * DQ_COPIES
 
 
-def test_deterministic_with_alibi_past_d64_is_declined_by_name() -> None:
-    """ALiBi at d = 96 / 128 with the turns spills (BWD_DET_ALIBI_REGS): such specs go to mma; d = 64 stays."""
+def test_deterministic_with_alibi_takes_the_one_accumulator_tile_and_one_spilling_mix_is_declined_by_name() -> None:
+    """ALiBi with the turns at d = 96 / 128 takes the 64 x 128 tile (its distance a float per element: no spill); with
+    a window and key padding together d = 128 spills 56 bytes: declined by name (mma takes it), d = 96 does not."""
     fields = dict(direction="bwd", head_dim=128, dtype="float16", arch="sm_90a", deterministic=True, alibi=True)
-    assert KernelSpec(**fields).impl == "mma"
-    with pytest.raises(ValueError, match=re.escape("deterministic and alibi")):
-        KernelSpec(**fields, impl="wgmma")
-    assert KernelSpec(**{**fields, "head_dim": 64}).impl == "wgmma"
+    for d in (64, 96, 128):
+        assert KernelSpec(**{**fields, "head_dim": d}).impl == "wgmma", d
+    assert KernelSpec(**fields).tile.block_r == 64 and KernelSpec(**fields).tile.block_c == 128
+    both = {**fields, "window": True, "key_padding": True}
+    assert KernelSpec(**both).impl == "mma"
+    with pytest.raises(ValueError, match=re.escape("deterministic with alibi, window and key_padding at head_dim=128")):
+        KernelSpec(**both, impl="wgmma")
+    assert KernelSpec(**{**both, "head_dim": 96}).impl == "wgmma"
+    assert KernelSpec(**{**both, "window": False}).impl == "wgmma"
 
 
 # --------------------------------------------------------------------------- numerics
@@ -74,7 +80,7 @@ BWD_CASES = [
     # a v head dim of its own, softcap, MQA over three q heads
     dict(d=64, dv=128, dtype="bfloat16", nw=4, B=1, Nq=70, Nk=140, H=3, Hkv=1, softcap=True),
     dict(d=128, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True, softcap=True),
-    dict(d=64, dtype="float16", nw=4, B=1, Nq=70, Nk=100, H=2, Hkv=1, kpm=True, alibi=True),  # d = 64 with ALiBi
+    dict(d=128, dtype="float16", nw=8, B=1, Nq=70, Nk=100, H=2, Hkv=1, kpm=True, alibi=True),  # ALiBi: 64 x 128
     # head dims past 128: the split tile (its producer's reduce-adds a step late take the same turns)
     dict(d=256, dtype="float16", nw=8, B=1, Nq=130, Nk=150, H=2, Hkv=1, causal=True),
     dict(d=192, dv=128, dtype="bfloat16", nw=8, B=2, Nq=70, Nk=140, H=2, Hkv=2, window=(40, 10)),

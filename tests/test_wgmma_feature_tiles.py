@@ -38,6 +38,7 @@ def _spec(direction: str, **kw) -> KernelSpec:
     (dict(softcap=True, dropout=True, bias=True, varlen=True), 16),
     (dict(alibi=True, dropout=True, bias=True, attn_mask=True), 16),
     (dict(attn_mask=True, causal=True), 64),  # the mask alone: 64 keys, as before
+    (dict(alibi=True), 48), (dict(alibi=True, window=True, key_padding=True), 48),  # ALiBi's float distance
 ])
 def test_the_d256_forward_takes_the_mask_a_bias_or_dropout_at_a_key_block_that_fits(kw, block_c) -> None:
     for d, dv in ((256, 256), (128, 256)):
@@ -49,11 +50,11 @@ def test_the_d256_forward_takes_the_mask_a_bias_or_dropout_at_a_key_block_that_f
 
 
 @pytest.mark.parametrize("kw, block_c", [
-    (dict(softcap=True), 48), (dict(alibi=True), 32), (dict(softcap=True, alibi=True), 32),
+    (dict(softcap=True), 48), (dict(softcap=True, alibi=True), 32),
     (dict(softcap=True, dropout=True), 32),
 ])
 def test_where_mma_issues_fewer_the_default_is_declined_but_a_named_key_block_is_taken(kw, block_c) -> None:
-    """softcap / ALiBi without the mask, a bias or dropout (or softcap beside dropout) at d = 256: below 64 keys the
+    """softcap without the mask, a bias or dropout (or beside dropout or ALiBi) at d = 256: below 64 keys the
     forward would issue more per FLOP than mma's (fagen.families.wgmma.wide_o_small_keys), so the default stays at
     64 keys, which spill: impl=None takes mma, impl='wgmma' says why, and the key block a user names is taken."""
     assert _spec("fwd", head_dim=256, **kw).impl == "mma"
@@ -116,9 +117,10 @@ def test_what_the_split_tile_cannot_take_at_d128_is_declined_by_name(kw, why) ->
 
 
 def test_without_the_mask_or_a_bias_the_one_accumulator_tiles_rule_stands() -> None:
-    """Dropout with ALiBi, the deterministic order with ALiBi at d = 128: the split tile would issue more than mma
-    (S^T and the per-element work twice), so they stay declined by the register bound."""
-    for kw in (dict(dropout=True, alibi=True), dict(deterministic=True, alibi=True)):
+    """Dropout with ALiBi at d = 128: the split tile would issue more than mma (S^T and the per-element work twice),
+    so it stays declined by the register bound (the deterministic order with ALiBi takes the 64 x 128 tile)."""
+    assert _spec("bwd", head_dim=128, deterministic=True, alibi=True).impl == "wgmma"
+    for kw in (dict(dropout=True, alibi=True),):
         assert _spec("bwd", head_dim=128, **kw).impl == "mma"
         with pytest.raises(ValueError, match="more than 160"):
             _spec("bwd", head_dim=128, impl="wgmma", **kw)
@@ -150,6 +152,9 @@ CASES = [
               head_dim=192, causal=True, softcap=4.0, q_scale=2.0, bias=(1, 2, 70, 90)), "split", "wgmma"),
     (FeatCase("bwd-mask-softcap-dbias-d128", dtype="float16", batch=2, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=61,
               head_dim=128, softcap=3.0, q_scale=2.0, mask=(2, 1, 50, 61), bias=(2, 2, 50, 61)), "split", "wgmma"),
+    # ALiBi at d = 256 (its distance a float per element): 48 keys, a window, Nq != Nk; the split tile's backward
+    (FeatCase("fwd-alibi-window-d256", dtype="float16", batch=1, heads=2, heads_kv=1, seqlen_q=60, seqlen_k=83,
+              head_dim=256, alibi="bh", window=(30, 8)), 48, "wgmma"),
     (FeatCase("bwd-mask-alibi-window-d128", dtype="bfloat16", batch=2, heads=2, heads_kv=2, seqlen_q=64,
               seqlen_k=64, head_dim=128, alibi="bh", window=(20, 5), mask=(2, 2, 64, 64)), "split", "wgmma"),
 ]

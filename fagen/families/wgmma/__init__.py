@@ -164,13 +164,16 @@ FWD_MASK_BIAS_MIX_REGS = 136
 #: even 64 keys take 168) with softcap, ALiBi, dropout or a bias: the key block shrinks in 16s below 64
 #: (wgmma's N of S; O += P V_j in block_c / 16 k steps). benchmarks/sass_cost.py, d = 256, fp16 and bf16, with
 #: and without causal + varlen, a window + key padding: 48 keys (158) do not spill with softcap, a bias, or the
-#: mask beside one of them; they spill 32 bytes with dropout, 92 with ALiBi (a window, key padding), 60 with
+#: mask beside one of them; they spill 32 bytes with dropout, 92 with ALiBi (a window, key padding; the 64-bit
+#: distances of before), 60 with
 #: softcap and ALiBi, 28 with the mask and ALiBi (causal, varlen); 32 keys (148) spill 64 with softcap, dropout and a bias (causal, varlen), 48 with ALiBi, dropout, the
 #: mask and a bias, 24 with all five; 16 keys (138) none. 64 keys (168) spill 48 bytes with dropout, 104 with
-#: ALiBi. The bounds at smaller head dims above do not carry over: there S is the larger part, here O is.
-#: One per-element feature but dropout or ALiBi (the mask alone keeps FWD_MASK_REGS: 64 keys):
+#: ALiBi (before; now 40 with a window + key padding, else none). The bounds at smaller head dims above do not carry over: there S is the larger part, here O is.
+#: One per-element feature but dropout (the mask alone keeps FWD_MASK_REGS: 64 keys). ALiBi, since its distance is a
+#: float per element (partials/score_mod.cuh's alibi_dist), is one of these: 48 keys spill nothing with causal + varlen,
+#: a window + key padding (fp16, bf16), sinks, or d = 128 / dv = 256; 64 keys spill 40 bytes with a window + key padding:
 FWD_WIDE_O_REGS = 158
-#: ... dropout or ALiBi, or two per-element features or more:
+#: ... dropout, or two per-element features or more:
 FWD_WIDE_O_MIX_REGS = 148
 #: ... dropout and a bias beside softcap or ALiBi:
 FWD_WIDE_O_DROPOUT_BIAS_REGS = 138
@@ -238,7 +241,7 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     if padded_dim(fs.dv) > 192 and per_element and per_element != ["attn_mask"]:
         if fs.has("dropout") and fs.has("bias") and (fs.has("softcap") or fs.has("alibi")):
             return FWD_WIDE_O_DROPOUT_BIAS_REGS
-        return FWD_WIDE_O_MIX_REGS if fs.has("dropout") or fs.has("alibi") or len(per_element) > 1 else FWD_WIDE_O_REGS
+        return FWD_WIDE_O_MIX_REGS if fs.has("dropout") or len(per_element) > 1 else FWD_WIDE_O_REGS
     caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
     caps += [FWD_MASK_REGS] if fs.has("attn_mask") else []
     caps += [FWD_BIAS_REGS] if fs.has("bias") else []
@@ -257,16 +260,17 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
 
 def wide_o_small_keys(fs: FamilySpec) -> bool:
     """Whether the forward's default key block goes below 64 keys with the wide O accumulator (FWD_WIDE_O_REGS):
-    where it issues fewer instructions per FLOP than ``mma``, i.e. with the mask or a bias, or dropout without
-    softcap. benchmarks/sass_cost.py, d = 256, fp16, wgmma at its key block against mma's default, instructions
-    per 1e6 FLOPs: a bias 633 / 1379, the mask and a bias 952 / 2579, softcap and a bias 849 / 2602, ALiBi and the
-    mask 1219 / 1892, dropout 1282 / 1554, dropout and ALiBi 1622 / 1736; but softcap 1151 / 990, ALiBi 1107 /
-    943, both 1694 / 988, softcap and dropout 1898 / 1780 (48 or 32 keys: the per-tile work over fewer keys, and
-    the exact tanhf). Those keep the 64-key default, which spills, so ``impl=None`` takes ``mma``; a key block
-    the user names is still taken within the bounds."""
+    where it issues fewer instructions per FLOP than ``mma``, i.e. with the mask or a bias, or dropout or ALiBi
+    without softcap. benchmarks/sass_cost.py, d = 256, fp16, wgmma at its key block against mma's default,
+    instructions per 1e6 FLOPs: a bias 633 / 1379, the mask and a bias 952 / 2579, softcap and a bias 849 / 2602,
+    ALiBi and the mask 1219 / 1892, dropout 1282 / 1554, dropout and ALiBi 1622 / 1736, ALiBi 639 / 943 (48 keys;
+    1107 at 32 keys with the 64-bit distances of before); but softcap 1151 / 990, softcap and ALiBi 1231 / 988,
+    softcap and dropout 1898 / 1780 (48 or 32 keys: the per-tile work over fewer keys, and the exact tanhf).
+    Those keep the 64-key default, which spills, so ``impl=None`` takes ``mma``; a key block the user names is
+    still taken within the bounds."""
     if fs.has("attn_mask") or fs.has("bias"):
         return True
-    return fs.has("dropout") and not fs.has("softcap")
+    return (fs.has("dropout") or fs.has("alibi")) and not fs.has("softcap")
 
 
 def fwd_acc_regs(fs: FamilySpec, block_c: int | None = None) -> int:

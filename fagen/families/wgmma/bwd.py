@@ -55,8 +55,8 @@ turn (top - j: the K/V blocks of its copy above j that reach i, which arrive bef
 until the add is written (``cp.async.bulk.wait_group 0``) and passes the turn (``red.release.gpu.add``): each
 copy of dQ_i sums its K/V blocks' tiles in descending order on every run. A CTA waits only on higher K/V blocks
 of its (batch, kv head), i.e. lower linear block indices, so the ascending launch order keeps it deadlock-free.
-The consumers' tile loop is the plain one. With ALiBi at d = 96 / 128 the tile would spill
-(:data:`BWD_DET_ALIBI_REGS`): declined.
+The consumers' tile loop is the plain one. With ALiBi, a window and key padding at d = 128 the tile would
+spill (56 bytes): declined by name (:func:`unsupported_reason`).
 
 A bool mask, a bias and its gradient (``attn_mask``, ``bias``, ``bias_grad``; ``templates/wgmma/mask_bias.cuh``):
 the thread's elements of S^T are two keys x the step's Q rows, so each is one read (the mask zeroes P^T, the
@@ -87,7 +87,7 @@ from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DET_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs",
+__all__ = ["BWD_ACC_REGS", "BWD_ALIBI_REGS", "BWD_DROPOUT_ALIBI_REGS", "BWD_DROPOUT_REGS", "dropout_regs", "BWD_TMA", "DEFAULT_BLOCK_R", "acc_regs", "default_block_r", "default_warps", "DQ_GROUP", "DV_EARLY_REGS", "WG_BWD_DET_MAIN", "WG_BWD_MAIN", "bwd_tensor_map_boxes", "dq_split", "BWD_MASK_BIAS_MIX_REGS", "BWD_MASK_BIAS_REGS", "mask_bias_regs", "softcap_rcp",
            "WIDE_BIAS_DV_REGS", "WIDE_MASK_BIAS_REGS", "bias_smem",
            "dq_staging_view", "dv_early", "smem_layout", "tile_work", "unsupported_reason"]
 
@@ -123,6 +123,10 @@ def unsupported_reason(fs: FamilySpec) -> str | None:
         return f"{extra[0]}: the wgmma backward does not implement it yet (implemented: {sorted(BWD_FLAGS)})"
     if (why := padded_reason(fs)) is not None:
         return why
+    if (not split_dkv(fs) and fs.head_dim > 96 and all(fs.has(f) for f in ("deterministic", "alibi", "window",
+                                                                          "key_padding"))):
+        return (f"deterministic with alibi, window and key_padding at head_dim={fs.head_dim}: the wgmma backward's "
+                f"64 x 128 tile would spill (56 bytes at head_dim=128)")
     if split_dkv(fs):
         wide = max(padded_dim(fs.head_dim), padded_dim(fs.dv)) > 128
         which = (f"the wgmma backward's split tile (head_dim={fs.head_dim}, head_dim_v={fs.dv}: "
@@ -199,8 +203,9 @@ def config_reason(fs: FamilySpec) -> Reason | None:
 #: (:func:`acc_regs`): 256 is d = 64's 128 x 128 tile (no spill); d = 64, dv = 128 at 128 Q rows
 #: (288) spills 752 bytes. The head_dim = head_dim_v tiles are left as they were.
 BWD_ACC_REGS = 256
-#: The same bound with ALiBi (its 64-bit distance per element of P^T): d = 64's 128 x 128 tile (256) spills
-#: 24 bytes (20 with softcap too), d = 128's 64 x 128 (224) none; d = 64 takes 64 Q rows on one warpgroup.
+#: The same bound with ALiBi (its distance per element of P^T, partials/score_mod.cuh's alibi_dist): d = 64's
+#: 128 x 128 tile (256) spills 88 bytes (24 with the 64-bit distances of before), d = 128's
+#: 64 x 128 (224) none; d = 64 takes 64 Q rows on one warpgroup.
 BWD_ALIBI_REGS = 224
 #: The bound with dropout (the step's keep bits, computed while S^T and dP^T run, and the Philox state;
 #: no early dV~, :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 184 bytes, 64 x 64 on one
@@ -227,12 +232,6 @@ def mask_bias_regs(fs: FamilySpec) -> int:
     another per-element feature beside it, else BWD_MASK_BIAS_REGS."""
     mix = sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1
     return BWD_MASK_BIAS_MIX_REGS if mix else BWD_MASK_BIAS_REGS
-
-
-#: The bound with the deterministic backward's dQ turns and ALiBi: d = 96's and d = 128's 64 x 128 (224) spill
-#: 8 bytes (the producer's turn wait and release beside ALiBi's 64-bit distances; without ALiBi, with
-#: dropout, softcap, varlen, none), d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
-BWD_DET_ALIBI_REGS = 160
 
 
 def dropout_regs(fs: FamilySpec) -> int:
@@ -327,6 +326,17 @@ def dv_early(fs: FamilySpec) -> bool:
     return fs.block_r + fs.block_r // 4 + (padded_dim(fs.head_dim) + padded_dim(fs.dv)) // 2 <= DV_EARLY_REGS
 
 
+def softcap_rcp(fs: FamilySpec) -> bool:
+    """Whether softcap's tanh takes its argument as q.k (scale / softcap), one multiply per element, rather than the
+    IEEE division of q.k scale by softcap (about ten instructions with its check and out-of-line slow path): the
+    codegen knob ``softcap_rcp``'s starting point, the split tile's (:func:`split_dkv`). benchmarks/sass_cost.py,
+    fp16, instructions per 1e6 FLOPs, division -> multiply: d = 192 1455 -> 455, d = 256 causal 1125 -> 377, 0 spills;
+    the one-accumulator tile spills with the multiply (d = 128: 56 bytes, 112 causal + varlen, 124 with dropout;
+    d = 64: 496), its division keeping ptxas's schedule of P^T and dS^T within the registers, so it keeps the
+    division, as d = 256 with dropout does (8 bytes with the multiply, bf16 and fp16). The backward's tanh is the SFU's (``tanh.approx``, 2^-11 relative), far coarser than either argument."""
+    return fs.has("softcap") and split_dkv(fs) and not (fs.has("dropout") and padded_dim(fs.head_dim) > 192)
+
+
 def constants(fs: FamilySpec, knobs: Mapping[str, int]) -> tuple[Constant, ...]:
     """The backward's template constants; ``knobs``: the spec's codegen knob values
     (fagen.families.wgmma.codegen)."""
@@ -346,6 +356,8 @@ def constants(fs: FamilySpec, knobs: Mapping[str, int]) -> tuple[Constant, ...]:
                  "rolled loop"),
     ) + ((Constant("BIAS_SMEM", "bool", True, "the bias staged in shared memory per consumer warp, read by "
                    "ldmatrix"),) if knobs["bias_smem"] else ()) + (
+        (Constant("SOFTCAP_RCP", "bool", True, "softcap's tanh argument as q.k (scale / softcap): one multiply, no "
+                  "division"),) if knobs.get("softcap_rcp") else ()) + (
         (Constant("DQ_COPIES", "int", DQ_COPIES, "partial sums of dQ per q head in dq_accum, each added to in an "
                   "order of its own (fagen.abi.DQ_COPIES)"),) if fs.has("deterministic") else ())
 
@@ -447,13 +459,10 @@ def split_dkv(fs: FamilySpec) -> bool:
 def one_acc_bounds(fs: FamilySpec) -> list[tuple[int, str, str]]:
     """The registers bounds (:func:`acc_regs`) of the one-accumulator tile that the spec's features set, in the
     order :func:`config_reason` checks them, each with what its message names: (bound, the features after the
-    head dim, what the registers sit beside). ALiBi's, dropout's, the deterministic order's with ALiBi, the
-    mask's / bias's, a v head dim's."""
+    head dim, what the registers sit beside). ALiBi's, dropout's, the mask's / bias's, a v head dim's."""
     out = [(BWD_ALIBI_REGS, " and alibi", "")] if fs.has("alibi") else []
     if fs.has("dropout"):
         out.append((dropout_regs(fs), ", dropout" + (" and alibi" if fs.has("alibi") else ""), " beside the keep bits"))
-    if fs.has("deterministic") and fs.has("alibi"):
-        out.append((BWD_DET_ALIBI_REGS, ", deterministic and alibi", ""))
     if fs.has("attn_mask") or fs.has("bias"):
         what = " and ".join(f for f in ("attn_mask", "bias", "softcap", "alibi", "dropout") if fs.has(f))
         out.append((mask_bias_regs(fs), f" and {what}", " beside the mask / bias pointers"))

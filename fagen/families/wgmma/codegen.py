@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fagen.families.base import FamilySpec
 from fagen.families.codegen import CodegenKnob, CodegenSet, always_legal
-from fagen.families.wgmma.bwd import bias_smem, dv_early, split_dkv
+from fagen.families.wgmma.bwd import bias_smem, dv_early, softcap_rcp, split_dkv
 
 __all__ = ["CODEGEN", "CODEGEN_KNOBS", "TABLE_PATH"]
 
@@ -24,6 +24,10 @@ def _bwd(fs: FamilySpec) -> bool:
 def _one_acc(fs: FamilySpec) -> bool:
     """The one-accumulator tile (head dims up to 128; not :func:`~fagen.families.wgmma.bwd.split_dkv`)."""
     return fs.direction == "bwd" and not split_dkv(fs)
+
+
+def _softcap_bwd(fs: FamilySpec) -> bool:
+    return fs.direction == "bwd" and fs.has("softcap")
 
 
 def _dv_early_legal(fs: FamilySpec, v: int) -> str | None:
@@ -46,6 +50,10 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
                 _bias_smem_legal, lambda fs: int(_one_acc(fs) and bias_smem(fs)),
                 "the bias staged in shared memory per consumer warp, read by ldmatrix (else per element from "
                 "global memory)"),
+    CodegenKnob("softcap_rcp", "SOFTCAP_RCP", "bool", "bwd", (0, 1), _softcap_bwd, always_legal,
+                lambda fs: int(_softcap_bwd(fs) and softcap_rcp(fs)),
+                "softcap's tanh argument as q.k (scale / softcap), one multiply (else the IEEE division of q.k scale "
+                "by softcap)"),
     CodegenKnob("ds_row_xor", "DS_ROW_XOR", "bool", "bwd", (0, 1), _bwd, always_legal, lambda fs: 0,
                 "dS^T's stmatrix addresses: one held address XORed per k step (else one held address per k step)"),
     CodegenKnob("lse_rows_rolled", "LSE_ROWS_ROLLED", "bool", "bwd", (0, 1), _bwd, always_legal, lambda fs: 0,
