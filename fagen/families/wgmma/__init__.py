@@ -130,10 +130,11 @@ FWD_BLOCK_C = 192
 #: explicit one beyond it declined (the head_dim = head_dim_v tiles are left as they were).
 FWD_ACC_REGS = 184
 #: fp32 registers per consumer thread (:func:`fwd_acc_regs`) a forward tile with softcap or ALiBi may ask
-#: for: score_fwd per element (the softcap's IEEE division and tanhf, ALiBi's 64-bit distance) needs
+#: for: score_fwd per element (the softcap's IEEE division and tanhf, ALiBi's distance) needs
 #: its temporaries beside them. benchmarks/sass_cost.py: 152 (d = 64 x 192 keys) and 144 (d = 128 x 128)
-#: do not spill; 168 does (d = 96 x 192 keys: 1000 bytes with softcap, 12 with ALiBi; d = 256 x 64 keys:
-#: 104 with ALiBi), as does d = 128's default 184 (1000 / 12). Such a spec's default tile is shrunk to
+#: do not spill; 168 does (d = 96 x 192 keys: 1000 bytes with softcap, 12 with ALiBi's 64-bit distance of before,
+#: 72 with its float one; d = 256 x 64 keys: 104 with ALiBi before), as does d = 128's default 184 (1000 / 12 before,
+#: 16 with ALiBi's float distance). Such a spec's default tile is shrunk to
 #: fit, a tile beyond it declined.
 FWD_SCORE_MOD_REGS = 160
 #: The bound with softcap and ALiBi together at a head dim past 128 (S's k loop of 12 or 16 wgmmas):

@@ -211,8 +211,9 @@ BWD_ALIBI_REGS = 224
 #: no early dV~, :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 184 bytes, 64 x 64 on one
 #: warpgroup (160) none; d = 96's and d = 128's 64 x 128 (224) none.
 BWD_DROPOUT_REGS = 224
-#: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (32 with softcap too), d = 96's
-#: 8, d = 64's 64 x 64 (160) none; so d = 96 and 128 with both go to ``mma``.
+#: With dropout and ALiBi together: d = 128's 64 x 128 (224) spills 40 bytes (with ALiBi's float distance as with
+#: its 64-bit one before), d = 96's none now (8 before), d = 64's 64 x 64 (160) none; d = 96 shares d = 128's bound
+#: (the same registers by acc_regs), so d = 96 and 128 with both go to ``mma``.
 BWD_DROPOUT_ALIBI_REGS = 160
 #: The bound with attn_mask or a bias (their per-key pointers, a step's reads, dBias's stores; no early dV~,
 #: :func:`dv_early`): d = 64's 128 x 128 tile (256) spills 48 bytes with the mask, 64 x 64 on one warpgroup
@@ -414,9 +415,10 @@ WIDE_BLOCK = 64
 #: (benchmarks/sass_cost.py: no spill at d = 256 with causal, softcap, ALiBi, dropout, varlen, a window, key
 #: padding, each and softcap with ALiBi or dropout; 176 at d = 192, and the dV~ warpgroup's 176 at dv = 256).
 WIDE_REGS = 208
-#: The bound with dropout and ALiBi together (the keep bits and ALiBi's 64-bit distances beside them):
+#: The bound with dropout and ALiBi together (the keep bits and ALiBi's distances beside them):
 #: d = 256's dK~ warpgroup (208) spilled 32 bytes causal (re-measured at NVRTC 13: none plain or causal, 16 bytes
-#: with causal and varlen, 140 with a window, key padding and the deterministic order); d = 192's (176) and
+#: with causal and varlen, 140 with a window, key padding and the deterministic order; with ALiBi's float distance
+#: none plain, 128 with causal and varlen, 124 with a window, key padding and the deterministic order); d = 192's (176) and
 #: dv = 256's dV~ warpgroup (176) none, with softcap and causal too. So d = 256 with both goes to ``mma``.
 WIDE_DROPOUT_ALIBI_REGS = 176
 
