@@ -71,7 +71,8 @@ def test_template_constants_and_layout_follow_the_config():
     cfg = plan_of(off).codegen
     sources = {k.name: k.source for k in cfg.knobs}
     assert sources.pop("dv_early") in ("start", "table")  # the class's table entry, where the table has one
-    assert sources == {"bias_smem": "user", "ds_row_xor": "user", "lse_rows_rolled": "user", "softcap_rcp": "start"}
+    assert sources == {"bias_smem": "user", "ds_row_xor": "user", "lse_rows_rolled": "user", "softcap_rcp": "start",
+                       "alibi_fold": "start"}
     assert plan_of(KernelSpec(direction="fwd", arch="sm_90a", impl="wgmma", head_dim=64)).codegen.knobs == ()
 
 
@@ -94,7 +95,7 @@ def test_search_takes_a_clean_setting_over_a_spilling_start(tmp_path):
     assert cfg.class_key == class_key(spec.family_spec, 13)
     assert {k.name: (k.value, k.source) for k in cfg.knobs} == {
         "dv_early": (0, "table"), "bias_smem": (0, "start"), "ds_row_xor": (1, "table"), "lse_rows_rolled": (1, "table"),
-        "softcap_rcp": (0, "start")}
+        "softcap_rcp": (0, "start"), "alibi_fold": (0, "start")}
     assert all(math.isfinite(t.cost) or t.rejected for t in r.trials)
 
 

@@ -281,10 +281,14 @@ WGMMA_FEATURES: tuple[dict[str, bool], ...] = (
     {"deterministic": True, "causal": True}, {"bias": True}, {"bias": True, "bias_grad": True},
     {"attn_mask": True}, {"dropout": True}, {"softcap": True}, {"alibi": True}, {"varlen": True},
     {"key_padding": True}, {"window": True})
-#: Further wgmma classes, at a head dim of their own: rows whose starting point spilled.
+#: Further wgmma classes, at a head dim of their own: rows whose starting point spilled; the split tile's ALiBi and
+#: softcap (alibi_fold, softcap_rcp), and ALiBi at d = 128 with causal (where alibi_fold spills) or deterministic.
 WGMMA_EXTRA: tuple[dict, ...] = (
     {"head_dim": 256, "causal": True, "varlen": True, "dropout": True},
-    {"head_dim": 256, "causal": True, "varlen": True, "dropout": True, "deterministic": True})
+    {"head_dim": 256, "causal": True, "varlen": True, "dropout": True, "deterministic": True},
+    {"head_dim": 192, "alibi": True}, {"head_dim": 256, "alibi": True}, {"head_dim": 192, "softcap": True},
+    {"head_dim": 256, "softcap": True}, {"head_dim": 128, "alibi": True, "causal": True},
+    {"head_dim": 128, "alibi": True, "deterministic": True})
 
 
 def default_classes(impl: str | None = None) -> list[KernelSpec]:

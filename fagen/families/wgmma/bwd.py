@@ -359,6 +359,8 @@ def constants(fs: FamilySpec, knobs: Mapping[str, int]) -> tuple[Constant, ...]:
                    "ldmatrix"),) if knobs["bias_smem"] else ()) + (
         (Constant("SOFTCAP_RCP", "bool", True, "softcap's tanh argument as q.k (scale / softcap): one multiply, no "
                   "division"),) if knobs.get("softcap_rcp") else ()) + (
+        (Constant("ALIBI_FOLD", "bool", True, "P^T's exp2 argument with ALiBi: the scale in the exponent's FFMA"),)
+        if knobs.get("alibi_fold") else ()) + (
         (Constant("DQ_COPIES", "int", DQ_COPIES, "partial sums of dQ per q head in dq_accum, each added to in an "
                   "order of its own (fagen.abi.DQ_COPIES)"),) if fs.has("deterministic") else ())
 

@@ -30,6 +30,10 @@ def _softcap_bwd(fs: FamilySpec) -> bool:
     return fs.direction == "bwd" and fs.has("softcap")
 
 
+def _alibi_only_bwd(fs: FamilySpec) -> bool:
+    return fs.direction == "bwd" and fs.has("alibi") and not fs.has("softcap") and not fs.has("bias")
+
+
 def _dv_early_legal(fs: FamilySpec, v: int) -> str | None:
     if v and fs.has("softcap"):
         return "with softcap P^T is computed with dS^T once dP^T has retired: dV~ += P^T dO_i cannot go earlier"
@@ -54,6 +58,9 @@ CODEGEN_KNOBS: tuple[CodegenKnob, ...] = (
                 lambda fs: int(_softcap_bwd(fs) and softcap_rcp(fs)),
                 "softcap's tanh argument as q.k (scale / softcap), one multiply (else the IEEE division of q.k scale "
                 "by softcap)"),
+    CodegenKnob("alibi_fold", "ALIBI_FOLD", "bool", "bwd", (0, 1), _alibi_only_bwd, always_legal, lambda fs: 0,
+                "P^T's exp2 argument with ALiBi as q.k (scale log2 e) + (-lse log2 e - slope log2 e |dist|), the scale "
+                "in the exponent's FFMA (else the score q.k scale - slope |dist| first, then times log2 e)"),
     CodegenKnob("ds_row_xor", "DS_ROW_XOR", "bool", "bwd", (0, 1), _bwd, always_legal, lambda fs: 0,
                 "dS^T's stmatrix addresses: one held address XORed per k step (else one held address per k step)"),
     CodegenKnob("lse_rows_rolled", "LSE_ROWS_ROLLED", "bool", "bwd", (0, 1), _bwd, always_legal, lambda fs: 0,
