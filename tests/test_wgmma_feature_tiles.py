@@ -38,7 +38,7 @@ def _spec(direction: str, **kw) -> KernelSpec:
     (dict(softcap=True, dropout=True, bias=True, varlen=True), 16),
     (dict(alibi=True, dropout=True, bias=True, attn_mask=True), 16),
     (dict(attn_mask=True, causal=True), 64),  # the mask alone: 64 keys, as before
-    (dict(alibi=True), 48), (dict(alibi=True, window=True, key_padding=True), 48),  # ALiBi's float distance
+    (dict(alibi=True), 64), (dict(alibi=True, window=True, key_padding=True), 48),  # ALiBi on raw scores
 ])
 def test_the_d256_forward_takes_the_mask_a_bias_or_dropout_at_a_key_block_that_fits(kw, block_c) -> None:
     for d, dv in ((256, 256), (128, 256)):
@@ -152,7 +152,7 @@ CASES = [
               head_dim=192, causal=True, softcap=4.0, q_scale=2.0, bias=(1, 2, 70, 90)), "split", "wgmma"),
     (FeatCase("bwd-mask-softcap-dbias-d128", dtype="float16", batch=2, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=61,
               head_dim=128, softcap=3.0, q_scale=2.0, mask=(2, 1, 50, 61), bias=(2, 2, 50, 61)), "split", "wgmma"),
-    # ALiBi at d = 256 (its distance a float per element): 48 keys, a window, Nq != Nk; the split tile's backward
+    # ALiBi at d = 256 beside a window: 48 keys, Nq != Nk; the split tile's backward
     (FeatCase("fwd-alibi-window-d256", dtype="float16", batch=1, heads=2, heads_kv=1, seqlen_q=60, seqlen_k=83,
               head_dim=256, alibi="bh", window=(30, 8)), 48, "wgmma"),
     (FeatCase("bwd-mask-alibi-window-d128", dtype="bfloat16", batch=2, heads=2, heads_kv=2, seqlen_q=64,

@@ -31,12 +31,16 @@ def test_tiles_that_would_spill_are_shrunk_or_declined_by_name() -> None:
     assert W.spec("fwd", dict(d=128, dtype="float16", softcap=True)).tile.block_c == 128  # 192 would spill
     # d = 256: 64 keys spill with ALiBi beside a window and key padding; 48 keys issue fewer than mma
     # (wgmma.wide_o_small_keys), softcap's keep the 64-key default, which spills: mma
-    assert W.spec("fwd", dict(d=256, dtype="float16", alibi=True)).tile.block_c == 48
+    assert W.spec("fwd", dict(d=256, dtype="float16", alibi=True)).tile.block_c == 64
+    assert W.spec("fwd", dict(d=256, dtype="float16", alibi=True, window=(8, 8))).tile.block_c == 48
     assert W.spec("fwd", dict(d=256, dtype="float16", softcap=True)).impl == "mma"
     assert W.spec("fwd", dict(d=192, dv=128, dtype="float16", softcap=True, alibi=True)).tile.block_c == 64
     assert W.spec("fwd", dict(d=192, dv=128, dtype="float16", softcap=True)).tile.block_c == 128
     with pytest.raises(ValueError, match=r"block_c=192 with softcap / alibi: .* 184 fp32 registers"):
-        W.spec("fwd", dict(d=128, dtype="float16", alibi=True), block_c=192, impl="wgmma")
+        W.spec("fwd", dict(d=128, dtype="float16", alibi=True, kpm=True), block_c=192, impl="wgmma")
+    # ALiBi alone takes raw scores: the plain tile (192 keys), beside key padding 128
+    assert W.spec("fwd", dict(d=128, dtype="float16", alibi=True)).tile.block_c == 192
+    assert W.spec("fwd", dict(d=128, dtype="float16", alibi=True, kpm=True)).tile.block_c == 128
     bwd = W.spec("bwd", dict(d=64, dtype="float16", alibi=True))
     assert bwd.impl == "wgmma" and (bwd.tile.block_r, bwd.tile.block_c, bwd.num_warps) == (64, 64, 4)
     assert W.spec("bwd", dict(d=64, dtype="float16", softcap=True)).tile.block_r == 128
@@ -87,6 +91,31 @@ def test_backward_matches_float64(c) -> None:
     spec = W.spec("bwd", c)
     assert spec.impl == "wgmma", spec
     W.check_backward(c, t, *W.backward(c, t, spec))
+
+
+# ALiBi alone in the forward takes raw scores q.k - (slope / scale) |distance| (the scale stays in exp2's FFMA): a
+# negative scale (the row extreme is the raw minimum), a zero one (2^-100 / log2 e stands in: the scores are
+# -slope |distance| alone; Nq > Nk, so rows far from the keys have a row term of their own), and the default, at
+# the default key block (192 at d = 128, 64 at d = 256).
+@pytest.mark.parametrize("d, scale", [(128, -0.3), (128, 0.0), (64, 0.0), (256, None)])
+def test_alibi_alone_forward_on_raw_scores_matches_float64(d, scale) -> None:
+    import sinkref as S
+    from featref import assert_lse_close, attention
+
+    c = dict(d=d, dtype="bfloat16" if d == 128 else "float16", nw=8, B=1, Nq=230, Nk=90, H=2, Hkv=1, causal=d == 64,
+             alibi=True)
+    t = W.inputs(c, seed=31)
+    spec = W.spec("fwd", c)
+    assert spec.impl == "wgmma" and spec.tile.block_c == {64: 192, 128: 192, 256: 64}[d], spec
+    kw = W.options(c, t) | ({} if scale is None else {"softmax_scale": scale})
+    o, lse = F.run_forward(spec, t["q"], t["k"], t["v"], **kw)
+    ref = dict(causal=c["causal"], alibi=t["alibi"], scale=scale)
+    q, k, v = t["q"], t["k"], t["v"]
+    o64, lse64 = attention(q.double(), k.double(), v.double(), **ref)
+    o_pt, _ = attention(q, k, v, **ref)
+    _, lse32 = attention(q.float(), k.float(), v.float(), **ref)
+    S.criterion("o", o, o64, o_pt, W.DT[c["dtype"]])
+    assert_lse_close("lse", lse, lse64, lse32)
 
 
 # --------------------------------------------------------------------------- racecheck, ASan, PTX

@@ -135,7 +135,12 @@ FWD_ACC_REGS = 184
 #: do not spill; 168 does (d = 96 x 192 keys: 1000 bytes with softcap, 12 with ALiBi's 64-bit distance of before,
 #: 72 with its float one; d = 256 x 64 keys: 104 with ALiBi before), as does d = 128's default 184 (1000 / 12 before,
 #: 16 with ALiBi's float distance). Such a spec's default tile is shrunk to
-#: fit, a tile beyond it declined.
+#: fit, a tile beyond it declined. ALiBi alone (no softcap, no bias) takes raw scores, q.k - (slope / scale)
+#: |distance| (templates/wgmma/fwd.cu.j2's AF: the scale stays in exp2's FFMA), and needs no registers beyond the
+#: plain tile's: d = 128 x 192 keys spills nothing (causal, varlen, sinks, top-left, bf16, dv = 64 too), nor d = 96
+#: x 192 or d = 256 x 64 (causal + varlen, sinks, bf16, dv = 256 at d = 64 / 128); with key padding it does (212
+#: bytes at d = 128 x 192 keys, 116 with a window at d = 256 x 64, 36 with a window and varlen): ALiBi beside a
+#: window or key padding keeps this bound (and FWD_WIDE_O_REGS at head_dim_v 256).
 FWD_SCORE_MOD_REGS = 160
 #: The bound with softcap and ALiBi together at a head dim past 128 (S's k loop of 12 or 16 wgmmas):
 #: d = 192, dv = 128 x 128 keys (144) spills 188 bytes; x 64 keys (104), d = 192 x 64 keys (136) do not.
@@ -170,9 +175,9 @@ FWD_MASK_BIAS_MIX_REGS = 136
 #: softcap and ALiBi, 28 with the mask and ALiBi (causal, varlen); 32 keys (148) spill 64 with softcap, dropout and a bias (causal, varlen), 48 with ALiBi, dropout, the
 #: mask and a bias, 24 with all five; 16 keys (138) none. 64 keys (168) spill 48 bytes with dropout, 104 with
 #: ALiBi (before; now 40 with a window + key padding, else none). The bounds at smaller head dims above do not carry over: there S is the larger part, here O is.
-#: One per-element feature but dropout (the mask alone keeps FWD_MASK_REGS: 64 keys). ALiBi, since its distance is a
-#: float per element (partials/score_mod.cuh's alibi_dist), is one of these: 48 keys spill nothing with causal + varlen,
-#: a window + key padding (fp16, bf16), sinks, or d = 128 / dv = 256; 64 keys spill 40 bytes with a window + key padding:
+#: One per-element feature but dropout (the mask alone keeps FWD_MASK_REGS: 64 keys, ALiBi alone without a window or
+#: key padding too: FWD_SCORE_MOD_REGS). ALiBi beside a window or key padding is one of these: 48 keys spill nothing
+#: (fp16, bf16), 64 keys 116 bytes:
 FWD_WIDE_O_REGS = 158
 #: ... dropout, or two per-element features or more:
 FWD_WIDE_O_MIX_REGS = 148
@@ -239,7 +244,10 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     tighter of those that apply), FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles
     are as they were)."""
     per_element = [f for f in ("softcap", "alibi", "dropout", "bias", "attn_mask") if fs.has(f)]
-    if padded_dim(fs.dv) > 192 and per_element and per_element != ["attn_mask"]:
+    # the mask alone (FWD_MASK_REGS), or ALiBi alone without a window or key padding (FWD_SCORE_MOD_REGS: raw scores,
+    # the plain tile's registers): not the wide O accumulator's small key blocks
+    alibi_light = per_element == ["alibi"] and not (fs.has("window") or fs.has("key_padding"))
+    if padded_dim(fs.dv) > 192 and per_element and per_element != ["attn_mask"] and not alibi_light:
         if fs.has("dropout") and fs.has("bias") and (fs.has("softcap") or fs.has("alibi")):
             return FWD_WIDE_O_DROPOUT_BIAS_REGS
         return FWD_WIDE_O_MIX_REGS if fs.has("dropout") or len(per_element) > 1 else FWD_WIDE_O_REGS
@@ -252,8 +260,8 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
         caps.append(FWD_SOFTCAP_DROPOUT_REGS)
     if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
         caps.append(FWD_SCORE_MOD_WIDE_REGS)
-    elif fs.has("softcap") or fs.has("alibi"):
-        caps.append(FWD_SCORE_MOD_REGS)
+    elif fs.has("softcap") or (fs.has("alibi") and (fs.has("window") or fs.has("key_padding"))):
+        caps.append(FWD_SCORE_MOD_REGS)  # ALiBi alone: only beside a window or key padding
     if caps:
         return min(caps)
     return FWD_ACC_REGS if fs.dv != fs.head_dim else None
