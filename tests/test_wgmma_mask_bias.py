@@ -95,6 +95,10 @@ CASES = [
     # beside softcap, ALiBi and dropout
     FeatCase("score-mods", dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=50, seqlen_k=61, head_dim=64,
              softcap=4.0, alibi="bh", dropout_p=0.2, mask=(1, 2, 50, 61), bias=(1, 2, 50, 61), q_scale=2.0),
+    # the mask with ALiBi alone beside it at d = 128: the forward's raw scores at 128 keys (FWD_MASK_ALIBI_REGS), the
+    # backward's split tile
+    FeatCase("mask-alibi-d128", dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=40, seqlen_k=70, head_dim=128,
+             alibi="bh", mask=(1, 2, 40, 70)),
     # the mask and a bias beside causal and key broadcast at d = 64, bf16
     FeatCase("mask-bias-bf16", dtype="bfloat16", batch=2, heads=2, heads_kv=1, seqlen_q=45, seqlen_k=33, head_dim=64,
              causal=True, mask=(2, 2, 45, 33), bias=(2, 1, 1, 33)),

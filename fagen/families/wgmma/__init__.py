@@ -110,7 +110,7 @@ from fagen.families.wgmma.heads import padded_reason
 from fagen.families.wgmma.panels import PANEL, SWIZZLE, k16_steps, packed_view, padded_dim
 from fagen.layout import SmemLayout, place
 
-__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_SOFTCAP_DROPOUT_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "SOFTCAP_SFU", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
+__all__ = ["ARCH", "FWD_ACC_REGS", "FWD_BIAS_REGS", "FWD_DROPOUT_REGS", "FWD_SOFTCAP_DROPOUT_REGS", "FWD_MASK_ALIBI_REGS", "FWD_MASK_BIAS_MIX_REGS", "FWD_MASK_REGS", "FWD_SCORE_MOD_REGS", "FWD_SCORE_MOD_WIDE_REGS", "HEAD_DIMS", "PINGPONG", "SOFTCAP_SFU", "STAGES", "SUPPORTED_DTYPES", "SWIZZLE", "WGMMA", "WgmmaFamily",
            "fwd_acc_regs", "fwd_regs_cap", "packed_view", "pingpong_reason", "padded_dim", "softcap_sfu_reason", "register_split", "pair_cost", "tensor_map_boxes"]
 
 #: The one target: wgmma and setmaxnreg exist on sm_90a only.
@@ -166,6 +166,10 @@ FWD_BIAS_REGS = 144
 #: dropout): d = 96 x 128 keys (144) spills 16 bytes with both, d = 64 x 192 keys (152) 100 with the mask,
 #: softcap and dropout; d = 64 x 128 keys (112), d = 128 x 64 keys (104) and d = 192 x 64 keys (136) none.
 FWD_MASK_BIAS_MIX_REGS = 136
+#: The bound with the mask and ALiBi alone beside it (ALiBi on raw scores, FWD_SCORE_MOD_REGS): d = 128 x 128 keys
+#: (144) spills nothing (causal + varlen, key padding, a window, sinks, bf16; d = 96 too), d = 64 x 192 keys (152)
+#: 16 bytes. benchmarks/sass_cost.py, d = 128: 805 at 128 keys against 1006 at FWD_MASK_BIAS_MIX_REGS's 64.
+FWD_MASK_ALIBI_REGS = 144
 #: The bounds where the O accumulator is the wide one (padded head_dim_v 256: 128 fp32 registers per thread, so
 #: even 64 keys take 168) with softcap, ALiBi, dropout or a bias: the key block shrinks in 16s below 64
 #: (wgmma's N of S; O += P V_j in block_c / 16 k steps). benchmarks/sass_cost.py, d = 256, fp16 and bf16, with
@@ -240,7 +244,8 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     """The registers bound of the forward's tile (:func:`fwd_acc_regs`): with the wide O accumulator (padded
     head_dim_v 256) and softcap, ALiBi, dropout or a bias, FWD_WIDE_O_REGS, FWD_WIDE_O_MIX_REGS or
     FWD_WIDE_O_DROPOUT_BIAS_REGS; else FWD_SCORE_MOD_REGS with softcap or
-    ALiBi, FWD_DROPOUT_REGS with dropout (FWD_SOFTCAP_DROPOUT_REGS beside softcap), FWD_MASK_REGS with attn_mask, FWD_BIAS_REGS with a bias (the
+    ALiBi, FWD_DROPOUT_REGS with dropout (FWD_SOFTCAP_DROPOUT_REGS beside softcap), FWD_MASK_REGS with attn_mask
+    (FWD_MASK_ALIBI_REGS with ALiBi alone beside it, FWD_MASK_BIAS_MIX_REGS with another), FWD_BIAS_REGS with a bias (the
     tighter of those that apply), FWD_ACC_REGS with a v head dim of its own, none otherwise (the plain tiles
     are as they were)."""
     per_element = [f for f in ("softcap", "alibi", "dropout", "bias", "attn_mask") if fs.has(f)]
@@ -254,7 +259,9 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     caps = [FWD_DROPOUT_REGS] if fs.has("dropout") else []
     caps += [FWD_MASK_REGS] if fs.has("attn_mask") else []
     caps += [FWD_BIAS_REGS] if fs.has("bias") else []
-    if (fs.has("attn_mask") or fs.has("bias")) and sum(fs.has(f) for f in ("attn_mask", "bias", "softcap", "alibi", "dropout")) > 1:
+    if per_element == ["alibi", "attn_mask"]:
+        caps.append(FWD_MASK_ALIBI_REGS)
+    elif (fs.has("attn_mask") or fs.has("bias")) and len(per_element) > 1:
         caps.append(FWD_MASK_BIAS_MIX_REGS)
     if fs.has("softcap") and fs.has("dropout"):
         caps.append(FWD_SOFTCAP_DROPOUT_REGS)
