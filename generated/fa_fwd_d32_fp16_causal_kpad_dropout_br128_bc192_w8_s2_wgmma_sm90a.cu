@@ -1623,6 +1623,24 @@ constexpr int PAD_DIM = PANEL_ELEMS * PANELS;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= PAD_DIM && PAD_DIM - HEAD_DIM < PANEL_ELEMS,
               "the head dim: k16 steps, PANELS panels");
 
+// ALiBi's distances (partials/score_mod.cuh's alibi_dist) of a thread's accumulator elements, from four bases: the
+// forward's S (element x: row row0 + 8 ((x >> 1) & 1), column col0 + 8 (x >> 2) + (x & 1)) takes d[a][b] =
+// alibi_dist(row0 + 8 a, col0 + b) and element x's distance d[(x >> 1) & 1][x & 1] - 8 (x >> 2); the backward's S^T
+// (TRANSPOSED: element x's Q row row0 + 8 (x >> 2) + (x & 1), key col0 + 8 ((x >> 1) & 1)) d[a][b] = alibi_dist(row0 + b,
+// col0 + 8 a) and d[(x >> 1) & 1][x & 1] + 8 (x >> 2). One add of an immediate per element, exact.
+template <bool TRANSPOSED = false>
+struct WgAlibi {
+    float d[2][2];
+    FA_DEVICE WgAlibi(int row0, int col0, const ScoreParams& sp) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+            d[x >> 1][x & 1] = TRANSPOSED ? alibi_dist<float>(row0 + (x & 1), col0 + 8 * (x >> 1), sp)
+                                          : alibi_dist<float>(row0 + 8 * (x >> 1), col0 + (x & 1), sp);
+    }
+    FA_DEVICE float at(int x) const {
+        return d[(x >> 1) & 1][x & 1] + (TRANSPOSED ? 1.f : -1.f) * (float)(8 * (x >> 2));
+    }
+};
 // Element offset of 16-byte chunk c of row `row` in a tile of ROWS-row panels, 128 bytes a row, in the 128-byte
 // swizzle (PTX ISA 9.7.15.5.1: chunk c % 8 of a row in slot (c % 8) ^ (row % 8); chunk c in panel c / 8).
 template <int ROWS>

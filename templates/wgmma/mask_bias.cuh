@@ -107,14 +107,11 @@ FA_DEVICE void wg_bias_scores_q(float (&s)[N], const WgRows<T>& br, bool vec, in
     const bool inside = !(HAS_SOFTCAP || HAS_ALIBI) && vec && j0 + 2 * N <= len_k && row0 + 8 < len_q;
     if (fa_warp_any(!inside)) {
         if constexpr (HAS_SOFTCAP || HAS_ALIBI) {
-            float adist[2][2];  // ALiBi's distance of element x: its row's and column parity's base less 8 (x >> 2)
-#pragma unroll
-            for (int x = 0; x < 4; ++x) adist[x >> 1][x & 1] = alibi_dist<float>(row0 + 8 * (x >> 1), c0 + (x & 1), sp);
+            const WgAlibi<> ad(row0, c0, sp);
 #pragma unroll
             for (int x = 0; x < N; ++x) {
                 const int row = row0 + 8 * ((x >> 1) & 1), col = c0 + 8 * (x >> 2) + (x & 1);
-                if (row < len_q && col < len_k)
-                    s[x] = score_fwd_at<float>(s[x], row, col, adist[(x >> 1) & 1][x & 1] - (float)(8 * (x >> 2)), sp);
+                if (row < len_q && col < len_k) s[x] = score_fwd_at<float>(s[x], row, col, ad.at(x), sp);
             }
         } else {
             // the elements' bias (0 outside the sequences) gathered by a rolled loop (the tile's registers stay as
