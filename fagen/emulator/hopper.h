@@ -189,20 +189,38 @@ Hopper H;
 extern Hopper H;
 #endif
 
-inline Hopper& state() {
-    if (H.block != g.block_serial) {  // a new block: nothing of the last one survives
-        for (ThreadState& t : H.threads)
-            for (PendingWgmma& p : t.wgmma)
-                if (--p.op->refs == 0) delete p.op;
-        H.bars.clear();
-        for (NamedBarrier& b : H.named) b = NamedBarrier{0, 0, nullptr, 0, {}};
-        H.threads.assign(g.nthreads, ThreadState{});
-        H.wgs.assign((g.nthreads + 127) / 128, WgCollective{});
-        H.park.assign(g.nthreads, Park{});
-        H.block = g.block_serial;
-    }
-    return H;
-}
+
+// ------------------------------------------------------------------- wgmma
+struct WgmmaLane {
+    bool bf16;
+    int n, ta, tb;
+    float* d;
+    const unsigned* a;  // nullptr: A from shared memory (ss)
+    unsigned long long da, db;
+    int scale_d;
+    const char* file;
+    int line;
+};
+
+// Shared byte address of element (mn, k) of a 16-bit operand (A: MN = M, B:
+// MN = N; K = 16) given by `desc` (PTX ISA 9.7.15.5.1: canonical layouts).
+//   K-major, no swizzle: 8x8 core matrices of 16-byte rows: the 8 rows of a
+//     core matrix 16 B apart, core matrices SBO apart along MN, LBO along K.
+//   K-major, swizzle S (32/64/128 B): rows of S bytes (all 16 K elements of a
+//     row in one S-byte line), groups of 8 rows SBO apart.
+//   MN-major, no swizzle: core matrices of 8 K rows of 8 MN elements (16 B);
+//     SBO apart along MN, LBO apart along K.
+//   MN-major, swizzle S: lines of S bytes along MN, the 8 K rows of an atom
+//     S bytes apart, atoms LBO apart along MN and SBO apart along K.
+// The swizzle then acts on the absolute address.
+struct Desc {
+    unsigned start, lbo, sbo, span;
+};
+
+constexpr long kMaxTx = (1l << 20) - 1;  // PTX ISA: tx-count range [-(2^20-1), 2^20-1]
+
+// --------------------------------------------------------------------- TMA
+enum TmaKind { kTmaLoad, kTmaStore, kTmaReduceAdd };
 
 inline unsigned shared_addr(const void* p, const char* what, const char* file, int line) {
     const unsigned char* c = static_cast<const unsigned char*>(p);
@@ -230,21 +248,95 @@ inline unsigned swizzle(unsigned addr, unsigned span) {
     return addr ^ (((addr >> 7) & bits) << 4);
 }
 
-inline void park_self(ParkKind kind, const char* name, const char* file, int line, const void* mbar,
-                      unsigned parity) {
+inline float elem_value(uint16_t h, bool bf16) { return bf16 ? bf16_bits_to_float(h) : f16_bits_to_float(h); }
+
+inline void fence_barrier_init() {}
+
+// ------------------------------------------------------- global semaphores
+// ld.acquire.gpu / red.release.gpu on an int in global memory: one fiber runs at a time and never
+// switches inside these, so they are atomic, and memory is sequentially consistent (the orderings
+// need nothing).
+inline int sem_load(const int* p) {
+    Quiet quiet;
+    return *const_cast<const volatile int*>(p);
+}
+inline void sem_add(int* p, int v) {
+    Quiet quiet;
+    *p = int(unsigned(*p) + unsigned(v));
+}
+
+// The out-of-line half: compiled once into the runtime object (FAGEN_EMU_RUNTIME_DEFS, runtime.h) and
+// only declared in a kernel unit, which then does not compile it again (it was about half of a Hopper
+// module's code). A unit that pastes the prelude (no runtime object) defines it itself.
+Hopper& state();
+void park_self(ParkKind kind, const char* name, const char* file, int line, const void* mbar,
+               unsigned parity);
+void wake(unsigned i);
+void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const char* name, const char* what,
+                          const char* file, int line);
+Desc decode_desc(unsigned long long desc, const char* what, const char* file, int line);
+unsigned operand_addr(const Desc& d, bool mn_major, unsigned mn, unsigned k);
+void read_operand(double* out, unsigned rows, unsigned long long desc, bool mn_major, bool bf16, WgmmaOp* op,
+                  const char* what, const char* file, int line);
+void wgmma_complete(void* const* payloads);
+void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a, unsigned long long da,
+           unsigned long long db, int scale_d, const char* file, int line);
+void wgmma_fence(const char*, int);
+void wgmma_commit(const char*, int);
+void wgmma_wait(unsigned pending, const char* file, int line);
+void check_registers_free(const void* r, size_t bytes, const char* name, const char* file, int line);
+std::string bar_name(const void* bar);
+Mbar* find_bar(const void* bar);
+Mbar& get_bar(const void* bar, const char* what, const char* file, int line);
+void mbar_init(unsigned long long* bar, unsigned count, const char* file, int line);
+void hook_mbar_access(const void* bar, const char* file, int line, const char* what);
+void mbar_check(Mbar& b);
+void mbar_tx(Mbar& b, long delta, const char* what, const char* file, int line);
+unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes, bool arrive, const char* what,
+                               const char* file, int line);
+bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file, int line);
+void fence_proxy_async(const char* file, int line);
+void hook_load_issue(Mbar& b, const void* dst, size_t bytes, const char* what, const char* file, int line);
+uint32_t hook_store_issue(const void* src, size_t bytes, const char* what, const char* file, int line);
+void reduce_add(unsigned char* gp, const unsigned char* sp, unsigned dtype);
+void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, unsigned long long* bar,
+         const int* c, const char* file, int line);
+void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned long long* bar, const char* what,
+          const char* file, int line);
+void bulk_commit();
+void bulk_wait(unsigned pending, const char* file, int line);
+void sem_wait_eq(const int* sems, unsigned index, int value, const char* file, int line);
+#if FAGEN_EMU_RUNTIME_DEFS
+Hopper& state() {
+    if (H.block != g.block_serial) {  // a new block: nothing of the last one survives
+        for (ThreadState& t : H.threads)
+            for (PendingWgmma& p : t.wgmma)
+                if (--p.op->refs == 0) delete p.op;
+        H.bars.clear();
+        for (NamedBarrier& b : H.named) b = NamedBarrier{0, 0, nullptr, 0, {}};
+        H.threads.assign(g.nthreads, ThreadState{});
+        H.wgs.assign((g.nthreads + 127) / 128, WgCollective{});
+        H.park.assign(g.nthreads, Park{});
+        H.block = g.block_serial;
+    }
+    return H;
+}
+
+void park_self(ParkKind kind, const char* name, const char* file, int line, const void* mbar,
+               unsigned parity) {
     Fiber* self = g.cur;
     H.park[self->index] = Park{kind, name, file, line, mbar, parity};
     self->wait = kAtAsync;
 }
 
-inline void wake(unsigned i) {
+void wake(unsigned i) {
     g.fibers[i].wait = kRunnable;
     push(i);
 }
 
 // --------------------------------------------------- warpgroup collectives
-inline void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const char* name, const char* what,
-                                 const char* file, int line) {
+void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const char* name, const char* what,
+                          const char* file, int line) {
     Quiet quiet;
     Hopper& h = state();
     Fiber* self = g.cur;
@@ -277,36 +369,7 @@ inline void warpgroup_collective(void* payload, WgFn fn, uint64_t sig, const cha
     schedule(false);
 }
 
-// ------------------------------------------------------------------- wgmma
-struct WgmmaLane {
-    bool bf16;
-    int n, ta, tb;
-    float* d;
-    const unsigned* a;  // nullptr: A from shared memory (ss)
-    unsigned long long da, db;
-    int scale_d;
-    const char* file;
-    int line;
-};
-
-inline float elem_value(uint16_t h, bool bf16) { return bf16 ? bf16_bits_to_float(h) : f16_bits_to_float(h); }
-
-// Shared byte address of element (mn, k) of a 16-bit operand (A: MN = M, B:
-// MN = N; K = 16) given by `desc` (PTX ISA 9.7.15.5.1: canonical layouts).
-//   K-major, no swizzle: 8x8 core matrices of 16-byte rows: the 8 rows of a
-//     core matrix 16 B apart, core matrices SBO apart along MN, LBO along K.
-//   K-major, swizzle S (32/64/128 B): rows of S bytes (all 16 K elements of a
-//     row in one S-byte line), groups of 8 rows SBO apart.
-//   MN-major, no swizzle: core matrices of 8 K rows of 8 MN elements (16 B);
-//     SBO apart along MN, LBO apart along K.
-//   MN-major, swizzle S: lines of S bytes along MN, the 8 K rows of an atom
-//     S bytes apart, atoms LBO apart along MN and SBO apart along K.
-// The swizzle then acts on the absolute address.
-struct Desc {
-    unsigned start, lbo, sbo, span;
-};
-
-inline Desc decode_desc(unsigned long long desc, const char* what, const char* file, int line) {
+Desc decode_desc(unsigned long long desc, const char* what, const char* file, int line) {
     const unsigned mode = unsigned(desc >> 62), base = unsigned(desc >> 49) & 7u;
     if (base != 0)
         fail("%s at %s:%d: descriptor 0x%016llx has base offset %u; the emulator supports 0 only (keep swizzled "
@@ -317,7 +380,7 @@ inline Desc decode_desc(unsigned long long desc, const char* what, const char* f
                 spans[mode]};
 }
 
-inline unsigned operand_addr(const Desc& d, bool mn_major, unsigned mn, unsigned k) {
+unsigned operand_addr(const Desc& d, bool mn_major, unsigned mn, unsigned k) {
     unsigned a;
     if (!mn_major) {
         if (d.span == 0) a = d.start + (mn / 8) * d.sbo + (mn % 8) * 16 + (k / 8) * d.lbo + (k % 8) * 2;
@@ -332,8 +395,8 @@ inline unsigned operand_addr(const Desc& d, bool mn_major, unsigned mn, unsigned
     return swizzle(a, d.span);
 }
 
-inline void read_operand(double* out, unsigned rows, unsigned long long desc, bool mn_major, bool bf16, WgmmaOp* op,
-                         const char* what, const char* file, int line) {
+void read_operand(double* out, unsigned rows, unsigned long long desc, bool mn_major, bool bf16, WgmmaOp* op,
+                  const char* what, const char* file, int line) {
     const Desc d = decode_desc(desc, what, file, line);
     for (unsigned mn = 0; mn < rows; ++mn)
         for (unsigned k = 0; k < 16; ++k) {
@@ -349,7 +412,7 @@ inline void read_operand(double* out, unsigned rows, unsigned long long desc, bo
         }
 }
 
-inline void wgmma_complete(void* const* payloads) {
+void wgmma_complete(void* const* payloads) {
     Hopper& h = state();
     const WgmmaLane& p0 = *static_cast<const WgmmaLane*>(payloads[0]);
     const char* what = p0.a ? "fa_wgmma_m64nNk16_rs" : "fa_wgmma_m64nNk16_ss";
@@ -436,8 +499,8 @@ inline void wgmma_complete(void* const* payloads) {
 #endif
 }
 
-inline void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a, unsigned long long da,
-                  unsigned long long db, int scale_d, const char* file, int line) {
+void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a, unsigned long long da,
+           unsigned long long db, int scale_d, const char* file, int line) {
     WgmmaLane lane{bf16, n, ta, tb, d, a, da, db, scale_d != 0, file, line};
     char what[96];
     snprintf(what, sizeof what, "%s<%s, %d, %d, %d>", a ? "fa_wgmma_m64nNk16_rs" : "fa_wgmma_m64nNk16_ss",
@@ -448,11 +511,11 @@ inline void wgmma(bool bf16, int n, int ta, int tb, float* d, const unsigned* a,
                          file, line);
 }
 
-inline void wgmma_fence(const char*, int) {
+void wgmma_fence(const char*, int) {
     Quiet quiet;
     state().threads[g.cur->index].fenced = true;
 }
-inline void wgmma_commit(const char*, int) {
+void wgmma_commit(const char*, int) {
     Quiet quiet;
     ++state().threads[g.cur->index].wgmma_commits;
 }
@@ -460,7 +523,7 @@ inline void wgmma_commit(const char*, int) {
 // Retires every wgmma of this thread in a group older than the `pending` most
 // recent committed groups: checks the operands and registers were left alone,
 // then writes the results into the registers.
-inline void wgmma_wait(unsigned pending, const char* file, int line) {
+void wgmma_wait(unsigned pending, const char* file, int line) {
     Quiet quiet;
     Hopper& h = state();
     const unsigned self = g.cur->index, t = self % 128;
@@ -529,7 +592,7 @@ inline void wgmma_wait(unsigned pending, const char* file, int line) {
 // A primitive reading `bytes` of this thread's registers at `r` (stmatrix): none may be the
 // accumulator or the register A of a wgmma the thread has not yet retired with wait_group (PTX ISA
 // 9.7.15.7.3: undefined; the emulator's poison would otherwise be stored as data).
-inline void check_registers_free(const void* r, size_t bytes, const char* name, const char* file, int line) {
+void check_registers_free(const void* r, size_t bytes, const char* name, const char* file, int line) {
     Hopper& h = state();
     const unsigned self = g.cur->index, t = self % 128;
     const char* lo = static_cast<const char*>(r);
@@ -547,7 +610,7 @@ inline void check_registers_free(const void* r, size_t bytes, const char* name, 
 }
 
 // ---------------------------------------------------------------- mbarrier
-inline std::string bar_name(const void* bar) {
+std::string bar_name(const void* bar) {
     char buf[64];
     const unsigned char* c = static_cast<const unsigned char*>(bar);
     if (g.smem && c >= g.smem && c < g.smem + g.smem_bytes) snprintf(buf, sizeof buf, "smem+0x%x", unsigned(c - g.smem));
@@ -555,13 +618,13 @@ inline std::string bar_name(const void* bar) {
     return buf;
 }
 
-inline Mbar* find_bar(const void* bar) {
+Mbar* find_bar(const void* bar) {
     for (Mbar& b : H.bars)
         if (b.addr == bar) return &b;
     return nullptr;
 }
 
-inline Mbar& get_bar(const void* bar, const char* what, const char* file, int line) {
+Mbar& get_bar(const void* bar, const char* what, const char* file, int line) {
     state();
     Mbar* b = find_bar(bar);
     if (b == nullptr)
@@ -570,9 +633,7 @@ inline Mbar& get_bar(const void* bar, const char* what, const char* file, int li
     return *b;
 }
 
-constexpr long kMaxTx = (1l << 20) - 1;  // PTX ISA: tx-count range [-(2^20-1), 2^20-1]
-
-inline void mbar_init(unsigned long long* bar, unsigned count, const char* file, int line) {
+void mbar_init(unsigned long long* bar, unsigned count, const char* file, int line) {
     Quiet quiet;
     state();
     if (reinterpret_cast<uintptr_t>(bar) & 7u)
@@ -609,7 +670,7 @@ inline void mbar_init(unsigned long long* bar, unsigned count, const char* file,
 }
 
 // An mbarrier operation of the running thread: an atomic access of the object.
-inline void hook_mbar_access(const void* bar, const char* file, int line, const char* what) {
+void hook_mbar_access(const void* bar, const char* file, int line, const char* what) {
 #if defined(FAGEN_EMU_RACECHECK)
     race::access(g.cur->index, bar, 8, race::kAtomic, race::site(file, line, what));
 #else
@@ -618,7 +679,7 @@ inline void hook_mbar_access(const void* bar, const char* file, int line, const 
 }
 
 // The current phase completes when no arrival is pending and the tx-count is 0.
-inline void mbar_check(Mbar& b) {
+void mbar_check(Mbar& b) {
     if (b.pending != 0 || b.tx != 0) return;
 #if defined(FAGEN_EMU_RACECHECK)
     const unsigned a = race::agent(b.agent);
@@ -643,7 +704,7 @@ inline void mbar_check(Mbar& b) {
     for (unsigned k = 0; k < w.size(); ++k) wake(w[FAGEN_EMU_ORDER(k, unsigned(w.size()))]);
 }
 
-inline void mbar_tx(Mbar& b, long delta, const char* what, const char* file, int line) {
+void mbar_tx(Mbar& b, long delta, const char* what, const char* file, int line) {
     const long tx = b.tx + delta;
     if (tx > kMaxTx || tx < -kMaxTx)
         fail("%s at %s:%d: tx-count of mbarrier %s would be %ld, outside [-(2^20 - 1), 2^20 - 1]", what, file, line,
@@ -651,8 +712,8 @@ inline void mbar_tx(Mbar& b, long delta, const char* what, const char* file, int
     b.tx = tx;
 }
 
-inline unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes, bool arrive, const char* what,
-                                      const char* file, int line) {
+unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes, bool arrive, const char* what,
+                               const char* file, int line) {
     Quiet quiet;
     Mbar& b = get_bar(bar, what, file, line);
     hook_mbar_access(bar, file, line, what);
@@ -675,7 +736,7 @@ inline unsigned long long mbar_arrive(unsigned long long* bar, unsigned tx_bytes
 // completed, i.e. the current phase has the other parity. Right after init
 // (phase 0 current) parity 1 counts as the completed preceding phase. The
 // emulator's try_wait never times out: it blocks until the phase completes.
-inline bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file, int line) {
+bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file, int line) {
     Quiet quiet;
     Mbar& b = get_bar(bar, "fa_mbarrier_try_wait_parity", file, line);
     hook_mbar_access(bar, file, line, "mbarrier.try_wait.parity");
@@ -691,11 +752,9 @@ inline bool mbar_wait(unsigned long long* bar, unsigned parity, const char* file
 #endif
     return true;
 }
-
-inline void fence_barrier_init() {}
 // fence.proxy.async: the thread's generic-proxy accesses so far are ordered before the async
 // proxy's later accesses (wgmma operand reads, TMA / bulk store sources).
-inline void fence_proxy_async(const char* file, int line) {
+void fence_proxy_async(const char* file, int line) {
 #if defined(FAGEN_EMU_RACECHECK)
     race::proxy_fence(g.cur->index, race::site(file, line, "fence.proxy.async"));
 #else
@@ -705,7 +764,7 @@ inline void fence_proxy_async(const char* file, int line) {
 
 // A TMA / bulk load into dst completing on b, issued by the running thread: the barrier's agent
 // writes dst (after what the issuer synchronised with), in flight until the phase completes.
-inline void hook_load_issue(Mbar& b, const void* dst, size_t bytes, const char* what, const char* file, int line) {
+void hook_load_issue(Mbar& b, const void* dst, size_t bytes, const char* what, const char* file, int line) {
 #if defined(FAGEN_EMU_RACECHECK)
     hook_mbar_access(b.addr, file, line, what);  // complete_tx on the object
     const unsigned a = race::agent(b.agent);
@@ -719,7 +778,7 @@ inline void hook_load_issue(Mbar& b, const void* dst, size_t bytes, const char* 
 
 // A TMA / bulk store or reduce of the running thread reads its shared source through the async
 // proxy now; returns the read's epoch (retired by the thread's bulk wait).
-inline uint32_t hook_store_issue(const void* src, size_t bytes, const char* what, const char* file, int line) {
+uint32_t hook_store_issue(const void* src, size_t bytes, const char* what, const char* file, int line) {
 #if defined(FAGEN_EMU_RACECHECK)
     const unsigned a = race::agent(kBulkAgent);
     race::name_agent(kBulkAgent, "TMA / bulk stores and reduces");
@@ -733,10 +792,7 @@ inline uint32_t hook_store_issue(const void* src, size_t bytes, const char* what
 #endif
 }
 
-// --------------------------------------------------------------------- TMA
-enum TmaKind { kTmaLoad, kTmaStore, kTmaReduceAdd };
-
-inline void reduce_add(unsigned char* gp, const unsigned char* sp, unsigned dtype) {
+void reduce_add(unsigned char* gp, const unsigned char* sp, unsigned dtype) {
     switch (dtype) {
         case 6: {  // f16
             uint16_t x, y;
@@ -770,8 +826,8 @@ inline void reduce_add(unsigned char* gp, const unsigned char* sp, unsigned dtyp
     }
 }
 
-inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, unsigned long long* bar,
-                const int* c, const char* file, int line) {
+void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, unsigned long long* bar,
+         const int* c, const char* file, int line) {
     static const char* const names[3][6] = {
         {"", "", "fa_tma_load_2d", "fa_tma_load_3d", "fa_tma_load_4d", "fa_tma_load_5d"},
         {"", "", "fa_tma_store_2d", "fa_tma_store_3d", "fa_tma_store_4d", "fa_tma_store_5d"},
@@ -851,8 +907,8 @@ inline void tma(TmaKind kind, unsigned rank, void* smem, const FaTensorMap* m, u
 // contiguous bytes between shared and global memory; a load completes like a TMA load (tx bytes
 // on its mbarrier, data poison until the phase completes), a store / reduce happens at issue
 // and its source is checked at the bulk wait.
-inline void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned long long* bar, const char* what,
-                 const char* file, int line) {
+void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned long long* bar, const char* what,
+          const char* file, int line) {
     Quiet quiet;
     Hopper& h = state();
     const unsigned s_addr = shared_addr(smem, what, file, line);
@@ -887,14 +943,14 @@ inline void bulk(TmaKind kind, void* smem, void* gmem, unsigned bytes, unsigned 
                              hook_store_issue(sp, bytes, what, file, line)});
 }
 
-inline void bulk_commit() {
+void bulk_commit() {
     Quiet quiet;
     ++state().threads[g.cur->index].bulk_commits;
 }
 
 // cp.async.bulk.wait_group[.read] N: the shared sources of this thread's bulk
 // stores / reduces older than its N most recent groups must not have changed.
-inline void bulk_wait(unsigned pending, const char* file, int line) {
+void bulk_wait(unsigned pending, const char* file, int line) {
     Quiet quiet;
     ThreadState& ts = state().threads[g.cur->index];
     if (ts.bulk_commits <= pending) return;
@@ -918,25 +974,12 @@ inline void bulk_wait(unsigned pending, const char* file, int line) {
     }
     ts.bulk.resize(keep);
 }
-
-// ------------------------------------------------------- global semaphores
-// ld.acquire.gpu / red.release.gpu on an int in global memory: one fiber runs at a time and never
-// switches inside these, so they are atomic, and memory is sequentially consistent (the orderings
-// need nothing).
-inline int sem_load(const int* p) {
-    Quiet quiet;
-    return *const_cast<const volatile int*>(p);
-}
-inline void sem_add(int* p, int v) {
-    Quiet quiet;
-    *p = int(unsigned(*p) + unsigned(v));
-}
 // A spin until sems[index] == value (ld.acquire.gpu in a loop on a GPU). Blocks run here one at a
 // time, in a fixed order: while this block runs no other block can change the semaphore (and no
 // kernel of fagen's changes one from the block that waits on it), so a value other than the awaited
 // one now is a wait that can never complete -- an ordering bug, or a schedule that runs a later turn
 // first (FAGEN_EMU_REVERSE_SCHEDULE). It is reported as a deadlock naming the semaphore and both values.
-inline void sem_wait_eq(const int* sems, unsigned index, int value, const char* file, int line) {
+void sem_wait_eq(const int* sems, unsigned index, int value, const char* file, int line) {
     Quiet quiet;
     const int now = *const_cast<const volatile int*>(sems + index);
     if (now == value) return;
@@ -953,6 +996,8 @@ inline void sem_wait_eq(const int* sems, unsigned index, int value, const char* 
     );
     abort_block(FAGEN_EMU_DEADLOCK);
 }
+
+#endif  // FAGEN_EMU_RUNTIME_DEFS
 
 // ---------------------------------------------------------------- stmatrix
 struct StmatrixLane {
@@ -1002,14 +1047,28 @@ inline void stmatrix(void* row, const unsigned* r, const char* name, const char*
     StmatrixLane lane{r, static_cast<unsigned char*>(row), name, file, line};
     warp_exchange(0xffffffffu, &lane, &stmatrix_complete<NUM, TRANS>, name, file, line);
 }
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<1, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<2, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<4, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<1, true>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<2, true>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void stmatrix_complete<4, true>(void* const*, unsigned);
 
 // ------------------------------------------------- setmaxnreg, elect.sync
 inline void setmaxnreg_complete(void* const*) {}
+void setmaxnreg(int n, bool inc, const char* file, int line);
+bool elect_one(const char* file, int line);
+void prefetch_tensormap(const FaTensorMap* m, const char* file, int line);
+void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line);
+void describe_named();
+void check_exit();
+void describe();
+#if FAGEN_EMU_RUNTIME_DEFS
 
 // setmaxnreg.{inc,dec}.sync.aligned.u32 N (PTX ISA 9.7.17.x): a warpgroup
 // collective; N (a multiple of 8 in [24, 256], checked at compile time) and
 // the direction must be the same in the whole warpgroup. No other effect.
-inline void setmaxnreg(int n, bool inc, const char* file, int line) {
+void setmaxnreg(int n, bool inc, const char* file, int line) {
     if (n % 8 != 0 || n < 24 || n > 256)
         fail("setmaxnreg at %s:%d: %d is not a multiple of 8 in [24, 256]", file, line, n);
     char what[64];
@@ -1021,7 +1080,7 @@ inline void setmaxnreg(int n, bool inc, const char* file, int line) {
 // elect.sync _|p, 0xffffffff (PTX ISA 9.7.13.x): one lane of the warp is
 // elected; the ISA leaves which one open. The emulator elects the highest
 // lane (31 in a full warp), so a kernel that assumes lane 0 fails here.
-inline bool elect_one(const char* file, int line) {
+bool elect_one(const char* file, int line) {
     Quiet quiet;
     const unsigned ballot = __ballot_sync(0xffffffffu, 1, file, line);
     const unsigned lane = g.cur->index & 31u;
@@ -1032,7 +1091,7 @@ inline bool elect_one(const char* file, int line) {
 // prefetch.tensormap [a] (PTX ISA 9.7.9.15 "prefetch, prefetchu"): a hint that brings the tensor map
 // at generic address a (a __grid_constant__ kernel parameter) into the cache. Nothing to emulate
 // beyond a being a tensor map.
-inline void prefetch_tensormap(const FaTensorMap* m, const char* file, int line) {
+void prefetch_tensormap(const FaTensorMap* m, const char* file, int line) {
     if (m == nullptr || m->magic != kTensorMapMagic)
         fail("fa_prefetch_tensormap at %s:%d: the address is not a tensor map (pack it with fagen.tma for the CPU)",
              file, line);
@@ -1043,7 +1102,7 @@ inline void prefetch_tensormap(const FaTensorMap* m, const char* file, int line)
 // multiple of 32) meet at barrier `id`; sync waits for the count, arrive does not. The
 // emulator counts threads (every lane of a participating warp must execute it) and keeps
 // barrier 0 for __syncthreads: ids are 1..15.
-inline void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line) {
+void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line) {
     Quiet quiet;
     Hopper& h = state();
     const char* what = wait ? "fa_named_barrier_sync" : "fa_named_barrier_arrive";
@@ -1085,7 +1144,7 @@ inline void named_barrier(unsigned id, unsigned count, bool wait, const char* fi
 }
 
 // ------------------------------------------------------ deadlock reports
-inline void describe_named() {
+void describe_named() {
     for (unsigned id = 1; id < 16; ++id) {
         const NamedBarrier& b = H.named[id];
         if (b.arrived == 0) continue;
@@ -1104,7 +1163,7 @@ inline void describe_named() {
 // The block's last thread: a named barrier with an open phase (arrivals that no sync / arrive completed)
 // ends with the block; a kernel's arrivals are to be matched (e.g. the ping-pong's hand-overs,
 // templates/wgmma/pingpong.cuh), so one left over is an arrive without its sync (or a sync's partner missing).
-inline void check_exit() {
+void check_exit() {
     Quiet quiet;
     if (H.block != g.block_serial) return;
     const ThreadState& ts = H.threads[g.cur->index];
@@ -1124,7 +1183,7 @@ inline void check_exit() {
 inline int register_check_exit = (thread_exit_extra = &check_exit, 0);
 #endif
 
-inline void describe() {
+void describe() {
     Quiet quiet;
     if (H.block != g.block_serial) return;
     for (unsigned wg = 0; wg < H.wgs.size(); ++wg) {
@@ -1158,6 +1217,8 @@ inline void describe() {
 #if FAGEN_EMU_RUNTIME_DEFS  // registered once, by the runtime object
 inline int register_describe = (describe_deadlock_extra = &describe, 0);
 #endif
+
+#endif  // FAGEN_EMU_RUNTIME_DEFS
 
 }  // namespace hopper
 }  // namespace fagen_emu

@@ -718,6 +718,8 @@ extern "C" __attribute__((visibility("default"))) FAGEN_EMU_NO_TSAN void fagen_e
 #endif
 
 // ------------------------------------------------------------------ driver
+// The driver is the runtime object's (one copy, not one per module build), declared below for a unit without it.
+#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN inline bool ensure_capacity(unsigned nthreads) {
     Stacks use = lent_stacks;
     if (use.base == nullptr) {
@@ -746,7 +748,6 @@ FAGEN_EMU_NO_TSAN inline bool ensure_capacity(unsigned nthreads) {
     return g.capacity >= nthreads;
 }
 
-#if FAGEN_EMU_RUNTIME_DEFS
 FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block() {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     for (unsigned i = 0; i < g.nthreads; ++i) {
@@ -786,13 +787,10 @@ FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block() {
     if (g.status != FAGEN_EMU_OK) g.stacks_dirty = true;
     return g.status;
 }
-#else
-FAGEN_EMU_NO_TSAN FAGEN_EMU_NO_ASAN int run_block();
-#endif
 
-FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                  unsigned bz, size_t smem, void (*body)(void*), void* body_arg, char* errbuf,
-                  size_t errlen) {
+FAGEN_EMU_NO_TSAN int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, size_t smem, void (*body)(void*), void* body_arg, char* errbuf,
+                             size_t errlen) {
     std::lock_guard<std::mutex> lock(fagen_emu_mutex);
     g.kernel = kernel;
     g.msg[0] = '\0';
@@ -847,6 +845,11 @@ FAGEN_EMU_NO_TSAN inline int launch(const char* kernel, unsigned gx, unsigned gy
     if (errbuf && errlen) snprintf(errbuf, errlen, "%s", g.msg);
     return status;
 }
+#else
+FAGEN_EMU_NO_TSAN int launch(const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, size_t smem, void (*body)(void*), void* body_arg, char* errbuf,
+                             size_t errlen);
+#endif
 
 }  // namespace fagen_emu
 

@@ -413,6 +413,22 @@ FAGEN_EMU_NO_TSAN inline void ldmatrix(unsigned* r, const void* row, const char*
     warp_exchange(0xffffffffu, &lane, &ldmatrix_complete<NUM, TRANS>, name, file, line);
 }
 
+// The collectives' completions are instantiated once, in the runtime object (runtime.h's
+// FAGEN_EMU_RUNTIME_DEFS), not in every module build.
+#if FAGEN_EMU_RUNTIME_DEFS
+#define FAGEN_EMU_INSTANTIATE template
+#else
+#define FAGEN_EMU_INSTANTIATE extern template
+#endif
+FAGEN_EMU_INSTANTIATE void mma_m16n8k16_complete<false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void mma_m16n8k16_complete<true>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<1, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<2, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<4, false>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<1, true>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<2, true>(void* const*, unsigned);
+FAGEN_EMU_INSTANTIATE void ldmatrix_complete<4, true>(void* const*, unsigned);
+
 FAGEN_EMU_FAST_END
 
 // cp.async (16 bytes, .cg) with commit / wait groups, emulated adversarially.
