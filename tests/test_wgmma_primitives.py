@@ -625,6 +625,37 @@ def test_mbarrier_phases_and_parity(mod) -> None:
     assert list(log) == [1, 1, 1, 7]
 
 
+@pytest.mark.parametrize("runtime_object", [True, False], ids=["runtime-object", "pasted"])
+def test_the_hopper_runtime_is_compiled_once_into_the_runtime_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     runtime_object: bool) -> None:
+    """hopper.h's out-of-line half (wgmma issue and retirement, mbarriers, TMA, named barriers) is defined
+    in the runtime object, once per flag set, and only declared in a unit; where g++ cannot make the
+    object the unit's header defines it itself. Either way the primitives run the same."""
+    import shutil
+    import subprocess
+
+    import fagen.emulator.builder as emu_build
+
+    if not runtime_object:
+        monkeypatch.setattr(emu_build, "runtime_object", lambda *a: False)
+    m = build(SOURCE, SIGS, cache_dir=tmp_path)
+    log = np.zeros(4, np.int32)
+    m.launch("mbar", 1, 64, SMEM, [log, 0])
+    assert list(log) == [1, 1, 1, 7]
+    with pytest.raises(EmulatorKernelError, match=r"gets more arrivals than its count 2 in phase 0"):
+        m.launch("mbar", 1, 64, SMEM, [log, 1])
+    objects = list(tmp_path.glob("runtime-*.o"))
+    (header,) = tmp_path.glob("prelude-*.h")
+    assert header.read_text().startswith(emu_build.RUNTIME_DECLS_ONLY) == runtime_object
+    assert len(objects) == (1 if runtime_object else 0)
+    if runtime_object and shutil.which("nm"):
+        defined = subprocess.run(["nm", "-C", "--defined-only", str(objects[0])], capture_output=True, text=True,
+                                 check=True).stdout
+        for fn in ("fagen_emu::hopper::wgmma_wait(", "fagen_emu::hopper::mbar_arrive(", "fagen_emu::hopper::tma(",
+                   "fagen_emu::hopper::named_barrier(", "void fagen_emu::hopper::stmatrix_complete<4, true>("):
+            assert fn in defined, fn
+
+
 def test_mbarrier_misuse_is_reported(mod) -> None:
     log = np.zeros(4, np.int32)
     with pytest.raises(EmulatorKernelError, match=r"gets more arrivals than its count 2 in phase 0"):
