@@ -1179,9 +1179,7 @@ void check_exit() {
                      H.named[id].file, H.named[id].line);
 }
 
-#if FAGEN_EMU_RUNTIME_DEFS  // registered once, by the runtime object
-inline int register_check_exit = (thread_exit_extra = &check_exit, 0);
-#endif
+inline int register_check_exit = (thread_exit_extra = &check_exit, 0);  // registered once, by the runtime object
 
 void describe() {
     Quiet quiet;
@@ -1214,9 +1212,7 @@ void describe() {
     }
 }
 
-#if FAGEN_EMU_RUNTIME_DEFS  // registered once, by the runtime object
-inline int register_describe = (describe_deadlock_extra = &describe, 0);
-#endif
+inline int register_describe = (describe_deadlock_extra = &describe, 0);  // registered once, by the runtime object
 
 #endif  // FAGEN_EMU_RUNTIME_DEFS
 

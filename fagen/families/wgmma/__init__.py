@@ -251,7 +251,8 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
     per_element = [f for f in ("softcap", "alibi", "dropout", "bias", "attn_mask") if fs.has(f)]
     # the mask alone (FWD_MASK_REGS), or ALiBi alone without a window or key padding (FWD_SCORE_MOD_REGS: raw scores,
     # the plain tile's registers): not the wide O accumulator's small key blocks
-    alibi_light = per_element == ["alibi"] and not (fs.has("window") or fs.has("key_padding"))
+    edges = fs.has("window") or fs.has("key_padding")  # ALiBi on raw scores needs FWD_SCORE_MOD_REGS only beside these
+    alibi_light = per_element == ["alibi"] and not edges
     if padded_dim(fs.dv) > 192 and per_element and per_element != ["attn_mask"] and not alibi_light:
         if fs.has("dropout") and fs.has("bias") and (fs.has("softcap") or fs.has("alibi")):
             return FWD_WIDE_O_DROPOUT_BIAS_REGS
@@ -267,7 +268,7 @@ def fwd_regs_cap(fs: FamilySpec) -> int | None:
         caps.append(FWD_SOFTCAP_DROPOUT_REGS)
     if fs.has("softcap") and fs.has("alibi") and padded_dim(fs.head_dim) > 128:
         caps.append(FWD_SCORE_MOD_WIDE_REGS)
-    elif fs.has("softcap") or (fs.has("alibi") and (fs.has("window") or fs.has("key_padding"))):
+    elif fs.has("softcap") or (fs.has("alibi") and edges):
         caps.append(FWD_SCORE_MOD_REGS)  # ALiBi alone: only beside a window or key padding
     if caps:
         return min(caps)
